@@ -1,0 +1,144 @@
+"""Typed, frozen configs: load from YAML, override with dotted names, dump back.
+
+Every recipe config is a frozen dataclass validated by pydantic, declared with
+`@config_dataclass`. A field's docstring (the string literal under it) becomes
+its description. Validation errors name the dotted field, the bad value and,
+for an unknown key, the closest known one.
+
+Example:
+  >>> @config_dataclass
+  ... class Demo:
+  ...   width: int = 8
+  ...   '''Hidden width.'''
+  >>> from_dict(Demo, apply_overrides({}, ["width=16"])).width
+  16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import typing
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+from pydantic.dataclasses import dataclass as _pydantic_dataclass
+
+T = TypeVar("T")
+
+_CONFIG = pydantic.ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+def config_dataclass(cls: type[T]) -> type[T]:
+  """Makes `cls` a frozen, validated dataclass that rejects unknown fields."""
+  return _pydantic_dataclass(frozen=True, config=_CONFIG)(cls)
+
+
+class ConfigError(ValueError):
+  """A config that does not validate; the message names field, value and source."""
+
+
+def _field_names(cls: type, path: tuple) -> list[str]:
+  """Known field names at `path` inside the (possibly nested) dataclass `cls`."""
+  for part in path:
+    if not dataclasses.is_dataclass(cls):
+      return []
+    cls = typing.get_type_hints(cls).get(part)
+  return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def _describe(error: dict, cls: type) -> str:
+  loc = tuple(str(p) for p in error["loc"])
+  field = ".".join(loc) or "<root>"
+  if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+    known = _field_names(cls, loc[:-1])
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    hint = f"; did you mean {'.'.join(loc[:-1] + (close[0],))!r}?" if close else ""
+    choices = f" (known: {', '.join(known)})" if known and not close else ""
+    return f"unknown field {field!r}{hint}{choices}"
+  value = error.get("input")
+  return f"field {field!r}: {error['msg']} (got {value!r})"
+
+
+def from_dict(cls: type[T], data: dict, source: str = "config") -> T:
+  """Validates `data` into `cls`; raises `ConfigError` naming every bad field."""
+  try:
+    return pydantic.TypeAdapter(cls).validate_python(data)
+  except pydantic.ValidationError as e:
+    problems = "; ".join(_describe(err, cls) for err in e.errors())
+    raise ConfigError(f"{source}: {problems}") from None
+
+
+def to_dict(config: Any) -> dict:
+  """A plain dict (YAML/JSON ready) of a config dataclass."""
+  return pydantic.TypeAdapter(type(config)).dump_python(config, mode="json")
+
+
+def to_yaml(config: Any) -> str:
+  return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def load_yaml(path: str | pathlib.Path) -> dict:
+  """Reads a YAML mapping; raises `ConfigError` naming the file and line."""
+  path = pathlib.Path(path)
+  try:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    raise ConfigError(f"config file not found: {path}") from None
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: the top level must be a mapping of fields")
+  return data
+
+
+def parse_overrides(args: list[str]) -> list[str]:
+  """Turns `--a.b 1` and `a.b=1` forms into a list of `a.b=1` strings."""
+  out, i = [], 0
+  while i < len(args):
+    arg = args[i]
+    if arg.startswith("--"):
+      key = arg[2:]
+      if "=" in key:
+        out.append(key)
+      elif i + 1 < len(args):
+        out.append(f"{key}={args[i + 1]}")
+        i += 1
+      else:
+        raise ConfigError(f"override {arg!r} has no value")
+    elif "=" in arg:
+      out.append(arg)
+    else:
+      raise ConfigError(f"override {arg!r} is not of the form field.name=value")
+    i += 1
+  return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+  """A copy of `data` with each `dotted.name=value` set; values parse as YAML."""
+  import copy
+
+  data = copy.deepcopy(data)
+  for item in overrides:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+      raise ConfigError(f"override {item!r} is not of the form field.name=value")
+    try:
+      value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+      value = raw
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+      child = node.setdefault(part, {})
+      if not isinstance(child, dict):
+        raise ConfigError(f"override {item!r}: {part!r} is not a group of fields")
+      node = child
+    node[parts[-1]] = value
+  return data

@@ -1,0 +1,1 @@
+"""Flax NNX models of the recipes: `llama` (decoder LM) and `cnn` (image classifier)."""
