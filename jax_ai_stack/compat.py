@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Literal
 
-import yaml
+from jax_ai_stack import yamlio
 
 MATRIX_FILENAME = "compat_matrix.yaml"
 ACCELERATORS = ("cpu", "cuda12", "cuda13", "tpu")
@@ -106,11 +106,9 @@ def load_matrix(path: str | pathlib.Path | None = None) -> Matrix:
   """Reads and validates the matrix; raises `MatrixError` naming the file."""
   path = pathlib.Path(path) if path is not None else default_matrix_path()
   try:
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-  except FileNotFoundError:
-    raise MatrixError(f"compatibility matrix not found: {path}") from None
-  except yaml.YAMLError as e:
-    raise MatrixError(f"compatibility matrix {path} is not valid YAML: {e}") from None
+    data = yamlio.read_yaml(path)
+  except yamlio.YamlFileError as e:
+    raise MatrixError(f"compatibility matrix {e}") from None
   if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
     raise MatrixError(f"compatibility matrix {path} has no list under 'rows'")
   extras = data.get("extras") or {}

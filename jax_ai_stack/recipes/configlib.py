@@ -26,6 +26,8 @@ import pydantic
 import yaml
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
+from jax_ai_stack import yamlio
+
 T = TypeVar("T")
 
 _CONFIG = pydantic.ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -82,15 +84,10 @@ def to_yaml(config: Any) -> str:
 
 def load_yaml(path: str | pathlib.Path) -> dict:
   """Reads a YAML mapping; raises `ConfigError` naming the file and line."""
-  path = pathlib.Path(path)
   try:
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-  except FileNotFoundError:
-    raise ConfigError(f"config file not found: {path}") from None
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-    raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    data = yamlio.read_yaml(path)
+  except yamlio.YamlFileError as e:
+    raise ConfigError(f"config {e}") from None
   if data is None:
     return {}
   if not isinstance(data, dict):
