@@ -24,6 +24,7 @@ from typing import Literal
 import jax
 import optax
 
+from jax_ai_stack.recipes import pytree
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 
@@ -102,20 +103,9 @@ def decay_mask(config: OptimConfig):
   """A mask function: True for parameters that get weight decay."""
   patterns = [re.compile(p) for p in config.no_decay]
 
-  def path_name(path) -> str:
-    parts = []
-    for key in path:
-      for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-          parts.append(str(getattr(key, attribute)))
-          break
-      else:
-        parts.append(str(key))
-    return "/".join(parts)
-
   def mask(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(p.search(path_name(path)) for p in patterns), params
+        lambda path, _: not any(p.search(pytree.path_str(path)) for p in patterns), params
     )
 
   return mask
