@@ -14,6 +14,7 @@ import sys
 # Modules that register subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
+    "jax_ai_stack.recipes.cli",
 )
 
 
@@ -37,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
-  args = parser.parse_args(argv)
+  args, extra = parser.parse_known_args(argv)
+  if extra and not getattr(args, "accepts_overrides", False):
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  args.overrides = extra
   if not getattr(args, "func", None):
     parser.print_help()
     return 2

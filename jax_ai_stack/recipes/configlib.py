@@ -42,26 +42,49 @@ class ConfigError(ValueError):
   """A config that does not validate; the message names field, value and source."""
 
 
-def _field_names(cls: type, path: tuple) -> list[str]:
-  """Known field names at `path` inside the (possibly nested) dataclass `cls`."""
-  for part in path:
-    if not dataclasses.is_dataclass(cls):
-      return []
-    cls = typing.get_type_hints(cls).get(part)
-  return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+def _union_members(tp: Any) -> dict[str, type]:
+  """For a tagged union of config dataclasses: {tag value: dataclass}."""
+  while typing.get_origin(tp) is typing.Annotated:
+    tp = typing.get_args(tp)[0]
+  members = {}
+  for member in typing.get_args(tp):
+    if dataclasses.is_dataclass(member):
+      for field in dataclasses.fields(member):
+        if field.name == "kind":
+          members[str(field.default)] = member
+  return members
+
+
+def _walk(cls: Any, loc: tuple[str, ...]) -> tuple[list[str], Any]:
+  """The field path a user would write for a pydantic error location, and the
+  type it ends in. Tags pydantic adds for tagged unions (`model.llama.x`) are
+  not fields, so they are dropped (`model.x`)."""
+  shown = []
+  for part in loc:
+    members = _union_members(cls)
+    if part in members:
+      cls = members[part]
+      continue
+    shown.append(part)
+    cls = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+  return shown, cls
 
 
 def _describe(error: dict, cls: type) -> str:
   loc = tuple(str(p) for p in error["loc"])
-  field = ".".join(loc) or "<root>"
   if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-    known = _field_names(cls, loc[:-1])
+    parent, owner = _walk(cls, loc[:-1])
+    field = ".".join(parent + [loc[-1]])
+    known = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
     close = difflib.get_close_matches(loc[-1], known, n=1)
-    hint = f"; did you mean {'.'.join(loc[:-1] + (close[0],))!r}?" if close else ""
-    choices = f" (known: {', '.join(known)})" if known and not close else ""
-    return f"unknown field {field!r}{hint}{choices}"
+    if close:
+      return f"unknown field {field!r}; did you mean {'.'.join(parent + close)!r}?"
+    return f"unknown field {field!r}" + (f" (known: {', '.join(known)})" if known else "")
+  shown, _ = _walk(cls, loc)
+  field = ".".join(shown) or "<root>"
   value = error.get("input")
-  return f"field {field!r}: {error['msg']} (got {value!r})"
+  got = "" if isinstance(value, dict) else f" (got {value!r})"
+  return f"field {field!r}: {error['msg']}{got}"
 
 
 def from_dict(cls: type[T], data: dict, source: str = "config") -> T:

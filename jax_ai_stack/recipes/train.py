@@ -1,0 +1,435 @@
+"""The trainer: config in, a trained, checkpointed, resumable run out.
+
+`run(config, workdir)` restores the newest checkpoint in `workdir` (or starts
+from the seed), then runs one jitted step per batch, evaluates every
+`train.eval_every` steps, and logs each step to `metrics.jsonl` and TensorBoard.
+It saves through Orbax every `checkpoint.save_every` steps, at the end, and when
+SIGTERM or SIGINT arrives (the step in flight finishes first). At the end it
+writes `loss.png` and, for language models, a generated sample.
+
+Determinism: the parameters, optimizer state, RNG state and data position at
+step k are all in checkpoint k, and every step is a pure function of them, so a
+run stopped at any step and resumed ends with the same bits as one that never
+stopped. Log lines past the restored step are dropped on resume, so the loss
+log is the same too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.recipes import checkpoint, configlib, data, optim, step
+from jax_ai_stack.recipes.config import RecipeConfig, from_json
+from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+SAMPLE_FILE = "sample.txt"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainingError(RuntimeError):
+  """Training cannot go on (a NaN loss, say); the last good checkpoint stays."""
+
+
+class WorkdirError(ValueError):
+  """The workdir cannot be used: not writable, or holds a run that does not fit."""
+
+
+def build_model(config: LlamaConfig | CNNConfig, seed: int) -> nnx.Module:
+  """The recipe's model, initialised from `seed` (dropout gets its own stream)."""
+  rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+  if isinstance(config, LlamaConfig):
+    return Llama(config, rngs=rngs)
+  return CNN(config, rngs=rngs)
+
+
+def build_optimizer(config: RecipeConfig, model: nnx.Module) -> nnx.Optimizer:
+  updates = max(config.train.steps // config.optim.accumulate_steps, 1)
+  return nnx.Optimizer(model, optim.build(config.optim, total_steps=updates), wrt=nnx.Param)
+
+
+def _check_writable(workdir: pathlib.Path) -> None:
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / ".write-test"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+
+
+@dataclasses.dataclass
+class Session:
+  """Everything built from a config for one workdir, restored if it had a checkpoint."""
+
+  config: RecipeConfig
+  workdir: pathlib.Path
+  model: nnx.Module
+  optimizer: nnx.Optimizer
+  train_step: Any
+  eval_step: Any
+  state: nnx.State
+  manager: Any
+  train_iterator: Any
+  validation: Any
+  tokenizer: Any
+  start_step: int
+  metadata: dict
+
+  @property
+  def is_lm(self) -> bool:
+    return isinstance(self.config.model, LlamaConfig)
+
+  def sync_model(self) -> None:
+    """Writes the current step state into the live model (for eval and sampling)."""
+    step.merge(self.model, self.optimizer, self.state)
+
+
+def open_session(config: RecipeConfig, workdir: str | pathlib.Path, *, resume: str) -> Session:
+  """Builds model, optimizer, data and checkpoint manager; restores per `resume`."""
+  ensure_absl_flags_parsed()
+  workdir = pathlib.Path(workdir)
+  _check_writable(workdir)
+  seed = config.train.seed
+  model = build_model(config.model, seed)
+  optimizer = build_optimizer(config, model)
+  is_lm = isinstance(config.model, LlamaConfig)
+  loss_fn = step.lm_loss if is_lm else step.classification_loss
+  train_step, eval_step, state = step.make_steps(model, optimizer, loss_fn)
+
+  tokenizer = data.build_tokenizer(config.data) if is_lm else None
+  if is_lm and tokenizer.vocab_size > config.model.vocab_size:
+    raise configlib.ConfigError(
+        f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+        f"vocabulary ({tokenizer.vocab_size} ids)"
+    )
+  train_iterator = iter(data.build_dataset(config.data, split="train", seed=seed))
+  validation = data.build_dataset(config.data, split="validation", seed=seed)
+
+  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
+  start_step, metadata = 0, {}
+  if manager.latest_step() is not None:
+    if resume == "never":
+      raise WorkdirError(
+          f"workdir {workdir} already has checkpoints (newest step {manager.latest_step()}) and "
+          "resume is 'never': choose another --workdir, or resume with --resume auto"
+      )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    restored = checkpoint.restore(manager, abstract, train_iterator)
+    if restored is not None:
+      state, start_step, metadata = restored.state, restored.step, restored.metadata
+      _warn_config_changes(metadata.get("config", {}), configlib.to_dict(config))
+  return Session(config, workdir, model, optimizer, train_step, eval_step, state, manager,
+                 train_iterator, validation, tokenizer, start_step, metadata)
+
+
+def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
+  """Says which settings differ from the checkpoint's: resuming with them breaks bit-exactness."""
+  for key in sorted(saved.keys() | current.keys()):
+    a, b = saved.get(key), current.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      _warn_config_changes(a, b, f"{prefix}{key}.")
+    elif a != b:
+      log.warning("config %s%s changed since the checkpoint: %r -> %r", prefix, key, a, b)
+
+
+def evaluate(session: Session) -> dict[str, float]:
+  """Mean metrics over the first `train.eval_batches` validation batches."""
+  totals: dict[str, float] = {}
+  batches = 0
+  for batch in session.validation:
+    if batches == session.config.train.eval_batches:
+      break
+    metrics = step.host_metrics(session.eval_step(session.state, batch))
+    for k, v in metrics.items():
+      totals[k] = totals.get(k, 0.0) + v
+    batches += 1
+  if batches == 0:
+    raise configlib.ConfigError(
+        "the validation split has no full batch: lower data.batch_size or raise "
+        "data.validation_fraction"
+    )
+  out = {f"eval_{k}": v / batches for k, v in totals.items() if k != "tokens"}
+  if session.is_lm:
+    out["eval_perplexity"] = math.exp(min(out["eval_loss"], 50.0))
+  return out
+
+
+class _StopSignal:
+  """Records SIGTERM/SIGINT so the loop can finish its step, save and stop."""
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+class MetricsLog:
+  """metrics.jsonl plus TensorBoard events, both cut back to a restored step."""
+
+  def __init__(self, workdir: pathlib.Path, start_step: int):
+    self.path = workdir / METRICS_FILE
+    if self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= start_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    self._file = self.path.open("a", encoding="utf-8")
+    from tensorboardX import SummaryWriter
+
+    self._writer = SummaryWriter(str(workdir / "tensorboard"),
+                                 purge_step=start_step + 1 if start_step else None)
+
+  def write(self, step_number: int, split: str, metrics: dict[str, float]) -> None:
+    self._file.write(json.dumps({"step": step_number, "split": split, **metrics}) + "\n")
+    self._file.flush()
+    for key, value in metrics.items():
+      self._writer.add_scalar(f"{split}/{key}", value, step_number)
+
+  def close(self) -> None:
+    self._file.close()
+    self._writer.close()
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+  path = pathlib.Path(workdir) / METRICS_FILE
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _metadata(session: Session, step_number: int) -> dict:
+  return {
+      "step": step_number,
+      "config": configlib.to_dict(session.config),
+      **{k: v for k, v in session.metadata.items() if k not in ("step", "config")},
+  }
+
+
+def _save(session: Session, step_number: int, *, force: bool) -> None:
+  """Hands a copy of the state to Orbax: the next step donates (reuses) the original."""
+  state = jax.tree.map(lambda x: x.copy(), session.state) if force or (
+      step_number % session.config.checkpoint.save_every == 0) else session.state
+  checkpoint.save(session.manager, step_number, state, session.train_iterator,
+                  _metadata(session, step_number), force=force)
+
+
+def train(session: Session, *, stop_after: int | None = None) -> dict[str, Any]:
+  """Runs the loop from `session.start_step` to `train.steps`; returns a summary."""
+  config = session.config
+  total = config.train.steps
+  metrics_log = MetricsLog(session.workdir, session.start_step)
+  schedule = optim.build_schedule(config.optim, max(total // config.optim.accumulate_steps, 1))
+  per_step = config.data.batch_size * (config.data.seq_len if session.is_lm else 1)
+  unit = "tokens/s" if session.is_lm else "examples/s"
+  progress = _progress_bar(config, session.start_step)
+  stopped_by = None
+  last: dict[str, float] = {}
+  step_number = session.start_step
+  try:
+    with _StopSignal() as stop:
+      while step_number < total:
+        batch = next(session.train_iterator)
+        started = time.perf_counter()
+        session.state, device_metrics = session.train_step(session.state, batch)
+        metrics = step.host_metrics(device_metrics)
+        elapsed = time.perf_counter() - started
+        step_number += 1
+        if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
+          raise TrainingError(
+              f"step {step_number}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']} "
+              f"is not finite; training stopped. The last good checkpoint "
+              f"(step {session.manager.latest_step()}) is kept in {session.manager.directory}"
+          )
+        optimizer_step = (step_number - 1) // config.optim.accumulate_steps
+        metrics.update(lr=float(schedule(optimizer_step)), step_time=elapsed,
+                       throughput=per_step / max(elapsed, 1e-9))
+        metrics.pop("tokens", None)
+        metrics_log.write(step_number, "train", metrics)
+        last = metrics
+        if progress is not None:
+          progress.update(1)
+          progress.set_postfix_str(f"loss {metrics['loss']:.3f}  {metrics['throughput']:,.0f} {unit}")
+        if step_number % config.train.eval_every == 0 or step_number == total:
+          eval_metrics = evaluate(session)
+          metrics_log.write(step_number, "eval", eval_metrics)
+          last.update(eval_metrics)
+          _print(progress, f"step {step_number}: " + _format(eval_metrics))
+        should_stop = stop.received or (stop_after is not None and step_number >= stop_after)
+        _save(session, step_number, force=bool(should_stop) or step_number == total)
+        if should_stop:
+          stopped_by = stop.received or f"stop_after={stop_after}"
+          break
+  finally:
+    if progress is not None:
+      progress.close()
+    session.manager.wait_until_finished()
+    metrics_log.close()
+  session.sync_model()
+  return {"step": step_number, "stopped_by": stopped_by, **last}
+
+
+def _progress_bar(config: RecipeConfig, start: int):
+  if not config.train.progress:
+    return None
+  from tqdm import tqdm
+
+  return tqdm(total=config.train.steps, initial=start, desc="train", unit="step",
+              file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+
+def _print(progress, text: str) -> None:
+  if progress is not None:
+    progress.write(text, file=sys.stdout)
+  else:
+    print(text, flush=True)
+
+
+def _format(metrics: dict[str, float]) -> str:
+  return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+
+
+def plot(workdir: str | pathlib.Path) -> pathlib.Path:
+  """Writes loss.png: the train loss and eval loss curves of metrics.jsonl."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  records = read_metrics(workdir)
+  train_points = [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+  eval_points = [(r["step"], r["eval_loss"]) for r in records if r["split"] == "eval"]
+  figure, axes = plt.subplots(figsize=(7, 4))
+  if train_points:
+    steps, losses = zip(*train_points)
+    axes.plot(steps, losses, label="train", alpha=0.4, linewidth=0.8)
+    window = max(len(losses) // 50, 1)
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    axes.plot(steps[window - 1:], smooth, label=f"train (mean of {window})")
+  if eval_points:
+    steps, losses = zip(*eval_points)
+    axes.plot(steps, losses, "o-", label="eval")
+  axes.set_xlabel("step")
+  axes.set_ylabel("loss")
+  axes.set_title(pathlib.Path(workdir).name)
+  axes.grid(alpha=0.3)
+  axes.legend()
+  path = pathlib.Path(workdir) / PLOT_FILE
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def sample(session: Session, prompt: str, max_new_tokens: int, temperature: float) -> str:
+  """Text generated by the session's language model from `prompt`."""
+  tokenizer, config = session.tokenizer, session.config
+  prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
+  if prompt_ids.size == 0:
+    prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
+  room = config.model.max_seq_len - prompt_ids.size
+  if room <= 0:
+    raise configlib.ConfigError(
+        f"the prompt is {prompt_ids.size} tokens, more than model.max_seq_len "
+        f"({config.model.max_seq_len})"
+    )
+  tokens = generate(session.model, prompt_ids[None, :], min(max_new_tokens, room),
+                    temperature=temperature, rng=jax.random.key(config.train.seed))
+  return tokenizer.decode(np.asarray(tokens[0]))
+
+
+def run(
+    config: RecipeConfig,
+    workdir: str | pathlib.Path | None = None,
+    *,
+    resume: str | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+  """Trains `config` in `workdir` (default runs/<name>); returns the final metrics.
+
+  `stop_after` stops (and saves) after that step as a preemption would; the next
+  call resumes from there.
+  """
+  workdir = pathlib.Path(workdir or pathlib.Path("runs") / config.name)
+  session = open_session(config, workdir, resume=resume or config.train.resume)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(session.model, nnx.Param)))
+  print(f"recipe {config.name}: {n_params:,} parameters on {jax.default_backend()} "
+        f"({jax.device_count()} device(s)); workdir {workdir}", flush=True)
+  if session.start_step:
+    print(f"resumed from step {session.start_step}", flush=True)
+  if session.start_step >= config.train.steps:
+    print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
+    result = _final_metrics(workdir)
+    session.manager.close()
+    return result
+  result = train(session, stop_after=stop_after)
+  session.manager.close()
+  if result["stopped_by"]:
+    print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
+          "Run the same command again to resume.", flush=True)
+    return result
+  plot_path = plot(workdir)
+  if session.is_lm and config.train.sample_tokens:
+    text = sample(session, config.train.sample_prompt, config.train.sample_tokens,
+                  config.train.sample_temperature)
+    (workdir / SAMPLE_FILE).write_text(text, encoding="utf-8")
+    print(f"sample:\n{text}\n", flush=True)
+  print(f"done: step {result['step']}, " + _format(
+      {k: v for k, v in result.items() if k.startswith(("loss", "eval_"))}), flush=True)
+  print(f"metrics {workdir / METRICS_FILE}, plot {plot_path}, "
+        f"checkpoints {workdir / CHECKPOINT_DIR}", flush=True)
+  return result
+
+
+def _final_metrics(workdir: pathlib.Path) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for record in read_metrics(workdir):
+    out.update({k: v for k, v in record.items() if k != "split"})
+  return out
+
+
+def open_trained(workdir: str | pathlib.Path) -> Session:
+  """A session restored from a workdir's newest checkpoint, with its saved config."""
+  workdir = pathlib.Path(workdir)
+  directory = workdir / CHECKPOINT_DIR
+  if not directory.is_dir():
+    raise WorkdirError(f"no checkpoints in {workdir}: train there first")
+  manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig())
+  if manager.latest_step() is None:
+    raise WorkdirError(f"no checkpoints in {directory}: train there first")
+  config = from_json(checkpoint.read_metadata(manager)["config"])
+  manager.close()
+  session = open_session(config, workdir, resume="auto")
+  session.sync_model()
+  return session
+
