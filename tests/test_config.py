@@ -1,0 +1,90 @@
+"""Recipe configs: presets, YAML files, dotted overrides, round trips, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_ai_stack.recipes import config, configlib
+
+
+def test_every_preset_loads_and_validates():
+  presets = config.list_presets()
+  assert {"lm-tiny", "lm-small", "digits-cnn"} <= set(presets)
+  for name in presets:
+    loaded = config.load(name)
+    assert loaded.name == name
+
+
+def test_overrides_in_both_forms():
+  overrides = configlib.parse_overrides(["--model.num_layers", "2", "optim.learning_rate=1e-3"])
+  loaded = config.load("lm-tiny", overrides=overrides)
+  assert loaded.model.num_layers == 2
+  assert loaded.optim.learning_rate == 1e-3
+
+
+def test_yaml_round_trip(tmp_path):
+  original = config.load("lm-tiny", overrides=["model.num_layers=3", "data.packing=true"])
+  path = tmp_path / "recipe.yaml"
+  path.write_text(configlib.to_yaml(original))
+  assert config.load(None, config_file=path) == original
+
+
+def test_config_file_merges_over_the_preset(tmp_path):
+  path = tmp_path / "mine.yaml"
+  path.write_text("train:\n  steps: 7\n")
+  loaded = config.load("lm-tiny", config_file=path)
+  assert loaded.train.steps == 7
+  assert loaded.model.num_layers == config.load("lm-tiny").model.num_layers
+
+
+def test_configs_are_frozen():
+  loaded = config.load("lm-tiny")
+  with pytest.raises(Exception, match="cannot assign"):
+    loaded.train.steps = 3
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.num_layer=2"], "unknown field 'model.num_layer'; did you mean 'model.num_layers'"),
+        (["optim.learnig_rate=1"], "did you mean 'optim.learning_rate'"),
+        (["data.seq_len=abc"], "field 'data.seq_len'.*got 'abc'"),
+        (["model.num_kv_heads=3"], "num_kv_heads=3 must divide num_heads=4"),
+        (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len"),
+        (["data.source=digits"], "does not go with data.source='digits'"),
+        (["train.steps=0"], "train.steps must be >= 1"),
+    ],
+)
+def test_bad_overrides_name_the_field(overrides, message):
+  with pytest.raises(configlib.ConfigError, match=message):
+    config.load("lm-tiny", overrides=overrides)
+
+
+def test_unknown_preset_lists_the_presets():
+  with pytest.raises(configlib.ConfigError, match="unknown preset 'nope'; presets: digits-cnn"):
+    config.load("nope")
+
+
+def test_broken_yaml_names_file_and_line(tmp_path):
+  path = tmp_path / "broken.yaml"
+  path.write_text("train:\n  steps: 7\n  bad: [1, 2\n")
+  with pytest.raises(configlib.ConfigError, match=rf"{path}:\d+:\d+: not valid YAML"):
+    config.load("lm-tiny", config_file=path)
+
+
+def test_missing_config_file_is_named(tmp_path):
+  with pytest.raises(configlib.ConfigError, match="nope.yaml: file not found"):
+    config.load("lm-tiny", config_file=tmp_path / "nope.yaml")
+
+
+def test_malformed_override_is_rejected():
+  with pytest.raises(configlib.ConfigError, match="not of the form"):
+    configlib.parse_overrides(["model.num_layers"])
+  with pytest.raises(configlib.ConfigError, match="has no value"):
+    configlib.parse_overrides(["--model.num_layers"])
+
+
+def test_field_docstrings_become_descriptions():
+  from jax_ai_stack.recipes.optim import OptimConfig
+
+  assert "Peak learning rate" in OptimConfig.__pydantic_fields__["learning_rate"].description

@@ -1,0 +1,226 @@
+"""The trainer end to end at tiny size: outputs, bitwise resume (also after SIGKILL),
+preemption, and the bad-input paths that must lose nothing already saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jax_ai_stack import cli
+from jax_ai_stack.recipes import checkpoint, config, train
+
+TINY = [
+    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.mlp_dim=64", "model.max_seq_len=32", "data.seq_len=16", "data.batch_size=4",
+    "data.max_documents=30", "data.validation_fraction=0.2", "train.eval_every=10",
+    "train.eval_batches=2", "train.sample_tokens=8", "train.progress=false",
+    "checkpoint.save_every=5", "optim.warmup_steps=2",
+]
+STEPS = 30
+
+
+def tiny_config(*extra: str) -> config.RecipeConfig:
+  return config.load("lm-tiny", overrides=[*TINY, f"train.steps={STEPS}", *extra])
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+  return [(r["step"], r["loss"]) for r in train.read_metrics(workdir) if r["split"] == "train"]
+
+
+def final_state(workdir):
+  session = train.open_trained(workdir)
+  session.manager.close()
+  return session.start_step, session.state
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """One uninterrupted run; the others must end with the same bits."""
+  workdir = tmp_path_factory.mktemp("reference")
+  result = train.run(tiny_config(), workdir)
+  return workdir, result
+
+
+def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
+  workdir, result = reference
+  assert result["step"] == STEPS and result["stopped_by"] is None
+  losses = [loss for _, loss in train_losses(workdir)]
+  assert [s for s, _ in train_losses(workdir)] == list(range(1, STEPS + 1))
+  assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # The loss falls.
+  evals = [r for r in train.read_metrics(workdir) if r["split"] == "eval"]
+  assert [r["step"] for r in evals] == [10, 20, 30]
+  assert all(r["eval_perplexity"] > 1 for r in evals)
+  assert (workdir / train.PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
+  assert (workdir / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig())
+  assert manager.latest_step() == STEPS
+  metadata = checkpoint.read_metadata(manager)
+  assert metadata["step"] == STEPS and metadata["config"]["train"]["steps"] == STEPS
+  manager.close()
+
+
+def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
+  ref_dir, _ = reference
+  stopped = train.run(tiny_config(), tmp_path, stop_after=7)  # Not a multiple of save_every.
+  assert stopped["step"] == 7 and stopped["stopped_by"]
+  assert not (tmp_path / train.PLOT_FILE).exists()
+  resumed = train.run(tiny_config(), tmp_path)
+  assert resumed["step"] == STEPS
+  assert train_losses(tmp_path) == train_losses(ref_dir)
+  step_a, state_a = final_state(ref_dir)
+  step_b, state_b = final_state(tmp_path)
+  assert step_a == step_b == STEPS
+  assert checkpoint.tree_equal(state_a, state_b)
+
+
+def _start_training(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
+  command = [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", "--workdir",
+             str(workdir), *TINY, f"train.steps={STEPS}", *extra]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for_step(process: subprocess.Popen, workdir: pathlib.Path, step: int) -> None:
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    if train_losses(workdir) and train_losses(workdir)[-1][0] >= step:
+      return
+    if process.poll() is not None:
+      pytest.fail(f"training ended early: {process.stdout.read()}")
+    time.sleep(0.02)
+  process.kill()
+  pytest.fail("training did not reach the step in time")
+
+
+def test_sigkill_during_async_saves_then_resume_is_bitwise_identical(reference, tmp_path):
+  ref_dir, _ = reference
+  process = _start_training(tmp_path, "checkpoint.save_every=1")  # A save is always in flight.
+  _wait_for_step(process, tmp_path, 12)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert process.returncode == -signal.SIGKILL
+  killed_at = train_losses(tmp_path)[-1][0]
+  assert killed_at < STEPS, "the run finished before the kill; the test proves nothing"
+
+  resumed = train.run(tiny_config("checkpoint.save_every=1"), tmp_path)
+  assert resumed["step"] == STEPS
+  assert train_losses(tmp_path) == train_losses(ref_dir)
+  assert checkpoint.tree_equal(final_state(ref_dir)[1], final_state(tmp_path)[1])
+  leftovers = list((tmp_path / train.CHECKPOINT_DIR).glob("*.orbax-checkpoint-tmp*"))
+  assert not leftovers
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+  process = _start_training(tmp_path, "checkpoint.save_every=1000")
+  _wait_for_step(process, tmp_path, 3)
+  process.send_signal(signal.SIGTERM)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, output
+  assert "SIGTERM" in output and "checkpoint saved" in output
+  stopped_at = train_losses(tmp_path)[-1][0]
+  assert stopped_at < STEPS
+  assert final_state(tmp_path)[0] == stopped_at  # Saved although save_every is far away.
+
+
+def test_finished_run_resumes_instantly(reference, capsys):
+  ref_dir, _ = reference
+  before = train_losses(ref_dir)
+  result = train.run(tiny_config(), ref_dir)
+  assert "nothing to do" in capsys.readouterr().out
+  assert result["step"] == STEPS
+  assert train_losses(ref_dir) == before
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+  diverging = tiny_config("optim.name=sgd", "optim.learning_rate=1e30", "optim.grad_clip_norm=null",
+                          "optim.warmup_steps=0", "optim.schedule=constant",
+                          "checkpoint.save_every=1")
+  with pytest.raises(train.TrainingError, match=r"step \d+: .*not finite") as info:
+    train.run(diverging, tmp_path)
+  bad_step = int(str(info.value).split()[1].rstrip(":"))
+  step, state = final_state(tmp_path)
+  assert step == bad_step - 1
+  import jax
+  import numpy as np
+
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)
+             if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def test_checkpoint_that_does_not_fit_names_the_parameter_and_changes_nothing(reference, tmp_path):
+  ref_dir, _ = reference
+  ckpt = ref_dir / train.CHECKPOINT_DIR
+  before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+  with pytest.raises(checkpoint.CheckpointMismatchError, match=r"embed.*checkpoint shape \(259, 32\), config shape \(259, 64\)"):
+    train.run(tiny_config("model.d_model=64"), ref_dir)
+  assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_keeps_good_ones(tmp_path, caplog):
+  train.run(tiny_config("train.steps=10", "train.sample_tokens=0"), tmp_path)
+  ckpt = tmp_path / train.CHECKPOINT_DIR
+  steps_before = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  assert steps_before[-1] == 10
+  for path in (ckpt / "10" / "state").rglob("*"):
+    if path.is_file():
+      path.write_bytes(b"garbage")
+  session = train.open_session(tiny_config("train.steps=10"), tmp_path, resume="auto")
+  session.manager.close()
+  assert session.start_step == 5
+  assert "checkpoint step 10 is unreadable" in caplog.text
+  assert (ckpt / "10.corrupt").is_dir()  # Moved aside, not deleted.
+  assert (ckpt / "5").is_dir()
+
+
+def test_resume_never_refuses_a_used_workdir(reference):
+  ref_dir, _ = reference
+  with pytest.raises(train.WorkdirError, match="already has checkpoints"):
+    train.run(tiny_config(), ref_dir, resume="never")
+
+
+def test_unwritable_workdir_is_named(tmp_path):
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  with pytest.raises(train.WorkdirError, match="a-file/run is not writable"):
+    train.run(tiny_config(), blocker / "run")
+
+
+def test_cli_train_eval_generate(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  assert cli.main(["train", "lm-tiny", "--workdir", workdir, *TINY, "train.steps=4"]) == 0
+  out = capsys.readouterr().out
+  assert "done: step 4" in out and "loss.png" in out
+  assert cli.main(["eval", "--workdir", workdir]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["step"] == 4 and report["eval_loss"] > 0
+  assert cli.main(["generate", "--workdir", workdir, "--prompt", "import ", "--max-new-tokens", "5"]) == 0
+  assert capsys.readouterr().out.startswith("import ")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "nope"], "unknown preset 'nope'"),
+        (["train", "model.num_layer=1"], "did you mean 'model.num_layers'"),
+        (["eval", "--workdir", "/nonexistent/run"], "no checkpoints in /nonexistent/run"),
+    ],
+)
+def test_cli_usage_errors_exit_2_with_one_line(args, message, capsys):
+  assert cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and message in err[0]
+
+
+def test_cli_mismatched_workdir_exits_2(reference, capsys):
+  ref_dir, _ = reference
+  assert cli.main(["train", "--workdir", str(ref_dir), *TINY, f"train.steps={STEPS}",
+                   "model.mlp_dim=128"]) == 2
+  assert "does not fit this config" in capsys.readouterr().err
