@@ -1,0 +1,16 @@
+"""Test-wide settings: CPU only, and one persistent XLA compilation cache.
+
+Many tests build the same tiny model again (a resumed run is a new process or a
+new jit), so caching compiled programs on disk keeps the suite fast on 2 cores.
+Subprocesses started by tests inherit the cache through the environment.
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax-ai-stack-test-cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
