@@ -1,0 +1,74 @@
+"""`DataConfig`: what the data recipes read, tokenize and batch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from jax_ai_stack.recipes.configlib import config_dataclass
+
+Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "digits"]
+TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
+
+# Sources whose files are listed in `paths`.
+_PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
+
+
+@config_dataclass
+class DataConfig:
+  source: Source = "stdlib"
+  """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits."""
+  paths: tuple[str, ...] = ()
+  """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file."""
+  text_column: str = "text"
+  """parquet: the column holding one document per row."""
+  tokenizer: TokenizerName = "byte"
+  """byte: 256 bytes + BOS/EOS/PAD (no file); huggingface: tokenizer.json; sentencepiece: .model."""
+  tokenizer_path: str | None = None
+  """The tokenizer file for huggingface/sentencepiece."""
+  seq_len: int = 128
+  """Tokens per example (T); targets are the inputs shifted by one."""
+  batch_size: int = 8
+  """GLOBAL batch size; each process gets batch_size // process_count rows."""
+  packing: bool = False
+  """False: windows of seq_len+1 over the token stream; True: documents packed with segment ids."""
+  validation_fraction: float | None = None
+  """Share of documents (digits: images) held out by hash; None: 0.05, or 0.2 for digits."""
+  max_documents: int | None = None
+  """Keep the first N non-empty documents in source order (the stdlib corpus is ~30 MB)."""
+  num_workers: int = 0
+  """Grain `mp_prefetch` worker processes; 0: batches are built in a thread of this process."""
+  encoding_errors: Literal["replace", "ignore", "strict"] = "replace"
+  """Invalid UTF-8: replace by U+FFFD, drop, or raise an error naming the file and byte."""
+  prefetch_batches: int = 4
+  """Batches built ahead in the background, per process (and per worker); 0 disables."""
+
+  def __post_init__(self):
+    if self.seq_len < 1:
+      raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
+    if self.batch_size < 1:
+      raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+    if self.num_workers < 0:
+      raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+    if self.prefetch_batches < 0:
+      raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+    if self.max_documents is not None and self.max_documents < 1:
+      raise ValueError(f"data.max_documents must be >= 1 or None, got {self.max_documents}")
+    if self.validation_fraction is not None and not 0 <= self.validation_fraction < 1:
+      raise ValueError(
+          f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"
+      )
+    if self.source in _PATH_SOURCES and not self.paths:
+      raise ValueError(f"data.paths: source={self.source!r} needs at least one file or glob")
+    if self.source not in _PATH_SOURCES and self.paths:
+      raise ValueError(
+          f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
+      )
+    if self.tokenizer != "byte" and not self.tokenizer_path:
+      raise ValueError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
+
+  @property
+  def holdout_fraction(self) -> float:
+    """`validation_fraction` with its per-source default filled in."""
+    if self.validation_fraction is not None:
+      return self.validation_fraction
+    return 0.2 if self.source == "digits" else 0.05

@@ -1,0 +1,162 @@
+"""A tokenized corpus in memory, split into train and validation by document hash.
+
+Documents are tokenized once and concatenated into one flat array per split,
+so that examples are later cut out by slicing, never by per-token Python.
+Text documents become `[BOS, *ids, EOS]`; pre-tokenized `.npy` documents are
+kept as they are. The split is by a hash of each document's content, not by
+its position: adding, removing or reordering other documents never moves a
+document between train and validation, and duplicates land on the same side.
+
+The result is cached per (config fields that matter, file sizes and mtimes),
+so building the train and the validation dataset reads the files once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Sized
+
+import numpy as np
+
+from jax_ai_stack.recipes.data import sources
+from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
+
+Split = str  # "train" or "validation"
+_ENCODE_CHUNK = 256  # documents per encode_batch call
+_CACHE_SIZE = 2
+_cache: dict[tuple, dict[Split, TokenCorpus]] = {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenCorpus:
+  """Documents of one split, back to back.
+
+  Attributes:
+    tokens: all token ids, uint16 when the vocabulary fits, else int32; read-only.
+    doc_starts: int64 [num_documents + 1]; document d is
+      `tokens[doc_starts[d]:doc_starts[d + 1]]`.
+    description: where it came from, for messages and a stable `repr`.
+  """
+
+  tokens: np.ndarray
+  doc_starts: np.ndarray
+  description: str
+
+  @property
+  def num_documents(self) -> int:
+    return len(self.doc_starts) - 1
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.tokens)
+
+  def document(self, index: int) -> np.ndarray:
+    return self.tokens[self.doc_starts[index]:self.doc_starts[index + 1]]
+
+  def __repr__(self) -> str:
+    return (
+        f"TokenCorpus({self.description}, documents={self.num_documents},"
+        f" tokens={self.num_tokens})"
+    )
+
+
+def hash_fraction(content: bytes) -> float:
+  """A number in [0, 1) fixed by `content` alone (BLAKE2b; same on every machine)."""
+  digest = hashlib.blake2b(content, digest_size=8).digest()
+  return int.from_bytes(digest, "little") / 2.0**64
+
+
+def _take_documents(
+    documents: Iterable[tuple[str, Sized]], max_documents: int | None
+) -> Iterator[Sized]:
+  """The non-empty documents, at most `max_documents` of them (read lazily)."""
+  non_empty = (document for _, document in documents if len(document))
+  return itertools.islice(non_empty, max_documents)
+
+
+def _tokenized(config: DataConfig, tokenizer: Tokenizer) -> Iterator[tuple[bytes, np.ndarray]]:
+  """`(content for the split hash, token ids)` of each document."""
+  if config.source == "npy":
+    arrays = sources.read_token_arrays(config, tokenizer.vocab_size, tokenizer.eos_id)
+    for ids in _take_documents(arrays, config.max_documents):
+      yield np.ascontiguousarray(ids, dtype="<i8").tobytes(), ids
+    return
+  texts = _take_documents(sources.read_texts(config), config.max_documents)
+  bos, eos = np.int32([tokenizer.bos_id]), np.int32([tokenizer.eos_id])
+  while chunk := list(itertools.islice(texts, _ENCODE_CHUNK)):
+    for text, ids in zip(chunk, tokenizer.encode_batch(chunk)):
+      yield text.encode("utf-8", "surrogatepass"), np.concatenate([bos, ids, eos])
+
+
+def _concatenate(documents: list[np.ndarray], dtype, description: str) -> TokenCorpus:
+  lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
+  doc_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+  tokens = np.concatenate(documents).astype(dtype) if documents else np.zeros(0, dtype)
+  tokens.flags.writeable = False
+  doc_starts.flags.writeable = False
+  return TokenCorpus(tokens, doc_starts, description)
+
+
+def _describe(config: DataConfig) -> str:
+  where = f"source={config.source!r}"
+  if config.paths:
+    where += f" paths={list(config.paths)!r}"
+  return where
+
+
+def _build(config: DataConfig) -> dict[Split, TokenCorpus]:
+  tokenizer = build_tokenizer(config)
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+  fraction = config.holdout_fraction
+  splits: dict[Split, list[np.ndarray]] = {"train": [], "validation": []}
+  for content, ids in _tokenized(config, tokenizer):
+    split = "validation" if hash_fraction(content) < fraction else "train"
+    splits[split].append(ids)
+  if not splits["train"] and not splits["validation"]:
+    raise ValueError(f"data: the corpus is empty ({_describe(config)}): no non-empty document")
+  return {
+      split: _concatenate(docs, dtype, f"{_describe(config)}, split={split!r}")
+      for split, docs in splits.items()
+  }
+
+
+def _stamp(path) -> tuple[str, int, int]:
+  stat = os.stat(path)
+  return (str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def _cache_key(config: DataConfig) -> tuple:
+  """The fields that change the corpus, and each input file's size and mtime."""
+  if config.source == "stdlib":
+    files = sources.stdlib_files()
+  else:
+    files = sources.resolve_paths(config.paths)
+  if config.tokenizer != "byte" and os.path.isfile(config.tokenizer_path):
+    files.append(config.tokenizer_path)
+  return (
+      config.source, config.text_column, config.tokenizer, config.tokenizer_path,
+      config.max_documents, config.holdout_fraction, config.encoding_errors,
+      tuple(map(_stamp, files)),
+  )
+
+
+def load_corpus(config: DataConfig) -> dict[Split, TokenCorpus]:
+  """`{"train": TokenCorpus, "validation": TokenCorpus}` for an LM source.
+
+  Raises:
+    ValueError: the corpus is empty, or a file holds bad data (names the file).
+    FileNotFoundError: a path, glob or tokenizer file matches nothing.
+  """
+  if config.source == "digits":
+    raise ValueError("data.source='digits' is an image set, not a token corpus")
+  key = _cache_key(config)
+  if key not in _cache:
+    corpus = _build(config)
+    while len(_cache) >= _CACHE_SIZE:
+      _cache.pop(next(iter(_cache)))
+    _cache[key] = corpus
+  return _cache[key]

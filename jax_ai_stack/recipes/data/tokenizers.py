@@ -1,0 +1,188 @@
+"""Tokenizers behind one small interface: encode, decode, vocab_size, special ids.
+
+The byte tokenizer is the default because it needs no file and no download:
+every UTF-8 byte is a token (0..255), followed by BOS, EOS and PAD, so the
+vocabulary is 259. A Hugging Face `tokenizers` JSON file or a SentencePiece
+model can be used instead (extra `jax-ai-stack[tokenizers]`). When such a file
+defines no BOS/EOS/PAD token, the missing ones get fresh ids after its
+vocabulary, so every tokenizer has all three and the model's vocabulary is
+`tokenizer.vocab_size`.
+
+Example:
+  >>> tok = ByteTokenizer()
+  >>> tok.encode("hé").tolist(), tok.vocab_size, tok.eos_id
+  ([104, 195, 169], 259, 257)
+  >>> tok.decode([tok.bos_id, 104, 195, 169, tok.eos_id])
+  'hé'
+"""
+
+from __future__ import annotations
+
+import abc
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from jax_ai_stack.recipes.data.config import DataConfig
+
+# Names under which tokenizer files commonly store their special tokens.
+_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
+_EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[SEP]")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+class Tokenizer(abc.ABC):
+  """Text <-> int ids. `encode` adds no special tokens; `decode` drops them."""
+
+  vocab_size: int
+  bos_id: int
+  eos_id: int
+  pad_id: int
+
+  @abc.abstractmethod
+  def encode(self, text: str) -> np.ndarray:
+    """int32 ids of `text`, without BOS/EOS."""
+
+  @abc.abstractmethod
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """The text of `ids`; special and padding ids are skipped."""
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """`encode` of each text; subclasses batch it in native code where they can."""
+    return [self.encode(text) for text in texts]
+
+  @property
+  def special_ids(self) -> tuple[int, int, int]:
+    return (self.bos_id, self.eos_id, self.pad_id)
+
+  def __repr__(self) -> str:
+    return (
+        f"{type(self).__name__}(vocab_size={self.vocab_size}, bos_id={self.bos_id},"
+        f" eos_id={self.eos_id}, pad_id={self.pad_id})"
+    )
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes as ids 0..255; BOS=256, EOS=257, PAD=258."""
+
+  vocab_size = 259
+  bos_id = 256
+  eos_id = 257
+  pad_id = 258
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = np.asarray(ids)
+    return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _special_ids(find_id, base_size: int) -> tuple[tuple[int, int, int], int]:
+  """(bos, eos, pad) ids found by `find_id(name_list)`, missing ones appended.
+
+  Returns the three ids and the vocabulary size including appended ids.
+  """
+  ids, size = [], base_size
+  for names in (_BOS_NAMES, _EOS_NAMES, _PAD_NAMES):
+    found = find_id(names)
+    if found is None:
+      found, size = size, size + 1
+    ids.append(found)
+  return tuple(ids), size
+
+
+def _check_file(path: str | None, kind: str) -> pathlib.Path:
+  if not path or not pathlib.Path(path).is_file():
+    raise FileNotFoundError(f"data.tokenizer_path={path!r}: no such file (tokenizer={kind!r})")
+  return pathlib.Path(path)
+
+
+def _missing_extra(package: str) -> ImportError:
+  return ImportError(
+      f"the {package!r} package is not installed; install the extra:"
+      " pip install 'jax-ai-stack[tokenizers]'"
+  )
+
+
+class HuggingFaceTokenizer(Tokenizer):
+  """A Hugging Face `tokenizers` JSON file (tokenizer.json)."""
+
+  def __init__(self, path: str):
+    try:
+      import tokenizers  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise _missing_extra("tokenizers") from None
+    self.path = str(_check_file(path, "huggingface"))
+    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    self._base_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def find(names):
+      return next((i for i in map(self._tok.token_to_id, names) if i is not None), None)
+
+    (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _special_ids(find, self._base_size)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    keep = [int(i) for i in ids if i < self._base_size and i not in self.special_ids]
+    return self._tok.decode(keep, skip_special_tokens=True)
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A SentencePiece model file (.model)."""
+
+  def __init__(self, path: str):
+    try:
+      import sentencepiece  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise _missing_extra("sentencepiece") from None
+    self.path = str(_check_file(path, "sentencepiece"))
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    self._base_size = self._sp.get_piece_size()
+    # SentencePiece reports -1 for a special token the model does not define.
+    own = iter((self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()))
+
+    def find(names):
+      del names
+      found = next(own)
+      return found if found >= 0 else None
+
+    (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _special_ids(find, self._base_size)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    keep = [int(i) for i in ids if i < self._base_size and i not in self.special_ids]
+    return self._sp.decode(keep)
+
+
+def build_tokenizer(config: DataConfig) -> Tokenizer:
+  """The tokenizer named by `config.tokenizer`.
+
+  Raises:
+    FileNotFoundError: `config.tokenizer_path` does not exist.
+    ImportError: the tokenizer's optional package is missing (names the extra).
+  """
+  if config.tokenizer == "byte":
+    return ByteTokenizer()
+  if config.tokenizer == "huggingface":
+    return HuggingFaceTokenizer(config.tokenizer_path)
+  return SentencePieceTokenizer(config.tokenizer_path)
+
+
+def vocab_size(config: DataConfig) -> int:
+  """The vocabulary the model must cover (special ids included); LM sources only."""
+  if config.source == "digits":
+    raise ValueError("data.source='digits' is a 10-class image set; it has no vocabulary")
+  return build_tokenizer(config).vocab_size

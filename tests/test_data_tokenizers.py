@@ -1,0 +1,147 @@
+"""Byte, Hugging Face and SentencePiece tokenizers behind one interface."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import pytest
+
+from jax_ai_stack.recipes import configlib
+from jax_ai_stack.recipes.data import (
+    ByteTokenizer,
+    DataConfig,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+    build_dataset,
+    build_tokenizer,
+    vocab_size,
+)
+
+TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog"]
+
+
+def _hf_file(tmp_path, special_tokens=("<unk>", "<s>", "</s>", "<pad>")) -> str:
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=300, special_tokens=list(special_tokens),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+  )
+  tok.train_from_iterator(TEXTS * 10, trainer)
+  path = tmp_path / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)
+
+
+def _file_vocab_size(path: str) -> int:
+  import tokenizers
+
+  return tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+
+
+def _sentencepiece_file(tmp_path) -> str:
+  spm = pytest.importorskip("sentencepiece")
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(TEXTS * 20), model_writer=model, vocab_size=30,
+      model_type="char", minloglevel=2,
+  )
+  path = tmp_path / "sp.model"
+  path.write_bytes(model.getvalue())
+  return str(path)
+
+
+def test_byte_tokenizer_round_trips_any_text():
+  tok = ByteTokenizer()
+  text = "naïve café ✓ 𝔘"
+  ids = tok.encode(text)
+  assert ids.dtype == np.int32
+  np.testing.assert_array_equal(ids, list(text.encode("utf-8")))
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (259, 256, 257, 258)
+  assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == text
+  assert tok.encode_batch(["ab", ""])[0].tolist() == [97, 98]
+
+
+def test_byte_is_the_default_and_needs_no_file():
+  assert isinstance(build_tokenizer(DataConfig()), ByteTokenizer)
+  assert vocab_size(DataConfig()) == 259
+
+
+def test_huggingface_file_with_its_own_special_tokens(tmp_path):
+  path = _hf_file(tmp_path)
+  tok = build_tokenizer(DataConfig(tokenizer="huggingface", tokenizer_path=path))
+  assert isinstance(tok, HuggingFaceTokenizer)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)  # found by name, not appended
+  assert tok.vocab_size == _file_vocab_size(path)
+  ids = tok.encode("the lazy fox")
+  assert ids.dtype == np.int32 and ids.max() < tok.vocab_size
+  assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == "the lazy fox"
+  batch = tok.encode_batch(["the lazy fox", "hello"])
+  np.testing.assert_array_equal(batch[0], ids)
+  np.testing.assert_array_equal(batch[1], tok.encode("hello"))
+
+
+def test_huggingface_file_without_special_tokens_gets_appended_ids(tmp_path):
+  path = _hf_file(tmp_path, special_tokens=("<unk>",))
+  tok = HuggingFaceTokenizer(path)
+  base = _file_vocab_size(path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (base, base + 1, base + 2)
+  assert tok.vocab_size == base + 3
+  assert tok.decode([tok.bos_id, *tok.encode("hello"), tok.pad_id]) == "hello"
+
+
+def test_sentencepiece_model(tmp_path):
+  path = _sentencepiece_file(tmp_path)
+  tok = build_tokenizer(DataConfig(tokenizer="sentencepiece", tokenizer_path=path))
+  assert isinstance(tok, SentencePieceTokenizer)
+  # The trainer's defaults define BOS=1 and EOS=2 but no PAD: PAD is appended.
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 30, 31)
+  ids = tok.encode("the quick dog")
+  assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "the quick dog"
+  np.testing.assert_array_equal(tok.encode_batch(["the quick dog"])[0], ids)
+
+
+def test_dataset_through_a_huggingface_tokenizer(tmp_path):
+  path = _hf_file(tmp_path)
+  for i in range(30):
+    (tmp_path / f"doc{i:02d}.txt").write_text(f"{TEXTS[i % 2]} {i}")
+  config = DataConfig(
+      source="text", paths=(str(tmp_path / "*.txt"),), tokenizer="huggingface",
+      tokenizer_path=path, seq_len=8, batch_size=2, validation_fraction=0.0,
+  )
+  batch = next(iter(build_dataset(config, split="train", seed=0, process_index=0,
+                                  process_count=1)))
+  assert batch["inputs"].max() < vocab_size(config)
+  assert {1, 2} & set(batch["inputs"].ravel().tolist())  # BOS/EOS frame documents
+
+
+@pytest.mark.parametrize("kind", ["huggingface", "sentencepiece"])
+def test_a_missing_tokenizer_file_is_named(tmp_path, kind):
+  missing = str(tmp_path / "nope.bin")
+  with pytest.raises(FileNotFoundError, match=rf"tokenizer_path=.*nope\.bin.*{kind}"):
+    build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=missing))
+
+
+def test_a_file_tokenizer_needs_a_path():
+  with pytest.raises(configlib.ConfigError, match="tokenizer_path"):
+    configlib.from_dict(DataConfig, {"tokenizer": "huggingface"})
+
+
+def test_digits_has_no_vocabulary():
+  with pytest.raises(ValueError, match="digits"):
+    vocab_size(DataConfig(source="digits"))
+
+
+@pytest.mark.parametrize("kind, package", [("huggingface", "tokenizers"),
+                                           ("sentencepiece", "sentencepiece")])
+def test_a_missing_tokenizer_package_names_the_extra(tmp_path, monkeypatch, kind, package):
+  monkeypatch.setitem(sys.modules, package, None)  # importing it now fails
+  (tmp_path / "tok").write_text("{}")
+  with pytest.raises(ImportError, match=rf"'{package}' .*jax-ai-stack\[tokenizers\]"):
+    build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=str(tmp_path / "tok")))
