@@ -81,10 +81,10 @@ def _describe(error: dict, cls: type) -> str:
       return f"unknown field {field!r}; did you mean {'.'.join(parent + close)!r}?"
     return f"unknown field {field!r}" + (f" (known: {', '.join(known)})" if known else "")
   shown, _ = _walk(cls, loc)
-  field = ".".join(shown) or "<root>"
   value = error.get("input")
   got = "" if isinstance(value, dict) else f" (got {value!r})"
-  return f"field {field!r}: {error['msg']}{got}"
+  where = f"field {'.'.join(shown)!r}: " if shown else ""
+  return f"{where}{error['msg']}{got}"
 
 
 def from_dict(cls: type[T], data: dict, source: str = "config") -> T:

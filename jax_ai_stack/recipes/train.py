@@ -166,13 +166,18 @@ def evaluate(session: Session) -> dict[str, float]:
   """Mean metrics over the first `train.eval_batches` validation batches."""
   totals: dict[str, float] = {}
   batches = 0
-  for batch in session.validation:
-    if batches == session.config.train.eval_batches:
-      break
-    metrics = step.host_metrics(session.eval_step(session.state, batch))
-    for k, v in metrics.items():
-      totals[k] = totals.get(k, 0.0) + v
-    batches += 1
+  iterator = iter(session.validation)
+  try:
+    for batch in iterator:
+      if batches == session.config.train.eval_batches:
+        break
+      metrics = step.host_metrics(session.eval_step(session.state, batch))
+      for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + v
+      batches += 1
+  finally:
+    if hasattr(iterator, "close"):
+      iterator.close()  # Stops its prefetch thread now, not at garbage collection.
   if batches == 0:
     raise configlib.ConfigError(
         "the validation split has no full batch: lower data.batch_size or raise "

@@ -1,1 +1,49 @@
-"""Flax NNX models of the recipes: `llama` (decoder LM) and `cnn` (image classifier)."""
+"""Flax NNX models of the recipes: `llama` (decoder LM) and `cnn` (image classifier).
+
+The model classes and configs are re-exported here and load on first use, e.g.
+`models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Llama": "llama",
+    "LlamaConfig": "llama",
+    "KVCache": "llama",
+    "generate": "llama",
+    "apply_rope": "llama",
+    "CNN": "cnn",
+    "CNNConfig": "cnn",
+}
+__all__ = ["eager_sharding_scope", "llama", "cnn", *_EXPORTS]
+
+
+def eager_sharding_scope():
+  """A context in which new parameters are sharded at creation only under a mesh.
+
+  Every parameter carries logical axis names (`nnx.with_partitioning`). Flax
+  0.12 shards such a parameter the moment it is created ("eager sharding", on
+  by default) and raises when no mesh is active. Outside a mesh (one CPU, tests,
+  `nnx.eval_shape`) the names stay as metadata only, for the sharding recipe to
+  map onto mesh axes; under a mesh the library's eager sharding is left as set.
+  """
+  import jax
+  from flax import nnx
+
+  mesh_active = not jax.sharding.get_abstract_mesh().empty
+  return nnx.use_eager_sharding(nnx.using_eager_sharding() and mesh_active)
+
+
+def __getattr__(name: str):
+  if name in ("llama", "cnn"):
+    return importlib.import_module(f"{__name__}.{name}")
+  if name in _EXPORTS:
+    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    return getattr(module, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(__all__)

@@ -1,0 +1,125 @@
+"""A small CNN image classifier in Flax NNX: recipes are not only for LMs.
+
+Per entry of `channels`: 3x3 conv -> ReLU -> 2x2 average pool (halving height
+and width); then flatten -> dense -> ReLU -> dropout -> dense to class logits.
+Sized for scikit-learn's 8x8 digits, the `digits` preset's data.
+
+Dropout follows the NNX mode: `model.train()` (the default) drops units with
+the module's own `dropout` RNG stream; `model.eval()` turns it off.
+
+Logical axis names, one per parameter dimension (via `nnx.with_partitioning`):
+
+  conv_in   input channels of a conv kernel (its two spatial axes are None)
+  conv_out  output channels of a conv kernel, and its bias
+  embed     the flattened features fed to the dense layers
+  mlp       hidden units of the dense layer
+  classes   class logits
+
+Example:
+  >>> from flax import nnx
+  >>> model = CNN(CNNConfig(), rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((4, 8, 8, 1))).shape
+  (4, 10)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import jax
+import jax.numpy as jnp
+import pydantic
+from flax import nnx
+from pydantic import PositiveInt
+
+from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.models import eager_sharding_scope
+
+DType = Literal["float32", "bfloat16", "float16"]
+LOGICAL_AXES = ("conv_in", "conv_out", "embed", "mlp", "classes")
+
+
+@config_dataclass
+class CNNConfig:
+  """Shapes of the CNN classifier. The defaults fit 8x8 grey digits."""
+
+  kind: Literal["cnn"] = "cnn"
+  """Model family; tells model configs apart in a recipe."""
+  num_classes: PositiveInt = 10
+  """Number of classes, the width of the logits."""
+  image_shape: tuple[PositiveInt, PositiveInt, PositiveInt] = (8, 8, 1)
+  """(height, width, channels) of one input image."""
+  channels: tuple[PositiveInt, ...] = (16, 32)
+  """Output channels of each conv layer; each layer halves height and width."""
+  kernel_size: PositiveInt = 3
+  """Height and width of every conv kernel."""
+  hidden: PositiveInt = 64
+  """Units of the dense layer before the classifier."""
+  dropout: Annotated[float, pydantic.Field(ge=0.0, lt=1.0)] = 0.1
+  """Fraction of hidden units dropped in training mode."""
+  dtype: DType = "float32"
+  """Compute dtype; logits are always float32."""
+  param_dtype: DType = "float32"
+  """Storage dtype of the parameters."""
+
+  def __post_init__(self):
+    if not self.channels:
+      raise ValueError("channels must name at least one conv layer; got ()")
+    shrink = 2 ** len(self.channels)
+    height, width, _ = self.image_shape
+    if height % shrink or width % shrink:
+      raise ValueError(
+          f"image_shape={self.image_shape}: height and width must be divisible by "
+          f"{shrink}, since each of the {len(self.channels)} conv layers in "
+          f"channels={self.channels} halves them"
+      )
+
+  @property
+  def flat_features(self) -> int:
+    """Features after the last pool, fed to the dense layer."""
+    height, width, _ = self.image_shape
+    shrink = 2 ** len(self.channels)
+    return (height // shrink) * (width // shrink) * self.channels[-1]
+
+
+class CNN(nnx.Module):
+  """Images float32 [B, H, W, C] -> float32 logits [B, num_classes]."""
+
+  def __init__(self, config: CNNConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+    conv_init = nnx.initializers.lecun_normal()
+    with eager_sharding_scope():
+      in_channels = (config.image_shape[-1], *config.channels[:-1])
+      self.convs = nnx.List([
+          nnx.Conv(
+              c_in, c_out, (config.kernel_size, config.kernel_size), rngs=rngs, **dtypes,
+              kernel_init=nnx.with_partitioning(conv_init, (None, None, "conv_in", "conv_out")),
+              bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("conv_out",)),
+          )
+          for c_in, c_out in zip(in_channels, config.channels)
+      ])
+      self.hidden = nnx.Linear(
+          config.flat_features, config.hidden, rngs=rngs, **dtypes,
+          kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+          bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("mlp",)),
+      )
+      self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+      self.classifier = nnx.Linear(
+          config.hidden, config.num_classes, rngs=rngs, **dtypes,
+          kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", "classes")),
+          bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("classes",)),
+      )
+
+  def __call__(self, images: jax.Array) -> jax.Array:
+    if images.ndim != 4 or tuple(images.shape[1:]) != tuple(self.config.image_shape):
+      raise ValueError(
+          f"images must be [batch, {', '.join(map(str, self.config.image_shape))}] "
+          f"(config.image_shape); got {list(images.shape)}"
+      )
+    x = images
+    for conv in self.convs:
+      x = nnx.avg_pool(nnx.relu(conv(x)), window_shape=(2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    x = self.dropout(nnx.relu(self.hidden(x)))
+    return self.classifier(x).astype(jnp.float32)

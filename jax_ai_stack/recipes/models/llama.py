@@ -1,0 +1,496 @@
+"""A Llama-style decoder LM in Flax NNX, with KV-cache decoding.
+
+Token embedding -> `num_layers` x [RMSNorm -> grouped-query attention with RoPE
+-> residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output head (its
+own matrix, or the embedding transposed when `tie_embeddings`).
+
+Attention goes through `jax_ai_stack.kernels.attention`, so the choice of kernel
+(XLA, cuDNN, Pallas, ...) lives in one place; `config.attention_impl` is passed
+through to it. RoPE is written here once (flax 0.12.8 has no `nnx.RoPE`); it
+uses the same "rotate half" convention as `nnx.RoPE` of later versions.
+
+Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
+for the sharding recipe to map onto mesh axes:
+
+  vocab     vocabulary rows of the embedding and columns of the output head
+  embed     the model (residual stream) dimension, d_model
+  heads     query heads
+  kv_heads  key/value heads (fewer than `heads` with grouped-query attention)
+  head_dim  features per head
+  mlp       hidden units of the SwiGLU MLP
+  norm      features scaled by an RMSNorm
+
+Parameter paths keep to names that a weight-decay mask can match: the token
+embedding sits under `embed`, norms are attributes whose names contain `norm`
+(their parameter is `scale`), and there are no biases.
+
+Example:
+  >>> from flax import nnx
+  >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+  (2, 16, 259)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from pydantic import PositiveFloat, PositiveInt
+
+from jax_ai_stack import kernels
+from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.models import eager_sharding_scope
+
+DType = Literal["float32", "bfloat16", "float16"]
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+RematPolicy = Literal["none", "full", "save_dots"]
+
+# What `jax.checkpoint` may keep from the forward pass, per `LlamaConfig.remat`.
+# "full" keeps nothing (recompute the whole block); "save_dots" keeps the
+# outputs of matmuls against weights (the FLOP-heavy part) and recomputes the
+# attention scores and elementwise ops, whose memory grows with sequence length.
+_REMAT_POLICIES = {
+    "full": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@config_dataclass
+class LlamaConfig:
+  """Shapes and numerics of a Llama-style decoder. The defaults are `tiny()`."""
+
+  kind: Literal["llama"] = "llama"
+  """Model family; tells model configs apart in a recipe."""
+  vocab_size: PositiveInt = 259
+  """Token ids are in [0, vocab_size). 259 = 256 bytes + BOS, EOS, PAD."""
+  num_layers: PositiveInt = 4
+  """Number of decoder blocks."""
+  d_model: PositiveInt = 128
+  """Width of the residual stream."""
+  num_heads: PositiveInt = 4
+  """Query heads per attention layer."""
+  num_kv_heads: PositiveInt = 2
+  """Key/value heads; must divide num_heads (== num_heads: plain multi-head)."""
+  head_dim: PositiveInt | None = None
+  """Features per head (even, for RoPE); None means d_model // num_heads."""
+  mlp_dim: PositiveInt = 384
+  """Hidden units of the SwiGLU MLP."""
+  rope_theta: PositiveFloat = 10_000.0
+  """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
+  max_seq_len: PositiveInt = 128
+  """Longest sequence the recipes feed (training windows, prompt + generated)."""
+  norm_eps: PositiveFloat = 1e-5
+  """Epsilon of every RMSNorm."""
+  tie_embeddings: bool = True
+  """Compute logits with the embedding matrix instead of a separate head."""
+  dtype: DType = "float32"
+  """Compute dtype of activations and matmuls; logits are always float32."""
+  param_dtype: DType = "float32"
+  """Storage dtype of the parameters."""
+  remat: RematPolicy = "none"
+  """Rematerialise each block in the backward pass: 'none', 'full' (keep
+  nothing) or 'save_dots' (keep weight-matmul outputs, recompute the rest)."""
+  attention_impl: str = "auto"
+  """Passed to `kernels.attention(implementation=...)`; 'auto' picks per backend."""
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+      )
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must divide d_model={self.d_model} "
+          "when head_dim is not set"
+      )
+    if self.resolved_head_dim % 2:
+      raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+
+  @property
+  def resolved_head_dim(self) -> int:
+    """`head_dim`, or d_model // num_heads when it is not set."""
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  def num_params(self) -> int:
+    """Parameter count, from the shapes alone (no arrays are built)."""
+    embed = self.vocab_size * self.d_model
+    blocks = self.num_layers * (self._block_matmul_params() + 2 * self.d_model)
+    head = 0 if self.tie_embeddings else embed
+    return embed + blocks + self.d_model + head  # + the final norm
+
+  def flops_per_token(self, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), as PaLM counts them for MFU.
+
+    6 per weight of every matmul (the output head is one, tied or not; the
+    embedding lookup is not) plus 12 * layers * heads * head_dim * seq_len for
+    the attention scores and their weighted sum, not halved for the causal mask.
+    """
+    matmul_weights = self.num_layers * self._block_matmul_params() + self.vocab_size * self.d_model
+    attention = 12 * self.num_layers * self.num_heads * self.resolved_head_dim * seq_len
+    return 6 * matmul_weights + attention
+
+  def _block_matmul_params(self) -> int:
+    d, h = self.d_model, self.resolved_head_dim
+    return d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.mlp_dim
+
+  @classmethod
+  def tiny(cls, **overrides) -> LlamaConfig:
+    """Trains in minutes on two CPU cores: 4 layers, d_model 128, ~0.8M params."""
+    return cls(**overrides)
+
+  @classmethod
+  def small(cls, **overrides) -> LlamaConfig:
+    """A laptop-GPU model: 6 layers, d_model 384, ~9.5M params."""
+    fields = dict(
+        num_layers=6, d_model=384, num_heads=6, num_kv_heads=2, mlp_dim=1024,
+        max_seq_len=512,
+    )
+    return cls(**{**fields, **overrides})
+
+  @classmethod
+  def llama3_8b(cls, **overrides) -> LlamaConfig:
+    """The shapes of Meta's Llama-3-8B (8.03B params); build it abstractly."""
+    fields = dict(
+        vocab_size=128_256, num_layers=32, d_model=4096, num_heads=32,
+        num_kv_heads=8, mlp_dim=14_336, rope_theta=500_000.0, max_seq_len=8192,
+        norm_eps=1e-5, tie_embeddings=False, dtype="bfloat16",
+    )
+    return cls(**{**fields, **overrides})
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by position [B, T].
+
+  Angles use float32 whatever the dtype of `x`, so bfloat16 runs see the same
+  rotation as float32 ones; the result has the dtype of `x`.
+  """
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1])
+  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,T,1,H/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer; the first `length` positions are filled.
+
+  keys[i] and values[i] are [B, S, num_kv_heads, head_dim] for layer i.
+  """
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  length: jax.Array  # int32 scalar
+
+
+def _fan_in_init(in_axis, out_axis):
+  """Lecun-normal for kernels whose fan-in spans several (or leading) axes."""
+  return nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+  )
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    d, n, k, h = (
+        config.d_model, config.num_heads, config.num_kv_heads, config.resolved_head_dim
+    )
+    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+    in_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+    self.q_proj = nnx.Einsum(
+        "btd,dnh->btnh", (d, n, h), rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(in_init, ("embed", "heads", "head_dim")),
+    )
+    self.k_proj = nnx.Einsum(
+        "btd,dkh->btkh", (d, k, h), rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(in_init, ("embed", "kv_heads", "head_dim")),
+    )
+    self.v_proj = nnx.Einsum(
+        "btd,dkh->btkh", (d, k, h), rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(in_init, ("embed", "kv_heads", "head_dim")),
+    )
+    self.o_proj = nnx.Einsum(
+        "btnh,nhd->btd", (n, h, d), rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(
+            _fan_in_init(in_axis=(0, 1), out_axis=2), ("heads", "head_dim", "embed")
+        ),
+    )
+    self.rope_theta = config.rope_theta
+    self.attention_impl = config.attention_impl
+
+  def __call__(
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      segment_ids: jax.Array | None = None,
+      cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """x [B, T, D] -> ([B, T, D], updated (keys, values) or None).
+
+    With `cache` = (keys, values, length): the new keys/values are written at
+    `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
+    decodes one token that attends to the first length + 1 cached positions.
+    """
+    q = apply_rope(self.q_proj(x), positions, self.rope_theta)
+    k = apply_rope(self.k_proj(x), positions, self.rope_theta)
+    v = self.v_proj(x)
+    if cache is None:
+      out = kernels.attention(
+          q, k, v, causal=True, segment_ids=segment_ids,
+          implementation=self.attention_impl,
+      )
+      return self.o_proj(out), None
+    keys, values, length = cache
+    keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(
+        values, v.astype(values.dtype), length, axis=1
+    )
+    if x.shape[1] == 1:
+      seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
+      out = kernels.attention(
+          q, keys, values, causal=False, kv_seq_lengths=seen,
+          implementation=self.attention_impl,
+      )
+    else:  # Prefill: nothing precedes the prompt, so its own keys suffice.
+      out = kernels.attention(q, k, v, causal=True, implementation=self.attention_impl)
+    return self.o_proj(out), (keys, values)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    d, f = config.d_model, config.mlp_dim
+    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+    init = nnx.initializers.lecun_normal()
+    self.gate_proj = nnx.Linear(
+        d, f, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+    )
+    self.up_proj = nnx.Linear(
+        d, f, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+    )
+    self.down_proj = nnx.Linear(
+        f, d, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rms_norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+  return nnx.RMSNorm(
+      config.d_model, epsilon=config.norm_eps, rngs=rngs,
+      dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+      scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)),
+  )
+
+
+class Block(nnx.Module):
+  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.attention_norm = _rms_norm(config, rngs)
+    self.attention = Attention(config, rngs=rngs)
+    self.mlp_norm = _rms_norm(config, rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, segment_ids=None, cache=None):
+    h, new_cache = self.attention(self.attention_norm(x), positions, segment_ids, cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+def _block_output(block: Block, x, positions, segment_ids):
+  """A block's output without the cache, in a form `nnx.remat` can wrap."""
+  return block(x, positions, segment_ids)[0]
+
+
+class Llama(nnx.Module):
+  """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    with eager_sharding_scope():
+      self.embed = nnx.Embed(
+          config.vocab_size, config.d_model, rngs=rngs,
+          dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+          embedding_init=nnx.with_partitioning(
+              nnx.initializers.normal(stddev=0.02), ("vocab", "embed")
+          ),
+      )
+      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+      self.final_norm = _rms_norm(config, rngs)
+      if config.tie_embeddings:
+        self.lm_head = None
+      else:
+        self.lm_head = nnx.Linear(
+            config.d_model, config.vocab_size, use_bias=False, rngs=rngs,
+            dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+            kernel_init=nnx.with_partitioning(
+                nnx.initializers.lecun_normal(), ("embed", "vocab")
+            ),
+        )
+
+  def __call__(
+      self,
+      tokens: jax.Array,
+      *,
+      segment_ids: jax.Array | None = None,
+      positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """Logits [B, T, vocab] (float32) for int tokens [B, T].
+
+    Args:
+      tokens: int token ids [B, T].
+      segment_ids: [B, T] ints, 1, 2, ... per packed document (0: padding);
+        tokens attend only within their own segment. None: one document.
+      positions: [B, T] position of each token within its document (restarting
+        at 0 in each one); drives RoPE. None: arange(T) in every row.
+    """
+    _check_tokens(tokens, segment_ids=segment_ids, positions=positions)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = self.embed(tokens)
+    if self.config.remat == "none":
+      run_block = _block_output
+    else:
+      run_block = nnx.remat(_block_output, policy=_REMAT_POLICIES[self.config.remat])
+    for block in self.layers:
+      x = run_block(block, x, positions, segment_ids)
+    return self._logits(x)
+
+  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    """An empty KV cache for `batch_size` rows of up to `max_length` tokens."""
+    c = self.config
+    shape = (batch_size, max_length, c.num_kv_heads, c.resolved_head_dim)
+    zeros = tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))
+    return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
+
+  def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Logits of `tokens` [B, T] that follow the `cache.length` cached ones.
+
+    T > 1 is a prefill of an empty cache (the prompt); T == 1 is one decoding
+    step. Returns float32 logits [B, T, vocab] and the cache with T more tokens.
+    """
+    _check_tokens(tokens)
+    t = tokens.shape[1]
+    positions = jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape)
+    x = self.embed(tokens)
+    keys, values = [], []
+    for i, block in enumerate(self.layers):
+      x, (k, v) = block(x, positions, cache=(cache.keys[i], cache.values[i], cache.length))
+      keys.append(k)
+      values.append(v)
+    return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+def _check_tokens(tokens, **same_shape) -> None:
+  """Raises ValueError naming the argument whose shape or dtype is wrong."""
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(
+        f"tokens must be an int array [batch, seq]; got {tokens.dtype}{list(tokens.shape)}"
+    )
+  for name, value in same_shape.items():
+    if value is not None and value.shape != tokens.shape:
+      raise ValueError(
+          f"{name} must have the shape of tokens {tuple(tokens.shape)}; "
+          f"got {tuple(value.shape)}"
+      )
+
+
+def generate(
+    model: Llama,
+    prompt_tokens: jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    rng: jax.Array,
+) -> jax.Array:
+  """Samples `max_new_tokens` after each prompt row, with a KV cache.
+
+  The whole loop (prefill, then one cached step per token) is one jitted call,
+  compiled once per (model structure, prompt shape, max_new_tokens, top_k);
+  temperature and rng are traced, so changing them does not recompile.
+
+  Args:
+    model: the decoder; it is not modified.
+    prompt_tokens: int [B, P], P >= 1; every row has the same length.
+    max_new_tokens: tokens to add; P + max_new_tokens <= config.max_seq_len.
+    temperature: softmax temperature; 0 picks the most likely token (greedy).
+    top_k: sample among the k most likely tokens only; None: all of them.
+    rng: a PRNG key; the same key gives the same tokens.
+
+  Returns:
+    int32 [B, P + max_new_tokens]: the prompt followed by the new tokens.
+  """
+  prompt_tokens = jnp.asarray(prompt_tokens)
+  _check_tokens(prompt_tokens)
+  config = model.config
+  batch, prompt_len = prompt_tokens.shape
+  if prompt_len < 1:
+    raise ValueError("prompt_tokens must hold at least one token per row")
+  if max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
+  if prompt_len + max_new_tokens > config.max_seq_len:
+    raise ValueError(
+        f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds "
+        f"max_seq_len={config.max_seq_len} of the model config"
+    )
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0; got {temperature}")
+  if top_k is not None and not 1 <= top_k <= config.vocab_size:
+    raise ValueError(f"top_k must be in [1, vocab_size={config.vocab_size}]; got {top_k}")
+  prompt_tokens = prompt_tokens.astype(jnp.int32)
+  if max_new_tokens == 0:
+    return prompt_tokens
+  graphdef, state = nnx.split(model)
+  return _generate(
+      graphdef, state, prompt_tokens, rng, jnp.float32(temperature),
+      max_new_tokens=max_new_tokens, top_k=top_k,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k"))
+def _generate(graphdef, state, prompt, rng, temperature, *, max_new_tokens, top_k):
+  model = nnx.merge(graphdef, state)
+  batch, prompt_len = prompt.shape
+  cache = model.init_cache(batch, prompt_len + max_new_tokens)
+  logits, cache = model.decode(prompt, cache)
+  first = _sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
+  new_tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+
+  def step(i, carry):
+    new_tokens, cache = carry
+    logits, cache = model.decode(new_tokens[:, i - 1, None], cache)
+    token = _sample(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k)
+    return new_tokens.at[:, i].set(token), cache
+
+  new_tokens, _ = jax.lax.fori_loop(1, max_new_tokens, step, (new_tokens, cache))
+  return jnp.concatenate([prompt, new_tokens], axis=1)
+
+
+def _sample(logits, key, temperature, top_k):
+  """One token per row from float32 logits [B, V]; greedy when temperature == 0."""
+  if top_k is not None:
+    kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+  greedy = jnp.argmax(logits, axis=-1)
+  scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+  sampled = jax.random.categorical(key, scaled, axis=-1)
+  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
