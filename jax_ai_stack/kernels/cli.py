@@ -1,0 +1,124 @@
+"""`jax-ai-stack kernels`: which attention kernel runs here, and why; autotune.
+
+Prints, for the current backend (or a simulated one with --platform), every
+attention implementation, whether it is eligible for the given shape and
+dtype, why not, and the one chosen. With --autotune, tunes and pins the choice
+in `<workdir>/attention_autotune.json` for training and resume to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from jax_ai_stack.cli import UsageError
+
+_DEFAULT_SHAPE = "4,1024,8,8,64"
+
+
+def register(subparsers) -> None:
+  parser = subparsers.add_parser(
+      "kernels", help="show which attention kernel is chosen here and why; autotune it",
+      description=__doc__.split("\n\n")[1],
+  )
+  parser.add_argument(
+      "--shape", default=_DEFAULT_SHAPE, metavar="B,T,N,K,H",
+      help=f"batch, query length, query heads, key/value heads, head dim"
+      f" (default {_DEFAULT_SHAPE})",
+  )
+  parser.add_argument("--kv-len", type=int, metavar="S", help="key/value length (default: T)")
+  parser.add_argument(
+      "--dtype",
+      help="float32/f32, bfloat16/bf16, float16/f16 (default: f32 on CPU, bf16 elsewhere)",
+  )
+  parser.add_argument("--no-causal", dest="causal", action="store_false", help="no causal mask")
+  parser.add_argument("--segment-ids", action="store_true", help="with segment ids (packing)")
+  parser.add_argument("--local-window", type=int, metavar="W", help="sliding window of W keys back")
+  parser.add_argument("--kv-seq-lengths", action="store_true", help="with per-example key lengths")
+  parser.add_argument(
+      "--implementation", default="auto", metavar="NAMES",
+      help="'auto' or comma-separated names to try in order (as attention(implementation=...))",
+  )
+  parser.add_argument(
+      "--platform", choices=("cpu", "gpu", "tpu"),
+      help="simulate another backend (capability checks only, nothing is traced)",
+  )
+  parser.add_argument(
+      "--device-kind", default="",
+      help="with --platform: e.g. 'NVIDIA H100 80GB HBM3', 'TPU v5 lite'",
+  )
+  parser.add_argument(
+      "--compute-capability", help="with --platform gpu: CUDA compute capability, e.g. 9.0"
+  )
+  parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+  parser.add_argument(
+      "--autotune", action="store_true",
+      help="run tokamax.autotune, time the eligible kernels, save the choice as JSON"
+      " in --workdir",
+  )
+  parser.add_argument(
+      "--workdir", default=".", help="where --autotune writes attention_autotune.json (default: .)"
+  )
+  parser.set_defaults(func=run_kernels)
+
+
+def parse_shape(text: str, kv_len: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """"B,T,N,K,H" -> (q_shape [B,T,N,H], k_shape [B,S,K,H]); UsageError if malformed."""
+  try:
+    values = tuple(int(p) for p in text.split(","))
+  except ValueError:
+    values = ()
+  if len(values) != 5 or min(values) <= 0:
+    raise UsageError(f"--shape {text!r} must be five positive ints B,T,N,K,H")
+  if kv_len is not None and kv_len <= 0:
+    raise UsageError(f"--kv-len {kv_len} must be a positive int")
+  batch, q_len, num_heads, num_kv_heads, head_dim = values
+  return (batch, q_len, num_heads, head_dim), (batch, kv_len or q_len, num_kv_heads, head_dim)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+  from jax_ai_stack.kernels import autotuning, registry
+
+  q_shape, k_shape = parse_shape(args.shape, args.kv_len)
+  backend = None
+  if args.autotune and args.implementation != "auto":
+    raise UsageError("--autotune chooses among the 'auto' candidates; drop --implementation")
+  if args.platform:
+    if args.autotune:
+      raise UsageError("--autotune measures the real backend; drop --platform")
+    backend = registry.Backend(args.platform, args.device_kind, args.compute_capability)
+  elif args.device_kind or args.compute_capability:
+    raise UsageError("--device-kind and --compute-capability need --platform")
+  platform = args.platform or registry.current_backend().platform
+  dtype = args.dtype or ("float32" if platform == "cpu" else "bfloat16")
+  masks = dict(
+      causal=args.causal, segment_ids=args.segment_ids, local_window=args.local_window,
+      kv_seq_lengths=args.kv_seq_lengths,
+  )
+  try:
+    choice = registry.report(
+        q_shape, k_shape, dtype, implementation=args.implementation, backend=backend, **masks
+    )
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+  print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
+  if choice.name is None:
+    print("error: no attention implementation fits; see the table above", file=sys.stderr)
+    return 1
+  if not args.autotune:
+    return 0
+
+  if reason := autotuning.autotune_unsupported_reason():
+    print(f"error: --autotune is not available: {reason}", file=sys.stderr)
+    return 1
+  path = pathlib.Path(args.workdir) / autotuning.AUTOTUNE_FILENAME
+  autotuning.autotune([(q_shape, k_shape)], path, dtype=dtype, **masks)
+  document = json.loads(path.read_text(encoding="utf-8"))
+  for entry in document["entries"]:
+    times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in entry["times_ms"].items())
+    print(f"Autotuned: {entry['implementation']} (forward+backward: {times})")
+  print(f"Saved {path}; training and resume load it from the workdir.")
+  return 0
