@@ -15,6 +15,7 @@ import sys
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
+    "jax_ai_stack.kernels.cli",
 )
 
 

@@ -53,6 +53,7 @@ def test_configs_are_frozen():
         (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len"),
         (["data.source=digits"], "does not go with data.source='digits'"),
         (["train.steps=0"], "train.steps must be >= 1"),
+        (["model.attention_impl=fastest"], "model.attention_impl: unknown attention implementation 'fastest'"),
     ],
 )
 def test_bad_overrides_name_the_field(overrides, message):

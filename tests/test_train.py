@@ -224,3 +224,33 @@ def test_cli_mismatched_workdir_exits_2(reference, capsys):
   assert cli.main(["train", "--workdir", str(ref_dir), *TINY, f"train.steps={STEPS}",
                    "model.mlp_dim=128"]) == 2
   assert "does not fit this config" in capsys.readouterr().err
+
+
+def test_attention_choice_is_saved_in_checkpoint_metadata(reference):
+  from jax_ai_stack import kernels
+
+  ref_dir, _ = reference
+  manager = checkpoint.build_manager(ref_dir / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig())
+  attention = checkpoint.read_metadata(manager)["attention"]
+  manager.close()
+  assert attention["implementation"] in kernels.IMPLEMENTATIONS
+  assert attention["deterministic"] is True
+
+
+def test_autotuned_attention_is_pinned_on_resume(tmp_path, capsys):
+  from jax_ai_stack import kernels
+
+  tuned = tiny_config("train.autotune_attention=true", "train.sample_tokens=0")
+  reason = kernels.autotune_unsupported_reason()
+  if reason:  # This row's tokamax cannot autotune: a clear error, nothing written.
+    with pytest.raises(kernels.AutotuneError, match="tokamax"):
+      train.run(tuned, tmp_path, stop_after=3)
+    assert not (tmp_path / kernels.AUTOTUNE_FILENAME).exists()
+    return
+  train.run(tuned, tmp_path, stop_after=3)
+  path = tmp_path / kernels.AUTOTUNE_FILENAME
+  tuned_at = path.stat().st_mtime_ns
+  train.run(tuned, tmp_path)
+  assert path.stat().st_mtime_ns == tuned_at  # Loaded on resume, not tuned again.
+  out = capsys.readouterr().out
+  assert out.count("pinned by autotune file") == 2

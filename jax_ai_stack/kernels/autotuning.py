@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import tempfile
@@ -136,6 +137,18 @@ def _pick(order: Sequence[str], times_ms: dict, tolerance: float) -> str:
   return next(n for n in order if n in times_ms and times_ms[n] <= fastest * (1 + tolerance))
 
 
+@contextlib.contextmanager
+def _quiet_absl():
+  """Hides absl log lines below CRITICAL; failed candidate configs are expected."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def autotune(
     shapes: Iterable[tuple[Sequence[int], Sequence[int]]],
     path: str | os.PathLike,
@@ -189,10 +202,11 @@ def autotune(
     args = _inputs(request)
     for name in eligible:  # Tune tokamax's kernel configs (forward and VJP) before timing.
       if name.startswith("tokamax_"):
-        result = tokamax.autotune(
-            _forward_backward(_forward_fn(name, request)), *args,
-            ignore_cache=True, progress_bar=False,
-        )
+        with _quiet_absl():  # tokamax logs each config it cannot compile as an ERROR.
+          result = tokamax.autotune(
+              _forward_backward(_forward_fn(name, request)), *args,
+              ignore_cache=True, progress_bar=False,
+          )
         tuned = result if tuned is None else tuned | result
     with tuned if tuned is not None else contextlib.nullcontext():
       times = time_forward_backward(

@@ -51,10 +51,11 @@ def _split_preset(extra: list[str]) -> tuple[str | None, list[str]]:
 
 def _errors():
   """The exceptions that mean bad input: printed as one line, exit 2."""
+  from jax_ai_stack import kernels
   from jax_ai_stack.recipes import checkpoint, configlib, train
 
   return (configlib.ConfigError, checkpoint.CheckpointMismatchError, train.WorkdirError,
-          FileNotFoundError, ValueError)
+          kernels.AutotuneError, FileNotFoundError, ValueError)
 
 
 def run_train(args: argparse.Namespace) -> int:

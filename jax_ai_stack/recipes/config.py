@@ -53,6 +53,9 @@ class TrainConfig:
   """LM recipes: sampling temperature of the sample (0: greedy)."""
   progress: bool = True
   """Show a progress bar (step, loss, throughput, ETA) on stderr."""
+  autotune_attention: bool = False
+  """Tune attention once (tokamax.autotune + timing) and pin the choice in
+  <workdir>/attention_autotune.json; resume reloads it so numerics do not change."""
 
   def __post_init__(self):
     for name in ("steps", "eval_every", "eval_batches"):

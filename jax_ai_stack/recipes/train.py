@@ -16,6 +16,7 @@ log is the same too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jax_ai_stack import kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import checkpoint, configlib, data, optim, step
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
@@ -148,8 +150,41 @@ def open_session(config: RecipeConfig, workdir: str | pathlib.Path, *, resume: s
     if restored is not None:
       state, start_step, metadata = restored.state, restored.step, restored.metadata
       _warn_config_changes(metadata.get("config", {}), configlib.to_dict(config))
+  if is_lm:
+    metadata = {**metadata, "attention": _attention_choice(config, metadata.get("attention"))}
   return Session(config, workdir, model, optimizer, train_step, eval_step, state, manager,
                  train_iterator, validation, tokenizer, start_step, metadata)
+
+
+def _attention_shapes(config: RecipeConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """q and k shapes of the LM's attention for one process's training batch."""
+  model, batch = config.model, config.data.batch_size // jax.process_count()
+  head_dim = model.resolved_head_dim
+  return ((batch, config.data.seq_len, model.num_heads, head_dim),
+          (batch, config.data.seq_len, model.num_kv_heads, head_dim))
+
+
+def _attention_choice(config: RecipeConfig, saved: dict | None) -> dict:
+  """Selects attention once, says which and why, and warns if a resume changes it."""
+  q_shape, k_shape = _attention_shapes(config)
+  choice = kernels.select(q_shape, k_shape, config.model.dtype, causal=True, segment_ids=True,
+                          implementation=config.model.attention_impl)
+  log.info("%s", choice.report())
+  print(f"attention: {choice.name} ({choice.source})", flush=True)
+  if saved and saved.get("implementation") != choice.name:
+    log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
+                "run will not be bitwise identical to one that never stopped",
+                saved.get("implementation"), choice.name)
+  return choice.to_dict()
+
+
+def _pinned_attention(config: RecipeConfig, workdir: pathlib.Path) -> contextlib.AbstractContextManager:
+  """Loads (after creating it, if asked) the workdir's attention autotune file."""
+  path = workdir / kernels.AUTOTUNE_FILENAME
+  if isinstance(config.model, LlamaConfig) and config.train.autotune_attention and not path.exists():
+    workdir.mkdir(parents=True, exist_ok=True)
+    kernels.autotune([_attention_shapes(config)], path, dtype=config.model.dtype, segment_ids=True)
+  return kernels.load_autotune(path) if path.exists() else contextlib.nullcontext()
 
 
 def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
@@ -396,7 +431,13 @@ def run(
   call resumes from there.
   """
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / config.name)
-  session = open_session(config, workdir, resume=resume or config.train.resume)
+  with _pinned_attention(config, workdir):
+    return _run(config, workdir, resume=resume or config.train.resume, stop_after=stop_after)
+
+
+def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
+         stop_after: int | None) -> dict[str, Any]:
+  session = open_session(config, workdir, resume=resume)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(session.model, nnx.Param)))
   print(f"recipe {config.name}: {n_params:,} parameters on {jax.default_backend()} "
         f"({jax.device_count()} device(s)); workdir {workdir}", flush=True)

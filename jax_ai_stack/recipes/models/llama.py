@@ -98,6 +98,7 @@ class LlamaConfig:
   """Passed to `kernels.attention(implementation=...)`; 'auto' picks per backend."""
 
   def __post_init__(self):
+    kernels.parse_implementation(self.attention_impl, origin="model.attention_impl")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
