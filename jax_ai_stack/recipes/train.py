@@ -170,7 +170,6 @@ def _attention_choice(config: RecipeConfig, saved: dict | None) -> dict:
   choice = kernels.select(q_shape, k_shape, config.model.dtype, causal=True, segment_ids=True,
                           implementation=config.model.attention_impl)
   log.info("%s", choice.report())
-  print(f"attention: {choice.name} ({choice.source})", flush=True)
   if saved and saved.get("implementation") != choice.name:
     log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
                 "run will not be bitwise identical to one that never stopped",
@@ -441,6 +440,9 @@ def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(session.model, nnx.Param)))
   print(f"recipe {config.name}: {n_params:,} parameters on {jax.default_backend()} "
         f"({jax.device_count()} device(s)); workdir {workdir}", flush=True)
+  if "attention" in session.metadata:
+    attention = session.metadata["attention"]
+    print(f"attention: {attention['implementation']} ({attention['source']})", flush=True)
   if session.start_step:
     print(f"resumed from step {session.start_step}", flush=True)
   if session.start_step >= config.train.steps:
