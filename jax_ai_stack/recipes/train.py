@@ -447,8 +447,9 @@ def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
     print(f"resumed from step {session.start_step}", flush=True)
   if session.start_step >= config.train.steps:
     print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
-    result = _final_metrics(workdir)
     session.manager.close()
+    result = _final_metrics(workdir)
+    _print_done(result, workdir)
     return result
   result = train(session, stop_after=stop_after)
   session.manager.close()
@@ -456,17 +457,21 @@ def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
     print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
           "Run the same command again to resume.", flush=True)
     return result
-  plot_path = plot(workdir)
+  plot(workdir)
   if session.is_lm and config.train.sample_tokens:
     text = sample(session, config.train.sample_prompt, config.train.sample_tokens,
                   config.train.sample_temperature)
     (workdir / SAMPLE_FILE).write_text(text, encoding="utf-8")
     print(f"sample:\n{text}\n", flush=True)
-  print(f"done: step {result['step']}, " + _format(
-      {k: v for k, v in result.items() if k.startswith(("loss", "eval_"))}), flush=True)
-  print(f"metrics {workdir / METRICS_FILE}, plot {plot_path}, "
-        f"checkpoints {workdir / CHECKPOINT_DIR}", flush=True)
+  _print_done(result, workdir)
   return result
+
+
+def _print_done(result: dict[str, Any], workdir: pathlib.Path) -> None:
+  shown = {k: v for k, v in result.items() if k.startswith(("loss", "eval_"))}
+  print(f"done: step {result.get('step')}, {_format(shown)}", flush=True)
+  print(f"metrics {workdir / METRICS_FILE}, plot {workdir / PLOT_FILE}, "
+        f"checkpoints {workdir / CHECKPOINT_DIR}", flush=True)
 
 
 def _final_metrics(workdir: pathlib.Path) -> dict[str, Any]:
