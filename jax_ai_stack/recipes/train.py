@@ -451,8 +451,10 @@ def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
     result = _final_metrics(workdir)
     _print_done(result, workdir)
     return result
-  result = train(session, stop_after=stop_after)
-  session.manager.close()
+  try:
+    result = train(session, stop_after=stop_after)
+  finally:
+    session.manager.close()
   if result["stopped_by"]:
     print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
           "Run the same command again to resume.", flush=True)
