@@ -1,0 +1,128 @@
+"""Smoke tests of benchmarks/: each main() runs at a tiny size and writes its JSON.
+
+The speed targets themselves live in the benchmarks, not here: these tests
+check that the benchmarks run, measure something, and report it in the shape
+that readers of benchmarks/results/*.json expect.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+  """Imports benchmarks/<name>.py (a script folder, not a package)."""
+  module_name = f"_benchmark_{name}"
+  if module_name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[module_name]
+
+
+@pytest.fixture(scope="module")
+def train_step():
+  return _load("train_step")
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+  return _load("checkpoint")
+
+
+def test_train_step_quick_writes_positive_figures(train_step, tmp_path):
+  out = tmp_path / "train_step.json"
+  returned = train_step.main(["--quick", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  assert results["matmul_peak_tflops"] > 0
+  size = results["sizes"]["quick"]
+  expected = {"recipe", "hand_written", "nnx_jit"}
+  if train_step.has_tree_mode_jit():
+    expected.add("nnx_jit_tree")
+  assert set(size["variants"]) == expected
+  for name, timing in size["variants"].items():
+    for key in ("ms_per_step", "ms_per_step_min", "tokens_per_s", "mfu"):
+      assert timing[key] > 0, (name, key, timing[key])
+  assert size["flops_per_step"] > 0 and size["tokens_per_step"] == 2 * 16
+  assert size["ratio_recipe_vs_hand_written"] > 0 and size["ratio_recipe_vs_hand_written_min"] > 0
+  assert isinstance(size["met_target"], bool)
+  # Same init, same batch, same optimizer: every way of jitting gives the same bits.
+  assert size["bitwise_identical"], size["equality_vs_recipe"]
+
+
+def test_train_step_compare_params_reports_a_difference(train_step):
+  reference = train_step.Variant("recipe", None, lambda: {"w": np.zeros(3, np.float32)})
+  same = train_step.Variant("same", None, lambda: {"w": np.zeros(3, np.float32)})
+  off = train_step.Variant("off", None, lambda: {"w": np.array([0, 0, 2**-20], np.float32)})
+  result = train_step.compare_params([reference, same, off])
+  assert result["same"] == {"bitwise_identical": True, "max_abs_diff": 0.0}
+  assert result["off"] == {"bitwise_identical": False, "max_abs_diff": 2**-20}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "tiny,huge"], "unknown size huge; choose from tiny, medium, quick"),
+    (["--repeats", "0"], "must be an integer >= 1, got '0'"),
+    (["--min-chunk-seconds", "-1"], "must be a number >= 0, got '-1'"),
+])
+def test_train_step_rejects_bad_arguments(train_step, capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    train_step.parse_args(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_checkpoint_quick_writes_positive_figures_and_cleans_up(checkpoint, tmp_path):
+  out = tmp_path / "results" / "checkpoint.json"
+  workdir = tmp_path / "disk"
+  workdir.mkdir()
+  checkpoint.main(["--quick", "--dir", str(workdir), "--out", str(out)])
+  results = json.loads(out.read_text())
+  for key in ("sync_save_s", "async_blocking_s", "async_total_s", "raw_write_s",
+              "sync_save_mb_per_s", "raw_write_mb_per_s", "save_vs_raw_throughput",
+              "async_blocking_ratio", "bytes_on_disk"):
+    assert results[key] > 0, (key, results[key])
+  assert results["state_bytes"] == 4 * 2**20
+  assert results["async_total_s"] >= results["async_blocking_s"]
+  assert isinstance(results["met_target"], bool)
+  assert results["directory"] == str(workdir)
+  assert list(workdir.iterdir()) == []  # Checkpoints and the raw file are gone.
+
+
+def test_checkpoint_raw_write_writes_every_byte(checkpoint, tmp_path, monkeypatch):
+  written = []
+  real_write = checkpoint.os.write
+  monkeypatch.setattr(checkpoint.os, "write", lambda fd, b: written.append(len(b)) or real_write(fd, b))
+  data = np.arange(1000, dtype=np.float32)
+  seconds = checkpoint.raw_write_seconds(tmp_path, [memoryview(data).cast("B")])
+  assert seconds > 0 and sum(written) == data.nbytes
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size-mb", "0"], "must be a number > 0, got '0'"),
+    (["--rounds", "two"], "must be a number > 0, got 'two'"),
+    (["--dir", "/no/such/dir"], "'/no/such/dir' is not an existing directory"),
+])
+def test_checkpoint_rejects_bad_arguments(checkpoint, capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    checkpoint.parse_args(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_checkpoint_refuses_a_disk_without_room(checkpoint, tmp_path, monkeypatch, capsys):
+  usage = checkpoint.shutil.disk_usage(tmp_path)
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage._replace(free=2**20))
+  with pytest.raises(SystemExit, match=r"has 1 MiB free; --size-mb 4 needs about 12 MiB"):
+    checkpoint.main(["--quick", "--dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
+  assert list(tmp_path.iterdir()) == []  # Nothing written, the temporary directory removed.
