@@ -254,3 +254,9 @@ def test_autotuned_attention_is_pinned_on_resume(tmp_path, capsys):
   assert path.stat().st_mtime_ns == tuned_at  # Loaded on resume, not tuned again.
   out = capsys.readouterr().out
   assert out.count("pinned by autotune file") == 2
+
+
+@pytest.mark.slow
+def test_digits_preset_reaches_95_percent_validation_accuracy(tmp_path):
+  result = train.run(config.load("digits-cnn", overrides=["train.progress=false"]), tmp_path)
+  assert result["eval_accuracy"] > 0.95
