@@ -114,7 +114,8 @@ def _print_table(report: dict) -> None:
     print(f"{p['name']:<{width}}  {p['pinned']:<10}  {installed:<10}  {status}")
   counts = {}
   for p in report["packages"]:
-    counts[p["status"]] = counts.get(p["status"], 0) + 1
+    label = "not installed (optional)" if p["status"] == "absent" else p["status"]
+    counts[label] = counts.get(label, 0) + 1
   print()
   print("Summary     " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
   if report["limitations"]:

@@ -260,3 +260,11 @@ def test_autotuned_attention_is_pinned_on_resume(tmp_path, capsys):
 def test_digits_preset_reaches_95_percent_validation_accuracy(tmp_path):
   result = train.run(config.load("digits-cnn", overrides=["train.progress=false"]), tmp_path)
   assert result["eval_accuracy"] > 0.95
+
+
+def test_cli_names_the_extra_when_scikit_learn_is_missing(tmp_path, capsys, monkeypatch):
+  for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+    monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` now fails.
+  assert cli.main(["train", "digits-cnn", "--workdir", str(tmp_path)]) == 2
+  assert "jax-ai-stack[digits]" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def _errors():
   from jax_ai_stack.recipes import checkpoint, configlib, train
 
   return (configlib.ConfigError, checkpoint.CheckpointMismatchError, train.WorkdirError,
-          kernels.AutotuneError, FileNotFoundError, ValueError)
+          kernels.AutotuneError, FileNotFoundError, ImportError, ValueError)
 
 
 def run_train(args: argparse.Namespace) -> int:
