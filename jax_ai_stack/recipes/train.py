@@ -78,16 +78,16 @@ def _check_writable(workdir: pathlib.Path) -> None:
     raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
 
 
-def _create(config: RecipeConfig) -> tuple[nnx.Module, nnx.Optimizer]:
-  """Model and optimizer initialised in one compiled program (eagerly, every
-  parameter initialiser would compile on its own: seconds on a small CPU)."""
+def _create(config: RecipeConfig, *, abstract: bool = False) -> tuple[nnx.Module, nnx.Optimizer]:
+  """Model and optimizer, initialised in one compiled program (eagerly, every
+  parameter initialiser would compile on its own: seconds on a small CPU).
+  `abstract`: shapes only (`nnx.eval_shape`), to restore a checkpoint into."""
 
-  @nnx.jit
   def create():
     model = build_model(config.model, config.train.seed)
     return model, build_optimizer(config, model)
 
-  return create()
+  return nnx.eval_shape(create) if abstract else nnx.jit(create)()
 
 
 @dataclasses.dataclass
@@ -123,33 +123,38 @@ def open_session(config: RecipeConfig, workdir: str | pathlib.Path, *, resume: s
   workdir = pathlib.Path(workdir)
   _check_writable(workdir)
   seed = config.train.seed
-  model, optimizer = _create(config)
   is_lm = isinstance(config.model, LlamaConfig)
   loss_fn = step.lm_loss if is_lm else step.classification_loss
-  train_step, eval_step, state = step.make_steps(model, optimizer, loss_fn)
-
   tokenizer = data.build_tokenizer(config.data) if is_lm else None
   if is_lm and tokenizer.vocab_size > config.model.vocab_size:
     raise configlib.ConfigError(
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
         f"vocabulary ({tokenizer.vocab_size} ids)"
     )
-  train_iterator = iter(data.build_dataset(config.data, split="train", seed=seed))
+  train_data = data.build_dataset(config.data, split="train", seed=seed)
+  train_iterator = iter(train_data)
   validation = data.build_dataset(config.data, split="validation", seed=seed)
 
   manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
-  start_step, metadata = 0, {}
-  if manager.latest_step() is not None:
-    if resume == "never":
-      raise WorkdirError(
-          f"workdir {workdir} already has checkpoints (newest step {manager.latest_step()}) and "
-          "resume is 'never': choose another --workdir, or resume with --resume auto"
-      )
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  if manager.latest_step() is not None and resume == "never":
+    raise WorkdirError(
+        f"workdir {workdir} already has checkpoints (newest step {manager.latest_step()}) and "
+        "resume is 'never': choose another --workdir, or resume with --resume auto"
+    )
+  restored = None
+  if manager.latest_step() is not None:  # Restore into shapes; no initialisation needed.
+    model, optimizer = _create(config, abstract=True)
+    train_step, eval_step, abstract = step.make_steps(model, optimizer, loss_fn)
     restored = checkpoint.restore(manager, abstract, train_iterator)
-    if restored is not None:
-      state, start_step, metadata = restored.state, restored.step, restored.metadata
-      _warn_config_changes(metadata.get("config", {}), configlib.to_dict(config))
+  if restored is None:
+    train_iterator = iter(train_data)  # A failed restore may have moved it.
+    model, optimizer = _create(config)
+    train_step, eval_step, state = step.make_steps(model, optimizer, loss_fn)
+    start_step, metadata = 0, {}
+  else:
+    state, start_step, metadata = restored.state, restored.step, restored.metadata
+    step.merge(model, optimizer, state)  # The abstract objects now hold the restored arrays.
+    _warn_config_changes(metadata.get("config", {}), configlib.to_dict(config))
   if is_lm:
     metadata = {**metadata, "attention": _attention_choice(config, metadata.get("attention"))}
   return Session(config, workdir, model, optimizer, train_step, eval_step, state, manager,
