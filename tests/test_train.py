@@ -72,6 +72,8 @@ def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   stopped = train.run(tiny_config(), tmp_path, stop_after=7)  # Not a multiple of save_every.
   assert stopped["step"] == 7 and stopped["stopped_by"]
   assert not (tmp_path / train.PLOT_FILE).exists()
+  with open(tmp_path / train.METRICS_FILE, "a") as f:
+    f.write('{"step": 8, "split": "tr')  # A line torn by a kill mid-write.
   resumed = train.run(tiny_config(), tmp_path)
   assert resumed["step"] == STEPS
   assert train_losses(tmp_path) == train_losses(ref_dir)

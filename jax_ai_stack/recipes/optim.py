@@ -8,12 +8,13 @@ the step is simpler to log than digging it out of the optimizer state.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> tx = build(OptimConfig(name="sgd", learning_rate=0.1, schedule="constant",
-  ...                        warmup_steps=0, grad_clip_norm=None), total_steps=10)
+  >>> config = OptimConfig(name="sgd", learning_rate=0.5, schedule="constant",
+  ...                      warmup_steps=0, b1=0.0, weight_decay=0.0, grad_clip_norm=None)
+  >>> tx = build(config, total_steps=10)
   >>> params = {"w": jnp.ones(2)}
   >>> updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
-  >>> updates["w"].tolist()
-  [-0.10000000149011612, -0.10000000149011612]
+  >>> updates["w"].tolist()  # Plain SGD: -learning_rate * gradient.
+  [-0.5, -0.5]
 """
 
 from __future__ import annotations

@@ -256,9 +256,8 @@ class MetricsLog:
   def __init__(self, workdir: pathlib.Path, start_step: int):
     self.path = workdir / METRICS_FILE
     if self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= start_step]
-      self.path.write_text("".join(line + "\n" for line in kept))
+      kept = [r for r in read_metrics(workdir) if r["step"] <= start_step]
+      self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     self._file = self.path.open("a", encoding="utf-8")
     from tensorboardX import SummaryWriter
 
@@ -277,10 +276,17 @@ class MetricsLog:
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+  """The records of metrics.jsonl; a line torn by a killed process is skipped."""
   path = pathlib.Path(workdir) / METRICS_FILE
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  records = []
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
 
 
 def _metadata(session: Session, step_number: int) -> dict:
