@@ -297,7 +297,8 @@ def _compute_capability(backend: Backend) -> float | None:
 def _cudnn_check(request: Request, backend: Backend) -> str | None:
   capability = _compute_capability(backend)
   if capability is None:  # Only CUDA devices report an "X.Y" compute capability.
-    return f"cuDNN needs an NVIDIA GPU (device: {backend.device_kind or 'unknown'})"
+    return (f"cuDNN needs an NVIDIA GPU reporting a CUDA compute capability "
+            f"(device: {backend.device_kind or 'unknown'}, none reported)")
   max_head_dim = 256 if capability >= 9.0 else 128
   if request.head_dim > max_head_dim:
     return f"head_dim {request.head_dim} > {max_head_dim} (cuDNN limit on this GPU)"
@@ -307,7 +308,7 @@ def _cudnn_check(request: Request, backend: Backend) -> str | None:
 def _mosaic_gpu_check(request: Request, backend: Backend) -> str | None:
   return _tokamax_window_check(request, backend) or (
       None if (_compute_capability(backend) or 0.0) >= 8.0
-      else f"Mosaic GPU needs compute capability >= 8.0 (device: {backend.compute_capability})"
+      else f"Mosaic GPU needs compute capability >= 8.0 (device reports {backend.compute_capability or 'none'})"
   )
 
 
