@@ -14,6 +14,8 @@ _SUBMODULES = (
     "data",
     "models",
     "optim",
+    "pytree",
+    "step",
     "train",
 )
 __all__ = list(_SUBMODULES)
