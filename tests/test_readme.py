@@ -34,3 +34,17 @@ def test_notebook_example_runs(tmp_path, monkeypatch):
 
   assert isinstance(namespace["model"], nnx.Module)
   assert isinstance(namespace["optimizer"], nnx.Optimizer)
+
+
+def test_readme_table_matches_the_matrix():
+  from jax_ai_stack import compat
+
+  columns = ["jax", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore", "qwix",
+             "tokamax", "numpy"]
+  for row in compat.load_matrix(ROOT / compat.MATRIX_FILENAME).rows:
+    if row.accelerator != "cpu":
+      continue
+    line = next(l for l in README.splitlines() if l.startswith(f"| Python {row.python}, cpu |"))
+    cells = [c.strip() for c in line.strip("|").split("|")][1:len(columns) + 1]
+    assert cells[0] == f"{row.packages['jax']}", row.name
+    assert cells == [row.packages[c] for c in columns], row.name
