@@ -12,6 +12,7 @@ _SUBMODULES = (
     "config",
     "configlib",
     "data",
+    "metrics",
     "models",
     "optim",
     "pytree",
