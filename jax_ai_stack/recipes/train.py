@@ -61,9 +61,14 @@ def build_model(config: LlamaConfig | CNNConfig, seed: int) -> nnx.Module:
   return CNN(config, rngs=rngs)
 
 
+def optimizer_updates(config: RecipeConfig) -> int:
+  """Optimizer updates in the run: the schedule's length (accumulation groups steps)."""
+  return max(config.train.steps // config.optim.accumulate_steps, 1)
+
+
 def build_optimizer(config: RecipeConfig, model: nnx.Module) -> nnx.Optimizer:
-  updates = max(config.train.steps // config.optim.accumulate_steps, 1)
-  return nnx.Optimizer(model, optim.build(config.optim, total_steps=updates), wrt=nnx.Param)
+  tx = optim.build(config.optim, total_steps=optimizer_updates(config))
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _check_writable(workdir: pathlib.Path) -> None:
@@ -268,7 +273,7 @@ def train(session: Session, *, stop_after: int | None = None) -> dict[str, Any]:
   config = session.config
   total = config.train.steps
   metrics_log = MetricsLog(session.workdir, session.start_step)
-  schedule = jax.jit(optim.build_schedule(config.optim, max(total // config.optim.accumulate_steps, 1)))
+  schedule = jax.jit(optim.build_schedule(config.optim, optimizer_updates(config)))
   per_step = config.data.batch_size * (config.data.seq_len if session.is_lm else 1)
   unit = "tokens/s" if session.is_lm else "examples/s"
   progress = _progress_bar(config, session.start_step)
