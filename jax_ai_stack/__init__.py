@@ -8,7 +8,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("cli", "compat", "kernels", "recipes")
+_SUBMODULES = ("cli", "compat", "errors", "kernels", "recipes")
 __all__ = ["__version__", *_SUBMODULES]
 
 

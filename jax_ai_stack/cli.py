@@ -11,16 +11,14 @@ import argparse
 import importlib
 import sys
 
+from jax_ai_stack.errors import UsageError
+
 # Modules that register subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
     "jax_ai_stack.kernels.cli",
 )
-
-
-class UsageError(Exception):
-  """Bad input from the user: printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

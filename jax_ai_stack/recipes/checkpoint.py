@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jax_ai_stack.errors import CheckpointMismatchError
 from jax_ai_stack.recipes import pytree
 from jax_ai_stack.recipes.configlib import config_dataclass
 
@@ -50,10 +51,6 @@ class CheckpointConfig:
       raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
     if self.keep_every is not None and self.keep_every < 1:
       raise ValueError(f"checkpoint.keep_every must be >= 1 or null, got {self.keep_every}")
-
-
-class CheckpointMismatchError(ValueError):
-  """The checkpoint in the workdir does not fit the model the config builds."""
 
 
 @dataclasses.dataclass

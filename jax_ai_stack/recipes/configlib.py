@@ -27,6 +27,7 @@ import yaml
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
 from jax_ai_stack import yamlio
+from jax_ai_stack.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -38,8 +39,6 @@ def config_dataclass(cls: type[T]) -> type[T]:
   return _pydantic_dataclass(frozen=True, config=_CONFIG)(cls)
 
 
-class ConfigError(ValueError):
-  """A config that does not validate; the message names field, value and source."""
 
 
 def _union_members(tp: Any) -> dict[str, type]:

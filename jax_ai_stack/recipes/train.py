@@ -33,6 +33,7 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import checkpoint, configlib, data, optim, step
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
@@ -47,10 +48,6 @@ CHECKPOINT_DIR = "checkpoints"
 
 class TrainingError(RuntimeError):
   """Training cannot go on (a NaN loss, say); the last good checkpoint stays."""
-
-
-class WorkdirError(ValueError):
-  """The workdir cannot be used: not writable, or holds a run that does not fit."""
 
 
 def build_model(config: LlamaConfig | CNNConfig, seed: int) -> nnx.Module:
