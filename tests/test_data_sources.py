@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 import sysconfig
 
 import numpy as np
 import pytest
 
+from jax_ai_stack.errors import ConfigError, DataError, MissingExtraError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.data import DataConfig, load_corpus, load_digits, sources, stdlib_files
-from jax_ai_stack.recipes.data.corpus import hash_fraction
+from jax_ai_stack.recipes.data.corpus import held_out_chunks
 
 BOS, EOS = 256, 257
 
@@ -62,22 +64,55 @@ def test_text_files_and_globs(tmp_path):
   assert sorted(docs) == sorted(expected)
 
 
+TEXT = b"plain text around one bad byte: "
+
+
 @pytest.mark.parametrize(
-    "policy, expected", [("replace", "ab\ufffdc".encode()), ("ignore", b"abc")]
+    "policy, expected", [("replace", TEXT + "ab\ufffdc".encode()), ("ignore", TEXT + b"abc")]
 )
-def test_invalid_utf8_follows_the_policy(tmp_path, policy, expected):
-  (tmp_path / "bad.txt").write_bytes(b"ab\xffc")
+def test_invalid_utf8_follows_the_policy_and_says_how_many_bytes(tmp_path, caplog, policy,
+                                                                  expected):
+  (tmp_path / "bad.txt").write_bytes(TEXT + b"ab\xffc")
   config = DataConfig(source="text", paths=(str(tmp_path / "bad.txt"),),
                       encoding_errors=policy, validation_fraction=0.0)
-  assert _all_documents(config) == [expected]
+  with caplog.at_level("WARNING"):
+    assert _all_documents(config) == [expected]
+  assert re.search(r"bad\.txt: 1 of 36 bytes are not UTF-8 and were (replaced|dropped)",
+                   caplog.text)
 
 
 def test_invalid_utf8_strict_names_the_file_and_byte(tmp_path):
-  (tmp_path / "bad.txt").write_bytes(b"abc\xff")
+  (tmp_path / "bad.txt").write_bytes(TEXT + b"abc\xff")
   config = DataConfig(source="text", paths=(str(tmp_path / "bad.txt"),),
                       encoding_errors="strict")
-  with pytest.raises(ValueError, match=r"bad\.txt: invalid UTF-8 at byte 3"):
+  with pytest.raises(DataError, match=r"bad\.txt: invalid UTF-8 at byte 35"):
     load_corpus(config)
+
+
+@pytest.mark.parametrize("policy", ["replace", "ignore", "strict"])
+def test_a_binary_file_is_named_as_not_text(tmp_path, policy):
+  rng = np.random.default_rng(0)
+  (tmp_path / "notes.bin").write_bytes(rng.integers(1, 256, 2000, dtype=np.uint8).tobytes())
+  config = DataConfig(source="text", paths=(str(tmp_path / "notes.bin"),),
+                      encoding_errors=policy)
+  verb = {"replace": "replaced", "ignore": "dropped", "strict": "found"}[policy]
+  with pytest.raises(DataError, match=rf"data\.paths: .*notes\.bin is not UTF-8 text \("
+                                      rf"\d{{3,4}} of 2000 bytes {verb}\)"):
+    load_corpus(config)
+
+
+def test_nul_bytes_make_a_file_binary_even_when_it_decodes(tmp_path):
+  (tmp_path / "utf16.txt").write_bytes("valid UTF-8, but UTF-16".encode("utf-16-le"))
+  config = DataConfig(source="text", paths=(str(tmp_path / "utf16.txt"),))
+  with pytest.raises(DataError, match=r"utf16\.txt is not UTF-8 text \(0 of 46 bytes"
+                                      r" replaced, 23 NUL bytes\)"):
+    load_corpus(config)
+
+
+def test_the_stdlib_corpus_is_trusted_text():
+  # A few stdlib test modules are in other encodings on purpose: no error, no warning.
+  text = sources.read_texts(DataConfig())
+  assert sum(1 for _ in text) == len(stdlib_files())
 
 
 def test_a_glob_matching_nothing_is_named(tmp_path):
@@ -85,15 +120,16 @@ def test_a_glob_matching_nothing_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"data\.paths\[0\]=.*\*\.nothing.*matches no file"):
     load_corpus(config)
   config = DataConfig(source="text", paths=(str(tmp_path / "missing.txt"),))
-  with pytest.raises(FileNotFoundError, match=r"missing\.txt.*no such file"):
+  with pytest.raises(DataError, match=r"missing\.txt.*no such file") as raised:
     load_corpus(config)
+  assert isinstance(raised.value, FileNotFoundError)  # both a user error and a missing file
 
 
 def test_an_empty_corpus_is_an_error(tmp_path):
   (tmp_path / "a.txt").write_text("")
   (tmp_path / "b.txt").write_text("")
   config = DataConfig(source="text", paths=(str(tmp_path / "*.txt"),))
-  with pytest.raises(ValueError, match=r"corpus is empty.*source='text'"):
+  with pytest.raises(DataError, match=r"corpus is empty.*source='text'"):
     load_corpus(config)
 
 
@@ -108,7 +144,9 @@ def test_split_is_by_document_content_not_order(tmp_path):
   texts = _write_texts(tmp_path, 200)
   config = DataConfig(source="text", paths=(str(tmp_path / "*.txt"),), validation_fraction=0.2)
   held_out = set(_documents(load_corpus(config)["validation"]))
-  expected = {t.encode() for t in texts if hash_fraction(t.encode()) < 0.2}
+  # Each document is shorter than a chunk: it moves whole, by its own content.
+  expected = {t.encode() for t in texts
+              if held_out_chunks(t.encode(), len(t) + 2, 512, 0.2).tolist() == [True]}
   assert held_out == expected and 10 < len(held_out) < 80
   # Another order and extra documents move no document across the split.
   (tmp_path / "aaa_first.txt").write_text("a new document")
@@ -146,7 +184,7 @@ def test_npy_files_are_memory_mapped(tmp_path):
 def test_npy_ids_outside_the_vocabulary_are_named(tmp_path):
   np.save(tmp_path / "big.npy", np.array([1, 2, 259, 3], dtype=np.int32))
   config = DataConfig(source="npy", paths=(str(tmp_path / "big.npy"),))
-  with pytest.raises(ValueError, match=r"big\.npy: token id 259 at index 2 .*\[0, 259\)"):
+  with pytest.raises(DataError, match=r"big\.npy: token id 259 at index 2 .*\[0, 259\)"):
     load_corpus(config)
   np.save(tmp_path / "neg.npy", np.array([1, -1], dtype=np.int32))
   config = DataConfig(source="npy", paths=(str(tmp_path / "neg.npy"),))
@@ -158,7 +196,7 @@ def test_npy_ids_outside_the_vocabulary_are_named(tmp_path):
 def test_npy_must_be_1d_integers(tmp_path, array):
   np.save(tmp_path / "odd.npy", array)
   config = DataConfig(source="npy", paths=(str(tmp_path / "odd.npy"),))
-  with pytest.raises(ValueError, match=r"odd\.npy: expected a 1-D integer token array"):
+  with pytest.raises(DataError, match=r"odd\.npy: expected a 1-D integer token array"):
     load_corpus(config)
 
 
@@ -179,7 +217,7 @@ def test_arrayrecord_records_are_documents(tmp_path):
 def test_a_broken_arrayrecord_file_is_named(tmp_path):
   (tmp_path / "junk.arrayrecord").write_bytes(b"not an array record")
   config = DataConfig(source="arrayrecord", paths=(str(tmp_path / "junk.arrayrecord"),))
-  with pytest.raises(ValueError, match=r"junk\.arrayrecord: not a readable ArrayRecord file"):
+  with pytest.raises(DataError, match=r"junk\.arrayrecord: not a readable ArrayRecord file"):
     load_corpus(config)
 
 
@@ -202,10 +240,10 @@ def test_parquet_without_the_column_is_named(tmp_path):
   _write_parquet(tmp_path / "a.parquet", body=["x"], id=[1])
   config = DataConfig(source="parquet", paths=(str(tmp_path / "a.parquet"),))
   message = r"a\.parquet: no column 'text' \(data\.text_column\).*body, id"
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(DataError, match=message):
     load_corpus(config)
   config = DataConfig(source="parquet", paths=(str(tmp_path / "a.parquet"),), text_column="id")
-  with pytest.raises(ValueError, match=r"column 'id' .* holds int64, not text"):
+  with pytest.raises(DataError, match=r"column 'id' .* holds int64, not text"):
     load_corpus(config)
 
 
@@ -219,8 +257,29 @@ def test_digits_images_and_labels():
 
 def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now fails
-  with pytest.raises(ImportError, match=r"jax-ai-stack\[digits\]"):
+  with pytest.raises(MissingExtraError, match=r"jax-ai-stack\[digits\]"):
     load_digits()
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+  (tmp_path / "a.parquet").write_bytes(b"PAR1")
+  monkeypatch.setitem(sys.modules, "pyarrow", None)
+  config = DataConfig(source="parquet", paths=(str(tmp_path / "a.parquet"),))
+  with pytest.raises(MissingExtraError, match=r"pyarrow.*jax-ai-stack\[parquet\]"):
+    load_corpus(config)
+
+
+def test_a_binary_parquet_column_is_named(tmp_path):
+  _write_parquet(tmp_path / "blobs.parquet", text=[b"\x00\x01\x02\xff" * 10, b"ok"])
+  config = DataConfig(source="parquet", paths=(str(tmp_path / "blobs.parquet"),))
+  with pytest.raises(DataError, match=r"blobs\.parquet is not UTF-8 text \(10 of 42 bytes"
+                                      r" replaced, 10 NUL bytes\)"):
+    load_corpus(config)
+
+
+def test_a_digits_config_has_no_token_corpus():
+  with pytest.raises(ConfigError, match=r"data\.source='digits' is a labelled image set"):
+    load_corpus(DataConfig(source="digits"))
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -229,6 +288,7 @@ def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
     ({"seq_len": 0}, "seq_len must be >= 1"),
     ({"validation_fraction": 1.0}, r"validation_fraction must be in \[0, 1\)"),
     ({"max_documents": 0}, "max_documents"),
+    ({"split_chunk_tokens": 0}, "split_chunk_tokens must be >= 1"),
     ({"num_workers": -1}, "num_workers"),
     ({"source": "csv"}, "source"),
     ({"seq_length": 4}, "did you mean 'seq_len'"),

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from jax_ai_stack.errors import ConfigError, DataError, MissingExtraError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.data import (
     ByteTokenizer,
@@ -124,8 +125,18 @@ def test_dataset_through_a_huggingface_tokenizer(tmp_path):
 @pytest.mark.parametrize("kind", ["huggingface", "sentencepiece"])
 def test_a_missing_tokenizer_file_is_named(tmp_path, kind):
   missing = str(tmp_path / "nope.bin")
-  with pytest.raises(FileNotFoundError, match=rf"tokenizer_path=.*nope\.bin.*{kind}"):
+  with pytest.raises(FileNotFoundError, match=rf"tokenizer_path=.*nope\.bin.*{kind}") as raised:
     build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=missing))
+  assert isinstance(raised.value, DataError)
+
+
+@pytest.mark.parametrize("kind, package", [("huggingface", "tokenizers"),
+                                           ("sentencepiece", "sentencepiece")])
+def test_a_file_that_is_no_tokenizer_is_named(tmp_path, kind, package):
+  pytest.importorskip(package)
+  (tmp_path / "junk.json").write_text("not a tokenizer")
+  with pytest.raises(DataError, match=rf"tokenizer_path=.*junk\.json.*not a {kind} tokenizer"):
+    build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=str(tmp_path / "junk.json")))
 
 
 def test_a_file_tokenizer_needs_a_path():
@@ -134,7 +145,7 @@ def test_a_file_tokenizer_needs_a_path():
 
 
 def test_digits_has_no_vocabulary():
-  with pytest.raises(ValueError, match="digits"):
+  with pytest.raises(ConfigError, match="data.source='digits' is a labelled image set"):
     vocab_size(DataConfig(source="digits"))
 
 
@@ -143,5 +154,5 @@ def test_digits_has_no_vocabulary():
 def test_a_missing_tokenizer_package_names_the_extra(tmp_path, monkeypatch, kind, package):
   monkeypatch.setitem(sys.modules, package, None)  # importing it now fails
   (tmp_path / "tok").write_text("{}")
-  with pytest.raises(ImportError, match=rf"'{package}' .*jax-ai-stack\[tokenizers\]"):
+  with pytest.raises(MissingExtraError, match=rf"'{package}' .*jax-ai-stack\[tokenizers\]"):
     build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=str(tmp_path / "tok")))

@@ -10,8 +10,9 @@ Modules, in the order data flows:
   config      `DataConfig`
   sources     the stdlib corpus, text, .npy, ArrayRecord, Parquet, digits
   tokenizers  byte (default), Hugging Face `tokenizers`, SentencePiece
-  corpus      tokenize once, split train/validation by document hash
+  corpus      tokenize once, split train/validation by a hash of each chunk
   examples    windows, packing, digits: a whole batch per NumPy gather
+  permutation the stateless per-epoch order: a Feistel permutation per index
   pipeline    order (seed, epoch, index), per-process shards, workers, state
 
 With `num_workers > 0` Grain starts worker processes with `spawn`: a script
@@ -30,12 +31,14 @@ Example:
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.corpus import TokenCorpus, load_corpus
 from jax_ai_stack.recipes.data.examples import DigitsExamples, LMPacked, LMWindows
-from jax_ai_stack.recipes.data.pipeline import (
-    StepBatches,
-    build_dataset,
-    epoch_permutation,
+from jax_ai_stack.recipes.data.permutation import epoch_permutation, permute
+from jax_ai_stack.recipes.data.pipeline import StepBatches, build_dataset
+from jax_ai_stack.recipes.data.sources import (
+    DataFileNotFoundError,
+    load_digits,
+    resolve_paths,
+    stdlib_files,
 )
-from jax_ai_stack.recipes.data.sources import load_digits, resolve_paths, stdlib_files
 from jax_ai_stack.recipes.data.tokenizers import (
     ByteTokenizer,
     HuggingFaceTokenizer,
@@ -48,6 +51,7 @@ from jax_ai_stack.recipes.data.tokenizers import (
 __all__ = [
     "ByteTokenizer",
     "DataConfig",
+    "DataFileNotFoundError",
     "DigitsExamples",
     "HuggingFaceTokenizer",
     "LMPacked",
@@ -61,6 +65,7 @@ __all__ = [
     "epoch_permutation",
     "load_corpus",
     "load_digits",
+    "permute",
     "resolve_paths",
     "stdlib_files",
     "vocab_size",

@@ -1,9 +1,16 @@
-"""`DataConfig`: what the data recipes read, tokenize and batch."""
+"""`DataConfig`: what the data recipes read, tokenize and batch.
+
+Every source but one is a token corpus (documents -> tokens -> windows or
+packed rows); `digits` is a labelled image set. `DataConfig.is_token_source`
+is the one place that says which, and `require_token_source` the one error
+for asking an image set for tokens.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
+from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "digits"]
@@ -11,6 +18,8 @@ TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
 _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
+# Sources of documents that become tokens; the others are images with labels.
+TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
 
 
 @config_dataclass
@@ -32,7 +41,10 @@ class DataConfig:
   packing: bool = False
   """False: windows of seq_len+1 over the token stream; True: documents packed with segment ids."""
   validation_fraction: float | None = None
-  """Share of documents (digits: images) held out by hash; None: 0.05, or 0.2 for digits."""
+  """Share of chunks (digits: images) held out by hash; None: 0.05, or 0.2 for digits."""
+  split_chunk_tokens: int = 512
+  """Documents are cut into chunks of this many tokens before the train/validation split, so
+  one long file gives both splits; smaller chunks suit smaller corpora."""
   max_documents: int | None = None
   """Keep the first N non-empty documents in source order (the stdlib corpus is ~30 MB)."""
   num_workers: int = 0
@@ -44,31 +56,47 @@ class DataConfig:
 
   def __post_init__(self):
     if self.seq_len < 1:
-      raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
+      raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
     if self.batch_size < 1:
-      raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+      raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
     if self.num_workers < 0:
-      raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+      raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
     if self.prefetch_batches < 0:
-      raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+      raise ConfigError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+    if self.split_chunk_tokens < 1:
+      raise ConfigError(f"data.split_chunk_tokens must be >= 1, got {self.split_chunk_tokens}")
     if self.max_documents is not None and self.max_documents < 1:
-      raise ValueError(f"data.max_documents must be >= 1 or None, got {self.max_documents}")
+      raise ConfigError(f"data.max_documents must be >= 1 or None, got {self.max_documents}")
     if self.validation_fraction is not None and not 0 <= self.validation_fraction < 1:
-      raise ValueError(
+      raise ConfigError(
           f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"
       )
     if self.source in _PATH_SOURCES and not self.paths:
-      raise ValueError(f"data.paths: source={self.source!r} needs at least one file or glob")
+      raise ConfigError(f"data.paths: source={self.source!r} needs at least one file or glob")
     if self.source not in _PATH_SOURCES and self.paths:
-      raise ValueError(
+      raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
     if self.tokenizer != "byte" and not self.tokenizer_path:
-      raise ValueError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
+      raise ConfigError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
 
   @property
   def holdout_fraction(self) -> float:
     """`validation_fraction` with its per-source default filled in."""
     if self.validation_fraction is not None:
       return self.validation_fraction
-    return 0.2 if self.source == "digits" else 0.05
+    return 0.05 if self.is_token_source else 0.2
+
+  @property
+  def is_token_source(self) -> bool:
+    """True for the text and token sources; False for `digits` (images and labels)."""
+    return self.source in TOKEN_SOURCES
+
+
+def require_token_source(config: DataConfig, what: str) -> None:
+  """Raises `ConfigError` when `what` (a corpus, a vocabulary) is asked of an image set."""
+  if not config.is_token_source:
+    raise ConfigError(
+        f"data.source={config.source!r} is a labelled image set, not text or tokens: it has"
+        f" no {what}; use one of {', '.join(TOKEN_SOURCES)}"
+    )

@@ -1,11 +1,19 @@
-"""A tokenized corpus in memory, split into train and validation by document hash.
+"""A tokenized corpus in memory, split into train and validation by chunk hash.
 
 Documents are tokenized once and concatenated into one flat array per split,
 so that examples are later cut out by slicing, never by per-token Python.
 Text documents become `[BOS, *ids, EOS]`; pre-tokenized `.npy` documents are
-kept as they are. The split is by a hash of each document's content, not by
-its position: adding, removing or reordering other documents never moves a
-document between train and validation, and duplicates land on the same side.
+kept as they are.
+
+The split: each document is cut into chunks of `data.split_chunk_tokens`
+tokens (the last one shorter), and chunk k goes to validation when a hash of
+(the document's content, k) is below `data.validation_fraction`. So one long
+file gives both splits in the set proportion, while a document shorter than a
+chunk moves whole, as before. The side of a chunk depends on nothing but its
+document and its position there: adding, removing or reordering other
+documents never moves it, and duplicate documents land on the same side chunk
+by chunk. Consecutive chunks of a document on the same side stay one piece,
+so packing only starts a new segment where the split cut the document.
 
 The result is cached per (config fields that matter, file sizes and mtimes),
 so building the train and the validation dataset reads the files once.
@@ -21,8 +29,9 @@ from collections.abc import Iterable, Iterator, Sized
 
 import numpy as np
 
+from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import sources
-from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.config import DataConfig, require_token_source
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 
 Split = str  # "train" or "validation"
@@ -34,6 +43,9 @@ _cache: dict[tuple, dict[Split, TokenCorpus]] = {}
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenCorpus:
   """Documents of one split, back to back.
+
+  A "document" here is what the split kept of one: the whole document, or
+  each run of its consecutive chunks that fell on this side.
 
   Attributes:
     tokens: all token ids, uint16 when the vocabulary fits, else int32; read-only.
@@ -68,6 +80,39 @@ def hash_fraction(content: bytes) -> float:
   """A number in [0, 1) fixed by `content` alone (BLAKE2b; same on every machine)."""
   digest = hashlib.blake2b(content, digest_size=8).digest()
   return int.from_bytes(digest, "little") / 2.0**64
+
+
+def held_out_chunks(
+    content: bytes, num_tokens: int, chunk_tokens: int, fraction: float
+) -> np.ndarray:
+  """Which chunks of a document of `num_tokens` tokens go to validation.
+
+  Chunk k holds tokens [k * chunk_tokens, (k + 1) * chunk_tokens) and is held
+  out when `hash_fraction(digest(content) + k)` < `fraction`: a pure function
+  of the document and the position, so the split needs no global state.
+
+  Example:
+    >>> held_out_chunks(b"one long document", 2000, 512, 0.5).tolist()
+    [False, False, True, False]
+  """
+  digest = hashlib.blake2b(content, digest_size=16).digest()
+  num_chunks = -(-num_tokens // chunk_tokens)
+  return np.array(
+      [hash_fraction(digest + k.to_bytes(8, "little")) < fraction for k in range(num_chunks)],
+      dtype=bool,
+  )
+
+
+def split_document(
+    content: bytes, ids: np.ndarray, chunk_tokens: int, fraction: float
+) -> Iterator[tuple[bool, np.ndarray]]:
+  """`(held out, tokens)` of each run of consecutive chunks that land on one side."""
+  held_out = held_out_chunks(content, len(ids), chunk_tokens, fraction)
+  if not held_out.size:
+    return
+  cuts = (np.flatnonzero(held_out[1:] != held_out[:-1]) + 1).tolist()
+  for start, stop in zip([0, *cuts], [*cuts, len(held_out)]):
+    yield bool(held_out[start]), ids[start * chunk_tokens:stop * chunk_tokens]
 
 
 def _take_documents(
@@ -111,13 +156,13 @@ def _describe(config: DataConfig) -> str:
 def _build(config: DataConfig) -> dict[Split, TokenCorpus]:
   tokenizer = build_tokenizer(config)
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-  fraction = config.holdout_fraction
   splits: dict[Split, list[np.ndarray]] = {"train": [], "validation": []}
   for content, ids in _tokenized(config, tokenizer):
-    split = "validation" if hash_fraction(content) < fraction else "train"
-    splits[split].append(ids)
+    for held_out, piece in split_document(
+        content, ids, config.split_chunk_tokens, config.holdout_fraction):
+      splits["validation" if held_out else "train"].append(piece)
   if not splits["train"] and not splits["validation"]:
-    raise ValueError(f"data: the corpus is empty ({_describe(config)}): no non-empty document")
+    raise DataError(f"data: the corpus is empty ({_describe(config)}): no non-empty document")
   return {
       split: _concatenate(docs, dtype, f"{_describe(config)}, split={split!r}")
       for split, docs in splits.items()
@@ -139,20 +184,22 @@ def _cache_key(config: DataConfig) -> tuple:
     files.append(config.tokenizer_path)
   return (
       config.source, config.text_column, config.tokenizer, config.tokenizer_path,
-      config.max_documents, config.holdout_fraction, config.encoding_errors,
+      config.max_documents, config.holdout_fraction, config.split_chunk_tokens,
+      config.encoding_errors,
       tuple(map(_stamp, files)),
   )
 
 
 def load_corpus(config: DataConfig) -> dict[Split, TokenCorpus]:
-  """`{"train": TokenCorpus, "validation": TokenCorpus}` for an LM source.
+  """`{"train": TokenCorpus, "validation": TokenCorpus}` for a token source.
 
   Raises:
-    ValueError: the corpus is empty, or a file holds bad data (names the file).
-    FileNotFoundError: a path, glob or tokenizer file matches nothing.
+    DataError: the corpus is empty, or a file holds bad data (names the file);
+      a path, glob or tokenizer file that matches nothing is also a
+      FileNotFoundError.
+    ConfigError: the source is an image set.
   """
-  if config.source == "digits":
-    raise ValueError("data.source='digits' is an image set, not a token corpus")
+  require_token_source(config, "token corpus")
   key = _cache_key(config)
   if key not in _cache:
     corpus = _build(config)

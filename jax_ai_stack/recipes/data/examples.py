@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data.corpus import TokenCorpus
 
 
-def _too_short(corpus: TokenCorpus, seq_len: int) -> ValueError:
-  return ValueError(
+def _too_short(corpus: TokenCorpus, seq_len: int) -> DataError:
+  return DataError(
       f"data.seq_len={seq_len} is longer than the data: {corpus!r} holds"
       f" {corpus.num_tokens} tokens and an example needs seq_len + 1 ="
       f" {seq_len + 1}; lower data.seq_len or add documents"

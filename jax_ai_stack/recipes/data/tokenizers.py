@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.errors import DataError, MissingExtraError
+from jax_ai_stack.recipes.data.config import DataConfig, require_token_source
+from jax_ai_stack.recipes.data.sources import DataFileNotFoundError
 
 # Names under which tokenizer files commonly store their special tokens.
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
@@ -95,15 +97,20 @@ def _special_ids(find_id, base_size: int) -> tuple[tuple[int, int, int], int]:
 
 def _check_file(path: str | None, kind: str) -> pathlib.Path:
   if not path or not pathlib.Path(path).is_file():
-    raise FileNotFoundError(f"data.tokenizer_path={path!r}: no such file (tokenizer={kind!r})")
+    raise DataFileNotFoundError(
+        f"data.tokenizer_path={path!r}: no such file (tokenizer={kind!r})")
   return pathlib.Path(path)
 
 
-def _missing_extra(package: str) -> ImportError:
-  return ImportError(
+def _missing_extra(package: str) -> MissingExtraError:
+  return MissingExtraError(
       f"the {package!r} package is not installed; install the extra:"
       " pip install 'jax-ai-stack[tokenizers]'"
   )
+
+
+def _unreadable(path: str, kind: str, error: Exception) -> DataError:
+  return DataError(f"data.tokenizer_path={path!r}: not a {kind} tokenizer file: {error}")
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -115,7 +122,10 @@ class HuggingFaceTokenizer(Tokenizer):
     except ImportError:
       raise _missing_extra("tokenizers") from None
     self.path = str(_check_file(path, "huggingface"))
-    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(self.path)
+    except Exception as e:  # the library raises its own exception types
+      raise _unreadable(self.path, "huggingface", e) from None
     self._base_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def find(names):
@@ -144,7 +154,10 @@ class SentencePieceTokenizer(Tokenizer):
     except ImportError:
       raise _missing_extra("sentencepiece") from None
     self.path = str(_check_file(path, "sentencepiece"))
-    self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    except Exception as e:  # the library raises its own exception types
+      raise _unreadable(self.path, "sentencepiece", e) from None
     self._base_size = self._sp.get_piece_size()
     # SentencePiece reports -1 for a special token the model does not define.
     own = iter((self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()))
@@ -171,8 +184,9 @@ def build_tokenizer(config: DataConfig) -> Tokenizer:
   """The tokenizer named by `config.tokenizer`.
 
   Raises:
-    FileNotFoundError: `config.tokenizer_path` does not exist.
-    ImportError: the tokenizer's optional package is missing (names the extra).
+    DataFileNotFoundError: `config.tokenizer_path` does not exist.
+    DataError: the file is not a tokenizer of that kind.
+    MissingExtraError: the tokenizer's optional package is missing (names the extra).
   """
   if config.tokenizer == "byte":
     return ByteTokenizer()
@@ -182,7 +196,6 @@ def build_tokenizer(config: DataConfig) -> Tokenizer:
 
 
 def vocab_size(config: DataConfig) -> int:
-  """The vocabulary the model must cover (special ids included); LM sources only."""
-  if config.source == "digits":
-    raise ValueError("data.source='digits' is a 10-class image set; it has no vocabulary")
+  """The vocabulary the model must cover (special ids included); token sources only."""
+  require_token_source(config, "vocabulary")
   return build_tokenizer(config).vocab_size
