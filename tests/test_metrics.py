@@ -1,9 +1,15 @@
-"""metrics.jsonl and TensorBoard logs: written per step, cut back on resume, plotted."""
+"""metrics.jsonl and TensorBoard logs: written per step, cut back on resume, plotted;
+rewrites are atomic and a launch that writes nothing leaves no events file."""
 
 from __future__ import annotations
 
 import json
+import os
+import struct
 
+import pytest
+
+from jax_ai_stack import atomic
 from jax_ai_stack.recipes import metrics
 
 
@@ -16,6 +22,36 @@ def _log(workdir, start, steps):
   log.close()
 
 
+def _events_files(workdir):
+  return sorted((workdir / metrics.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def _scalars(events_file):
+  """(tag, step, value) of every scalar in a TFRecord events file."""
+  from tensorboardX.proto import event_pb2
+
+  data, found, offset = events_file.read_bytes(), [], 0
+  while offset + 12 <= len(data):
+    (length,) = struct.unpack("<Q", data[offset:offset + 8])
+    event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+    offset += 12 + length + 4  # Length, its CRC, the record, its CRC.
+    found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+  return found
+
+
+class _Killed(BaseException):
+  pass
+
+
+def _kill_before_rename(monkeypatch):
+  """Makes the next atomic replace die between writing the temp file and renaming it."""
+
+  def killed(*args):
+    raise _Killed
+
+  monkeypatch.setattr(atomic.os, "replace", killed)
+
+
 def test_resume_cuts_the_log_back_to_the_restored_step(tmp_path):
   _log(tmp_path, 0, range(1, 7))
   (tmp_path / metrics.METRICS_FILE).open("a").write('{"step": 7, "spl')  # Torn by a kill.
@@ -25,7 +61,17 @@ def test_resume_cuts_the_log_back_to_the_restored_step(tmp_path):
   assert train_steps == list(range(1, 9))
   assert [r["step"] for r in records if r["split"] == "eval"] == [2, 4, 6, 8]
   assert all(json.loads(line) for line in (tmp_path / metrics.METRICS_FILE).read_text().splitlines())
-  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  assert _events_files(tmp_path)
+
+
+def test_a_kill_while_cutting_back_keeps_the_whole_history(tmp_path, monkeypatch):
+  _log(tmp_path, 0, range(1, 7))
+  before = (tmp_path / metrics.METRICS_FILE).read_bytes()
+  _kill_before_rename(monkeypatch)
+  with pytest.raises(_Killed):
+    metrics.MetricsLog(tmp_path, start_step=4)
+  assert (tmp_path / metrics.METRICS_FILE).read_bytes() == before
+  assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -33,6 +79,37 @@ def test_plot_writes_a_png(tmp_path):
   path = metrics.plot(tmp_path)
   assert path == tmp_path / metrics.PLOT_FILE
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_kill_while_plotting_keeps_the_old_plot(tmp_path, monkeypatch):
+  _log(tmp_path, 0, range(1, 11))
+  before = metrics.plot(tmp_path).read_bytes()
+  _log(tmp_path, 10, range(11, 21))
+  _kill_before_rename(monkeypatch)
+  with pytest.raises(_Killed):
+    metrics.plot(tmp_path)
+  assert (tmp_path / metrics.PLOT_FILE).read_bytes() == before
+
+
+def test_a_launch_that_writes_nothing_leaves_no_events_file(tmp_path):
+  log = metrics.MetricsLog(tmp_path, start_step=0)
+  log.flush()
+  log.close()
+  _log(tmp_path, 0, [1])
+  log = metrics.MetricsLog(tmp_path, start_step=1)  # Resumed, then killed before a step.
+  log.close()
+  assert len(_events_files(tmp_path)) == 1
+
+
+def test_flush_makes_the_scalars_readable_before_close(tmp_path):
+  log = metrics.MetricsLog(tmp_path, start_step=0)
+  log.write(1, "train", {"loss": 0.5})
+  log.write(2, "train", {"loss": 0.25})
+  log.flush()
+  [events_file] = _events_files(tmp_path)
+  assert _scalars(events_file) == [("train/loss", 1, 0.5), ("train/loss", 2, 0.25)]
+  assert len(metrics.read_metrics(tmp_path)) == 2
+  log.close()
 
 
 def test_no_log_reads_as_empty(tmp_path):

@@ -5,19 +5,59 @@ optimizer state, RNG state: everything `nnx.split` returns), `data` (the Grain
 iterator position) and `meta` (the step, the resolved config, the kernel choice,
 as JSON). Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
 when complete, so a process killed mid-save never leaves a half step that
-`latest_step()` would return; `cleanup_tmp_directories` removes such leftovers.
+`latest_step()` would return; opening a manager removes such leftovers.
+
+Saves are asynchronous by default (`CheckpointConfig.async_save`): `save`
+returns once the arrays are copied to host memory and a background thread
+writes them. `restore` and `read_metadata` wait for a save in flight, `close()`
+waits, and a manager from `build_manager` also waits at interpreter exit, so a
+script that ends right after `save` still leaves the step on disk.
+
+Old steps (beyond `keep_last`, except multiples of `keep_every`) are deleted
+only after the new step is complete, in two moves that a kill cannot split:
+Orbax renames the step into `<checkpoint dir>/todelete/` and this module then
+removes it. Opening a manager finishes both, and applies the retention rule to
+what is on disk (a run killed right after its last save has one step too many).
 
 Restoring checks shapes before reading (a config that does not fit the
 checkpoint names the parameter and both shapes, and touches nothing), and falls
 back past a corrupt newest step to the previous good one, moving the corrupt
-directory aside rather than deleting anything.
+directory aside as `<step>.corrupt` rather than deleting anything. It prints one
+warning line per corrupt step; the full error, and everything the libraries
+printed meanwhile, goes to `checkpoint-errors.log` beside the checkpoint
+directory (in the workdir).
+
+Example:
+  >>> import grain
+  >>> from flax import nnx
+  >>> state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  >>> data = iter(grain.MapDataset.range(4).to_iter_dataset())
+  >>> manager = build_manager("checkpoints", CheckpointConfig())
+  >>> save(manager, 1, state, data, {"step": 1}, force=True)
+  True
+  >>> restored = restore(manager, nnx.eval_shape(lambda: state), data)
+  >>> restored.step, tree_equal(restored.state, state)
+  (1, True)
+  >>> manager.close()
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import functools
+import gc
 import logging
+import os
 import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
 from typing import Any
 
 import grain
@@ -25,12 +65,18 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_ai_stack.errors import CheckpointMismatchError
-from jax_ai_stack.recipes import pytree
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 log = logging.getLogger(__name__)
+
+TRASH_DIR = "todelete"
+"""Orbax's `todelete_subdir`: old steps are renamed into it, then removed."""
+ERROR_LOG = "checkpoint-errors.log"
+"""Beside the checkpoint directory: the full detail of each unreadable step."""
+_CORRUPT = ".corrupt"
 
 
 @config_dataclass
@@ -60,56 +106,228 @@ class Restored:
   metadata: dict
 
 
-def build_manager(directory: str | pathlib.Path, config: CheckpointConfig) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(
+# ---- the manager --------------------------------------------------------------
+
+
+class Manager(ocp.CheckpointManager):
+  """An Orbax `CheckpointManager` that cannot lose its last save at exit.
+
+  Built by `build_manager`. It registers itself to be closed (saves finished)
+  when the interpreter exits, and unregisters on `close()`; `close()` may be
+  called more than once.
+  """
+
+  read_only: bool = False
+  _closed: bool = False
+
+  def close(self) -> None:
+    """Waits for a save in flight, then releases Orbax's threads and files."""
+    if self._closed:
+      return
+    self._closed = True
+    _OPEN_MANAGERS.discard(self)
+    try:
+      # Orbax 0.12.8 starts removing leftover tmp dirs in a thread when the
+      # manager opens and awaits it only in save(); a manager closed without
+      # saving would leave that thread to die at interpreter exit, printing
+      # "cannot schedule new futures after interpreter shutdown".
+      self._maybe_await_cleanup_tmp_directory()
+      super().close()
+    finally:
+      if not self.read_only:
+        _empty_trash(self.directory, remove_dir=True)
+
+
+_OPEN_MANAGERS: weakref.WeakSet[Manager] = weakref.WeakSet()
+
+
+def _close_open_managers() -> None:
+  for manager in list(_OPEN_MANAGERS):
+    try:
+      manager.close()
+    except Exception as e:  # noqa: BLE001 - at exit, report and go on to the next manager.
+      log.error("a checkpoint save in %s failed: %s: %s", manager.directory, type(e).__name__, e)
+
+
+@functools.cache
+def _close_managers_at_exit() -> None:
+  """Registers `_close_open_managers` to run when the main thread ends.
+
+  A plain `atexit` hook runs too late: the interpreter first runs threading's
+  exit hooks, where `concurrent.futures` stops accepting work, and then joins
+  Orbax's finalize thread, which fails ("cannot schedule new futures after
+  interpreter shutdown") and leaves only `<step>.orbax-checkpoint-tmp`.
+  `threading._register_atexit` (what `concurrent.futures` itself uses) runs
+  hooks in reverse order of registration, so this one runs before that.
+  """
+  register = getattr(threading, "_register_atexit", None)
+  if register is None:  # Not CPython: the best a public API offers.
+    import atexit
+
+    atexit.register(_close_open_managers)
+  else:
+    register(_close_open_managers)
+
+
+def build_manager(
+    directory: str | pathlib.Path, config: CheckpointConfig, *, read_only: bool = False
+) -> Manager:
+  """A checkpoint manager for `directory`, saving the items `save` writes.
+
+  Saves are asynchronous unless `config.async_save` is False: `save` returns
+  while a background thread writes the step, and `manager.latest_step()`
+  already counts that step (Orbax's view) although it is only on disk as
+  `<step>.orbax-checkpoint-tmp` until the thread finishes. `restore` and
+  `read_metadata` wait for it; call `manager.wait_until_finished()` before
+  reading the directory yourself. Close the manager when done; if you do not,
+  it is closed (its save finished) when the interpreter exits.
+
+  Opening a writable manager creates `directory`, removes the leftovers of
+  killed saves and deletions, and deletes the steps that `keep_last` and
+  `keep_every` do not keep.
+
+  Args:
+    directory: the checkpoint directory (`<workdir>/checkpoints`).
+    config: when to save and which steps to keep (ignored when read-only).
+    read_only: for reading an archived run (`eval`, `generate`), possibly on a
+      read-only disk: nothing is created, cleaned up, moved or written, and
+      `save` does nothing. A corrupt step is then skipped, not moved aside.
+  """
+  directory = pathlib.Path(directory).absolute()
+  with _without_absl_warning("Given directory is read only"):  # Orbax says so at every open.
+    manager = Manager(directory, options=_options(config, read_only), item_handlers={
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    })
+  manager.read_only = read_only
+  if not read_only:
+    _OPEN_MANAGERS.add(manager)
+    _close_managers_at_exit()
+    try:
+      _empty_trash(manager.directory)  # First: Orbax cannot rename a step onto a leftover.
+      _apply_retention(manager, _preservation_policy(config))
+      _empty_trash(manager.directory, remove_dir=True)
+    except BaseException:
+      manager.close()
+      raise
+  return manager
+
+
+def _options(config: CheckpointConfig, read_only: bool) -> ocp.CheckpointManagerOptions:
+  if read_only:
+    # Orbax would force these itself for read_only=True, logging a warning for each.
+    return ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
+    )
+  return ocp.CheckpointManagerOptions(
       save_interval_steps=config.save_every,
-      max_to_keep=config.keep_last,
-      keep_period=config.keep_every,
+      preservation_policy=_preservation_policy(config),
       enable_async_checkpointing=config.async_save,
-      cleanup_tmp_directories=True,
+      cleanup_tmp_directories=True,  # Killed saves: <step>.orbax-checkpoint-tmp.
+      todelete_subdir=TRASH_DIR,  # Delete by rename: a kill never leaves half a step.
       create=True,
   )
-  return ocp.CheckpointManager(
-      pathlib.Path(directory).absolute(),
-      options=options,
-      item_handlers={
-          "state": ocp.StandardCheckpointHandler(),
-          "data": grain.checkpoint.CheckpointHandler(),
-          "meta": ocp.JsonCheckpointHandler(),
-      },
-  )
+
+
+@contextlib.contextmanager
+def _without_absl_warning(prefix: str):
+  """Drops absl log records whose message starts with `prefix`, meanwhile."""
+  absl_logger = logging.getLogger("absl")
+  drop = lambda record: not str(record.msg).startswith(prefix)  # noqa: E731
+  absl_logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(drop)
+
+
+def _preservation_policy(config: CheckpointConfig) -> policies.PreservationPolicy:
+  """keep_last latest steps, plus every multiple of keep_every."""
+  kept = [policies.LatestN(n=config.keep_last)]
+  if config.keep_every is not None:
+    kept.append(policies.EveryNSteps(interval_steps=config.keep_every))
+  return policies.AnyPreservationPolicy(kept)
+
+
+@dataclasses.dataclass
+class _StepInfo:
+  """What Orbax's preservation policies read of a step (`PolicyCheckpointInfo`)."""
+
+  step: int
+  time: datetime.datetime
+  metrics: dict | None = None
+
+
+def _apply_retention(manager: Manager, policy: policies.PreservationPolicy) -> None:
+  """Deletes the steps on disk that `policy` does not keep.
+
+  Orbax applies the policy only after a save, so a run killed after its last
+  save (before the deletion) would otherwise keep one step too many for good.
+  """
+  now = datetime.datetime.now(datetime.timezone.utc)
+  infos = [_StepInfo(step, now) for step in sorted(manager.all_steps())]
+  keep = policy.should_preserve(infos, context=policies.PreservationContext())
+  for info, kept in zip(infos, keep):
+    if not kept:
+      log.info("deleting checkpoint step %d of %s (retention policy)", info.step, manager.directory)
+      manager.delete(info.step)
+
+
+def _empty_trash(directory: os.PathLike, *, remove_dir: bool = False) -> None:
+  """Removes the steps Orbax renamed into TRASH_DIR (also half-removed ones).
+
+  Safe while Orbax renames another step in (each entry is removed on its own);
+  `remove_dir` also removes the empty directory, for when no save is in flight.
+  """
+  trash = pathlib.Path(directory) / TRASH_DIR
+  if not trash.is_dir():
+    return
+  for entry in trash.iterdir():
+    if entry.is_dir() and not entry.is_symlink():
+      shutil.rmtree(entry, ignore_errors=True)
+    else:
+      entry.unlink(missing_ok=True)
+  if remove_dir:
+    with contextlib.suppress(OSError):
+      trash.rmdir()
+
+
+# ---- saving -------------------------------------------------------------------
+
+
+def _savable(state: nnx.State, key_data=jax.random.key_data) -> dict:
+  """Pure nested dict of arrays; typed PRNG keys become their raw key data.
+
+  Integer keys (list indices) stay integers: Orbax stores every key as a string
+  and gives back the key types of the target it restores into.
+  """
+
+  def value(leaf):
+    leaf = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+    return key_data(leaf) if _is_key(leaf) else leaf
+
+  return nnx.to_pure_dict(state, value)
+
+
+def _abstract_savable(abstract_state: nnx.State) -> dict:
+  return _savable(abstract_state, functools.partial(jax.eval_shape, jax.random.key_data))
+
+
+def _from_savable(abstract_state: nnx.State, restored: dict) -> nnx.State:
+  def fill(variable, value):
+    current = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+    if _is_key(current):  # Back with JAX's default PRNG implementation, as nnx.Rngs uses.
+      value = jax.random.wrap_key_data(value)
+    return variable.replace(value) if hasattr(variable, "replace") else value
+
+  state = jax.tree.map(lambda x: x, abstract_state)  # A copy to fill in.
+  nnx.replace_by_pure_dict(state, restored, fill)
+  return state
 
 
 def _is_key(x) -> bool:
   return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _to_savable(state: nnx.State) -> dict:
-  """Pure nested dict of arrays; typed PRNG keys become their raw key data."""
-  pure = nnx.to_pure_dict(state)
-  return pytree.stringify_keys(
-      jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, pure)
-  )
-
-
-def _abstract_savable(abstract_state: nnx.State) -> dict:
-  pure = nnx.to_pure_dict(abstract_state)
-  return pytree.stringify_keys(
-      jax.tree.map(lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, pure)
-  )
-
-
-def _from_savable(abstract_state: nnx.State, restored: dict) -> nnx.State:
-  abstract = nnx.to_pure_dict(abstract_state)
-  rewrapped = jax.tree.map(
-      # Keys come back with JAX's default PRNG implementation, the one nnx.Rngs uses.
-      lambda a, x: jax.random.wrap_key_data(x) if _is_key(a) else x,
-      abstract,
-      pytree.rekey_like(abstract, restored),
-  )
-  state = jax.tree.map(lambda x: x, abstract_state)  # A copy to fill in.
-  nnx.replace_by_pure_dict(state, rewrapped)
-  return state
 
 
 def save(
@@ -121,20 +339,39 @@ def save(
     *,
     force: bool = False,
 ) -> bool:
-  """Saves state, data position and metadata as one step; True if it saved."""
-  return manager.save(
+  """Saves state, data position and metadata as one step; True if it saved.
+
+  Without `force`, saves when Orbax's default policy says so: on multiples of
+  `save_every`, and the first save into an empty directory. Asynchronous unless
+  `async_save` is off: it returns once the arrays are copied to host memory
+  (so the caller may donate or overwrite them) and a background thread writes
+  them. The step is on disk when `manager.wait_until_finished()` returns; the
+  next `save`, `restore`, `close()` and interpreter exit all wait for it. A
+  failed background write raises from that wait. A read-only manager saves
+  nothing (Orbax's own check skips only unforced saves).
+  """
+  if getattr(manager, "read_only", False):
+    return False
+  saved = manager.save(
       step,
       args=ocp.args.Composite(
-          state=ocp.args.StandardSave(_to_savable(state)),
+          state=ocp.args.StandardSave(_savable(state)),
           data=grain.checkpoint.CheckpointSave(data_iterator),
           meta=ocp.args.JsonSave(metadata),
       ),
       force=force,
   )
+  if saved:  # Orbax waited for the previous save, whose deletions are now in the trash.
+    _empty_trash(manager.directory)
+  return saved
+
+
+# ---- reading ------------------------------------------------------------------
 
 
 def read_metadata(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
-  """The JSON metadata (config, step, ...) of a step, without reading arrays."""
+  """The JSON metadata (config, step, ...) of a step (default newest), without arrays."""
+  manager.wait_until_finished()
   step = manager.latest_step() if step is None else step
   restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   return restored["meta"]
@@ -142,19 +379,18 @@ def read_metadata(manager: ocp.CheckpointManager, step: int | None = None) -> di
 
 def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State) -> None:
   """Raises `CheckpointMismatchError` naming every parameter whose shape differs."""
-  stored = manager.item_metadata(step)["state"]
-  expected = _abstract_savable(abstract_state)
-  stored_flat = {pytree.path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(stored)}
-  expected_flat = {pytree.path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(expected)}
+  manager.wait_until_finished()
+  stored = _shapes_by_path(manager.item_metadata(step)["state"])
+  expected = _shapes_by_path(_abstract_savable(abstract_state))
   problems = []
-  for path in sorted(expected_flat.keys() | stored_flat.keys()):
-    want, have = expected_flat.get(path), stored_flat.get(path)
+  for path in sorted(expected.keys() | stored.keys()):
+    want, have = expected.get(path), stored.get(path)
     if have is None:
-      problems.append(f"{path}: not in the checkpoint (config expects shape {tuple(want.shape)})")
+      problems.append(f"{path}: not in the checkpoint (config expects shape {want})")
     elif want is None:
-      problems.append(f"{path}: in the checkpoint (shape {tuple(have.shape)}) but not in the config")
-    elif tuple(have.shape) != tuple(want.shape):
-      problems.append(f"{path}: checkpoint shape {tuple(have.shape)}, config shape {tuple(want.shape)}")
+      problems.append(f"{path}: in the checkpoint (shape {have}) but not in the config")
+    elif have != want:
+      problems.append(f"{path}: checkpoint shape {have}, config shape {want}")
   if problems:
     shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
     raise CheckpointMismatchError(
@@ -163,48 +399,210 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.St
     )
 
 
-def _quarantine(manager: ocp.CheckpointManager, step: int) -> pathlib.Path:
-  """Moves a corrupt step aside (never deletes) so the step number can be saved again."""
-  source = pathlib.Path(manager.directory) / str(step)
-  target = source.with_name(f"{step}.corrupt")
-  index = 1
-  while target.exists():
-    target = source.with_name(f"{step}.corrupt{index}")
-    index += 1
-  source.rename(target)
-  manager.reload()
-  return target
+def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+  """{'layers/0/kernel': shape}: integer and string keys name a path alike."""
+  return {
+      jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
+
+
+@dataclasses.dataclass
+class _Unreadable:
+  """A step that failed to read; the error as text, so no traceback keeps Orbax's tasks alive."""
+
+  step: int
+  summary: str
+  detail: str
+  moved_to: pathlib.Path | None
 
 
 def restore(
-    manager: ocp.CheckpointManager, abstract_state: nnx.State, data_iterator: Any
+    manager: ocp.CheckpointManager, abstract_state: nnx.State, data_iterator: Any = None
 ) -> Restored | None:
-  """Restores the newest good step into `abstract_state` and `data_iterator`.
+  """Restores the newest good step into `abstract_state` (and `data_iterator`).
 
-  Returns None when the directory has no checkpoint. A newest step that fails to
-  read is moved aside as `<step>.corrupt` with a warning, and the previous step
-  is tried; a shape mismatch is not corruption and raises at once.
+  Waits for a save in flight first. Returns None when the directory has no
+  readable step. `data_iterator` None restores the state and metadata only (a
+  read-only look at a run). A step that fails to read is moved aside as
+  `<step>.corrupt` (left in place when the manager is read-only) and the
+  previous step is tried; each such step gets one warning line, and the full
+  error with everything printed while reading goes to `checkpoint-errors.log`
+  in the checkpoint directory's parent (the system temp directory when
+  read-only). A shape mismatch is not corruption: it raises
+  `CheckpointMismatchError` at once.
   """
+  manager.wait_until_finished()  # Until then the newest step is only <step>.orbax-checkpoint-tmp.
+  unreadable: list[_Unreadable] = []
+  restored = output = None
+  try:
+    with _stderr_captured() as output:
+      try:
+        restored = _restore_newest_readable(manager, abstract_state, data_iterator, unreadable)
+      finally:
+        if unreadable:
+          manager.reload()  # Forget the steps moved aside.
+          output.wait_until_quiet()
+  finally:
+    if unreadable:
+      _report_unreadable(manager, unreadable, output.text if output else "", restored)
+    elif output and output.text:
+      sys.stderr.write(output.text)  # Nothing was unreadable: show what the libraries said.
+  if restored is None:
+    return None
+  step, items = restored
+  return Restored(step, _from_savable(abstract_state, items["state"]), items["meta"])
+
+
+def _restore_newest_readable(manager, abstract_state, data_iterator, unreadable):
+  """(step, Orbax's restored items) of the newest step that reads, or None."""
+  items = {
+      "state": ocp.args.StandardRestore(_abstract_savable(abstract_state)),
+      "meta": ocp.args.JsonRestore(),
+  }
+  if data_iterator is not None:
+    items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
   for step in sorted(manager.all_steps(), reverse=True):
     try:
       check_fits(manager, step, abstract_state)
-      restored = manager.restore(
-          step,
-          args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(_abstract_savable(abstract_state)),
-              data=grain.checkpoint.CheckpointRestore(data_iterator),
-              meta=ocp.args.JsonRestore(),
-          ),
-      )
+      return step, manager.restore(step, args=ocp.args.Composite(**items))
     except CheckpointMismatchError:
-      raise
+      raise  # The config does not fit: not corruption, and no other step would fit either.
     except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable.
-      moved = _quarantine(manager, step)
-      log.warning("checkpoint step %d is unreadable (%s: %s); moved it to %s and trying the previous one",
-                  step, type(e).__name__, e, moved)
-      continue
-    return Restored(step, _from_savable(abstract_state, restored["state"]), restored["meta"])
+      moved = None if getattr(manager, "read_only", False) else _move_aside(manager, step)
+      unreadable.append(_Unreadable(step, _first_line(e), "".join(traceback.format_exception(e)), moved))
   return None
+
+
+def _move_aside(manager: ocp.CheckpointManager, step: int) -> pathlib.Path | None:
+  """Renames a corrupt step to `<step>.corrupt` (never deletes), freeing its number.
+
+  Only a finished step directory is moved; a save in flight (its temporary
+  directory) is never touched.
+  """
+  source = pathlib.Path(manager.directory) / str(step)
+  if not source.is_dir():
+    return None
+  target = source.with_name(f"{step}{_CORRUPT}")
+  index = 1
+  while target.exists():
+    target = source.with_name(f"{step}{_CORRUPT}{index}")
+    index += 1
+  try:
+    source.rename(target)
+  except FileNotFoundError:  # Another process of a multi-host job moved it first.
+    return None
+  return target
+
+
+def _report_unreadable(manager, unreadable: list[_Unreadable], output: str, restored) -> None:
+  """One warning line per unreadable step; the detail goes to the error log."""
+  log_path = _write_error_log(manager, unreadable, output)
+  details = f"details in {log_path}" if log_path else "the details could not be written"
+  fallback = f"restored step {restored[0]} instead" if restored else "no older step is readable"
+  for item in unreadable:
+    where = f"moved it to {item.moved_to.name}" if item.moved_to else "left it in place"
+    log.warning("checkpoint step %d is unreadable (%s) in %s; %s, %s; %s", item.step,
+                item.summary, manager.directory, where, fallback, details)
+
+
+def _first_line(error: Exception) -> str:
+  """`Type: message`, cut at TensorStore's spec dump and at 200 characters."""
+  lines = str(error).strip().splitlines()
+  text = lines[0].split(" [tensorstore_spec=")[0] if lines else ""
+  return f"{type(error).__name__}: {text[:200] + '...' if len(text) > 200 else text}"
+
+
+def _error_log_path(manager: ocp.CheckpointManager) -> pathlib.Path:
+  if getattr(manager, "read_only", False):
+    return pathlib.Path(tempfile.gettempdir()) / f"jax-ai-stack-{ERROR_LOG}"
+  return pathlib.Path(manager.directory).parent / ERROR_LOG
+
+
+def _write_error_log(manager, unreadable: list[_Unreadable], output: str) -> pathlib.Path | None:
+  """Appends the tracebacks and the captured output; returns the log, None if it failed."""
+  path = _error_log_path(manager)
+  now = datetime.datetime.now().isoformat(timespec="seconds")
+  parts = [f"=== {now}: restoring from {manager.directory}\n"]
+  for item in unreadable:
+    where = f"moved to {item.moved_to}" if item.moved_to else "left in place"
+    parts.append(f"--- step {item.step} is unreadable ({where}):\n")
+    parts.append(item.detail)
+  if output:
+    parts += ["--- printed while restoring:\n", output]
+  try:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write("".join(parts) + "\n")
+  except OSError:
+    return None
+  return path
+
+
+class _Captured:
+  """Output captured into the file `fd`; `text` once the capture has ended."""
+
+  def __init__(self, fd: int):
+    self.fd = fd
+    self.text = ""
+
+  def wait_until_quiet(self, quiet_s: float = 0.2, limit_s: float = 2.0) -> None:
+    """Keeps capturing until nothing new was written for `quiet_s` seconds.
+
+    After a failed read, TensorStore's threads go on completing the reads Orbax
+    abandoned, each printing a traceback, and asyncio reports its abandoned
+    tasks when they are collected: a few milliseconds, after the error.
+    """
+    deadline = time.monotonic() + limit_s
+    size = -1
+    while time.monotonic() < deadline:
+      gc.collect()
+      current = os.fstat(self.fd).st_size
+      if current == size:
+        return
+      size = current
+      time.sleep(quiet_s)
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+  """Everything written to file descriptor 2 meanwhile, as `.text` afterwards.
+
+  A corrupt step makes Orbax, absl, asyncio and TensorStore's threads print
+  thousands of lines (specs; one "Event loop is closed" traceback per pending
+  read, through `sys.unraisablehook`); only the file descriptor catches them
+  all. The hook is redirected too, in case something (pytest) replaced it.
+  """
+  with tempfile.TemporaryFile() as sink:
+    captured = _Captured(sink.fileno())
+    _flush_stderr()
+    try:
+      saved = os.dup(2)
+    except OSError:  # No descriptor 2 (e.g. a GUI process): capture the hook only.
+      saved = None
+    else:
+      os.dup2(sink.fileno(), 2)
+    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_write_unraisable, sink.fileno())
+    try:
+      yield captured
+    finally:
+      sys.unraisablehook = hook
+      _flush_stderr()
+      if saved is not None:
+        os.dup2(saved, 2)
+        os.close(saved)
+      sink.seek(0)
+      captured.text = sink.read().decode("utf-8", errors="replace")
+
+
+def _write_unraisable(fd: int, unraisable) -> None:
+  text = "".join(traceback.format_exception(
+      unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+  os.write(fd, text.encode("utf-8", errors="replace"))
+
+
+def _flush_stderr() -> None:
+  with contextlib.suppress(Exception):
+    sys.stderr.flush()
 
 
 def tree_equal(a: Any, b: Any) -> bool:

@@ -4,42 +4,108 @@ Each step appends one JSON line ({"step", "split", ...metrics}) and the same
 scalars to TensorBoard. On resume both are cut back to the restored step, so the
 log of a resumed run equals the log of a run that never stopped; a line torn by
 a killed process is dropped.
+
+Files that are rewritten rather than appended to (metrics.jsonl when it is cut
+back, loss.png) are replaced atomically (`jax_ai_stack.atomic`): a kill at any
+moment leaves the old file or the new one, never an empty or half one. The
+TensorBoard events file is created at the first scalar, so a launch that is
+killed (or fails) before its first step leaves no empty events file behind.
+
+Example:
+  >>> import pathlib
+  >>> log = MetricsLog(pathlib.Path("."), start_step=0)
+  >>> log.write(1, "train", {"loss": 2.5})
+  >>> log.close()
+  >>> read_metrics(".")
+  [{'step': 1, 'split': 'train', 'loss': 2.5}]
 """
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
+import time
+import uuid
 
 import numpy as np
 
+from jax_ai_stack.atomic import write_atomically
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsLog:
-  """metrics.jsonl plus TensorBoard events, both cut back to a restored step."""
+  """metrics.jsonl plus TensorBoard events, both cut back to a restored step.
+
+  Call `flush()` after each checkpoint save, so what is on disk covers at least
+  the saved steps, and `close()` at the end.
+  """
 
   def __init__(self, workdir: pathlib.Path, start_step: int):
-    self.path = workdir / METRICS_FILE
+    """Opens the log of a run that continues after `start_step` (0: a new run)."""
+    self.workdir = pathlib.Path(workdir)
+    self.start_step = start_step
+    self.path = self.workdir / METRICS_FILE
     if self.path.exists():
-      kept = [r for r in read_metrics(workdir) if r["step"] <= start_step]
-      self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+      _cut_back(self.workdir, start_step)
     self._file = self.path.open("a", encoding="utf-8")
-    from tensorboardX import SummaryWriter
-
-    self._writer = SummaryWriter(str(workdir / "tensorboard"),
-                                 purge_step=start_step + 1 if start_step else None)
+    self._events = None
 
   def write(self, step_number: int, split: str, metrics: dict[str, float]) -> None:
+    """Appends one record to both logs; the JSON line reaches the OS at once."""
     self._file.write(json.dumps({"step": step_number, "split": split, **metrics}) + "\n")
     self._file.flush()
+    events = self._events_file()
     for key, value in metrics.items():
-      self._writer.add_scalar(f"{split}/{key}", value, step_number)
+      events.write_event(_scalar_event(f"{split}/{key}", value, step_number))
+
+  def flush(self) -> None:
+    """Hands everything written so far to the OS, so a kill after this loses none of it."""
+    self._file.flush()
+    if self._events is not None:
+      self._events.flush()
 
   def close(self) -> None:
     self._file.close()
-    self._writer.close()
+    if self._events is not None:
+      self._events.close()
+
+  def _events_file(self):
+    """The TensorBoard events file, created at the first scalar.
+
+    Written synchronously with tensorboardX's `EventsWriter` (what its
+    `SummaryWriter` uses behind a queue and a thread): `SummaryWriter.flush()`
+    does not write the events still queued, so it cannot back `flush()`.
+    """
+    if self._events is None:
+      from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+      directory = self.workdir / TENSORBOARD_DIR
+      directory.mkdir(parents=True, exist_ok=True)
+      # Two launches in one second would get the same file name; the second would truncate it.
+      self._events = EventsWriter(str(directory / "events"), filename_suffix=f".{uuid.uuid4().hex[:8]}")
+      if self.start_step:  # TensorBoard hides what an earlier launch logged after this step.
+        self._events.write_event(Event(step=self.start_step + 1, wall_time=time.time(),
+                                       session_log=SessionLog(status=SessionLog.START)))
+    return self._events
+
+
+def _scalar_event(tag: str, value: float, step_number: int):
+  """The Event that `SummaryWriter.add_scalar` would queue."""
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.summary import scalar
+
+  return Event(summary=scalar(tag, value), step=step_number, wall_time=time.time())
+
+
+def _cut_back(workdir: pathlib.Path, last_step: int) -> None:
+  """Drops the records after `last_step` (and torn lines) in one atomic replace."""
+  kept = [r for r in read_metrics(workdir) if r["step"] <= last_step]
+  write_atomically(workdir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
@@ -57,7 +123,7 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 
 
 def plot(workdir: str | pathlib.Path) -> pathlib.Path:
-  """Writes loss.png: the train loss and eval loss curves of metrics.jsonl."""
+  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -81,8 +147,10 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   axes.set_title(pathlib.Path(workdir).name)
   axes.grid(alpha=0.3)
   axes.legend()
-  path = pathlib.Path(workdir) / PLOT_FILE
   figure.tight_layout()
-  figure.savefig(path, dpi=100)
+  png = io.BytesIO()
+  figure.savefig(png, format="png", dpi=100)
   plt.close(figure)
+  path = pathlib.Path(workdir) / PLOT_FILE
+  write_atomically(path, png.getvalue())
   return path

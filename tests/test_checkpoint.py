@@ -1,0 +1,267 @@
+"""Checkpoints: async saves that are never lost, quiet recovery from a corrupt step,
+deletion that a kill cannot split, retention on open, and read-only managers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+import grain
+import pytest
+from flax import nnx
+
+from jax_ai_stack.recipes import checkpoint
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class Tiny(nnx.Module):
+  """Integer keys (a list), a typed PRNG key and its counter: what trips up key handling."""
+
+  def __init__(self, seed: int, width: int = 3):
+    self.layers = nnx.List([nnx.Linear(2, width, rngs=nnx.Rngs(seed)),
+                            nnx.Linear(width, 2, rngs=nnx.Rngs(seed + 1))])
+    self.rngs = nnx.Rngs(dropout=seed)
+
+
+def _state(seed=0, width=3):
+  return nnx.state(Tiny(seed, width))
+
+
+def _abstract(width=3):
+  return nnx.eval_shape(lambda: nnx.state(Tiny(7, width)))
+
+
+def _data(position=0):
+  iterator = iter(grain.MapDataset.range(10).to_iter_dataset())
+  for _ in range(position):
+    next(iterator)
+  return iterator
+
+
+def _manager(directory, **config):
+  return checkpoint.build_manager(directory, checkpoint.CheckpointConfig(**{"save_every": 1, **config}))
+
+
+def _save_steps(directory, steps, **config):
+  manager = _manager(directory, **{"keep_last": 100, **config})
+  for step in steps:
+    assert checkpoint.save(manager, step, _state(step), _data(step), {"step": step}, force=True)
+  manager.close()
+
+
+def _run_python(code: str, *args) -> subprocess.CompletedProcess:
+  """A fresh interpreter, so exit hooks run and absl/TensorStore/asyncio output is seen."""
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                        capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def _listing(directory: pathlib.Path) -> list[str]:
+  return sorted(str(p.relative_to(directory)) for p in directory.iterdir())
+
+
+@pytest.fixture
+def directory(tmp_path):
+  """The checkpoint directory: an error log beside it stays inside tmp_path."""
+  return tmp_path / "checkpoints"
+
+
+# ---- async saves --------------------------------------------------------------
+
+
+def test_restore_right_after_an_async_save_waits_for_it(directory):
+  manager = _manager(directory)
+  state = _state(0)
+  assert checkpoint.save(manager, 1, state, _data(3), {"step": 1}, force=True)
+  data = _data()
+  restored = checkpoint.restore(manager, _abstract(), data)  # The save is still in flight.
+  assert restored.step == 1 and restored.metadata == {"step": 1}
+  assert checkpoint.tree_equal(restored.state, state)  # Bitwise, PRNG key and int keys too.
+  assert next(data) == 3  # The data position came back too.
+  assert checkpoint.read_metadata(manager) == {"step": 1}
+  manager.close()
+  manager.close()  # Closing twice is harmless.
+  assert _listing(directory) == ["1"]
+
+
+def test_an_in_flight_step_is_never_moved_aside(directory, monkeypatch):
+  manager = _manager(directory)
+  checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
+  real_wait = manager.wait_until_finished
+  monkeypatch.setattr(manager, "wait_until_finished", lambda: None)  # As if restore did not wait.
+  checkpoint.restore(manager, _abstract())
+  real_wait()
+  assert not list(directory.glob("*.corrupt*"))
+  monkeypatch.undo()
+  manager.reload()
+  assert checkpoint.restore(manager, _abstract()).step == 1
+  manager.close()
+
+
+def test_a_script_that_ends_right_after_save_keeps_the_step(directory):
+  result = _run_python("""
+      import sys, grain
+      from flax import nnx
+      from jax_ai_stack.recipes import checkpoint
+      manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
+      state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+      data = iter(grain.MapDataset.range(4).to_iter_dataset())
+      assert checkpoint.save(manager, 1, state, data, {"step": 1}, force=True)
+      """, directory)  # No close(), no wait: the interpreter exits with the save in flight.
+  assert result.returncode == 0, result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  assert _listing(directory) == ["1"]
+  manager = _manager(directory)
+  assert checkpoint.read_metadata(manager) == {"step": 1}
+  manager.close()
+
+
+# ---- a corrupt step -----------------------------------------------------------
+
+
+def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
+  directory = tmp_path / "checkpoints"
+  _save_steps(directory, [1, 2])
+  arrays = [p for p in (directory / "2" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert arrays
+  for path in arrays:  # Truncated array data: opening each array fails.
+    path.write_bytes(b"garbage")
+  result = _run_python("""
+      import sys
+      sys.path.insert(0, sys.argv[2])
+      from test_checkpoint import _abstract, checkpoint
+      manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
+      print("restored", checkpoint.restore(manager, _abstract()).step)
+      """, directory, pathlib.Path(__file__).parent)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == "restored 1\n"
+  lines = result.stderr.splitlines()
+  assert len(lines) <= 2, result.stderr
+  [warning] = [line for line in lines if "step 2" in line]
+  assert "2.corrupt" in warning and "restored step 1" in warning and checkpoint.ERROR_LOG in warning
+  assert len(warning) < 800  # No TensorStore spec dump.
+  assert _listing(directory) == ["1", "2.corrupt"]
+  detail = (tmp_path / checkpoint.ERROR_LOG).read_text()
+  assert "step 2 is unreadable" in detail and "Traceback" in detail and "tensorstore_spec" in detail
+
+
+def test_a_shape_mismatch_raises_and_moves_nothing(directory):
+  _save_steps(directory, [1])
+  manager = _manager(directory)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"layers/0/kernel: checkpoint shape \(2, 3\), config shape \(2, 5\)"):
+    checkpoint.restore(manager, _abstract(width=5))
+  manager.close()
+  assert _listing(directory) == ["1"]
+
+
+# ---- deletion and retention ---------------------------------------------------
+
+
+def test_a_kill_while_deleting_an_old_step_never_leaves_half_a_step(directory, monkeypatch):
+  class Killed(BaseException):
+    pass
+
+  def killed(*args, **kwargs):
+    raise Killed
+
+  manager = _manager(directory, keep_last=1, async_save=False)
+  checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
+  monkeypatch.setattr(shutil, "rmtree", killed)  # The process dies when removing files starts.
+  with pytest.raises(Killed):
+    checkpoint.save(manager, 2, _state(), _data(), {"step": 2}, force=True)
+  monkeypatch.undo()
+  assert not (directory / "1").exists()  # Renamed out of the step namespace first.
+  reopened = _manager(directory, keep_last=1)
+  assert reopened.all_steps() == [2]
+  assert _listing(directory) == ["2"]  # The trash was emptied.
+  reopened.close()
+
+
+def test_opening_removes_a_half_deleted_step_left_in_the_trash(directory):
+  _save_steps(directory, [1, 2])
+  trash = directory / checkpoint.TRASH_DIR
+  trash.mkdir()
+  shutil.move(directory / "1", trash / "1")
+  for path in sorted((trash / "1").rglob("*"))[:5]:  # Half removed when the process died.
+    if path.is_file():
+      path.unlink()
+  manager = _manager(directory)
+  assert manager.all_steps() == [2]
+  manager.close()
+  assert _listing(directory) == ["2"]
+
+
+def test_opening_applies_the_retention_policy(directory):
+  _save_steps(directory, [1, 2, 3, 4])  # As if killed after saving 4, before deleting 1.
+  manager = _manager(directory, keep_last=3)
+  assert manager.all_steps() == [2, 3, 4]
+  manager.close()
+  assert _listing(directory) == ["2", "3", "4"]
+  manager = _manager(directory, keep_last=1, keep_every=3)
+  assert manager.all_steps() == [3, 4]
+  manager.close()
+
+
+def test_saving_keeps_keep_last_and_multiples_of_keep_every(directory):
+  manager = _manager(directory, keep_last=2, keep_every=2)
+  for step in range(1, 8):
+    checkpoint.save(manager, step, _state(), _data(), {"step": step})
+  manager.close()
+  assert _listing(directory) == ["2", "4", "6", "7"]
+
+
+# ---- read-only ----------------------------------------------------------------
+
+
+def _snapshot(directory: pathlib.Path) -> dict:
+  """Every path under `directory` with its mtime and content hash."""
+  return {
+      str(path): (path.lstat().st_mtime_ns,
+                  hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None)
+      for path in [directory, *directory.rglob("*")]
+  }
+
+
+def _chmod_tree(directory: pathlib.Path, writable: bool) -> None:
+  for path in [directory, *directory.rglob("*")]:
+    mode = path.stat().st_mode
+    path.chmod(mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def test_a_read_only_manager_writes_nothing(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "system-tmp"))
+  (tmp_path / "system-tmp").mkdir()
+  workdir = tmp_path / "run"
+  directory = workdir / "checkpoints"
+  _save_steps(directory, [1, 2, 3])
+  for path in (directory / "3" / "state").rglob("*"):
+    if path.is_file() and path.parent.name == "d":
+      path.write_bytes(b"garbage")  # A corrupt newest step: skipped, not moved.
+  (directory / f"4{TMP_SUFFIX}").mkdir()  # A killed save's leftovers: not cleaned up.
+  (directory / checkpoint.TRASH_DIR / "0").mkdir(parents=True)
+  before = _snapshot(workdir)
+  _chmod_tree(workdir, writable=False)
+  try:
+    really_read_only = not os.access(directory, os.W_OK)  # Root ignores the mode bits.
+    manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig(), read_only=True)
+    assert manager.latest_step() == 3
+    assert checkpoint.read_metadata(manager, 2) == {"step": 2}
+    restored = checkpoint.restore(manager, _abstract(), None)
+    assert restored.step == 2 and checkpoint.tree_equal(restored.state, _state(2))
+    assert not checkpoint.save(manager, 5, _state(), _data(), {"step": 5}, force=True)
+    manager.close()
+    missing = tmp_path / "missing"
+    checkpoint.build_manager(missing, checkpoint.CheckpointConfig(), read_only=True).close()
+    assert not missing.exists()
+  finally:
+    _chmod_tree(workdir, writable=True)
+  assert _snapshot(workdir) == before, f"chmod effective: {really_read_only}"
+  assert "Given directory is read only" not in caplog.text  # Orbax's notice at every open.
+  assert "step 3" in (tmp_path / "system-tmp" / f"jax-ai-stack-{checkpoint.ERROR_LOG}").read_text()
