@@ -3,7 +3,7 @@
 In one process, at one shape, from the same inputs, this times
 
   reference   softmax(q k^T / sqrt(H) + mask) v, written in jax.numpy (the baseline)
-  auto        kernels.attention(implementation="auto"): what the models call
+  auto        kernels.attention(plan=resolve_plan()): what the models call
   <name>      each implementation eligible on this backend for this shape
 
 and reports milliseconds, the ratio to the reference, the implementation "auto"
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ai_stack import kernels
-from jax_ai_stack.cli import UsageError
-from jax_ai_stack.kernels import autotuning, registry
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.kernels import autotuning, implementations
 from jax_ai_stack.kernels.cli import parse_shape
 
 RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "attention.json"
@@ -81,32 +81,30 @@ def main(argv: list[str] | None = None) -> dict:
     q_shape, k_shape = parse_shape(args.shape, args.kv_len)
   except UsageError as e:
     parser.error(str(e))
-  masks = dict(causal=args.causal, segment_ids=args.segment_ids,
-               local_window=args.local_window, kv_seq_lengths=args.kv_seq_lengths)
-
   try:
-    choice = kernels.report(q_shape, k_shape, args.dtype, **masks)
+    request = kernels.Request.from_shapes(
+        q_shape, k_shape, args.dtype, causal=args.causal, segment_ids=args.segment_ids,
+        local_window=args.local_window, kv_seq_lengths=args.kv_seq_lengths)
   except ValueError as e:
     parser.error(str(e))
-  request = choice.request
+  plan = kernels.resolve_plan()  # What the models run: JAX_AI_STACK_ATTENTION, else "auto".
+  choice = plan.report(request)
   eligible = [name for name, interpret in choice.fallbacks if not interpret]
   if not eligible:
     parser.exit(1, choice.report() + "\nerror: no attention implementation runs here\n")
-  scale = request.head_dim ** -0.5
   variants = {
       "reference": lambda q, k, v, ids, lengths: reference_attention(
           q, k, v, ids, lengths, causal=args.causal, local_window=args.local_window),
       "auto": lambda q, k, v, ids, lengths: kernels.attention(
           q, k, v, causal=args.causal, segment_ids=ids, local_window=args.local_window,
-          kv_seq_lengths=lengths),
+          kv_seq_lengths=lengths, plan=plan),
   }
   for name in eligible:
-    run = registry.IMPLEMENTATIONS[name].run
-    variants[name] = lambda q, k, v, ids, lengths, run=run: run(
-        q, k, v, causal=args.causal, segment_ids=ids, scale=scale,
-        local_window=args.local_window, kv_seq_lengths=lengths, interpret=False)
+    run = kernels.IMPLEMENTATIONS[name].run
+    variants[name] = lambda q, k, v, ids, lengths, run=run: implementations.call(
+        run, request, q, k, v, ids, lengths)
 
-  inputs = autotuning._inputs(request)  # pylint: disable=protected-access
+  inputs = autotuning.inputs(request)
   times = autotuning.time_forward_backward(
       variants, inputs, iterations=args.iterations, rounds=args.rounds)
   # "auto" traces to the very program of the implementation it chose, so the

@@ -5,7 +5,7 @@ interpret mode: `pallas_gpu`, `pallas_tpu_flash`, `pallas_tpu_splash`, and
 tokamax's Mosaic TPU kernel where this tokamax lets it skip its device check.
 Not runnable here (GPU/TPU only, and tokamax has no interpret switch):
 `cudnn`, `tokamax_triton`, `tokamax_mosaic_gpu`; their selection logic is
-tested in test_kernels_registry.py.
+tested in test_kernels_selection.py.
 
 Forward outputs and gradients (VJP with a random cotangent) are compared to
 `reference_attention` below. Tolerance: max |actual - expected| divided by
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from jax_ai_stack import kernels
-from jax_ai_stack.kernels import implementations, registry
+from jax_ai_stack.kernels import implementations, rules
 
 TOLERANCE = {"float32": 5e-5, "bfloat16": 4e-2}
 
@@ -108,7 +108,7 @@ NATIVE = ("xla", "tokamax_xla", "tokamax_xla_chunked")
 
 
 def _tokamax_version():
-  return registry._tokamax_version()  # pylint: disable=protected-access
+  return rules.tokamax_version()
 
 
 def tokamax_version_text():
@@ -116,7 +116,7 @@ def tokamax_version_text():
 
 
 def _expected_refusal(name: str, case: Case) -> str | None:
-  """What the registry must say when it turns a (kernel, case) down; None: must run."""
+  """What selection must say when it turns a (kernel, case) down; None: must run."""
   if (name.startswith("tokamax_") and case.local_window is not None
       and (case.kv_len or case.q_len) != case.q_len and _tokamax_version() < (0, 0, 17)):
     return "needs tokamax >= 0.0.17"
@@ -161,7 +161,7 @@ def check_against_reference(name: str, case: Case, dtype: str = "float32") -> No
 def test_native_kernel_matches_reference_float32(name, case):
   if refusal := _expected_refusal(name, case):
     with pytest.raises(kernels.NoImplementationError, match=refusal.replace(".", r"\.")):
-      kernels.select(*_shapes(case), "float32", implementation=name, **case.masks())
+      kernels.select(kernels.Request.from_shapes(*_shapes(case), "float32", **case.masks()), name)
     return
   check_against_reference(name, case)
 
@@ -176,7 +176,7 @@ def test_float16_is_refused_on_cpu_with_the_reason(name):
   # XLA:CPU cannot compile float16 dots accumulating in float32, which these
   # kernels use; the failure would only show when compiling, so it is a rule.
   with pytest.raises(kernels.NoImplementationError, match=f"{name}: float16 .* CPU"):
-    kernels.select((1, 16, 2, 8), (1, 16, 2, 8), "float16", implementation=name)
+    kernels.select(kernels.Request.from_shapes((1, 16, 2, 8), (1, 16, 2, 8), "float16"), name)
 
 
 def _shapes(case: Case):
@@ -203,7 +203,7 @@ INTERPRETED = [
     "name,case", INTERPRETED, ids=[f"{n}-{c.name}" for n, c in INTERPRETED]
 )
 def test_pallas_kernel_in_interpret_mode_matches_reference(name, case):
-  choice = kernels.select(*_shapes(case), "float32", implementation=name, **case.masks())
+  choice = kernels.select(kernels.Request.from_shapes(*_shapes(case), "float32", **case.masks()), name)
   assert (choice.name, choice.interpret) == (name, True)
   check_against_reference(name, case)
 
@@ -215,7 +215,7 @@ def test_pallas_kernel_in_interpret_mode_matches_reference(name, case):
 ])
 def test_pallas_kernels_refuse_masks_they_lack(name, masks):
   with pytest.raises(kernels.NoImplementationError, match=f"{name}: .*not supported"):
-    kernels.select((1, 128, 2, 8), (1, 128, 2, 8), "float32", implementation=name, **masks)
+    kernels.select(kernels.Request.from_shapes((1, 128, 2, 8), (1, 128, 2, 8), "float32", **masks), name)
 
 
 def test_tokamax_mosaic_tpu_kernel_in_tpu_interpret_mode(monkeypatch):

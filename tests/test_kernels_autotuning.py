@@ -1,7 +1,8 @@
-"""Autotune writes a pinned choice; loading it fixes the kernels; bad files are named."""
+"""Autotune writes a pinned choice; a plan read from it fixes the kernels; bad files are named."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -9,29 +10,31 @@ import numpy as np
 import pytest
 
 from jax_ai_stack import kernels
-from jax_ai_stack.kernels import autotuning, registry
+from jax_ai_stack.kernels import autotuning, rules
+from jax_ai_stack.kernels import request as request_lib
 
 Q, K = (1, 16, 2, 8), (1, 16, 1, 8)
+REQUEST = kernels.Request.from_shapes(Q, K, "float32")
 CAN_AUTOTUNE = autotuning.autotune_unsupported_reason() is None
 
 
 @pytest.fixture(autouse=True)
 def _fresh_selection(monkeypatch):
   monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  registry.clear_cache()
+  kernels.clear_cache()
   yield
-  registry.clear_cache()
+  kernels.clear_cache()
 
 
 def write_pins(path, implementation, **overrides):
   """An autotune file as `autotune` writes it, for this backend, by hand."""
-  backend = registry.current_backend()
+  backend = request_lib.current_backend()
   document = {
       "format": autotuning.FORMAT,
       "platform": backend.platform,
       "device_kind": backend.device_kind,
       "entries": [{
-          "request": registry.Request.from_shapes(Q, K, "float32").to_dict(),
+          "request": REQUEST.to_dict(),
           "implementation": implementation,
           "times_ms": {},
       }],
@@ -44,22 +47,22 @@ def write_pins(path, implementation, **overrides):
 
 def test_unsupported_reason_matches_the_installed_tokamax():
   reason = autotuning.autotune_unsupported_reason()
-  if registry._tokamax_version() == (0, 0, 12):  # pylint: disable=protected-access
+  if rules.tokamax_version() == (0, 0, 12):
     assert "tokamax 0.0.12 crashes in tokamax.autotune" in reason
   else:
     assert reason is None
 
 
 def test_autotune_refuses_clearly_where_tokamax_crashes(monkeypatch, tmp_path):
-  monkeypatch.setattr(registry, "_tokamax_version", lambda: (0, 0, 12))
+  monkeypatch.setattr(rules, "tokamax_version", lambda: (0, 0, 12))
   with pytest.raises(kernels.AutotuneError, match="0.0.12 crashes in tokamax.autotune.*0.0.17 works"):
-    kernels.autotune([(Q, K)], tmp_path / "tuned.json")
+    kernels.autotune([REQUEST], tmp_path / "tuned.json")
   assert not (tmp_path / "tuned.json").exists()
 
 
 @pytest.mark.skipif(not CAN_AUTOTUNE, reason=f"{autotuning.autotune_unsupported_reason()}")
 def test_autotune_writes_a_choice_that_loading_pins(tmp_path):
-  path = kernels.autotune([(Q, K)], tmp_path / "run" / kernels.AUTOTUNE_FILENAME,
+  path = kernels.autotune([REQUEST], tmp_path / "run" / kernels.AUTOTUNE_FILENAME,
                           iterations=1, rounds=1)
   document = json.loads(path.read_text())
   assert document["format"] == autotuning.FORMAT and document["platform"] == "cpu"
@@ -72,24 +75,46 @@ def test_autotune_writes_a_choice_that_loading_pins(tmp_path):
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=Q), jnp.float32)
   kv = x[:, :, :1]
-  with kernels.load_autotune(path) as loaded:
-    assert loaded.tokamax_result is not None
-    choice = kernels.select(Q, K, "float32")
-    pinned_out = kernels.attention(x, kv, kv)
+  plan = kernels.resolve_plan(environ={}, autotune_file=path)
+  assert plan.tokamax_configs is not None
+  with plan.kernel_configs():
+    choice = plan.select(REQUEST)
+    pinned_out = kernels.attention(x, kv, kv, plan=plan)
   assert choice.name == entry["implementation"] and str(path) in choice.source
   direct = kernels.attention(x, kv, kv, implementation=entry["implementation"])
   np.testing.assert_array_equal(pinned_out, direct)
 
 
+@pytest.mark.filterwarnings("ignore:jax.core.is_concrete is deprecated:DeprecationWarning")
+def test_autotune_times_and_pins_even_without_tokamax_tuning(monkeypatch, tmp_path):
+  """The timing and file half of `autotune`, on any tokamax: its `autotune`
+  (which crashes on 0.0.12) is replaced by "nothing tuned"."""
+  monkeypatch.setattr(autotuning, "autotune_unsupported_reason", lambda: None)
+  monkeypatch.setattr(autotuning, "_tune_tokamax", lambda *args: None)
+  path = kernels.autotune([REQUEST], tmp_path / "run" / kernels.AUTOTUNE_FILENAME,
+                          iterations=1, rounds=1)
+  document = json.loads(path.read_text())
+  (entry,) = document["entries"]
+  assert entry["request"] == REQUEST.to_dict() and document["tokamax"] is None
+  assert set(entry["times_ms"]) == {"tokamax_xla", "xla", "tokamax_xla_chunked"}
+  assert entry["times_ms"][entry["implementation"]] <= min(entry["times_ms"].values()) * 1.05
+  plan = kernels.resolve_plan(environ={}, autotune_file=path)
+  choice = plan.select(REQUEST)
+  assert choice.name == entry["implementation"] and choice.source == f"pinned by autotune file {path}"
+
+
 def test_loaded_file_decides_even_against_the_preference(tmp_path):
   path = write_pins(tmp_path / "tuned.json", "tokamax_xla_chunked")
-  assert kernels.select(Q, K, "float32").name == "tokamax_xla"
-  with kernels.load_autotune(path):
-    choice = kernels.select(Q, K, "float32")
-    unpinned = kernels.select(Q, K, "float32", causal=False)
+  assert kernels.select(REQUEST).name == "tokamax_xla"
+  plan = kernels.resolve_plan(environ={}, autotune_file=path)
+  choice = plan.select(REQUEST)
+  unpinned = plan.select(dataclasses.replace(REQUEST, causal=False))
   assert choice.name == "tokamax_xla_chunked" and choice.source == f"pinned by autotune file {path}"
   assert unpinned.name == "tokamax_xla"
-  assert kernels.select(Q, K, "float32").name == "tokamax_xla"
+  assert kernels.select(REQUEST).name == "tokamax_xla"
+  assert plan.tokamax_configs is None
+  with plan.kernel_configs():  # Nothing tuned: a no-op context.
+    pass
 
 
 @pytest.mark.parametrize("content,message", [
@@ -103,20 +128,20 @@ def test_unreadable_files_are_named(tmp_path, content, message):
   if content is not None:
     path.write_text(content)
   with pytest.raises(kernels.AutotuneError, match=message):
-    kernels.load_autotune(path)
+    kernels.load_plan(path)
 
 
 def test_files_from_another_device_or_with_bad_entries_are_named(tmp_path):
   path = write_pins(tmp_path / "tuned.json", "xla", platform="gpu", device_kind="NVIDIA H100")
   with pytest.raises(kernels.AutotuneError, match="tuned on gpu \\(NVIDIA H100\\), but this is cpu"):
-    kernels.load_autotune(path)
+    kernels.load_plan(path)
   write_pins(path, "fastest")
   with pytest.raises(kernels.AutotuneError, match="entries\\[0\\] names unknown implementation 'fastest'"):
-    kernels.load_autotune(path)
+    kernels.load_plan(path)
   write_pins(path, "xla", entries=[{"implementation": "xla"}])
   with pytest.raises(kernels.AutotuneError, match="entries\\[0\\] is malformed"):
-    kernels.load_autotune(path)
+    kernels.load_plan(path)
   write_pins(path, "xla", tokamax={"device_kind": "cpu", "data": [["not", "configs"]]},
              tokamax_version="9.9.9")
   with pytest.raises(kernels.AutotuneError, match="cannot read the kernel configs written by tokamax 9.9.9"):
-    kernels.load_autotune(path)
+    kernels.load_plan(path)

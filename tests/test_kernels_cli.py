@@ -8,7 +8,7 @@ import re
 import pytest
 
 from jax_ai_stack import cli, kernels
-from jax_ai_stack.kernels import autotuning, registry
+from jax_ai_stack.kernels import autotuning
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,7 @@ def _kernels_command(monkeypatch):
   if "jax_ai_stack.kernels.cli" not in cli._COMMAND_MODULES:
     monkeypatch.setattr(cli, "_COMMAND_MODULES", cli._COMMAND_MODULES + ("jax_ai_stack.kernels.cli",))
   monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  registry.clear_cache()
+  kernels.clear_cache()
 
 
 def run(capsys, *args):
@@ -31,7 +31,8 @@ def test_table_names_every_implementation_and_the_true_choice(capsys):
   assert code == 0
   for name in kernels.IMPLEMENTATIONS:
     assert f" {name} " in out
-  truth = kernels.select((2, 64, 4, 16), (2, 64, 2, 16), "float32", segment_ids=True)
+  truth = kernels.select(
+      kernels.Request.from_shapes((2, 64, 4, 16), (2, 64, 2, 16), "float32", segment_ids=True))
   assert f"* {truth.name} " in out and out.rstrip().endswith(f"Chosen: {truth.name} (deterministic)")
   assert "q [2,64,4,16] k/v [2,64,2,16] float32, causal, segment_ids" in out
   assert "runs on gpu, not cpu" in out
@@ -95,8 +96,8 @@ def test_autotune_unavailable_says_why(capsys, monkeypatch, tmp_path):
 def test_autotune_writes_to_the_workdir(capsys, monkeypatch, tmp_path):
   calls = []
 
-  def fake_autotune(shapes, path, **kwargs):  # The real one is tested in test_kernels_autotuning.
-    calls.append((list(shapes), path, kwargs))
+  def fake_autotune(requests, path, **kwargs):  # The real one is tested in test_kernels_autotuning.
+    calls.append((list(requests), path, kwargs))
     path.write_text(json.dumps({"entries": [
         {"implementation": "xla", "times_ms": {"tokamax_xla": 2.0, "xla": 1.0}}]}))
     return path
@@ -106,10 +107,11 @@ def test_autotune_writes_to_the_workdir(capsys, monkeypatch, tmp_path):
   code, out, _ = run(capsys, "--autotune", "--workdir", str(tmp_path), "--shape", "1,16,2,1,8",
                      "--segment-ids")
   assert code == 0
-  ((shapes, path, kwargs),) = calls
-  assert shapes == [((1, 16, 2, 8), (1, 16, 1, 8))]
+  ((requests, path, kwargs),) = calls
+  assert requests == [kernels.Request.from_shapes(
+      (1, 16, 2, 8), (1, 16, 1, 8), "float32", causal=True, segment_ids=True, local_window=None,
+      kv_seq_lengths=False)]
   assert path == tmp_path / kernels.AUTOTUNE_FILENAME
-  assert kwargs == dict(dtype="float32", causal=True, segment_ids=True, local_window=None,
-                        kv_seq_lengths=False)
+  assert kwargs == {}
   assert "Autotuned: xla (forward+backward: tokamax_xla 2.00 ms, xla 1.00 ms)" in out
   assert f"Saved {path}" in out

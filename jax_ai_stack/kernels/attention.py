@@ -1,9 +1,10 @@
 """The single attention entry point used by every model of the recipes.
 
-`attention` asks the registry which kernel fits the backend, shapes, dtype and
-masks (cached per request, so calling it inside `jit`, `grad` or `remat` costs
-one lookup per trace and prints nothing), then calls it; if the kernel still
-raises `NotImplementedError`, the next eligible one runs.
+`attention` builds the `Request` (shapes, dtype, masks) of the call, asks its
+`AttentionPlan` which kernel fits (cached per plan and request, so calling it
+inside `jit`, `grad` or `remat` costs one lookup per trace and prints nothing),
+then calls it; if the kernel still raises `NotImplementedError`, the next
+eligible one runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.kernels import registry
+from jax_ai_stack.kernels import implementations, selection, table
+from jax_ai_stack.kernels.plan import AttentionPlan
+from jax_ai_stack.kernels.choice import Choice
+from jax_ai_stack.kernels.request import Request
+from jax_ai_stack.kernels.resolve import resolve_plan
 
 
 def _check_inputs(q, k, v, segment_ids, kv_seq_lengths) -> None:
@@ -34,6 +39,31 @@ def _check_inputs(q, k, v, segment_ids, kv_seq_lengths) -> None:
       raise ValueError(f"kv_seq_lengths must be integers, got {kv_seq_lengths.dtype}")
 
 
+def _plan(plan: AttentionPlan | None, implementation: str | Sequence[str] | None) -> AttentionPlan:
+  if plan is not None and implementation is not None:
+    raise ValueError("attention takes a plan or an implementation, not both")
+  if plan is not None:
+    return plan
+  return resolve_plan("auto" if implementation is None else implementation)
+
+
+def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths, scale) -> jax.Array:
+  """The chosen kernel, or the next eligible one where a kernel refuses."""
+  refusals = []
+  for name, interpret in choice.fallbacks:
+    try:
+      return implementations.call(
+          table.IMPLEMENTATIONS[name].run, choice.request, q, k, v, segment_ids, kv_seq_lengths,
+          scale=scale, interpret=interpret,
+      )
+    except NotImplementedError as e:
+      refusals.append(f"{name}: {e}")
+  raise selection.NoImplementationError(
+      f"every eligible attention implementation refused {choice.request.describe()}: "
+      + "; ".join(refusals)
+  )
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -44,7 +74,8 @@ def attention(
     scale: float | None = None,
     local_window: int | None = None,
     kv_seq_lengths: jax.Array | None = None,
-    implementation: str | Sequence[str] = "auto",
+    plan: AttentionPlan | None = None,
+    implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
   """Dot-product attention. q: [B, T, N, H]; k, v: [B, S, K, H] with K dividing N.
 
@@ -59,34 +90,25 @@ def attention(
     scale: logits scale, a Python number; default 1 / sqrt(H).
     local_window: w >= 0: query i sees keys i - w .. i.
     kv_seq_lengths: [B] ints; keys at or past that index are ignored.
-    implementation: "auto", a registry name, or a sequence / comma-separated
-      list tried in order. With "auto", the environment variable
-      `JAX_AI_STACK_ATTENTION` or a loaded autotune file may decide instead.
+    plan: the kernels that may run (models get one passed in). None:
+      `resolve_plan()` at this call, i.e. `JAX_AI_STACK_ATTENTION` or "auto";
+      a convenience for notebooks.
+    implementation: instead of `plan`, `resolve_plan(implementation)`: "auto",
+      a name, or a sequence / comma-separated list tried in order.
 
   Returns:
     [B, T, N, H], the dtype of q.
 
   Raises:
-    ValueError: inconsistent shapes or dtypes, or an unknown implementation.
-    registry.NoImplementationError: no implementation fits; names each reason.
+    ValueError: inconsistent shapes or dtypes, an unknown implementation, or
+      both `plan` and `implementation`.
+    NoImplementationError: no implementation fits; names each reason.
   """
   _check_inputs(q, k, v, segment_ids, kv_seq_lengths)
-  choice = registry.select(
-      q.shape, k.shape, q.dtype,
-      causal=causal, segment_ids=segment_ids is not None, local_window=local_window,
-      kv_seq_lengths=kv_seq_lengths is not None, implementation=implementation,
+  plan = _plan(plan, implementation)
+  request = Request.from_shapes(
+      q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids is not None,
+      local_window=local_window, kv_seq_lengths=kv_seq_lengths is not None,
   )
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  refusals = []
-  for name, interpret in choice.fallbacks:
-    try:
-      return registry.IMPLEMENTATIONS[name].run(
-          q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
-          local_window=local_window, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
-      )
-    except NotImplementedError as e:
-      refusals.append(f"{name}: {e}")
-  raise registry.NoImplementationError(
-      f"every eligible attention implementation refused {choice.request.describe()}: "
-      + "; ".join(refusals)
-  )
+  choice = plan.select(request)
+  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, scale)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
-from jax_ai_stack.cli import UsageError
+from jax_ai_stack.errors import UsageError
 
 _DEFAULT_SHAPE = "4,1024,8,8,64"
 
@@ -78,47 +79,65 @@ def parse_shape(text: str, kv_len: int | None = None) -> tuple[tuple[int, ...], 
   return (batch, q_len, num_heads, head_dim), (batch, kv_len or q_len, num_kv_heads, head_dim)
 
 
-def run_kernels(args: argparse.Namespace) -> int:
-  from jax_ai_stack.kernels import autotuning, registry
+def _backend(args: argparse.Namespace):
+  """The simulated backend of --platform, or None for the real one."""
+  from jax_ai_stack.kernels.request import Backend
 
-  q_shape, k_shape = parse_shape(args.shape, args.kv_len)
-  backend = None
-  if args.autotune and args.implementation != "auto":
-    raise UsageError("--autotune chooses among the 'auto' candidates; drop --implementation")
   if args.platform:
     if args.autotune:
       raise UsageError("--autotune measures the real backend; drop --platform")
-    backend = registry.Backend(args.platform, args.device_kind, args.compute_capability)
-  elif args.device_kind or args.compute_capability:
+    return Backend(args.platform, args.device_kind, args.compute_capability)
+  if args.device_kind or args.compute_capability:
     raise UsageError("--device-kind and --compute-capability need --platform")
-  platform = args.platform or registry.current_backend().platform
+  return None
+
+
+def _request(args: argparse.Namespace, shapes: tuple, platform: str):
+  """The `Request` the flags describe; UsageError names a bad shape or dtype."""
+  from jax_ai_stack.kernels.request import Request
+
+  q_shape, k_shape = shapes
   dtype = args.dtype or ("float32" if platform == "cpu" else "bfloat16")
-  masks = dict(
-      causal=args.causal, segment_ids=args.segment_ids, local_window=args.local_window,
-      kv_seq_lengths=args.kv_seq_lengths,
-  )
   try:
-    choice = registry.report(
-        q_shape, k_shape, dtype, implementation=args.implementation, backend=backend, **masks
+    return Request.from_shapes(
+        q_shape, k_shape, dtype, causal=args.causal, segment_ids=args.segment_ids,
+        local_window=args.local_window, kv_seq_lengths=args.kv_seq_lengths,
     )
   except ValueError as e:
     raise UsageError(str(e)) from None
 
-  print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
-  if choice.name is None:
-    print("error: no attention implementation fits; see the table above", file=sys.stderr)
-    return 1
-  if not args.autotune:
-    return 0
+
+def _autotune(request, workdir: str) -> int:
+  from jax_ai_stack.kernels import autotuning
 
   if reason := autotuning.autotune_unsupported_reason():
     print(f"error: --autotune is not available: {reason}", file=sys.stderr)
     return 1
-  path = pathlib.Path(args.workdir) / autotuning.AUTOTUNE_FILENAME
-  autotuning.autotune([(q_shape, k_shape)], path, dtype=dtype, **masks)
+  path = pathlib.Path(workdir) / autotuning.AUTOTUNE_FILENAME
+  autotuning.autotune([request], path)
   document = json.loads(path.read_text(encoding="utf-8"))
   for entry in document["entries"]:
     times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in entry["times_ms"].items())
     print(f"Autotuned: {entry['implementation']} (forward+backward: {times})")
   print(f"Saved {path}; training and resume load it from the workdir.")
   return 0
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+  from jax_ai_stack.kernels import request as request_lib
+  from jax_ai_stack.kernels.resolve import resolve_plan
+
+  shapes = parse_shape(args.shape, args.kv_len)
+  if args.autotune and args.implementation != "auto":
+    raise UsageError("--autotune chooses among the 'auto' candidates; drop --implementation")
+  backend = _backend(args)
+  request = _request(args, shapes, (backend or request_lib.current_backend()).platform)
+  # The environment counts as for training: the table shows what would run.
+  plan = resolve_plan(args.implementation, origin="--implementation", environ=os.environ)
+  choice = plan.report(request, backend=backend)
+
+  print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
+  if choice.name is None:
+    print("error: no attention implementation fits; see the table above", file=sys.stderr)
+    return 1
+  return _autotune(request, args.workdir) if args.autotune else 0
