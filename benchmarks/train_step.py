@@ -51,7 +51,8 @@ from flax import nnx
 from pydantic import PositiveInt
 
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
-from jax_ai_stack.recipes import optim, pytree, step
+from jax_ai_stack.recipes import optim, step
+from jax_ai_stack.recipes.tasks import lm_loss
 from jax_ai_stack.recipes.configlib import config_dataclass
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 
@@ -143,13 +144,14 @@ def _fresh(size: Size) -> tuple[Llama, optax.GradientTransformation]:
 def _flat(state: Any) -> dict[str, np.ndarray]:
   """{'a/b/c': array} of the parameter leaves of a State (or pure dict)."""
   pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
-  return {pytree.path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(pure)}
+  leaves = jax.tree_util.tree_leaves_with_path(pure)
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in leaves}
 
 
 def recipe_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
   model, tx = _fresh(size)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  train_step, _, state = step.make_steps(model, optimizer, step.lm_loss)
+  train_step, _, state = step.make_steps(model, optimizer, lm_loss)
   box = {"state": state}
 
   def run(n: int):
@@ -170,7 +172,7 @@ def hand_written_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
   params = nnx.as_pure(params)
 
   def loss(params, batch):
-    return step.lm_loss(nnx.merge(graphdef, params, rest), batch)[0]
+    return lm_loss(nnx.merge(graphdef, params, rest), batch)[0]
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, batch):
@@ -195,7 +197,7 @@ def nnx_jit_variant(size: Size, batch: dict[str, jax.Array], *, graph: bool) -> 
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param, **mode)
 
   def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(lambda m: step.lm_loss(m, batch)[0], **mode)(model)
+    loss, grads = nnx.value_and_grad(lambda m: lm_loss(m, batch)[0], **mode)(model)
     optimizer.update(model, grads)
     return loss
 

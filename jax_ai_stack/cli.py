@@ -2,7 +2,9 @@
 
 Each subcommand lives beside the code it drives and registers itself here through
 a `register(subparsers)` function that sets `func` on its parser; `func(args)`
-returns the exit code. Usage errors exit 2 with one line naming what is wrong.
+returns the exit code. A `UserError` (bad input: `jax_ai_stack.errors`) prints
+one line naming what is wrong and exits 2; any other exception is a bug and
+keeps its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from jax_ai_stack.errors import UsageError
+from jax_ai_stack.errors import UserError
 
 # Modules that register subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
   subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
   for module_name in _COMMAND_MODULES:
     importlib.import_module(module_name).register(subparsers)
+  for command_parser in subparsers.choices.values():
+    command_parser.set_defaults(command_parser=command_parser)
   return parser
 
 
@@ -39,14 +43,15 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args, extra = parser.parse_known_args(argv)
   if extra and not getattr(args, "accepts_overrides", False):
-    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # The subcommand's own usage, not the top-level one.
+    getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
   args.overrides = extra
   if not getattr(args, "func", None):
     parser.print_help()
     return 2
   try:
     return args.func(args)
-  except UsageError as e:
+  except UserError as e:
     print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
     return 2
 

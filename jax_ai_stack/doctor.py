@@ -12,7 +12,7 @@ import platform
 import sys
 
 from jax_ai_stack import compat
-from jax_ai_stack.cli import UsageError
+from jax_ai_stack.errors import UsageError
 
 
 def register(subparsers) -> None:

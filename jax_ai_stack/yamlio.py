@@ -18,6 +18,10 @@ def read_yaml(path: str | pathlib.Path) -> object:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
   except FileNotFoundError:
     raise YamlFileError(f"{path}: file not found") from None
+  except IsADirectoryError:
+    raise YamlFileError(f"{path}: is a directory, not a YAML file") from None
+  except UnicodeDecodeError as e:
+    raise YamlFileError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

@@ -14,3 +14,17 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+  """One uninterrupted tiny LM run; resumed runs must end with the same bits."""
+  from jax_ai_stack.recipes import train
+  from training_helpers import tiny_config
+
+  workdir = tmp_path_factory.mktemp("reference")
+  result = train.run(tiny_config(), workdir)
+  return workdir, result

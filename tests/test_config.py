@@ -37,6 +37,31 @@ def test_config_file_merges_over_the_preset(tmp_path):
   assert loaded.model.num_layers == config.load("lm-tiny").model.num_layers
 
 
+def test_a_config_file_alone_merges_over_the_default_preset(tmp_path):
+  path = tmp_path / "mine.yaml"
+  path.write_text("model:\n  num_layers: 2\ntrain:\n  steps: 10\n")
+  loaded, preset = config.load(config_file=path), config.load(config.DEFAULT_PRESET)
+  assert loaded.name == config.DEFAULT_PRESET
+  assert loaded.model.num_layers == 2 and loaded.model.d_model == preset.model.d_model
+  assert loaded.train.steps == 10 and loaded.optim == preset.optim and loaded.data == preset.data
+
+
+def test_a_config_file_names_its_base_preset(tmp_path):
+  path = tmp_path / "mine.yaml"
+  path.write_text("preset: digits-cnn\ntrain:\n  steps: 10\n")
+  assert config.load(config_file=path).model.kind == "cnn"
+  path.write_text("preset: none\ntrain:\n  steps: 10\n")
+  assert config.load(config_file=path) == config.RecipeConfig(train=config.TrainConfig(steps=10))
+  assert config.load("lm-tiny", config_file=path).name == "lm-tiny"  # The argument wins.
+
+
+def test_a_model_of_another_kind_replaces_the_preset_s_model(tmp_path):
+  path = tmp_path / "mine.yaml"
+  path.write_text("model:\n  kind: cnn\n  hidden: 32\ndata:\n  source: digits\n")
+  loaded = config.load("lm-tiny", config_file=path)
+  assert loaded.model.kind == "cnn" and loaded.model.hidden == 32
+
+
 def test_configs_are_frozen():
   loaded = config.load("lm-tiny")
   with pytest.raises(Exception, match="cannot assign"):

@@ -4,48 +4,21 @@ preemption, and the bad-input paths that must lose nothing already saved."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
 
-TINY = [
-    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
-    "model.mlp_dim=64", "model.max_seq_len=32", "data.seq_len=16", "data.batch_size=4",
-    "data.max_documents=30", "data.validation_fraction=0.2", "train.eval_every=10",
-    "train.eval_batches=2", "train.sample_tokens=8", "train.progress=false",
-    "checkpoint.save_every=5", "optim.warmup_steps=2",
-]
-STEPS = 30
-
-
-def tiny_config(*extra: str) -> config.RecipeConfig:
-  return config.load("lm-tiny", overrides=[*TINY, f"train.steps={STEPS}", *extra])
-
-
-def train_losses(workdir) -> list[tuple[int, float]]:
-  return [(r["step"], r["loss"]) for r in train.read_metrics(workdir) if r["split"] == "train"]
+from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
 
 
 def final_state(workdir):
-  session = train.open_trained(workdir)
-  session.manager.close()
-  return session.start_step, session.state
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  """One uninterrupted run; the others must end with the same bits."""
-  workdir = tmp_path_factory.mktemp("reference")
-  result = train.run(tiny_config(), workdir)
-  return workdir, result
+  trainer = train.Trainer.open_finished(workdir)
+  trainer.close()
+  return trainer.step, trainer.state
 
 
 def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
@@ -83,29 +56,10 @@ def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   assert checkpoint.tree_equal(state_a, state_b)
 
 
-def _start_training(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
-  command = [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", "--workdir",
-             str(workdir), *TINY, f"train.steps={STEPS}", *extra]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _wait_for_step(process: subprocess.Popen, workdir: pathlib.Path, step: int) -> None:
-  deadline = time.monotonic() + 120
-  while time.monotonic() < deadline:
-    if train_losses(workdir) and train_losses(workdir)[-1][0] >= step:
-      return
-    if process.poll() is not None:
-      pytest.fail(f"training ended early: {process.stdout.read()}")
-    time.sleep(0.02)
-  process.kill()
-  pytest.fail("training did not reach the step in time")
-
-
 def test_sigkill_during_async_saves_then_resume_is_bitwise_identical(reference, tmp_path):
   ref_dir, _ = reference
-  process = _start_training(tmp_path, "checkpoint.save_every=1")  # A save is always in flight.
-  _wait_for_step(process, tmp_path, 12)
+  process = start_training(tmp_path, "checkpoint.save_every=1")  # A save is always in flight.
+  wait_for_step(process, tmp_path, 12)
   process.send_signal(signal.SIGKILL)
   process.wait()
   assert process.returncode == -signal.SIGKILL
@@ -118,19 +72,6 @@ def test_sigkill_during_async_saves_then_resume_is_bitwise_identical(reference, 
   assert checkpoint.tree_equal(final_state(ref_dir)[1], final_state(tmp_path)[1])
   leftovers = list((tmp_path / train.CHECKPOINT_DIR).glob("*.orbax-checkpoint-tmp*"))
   assert not leftovers
-
-
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
-  endless = 100_000  # The signal must arrive long before the run could finish.
-  process = _start_training(tmp_path, "checkpoint.save_every=1000", f"train.steps={endless}")
-  _wait_for_step(process, tmp_path, 3)
-  process.send_signal(signal.SIGTERM)
-  output, _ = process.communicate(timeout=120)
-  assert process.returncode == 0, output
-  assert "SIGTERM" in output and "checkpoint saved" in output
-  stopped_at = train_losses(tmp_path)[-1][0]
-  assert stopped_at < endless
-  assert final_state(tmp_path)[0] == stopped_at  # Saved although save_every is far away.
 
 
 def test_finished_run_resumes_instantly(reference, capsys):
@@ -175,9 +116,9 @@ def test_corrupt_newest_checkpoint_falls_back_and_keeps_good_ones(tmp_path, capl
   for path in (ckpt / "10" / "state").rglob("*"):
     if path.is_file():
       path.write_bytes(b"garbage")
-  session = train.open_session(tiny_config("train.steps=10"), tmp_path, resume="auto")
-  session.manager.close()
-  assert session.start_step == 5
+  trainer = train.Trainer.open(tiny_config("train.steps=10"), tmp_path)
+  trainer.close()
+  assert trainer.step == 5
   assert "checkpoint step 10 is unreadable" in caplog.text
   assert (ckpt / "10.corrupt").is_dir()  # Moved aside, not deleted.
   assert (ckpt / "5").is_dir()
@@ -271,3 +212,23 @@ def test_cli_names_the_extra_when_scikit_learn_is_missing(tmp_path, capsys, monk
   monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` now fails.
   assert cli.main(["train", "digits-cnn", "--workdir", str(tmp_path)]) == 2
   assert "jax-ai-stack[digits]" in capsys.readouterr().err
+
+
+def test_eval_and_generate_run_the_kernel_the_training_run_used(tmp_path, monkeypatch):
+  from jax_ai_stack import kernels
+
+  monkeypatch.setenv(kernels.ENV_VAR, "xla")  # Not what "auto" picks on CPU.
+  train.run(tiny_config("train.steps=2", "train.sample_tokens=0", "train.eval_every=0"), tmp_path)
+  monkeypatch.delenv(kernels.ENV_VAR)
+  trainer = train.Trainer.open_finished(tmp_path)
+  trainer.close()
+  assert trainer.attention_choice.name == "xla"
+  request = trainer.task.attention_request()
+  assert trainer.attention.select(request).name == "xla"
+  assert kernels.resolve_plan("auto", environ={}).select(request).name != "xla"
+  layer_plans = {block.attention.attention_plan for block in trainer.model.layers}
+  assert layer_plans == {trainer.attention}  # The model runs under the saved plan.
+  manager = checkpoint.build_manager(tmp_path / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig())
+  saved = checkpoint.read_metadata(manager)["attention"]
+  manager.close()
+  assert saved["implementation"] == "xla" and kernels.ENV_VAR in saved["source"]

@@ -15,8 +15,8 @@ _SUBMODULES = (
     "metrics",
     "models",
     "optim",
-    "pytree",
     "step",
+    "tasks",
     "train",
 )
 __all__ = list(_SUBMODULES)

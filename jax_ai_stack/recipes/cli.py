@@ -13,7 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 
-from jax_ai_stack.cli import UsageError
+from jax_ai_stack.errors import UsageError
+
+# Exit codes of a run stopped early (after saving), as shells report a signal.
+STOPPED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+_OTHER_STOP_EXIT_CODE = 75  # EX_TEMPFAIL: preempted or stopped by request; run again.
+
+_TRAIN_EPILOG = """\
+The config is the preset (default lm-tiny; `--preset none` for the defaults
+alone), then --config FILE merged over it (any section may be partial; a file
+may name its base with `preset: NAME`), then the overrides.
+
+Exit status: 0 trained (or already finished); 2 bad input (one line says what);
+130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, after saving a checkpoint
+(run the same command again to resume); 1 a training failure (a non-finite
+loss) or a bug (with its traceback).
+"""
 
 
 def register(subparsers) -> None:
@@ -22,23 +37,35 @@ def register(subparsers) -> None:
       help="train a recipe (default: lm-tiny); run again to resume",
       description="Train a preset recipe. Extra arguments are dotted config overrides "
       "(model.num_layers=6 or --model.num_layers 6).",
+      epilog=_TRAIN_EPILOG,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   train.add_argument("--list", action="store_true", help="list the presets and exit")
+  train.add_argument("--preset", help="the preset to start from ('none': the defaults); "
+                     "the same as naming it first")
   train.add_argument("--config", help="a YAML file merged over the preset")
   train.add_argument("--workdir", help="where checkpoints and logs go (default: runs/<preset>)")
   train.add_argument("--resume", choices=("auto", "never"), help="override train.resume")
   train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
   train.set_defaults(func=run_train, accepts_overrides=True)
 
-  generate = subparsers.add_parser("generate", help="sample text from a trained LM workdir")
-  generate.add_argument("--workdir", required=True)
-  generate.add_argument("--prompt", default="def ")
-  generate.add_argument("--max-new-tokens", type=int, default=128)
-  generate.add_argument("--temperature", type=float, default=0.8)
+  generate = subparsers.add_parser(
+      "generate", help="sample text from a trained LM workdir",
+      description="Continue a prompt with the language model trained in --workdir (read-only; "
+      "the run's own attention kernels).")
+  generate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
+  generate.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
+  generate.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens to add; fewer if the model's max_seq_len is reached (default 128)")
+  generate.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 picks the most likely token (default 0.8)")
   generate.set_defaults(func=run_generate)
 
-  evaluate = subparsers.add_parser("eval", help="evaluate a trained workdir on its validation split")
-  evaluate.add_argument("--workdir", required=True)
+  evaluate = subparsers.add_parser(
+      "eval", help="evaluate a trained workdir on its validation split",
+      description="Evaluate the newest checkpoint in --workdir on the run's validation split "
+      "(read-only); prints JSON.")
+  evaluate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   evaluate.set_defaults(func=run_eval)
 
 
@@ -47,15 +74,6 @@ def _split_preset(extra: list[str]) -> tuple[str | None, list[str]]:
   if extra and not extra[0].startswith("-") and "=" not in extra[0]:
     return extra[0], extra[1:]
   return None, extra
-
-
-def _errors():
-  """The exceptions that mean bad input: printed as one line, exit 2."""
-  from jax_ai_stack import kernels
-  from jax_ai_stack.recipes import checkpoint, configlib, train
-
-  return (configlib.ConfigError, checkpoint.CheckpointMismatchError, train.WorkdirError,
-          kernels.AutotuneError, FileNotFoundError, ImportError, ValueError)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -68,45 +86,41 @@ def run_train(args: argparse.Namespace) -> int:
       print(f"{name}{marker}")
     return 0
   preset, extra = _split_preset(args.overrides)
+  if preset and args.preset and preset != args.preset:
+    raise UsageError(f"two presets: {preset!r} and --preset {args.preset!r}")
+  config = recipe_config.load(
+      preset or args.preset, config_file=args.config, overrides=configlib.parse_overrides(extra)
+  )
+  if args.print_config:
+    print(configlib.to_yaml(config), end="")
+    return 0
   try:
-    overrides = configlib.parse_overrides(extra)
-    config = recipe_config.load(
-        preset or (None if args.config else recipe_config.DEFAULT_PRESET),
-        config_file=args.config,
-        overrides=overrides,
-    )
-    if args.print_config:
-      print(configlib.to_yaml(config), end="")
-      return 0
-    train.run(config, args.workdir, resume=args.resume)
+    result = train.run(config, args.workdir, resume=args.resume)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
-  except _errors() as e:
-    raise UsageError(str(e)) from None
-  return 0
+  stopped_by = result["stopped_by"]
+  return STOPPED_EXIT_CODES.get(stopped_by, _OTHER_STOP_EXIT_CODE) if stopped_by else 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes import train
+  from jax_ai_stack.recipes.train import Trainer
 
+  trainer = Trainer.open_finished(args.workdir)
   try:
-    session = train.open_trained(args.workdir)
-    if not session.is_lm:
-      raise UsageError(f"{args.workdir} holds a {session.config.model.kind} model, not a language model")
-    print(train.sample(session, args.prompt, args.max_new_tokens, args.temperature))
-  except _errors() as e:
-    raise UsageError(str(e)) from None
+    print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature))
+  finally:
+    trainer.close()
   return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes import train
+  from jax_ai_stack.recipes.train import Trainer
 
+  trainer = Trainer.open_finished(args.workdir, validation=True)
   try:
-    session = train.open_trained(args.workdir)
-    metrics = train.evaluate(session)
-  except _errors() as e:
-    raise UsageError(str(e)) from None
-  print(json.dumps({"step": session.start_step, **metrics}, indent=2))
+    metrics = trainer.evaluate()
+  finally:
+    trainer.close()
+  print(json.dumps({"step": trainer.step, **metrics}, indent=2))
   return 0

@@ -20,17 +20,21 @@ from typing import Annotated, Literal, Union
 
 import pydantic
 
-from jax_ai_stack.recipes import configlib
+from jax_ai_stack.recipes import configlib, tasks
 from jax_ai_stack.recipes.checkpoint import CheckpointConfig
 from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
 from jax_ai_stack.recipes.data import DataConfig
-from jax_ai_stack.recipes.models.cnn import CNNConfig
-from jax_ai_stack.recipes.models.llama import LlamaConfig
 from jax_ai_stack.recipes.optim import OptimConfig
+from jax_ai_stack.recipes.sharding import MeshConfig
 
 DEFAULT_PRESET = "lm-tiny"
+NO_PRESET = "none"
+"""`--preset none` (or `preset: none` in a YAML file): start from the defaults alone."""
 
-ModelConfig = Annotated[Union[LlamaConfig, CNNConfig], pydantic.Field(discriminator="kind")]
+ModelConfig = Annotated[
+    Union[tuple(family.model_config for family in tasks.FAMILIES)],
+    pydantic.Field(discriminator="kind"),
+]
 
 
 @config_dataclass
@@ -40,7 +44,7 @@ class TrainConfig:
   seed: int = 0
   """Seeds parameters, dropout and the data order: same seed, same bits."""
   eval_every: int = 100
-  """Evaluate on the validation split every this many steps (and at the end)."""
+  """Evaluate on the validation split every this many steps (and at the end); 0: never."""
   eval_batches: int = 4
   """Validation batches per evaluation (the same ones every time)."""
   resume: Literal["auto", "never"] = "auto"
@@ -58,18 +62,29 @@ class TrainConfig:
   <workdir>/attention_autotune.json; resume reloads it so numerics do not change."""
 
   def __post_init__(self):
-    for name in ("steps", "eval_every", "eval_batches"):
+    for name in ("steps", "eval_batches"):
       if getattr(self, name) < 1:
         raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+    if self.eval_every < 0:
+      raise ValueError(f"train.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
     if self.sample_tokens < 0:
       raise ValueError(f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
 
 
 @config_dataclass
 class RecipeConfig:
+  """Every setting of a training job: one frozen, validated tree.
+
+  Build it with `load` (a preset, a YAML file, dotted overrides); print it with
+  `configlib.to_yaml`. Each section is its own config dataclass, so a builder
+  takes only the section it needs (`optim.build_optimizer(config.optim, ...)`).
+  Which model family trains is `model.kind`; `tasks.for_config(config)` gives
+  the family's Task.
+  """
+
   name: str = "custom"
   """The preset this config came from (names the default workdir runs/<name>)."""
-  model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
+  model: ModelConfig = dataclasses.field(default_factory=tasks.FAMILIES[0].model_config)
   """The model: `kind: llama` (decoder LM) or `kind: cnn` (image classifier)."""
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   """Optimizer, schedule, clipping, weight decay, accumulation."""
@@ -79,18 +94,11 @@ class RecipeConfig:
   """How often to save and what to keep."""
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   """Steps, seed, evaluation, resume, the final sample."""
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  """The device mesh (data x fsdp x tensor) and the rules that place arrays on it."""
 
   def __post_init__(self):
-    is_lm = isinstance(self.model, LlamaConfig)
-    if is_lm == (self.data.source == "digits"):
-      raise ValueError(
-          f"model.kind={self.model.kind!r} does not go with data.source={self.data.source!r}: "
-          "llama reads token corpora, cnn reads the digits images"
-      )
-    if is_lm and self.data.seq_len > self.model.max_seq_len:
-      raise ValueError(
-          f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
-      )
+    tasks.family(self.model).validate(self)
 
 
 def _presets_dir() -> pathlib.Path:
@@ -111,23 +119,52 @@ def _merge(base: dict, update: dict) -> dict:
   return out
 
 
+def _preset_data(preset: str) -> dict:
+  path = _presets_dir() / f"{preset}.yaml"
+  if not path.is_file():
+    raise ConfigError(
+        f"unknown preset {preset!r}; presets: {', '.join(list_presets())} (or {NO_PRESET!r})"
+    )
+  return _merge(configlib.load_yaml(path), {"name": preset})
+
+
+def _merge_section(base: dict, update: dict) -> dict:
+  """`update` over `base`; a model of another `kind` replaces the preset's model."""
+  model = update.get("model")
+  if isinstance(model, dict) and "kind" in model and model["kind"] != base.get("model", {}).get("kind"):
+    base = {k: v for k, v in base.items() if k != "model"}
+  return _merge(base, update)
+
+
 def load(
-    preset: str | None = DEFAULT_PRESET,
+    preset: str | None = None,
     *,
     config_file: str | pathlib.Path | None = None,
     overrides: list[str] = (),
 ) -> RecipeConfig:
-  """Preset, then `config_file` merged over it, then dotted overrides; validated."""
+  """A preset, then `config_file` merged over it, then dotted overrides; validated.
+
+  Args:
+    preset: a preset name (`list_presets()`), "none" for the defaults alone, or
+      None: the `preset:` the config file names, else `DEFAULT_PRESET`.
+    config_file: a YAML file of fields to change; any section may be partial
+      (`model: {num_layers: 6}` keeps the preset's other model fields). A file
+      may name its base with `preset: NAME` (or `none`); `preset` wins.
+    overrides: `dotted.field=value` strings, applied last.
+
+  Raises:
+    ConfigError: naming the field, the value and where it came from.
+  """
+  from_file = configlib.load_yaml(config_file) if config_file is not None else {}
+  file_preset = from_file.pop("preset", None)
+  preset = preset or file_preset or DEFAULT_PRESET
   data: dict = {}
   sources = []
-  if preset is not None:
-    path = _presets_dir() / f"{preset}.yaml"
-    if not path.is_file():
-      raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(list_presets())}")
-    data = _merge(configlib.load_yaml(path), {"name": preset})
+  if preset != NO_PRESET:
+    data = _preset_data(str(preset))
     sources.append(f"preset {preset}")
   if config_file is not None:
-    data = _merge(data, configlib.load_yaml(config_file))
+    data = _merge_section(data, from_file)
     sources.append(str(config_file))
   if overrides:
     data = configlib.apply_overrides(data, list(overrides))

@@ -1,6 +1,7 @@
 """Optax chains from an `OptimConfig`.
 
-`build` returns a plain `optax.GradientTransformation`:
+`build` returns a plain `optax.GradientTransformation`;
+`build_optimizer` wraps it for a model as an `nnx.Optimizer` over its parameters:
 clip by global norm -> optimizer (with masked weight decay) -> optional gradient
 accumulation (`optax.MultiSteps`). The learning rate follows `build_schedule`,
 which the trainer also calls to log the rate of each step: a pure function of
@@ -24,8 +25,8 @@ from typing import Literal
 
 import jax
 import optax
+from flax import nnx
 
-from jax_ai_stack.recipes import pytree
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 
@@ -106,7 +107,7 @@ def decay_mask(config: OptimConfig):
 
   def mask(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(p.search(pytree.path_str(path)) for p in patterns), params
+        lambda path, _: not any(p.search(jax.tree_util.keystr(path, simple=True, separator="/")) for p in patterns), params
     )
 
   return mask
@@ -140,3 +141,17 @@ def build(config: OptimConfig, total_steps: int) -> optax.GradientTransformation
   if config.accumulate_steps > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps).gradient_transformation()
   return tx
+
+
+def optimizer_updates(config: OptimConfig, train_steps: int) -> int:
+  """Optimizer updates in a run of `train_steps` steps (accumulation groups steps).
+
+  The schedule's length, and what the logged learning rate is a function of.
+  """
+  return max(train_steps // config.accumulate_steps, 1)
+
+
+def build_optimizer(config: OptimConfig, model: nnx.Module, *, train_steps: int) -> nnx.Optimizer:
+  """`build(config)` over `model`'s parameters, scheduled for `train_steps` steps."""
+  tx = build(config, total_steps=optimizer_updates(config, train_steps))
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)

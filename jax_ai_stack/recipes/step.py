@@ -7,10 +7,15 @@ per step on a CPU); here the graph is split once into a static `graphdef` and a
 updates parameters and optimizer moments in place. The numbers are the same
 bits as `nnx.jit`; benchmarks/train_step.py measures the gap.
 
+Under a mesh, `state_sharding` (from `sharding.state_shardings`) fixes where
+every parameter and optimizer moment lives after each step; the batch brings
+its own sharding (a global array), and XLA's SPMD partitioner does the rest.
+
 Example:
   >>> import optax
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
+  >>> from jax_ai_stack.recipes.tasks import classification_loss
   >>> model = CNN(CNNConfig(), rngs=nnx.Rngs(0))
   >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   >>> train_step, _, state = make_steps(model, optimizer, classification_loss)
@@ -18,11 +23,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -30,50 +35,29 @@ Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
-
-  Without a `loss_mask`, padding (segment id 0) is left out.
-  """
-  logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                 positions=batch.get("positions"))
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["targets"]
-  )
-  if "loss_mask" in batch:
-    mask = batch["loss_mask"].astype(jnp.float32)
-  elif "segment_ids" in batch:
-    mask = (batch["segment_ids"] != 0).astype(jnp.float32)
-  else:
-    mask = jnp.ones_like(losses)
-  tokens = jnp.maximum(mask.sum(), 1.0)
-  loss = (losses * mask).sum() / tokens
-  return loss, {"tokens": mask.sum()}
-
-
-def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean cross-entropy of class logits, with accuracy for the logs."""
-  logits = model(batch["images"])
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-  accuracy = (logits.argmax(-1) == batch["labels"]).mean()
-  return loss, {"accuracy": accuracy}
-
-
 def make_steps(
-    model: nnx.Module, optimizer: nnx.Optimizer, loss_fn: LossFn
+    model: nnx.Module, optimizer: nnx.Optimizer, loss_fn: LossFn, *,
+    state_sharding: Any = None,
 ) -> tuple[Callable, Callable, nnx.State]:
   """Returns `(train_step, eval_step, state)`.
 
   `train_step(state, batch) -> (state, metrics)` donates `state`;
   `eval_step(state, batch) -> metrics` runs the model in eval mode (no
-  dropout) and changes nothing.
+  dropout) and changes nothing. `state_sharding`: a NamedSharding per state
+  leaf; the new state keeps it and the metrics are replicated.
   """
   model.eval()
   eval_graphdef, _ = nnx.split((model, optimizer))
   model.train()
   graphdef, state = nnx.split((model, optimizer))
 
-  @jax.jit
+  train_placement, eval_placement = {}, {}  # Unspecified: XLA's choice, from the inputs.
+  if state_sharding is not None:
+    replicated = jax.tree.leaves(state_sharding)[0].update(spec=jax.sharding.PartitionSpec())
+    train_placement = {"out_shardings": (state_sharding, replicated)}
+    eval_placement = {"out_shardings": replicated}
+
+  @functools.partial(jax.jit, **eval_placement)
   def eval_step(state: nnx.State, batch: Batch) -> dict[str, jax.Array]:
     model, _ = nnx.merge(eval_graphdef, state)
     loss, aux = loss_fn(model, batch)
@@ -86,7 +70,7 @@ def make_steps(
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
     return nnx.state((model, optimizer)), metrics
 
-  train_step = jax.jit(train_step_fn, donate_argnums=0)
+  train_step = jax.jit(train_step_fn, donate_argnums=0, **train_placement)
   return train_step, eval_step, state
 
 

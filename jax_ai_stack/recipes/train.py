@@ -1,17 +1,30 @@
-"""The trainer: config in, a trained, checkpointed, resumable run out.
+"""The trainer: a recipe config in, a trained, checkpointed, resumable run out.
 
-`run(config, workdir)` restores the newest checkpoint in `workdir` (or starts
-from the seed), then runs one jitted step per batch, evaluates every
-`train.eval_every` steps, and logs each step to `metrics.jsonl` and TensorBoard.
-It saves through Orbax every `checkpoint.save_every` steps, at the end, and when
-SIGTERM or SIGINT arrives (the step in flight finishes first). At the end it
-writes `loss.png` and, for language models, a generated sample.
+`run(config, workdir)` opens the workdir (restoring its newest checkpoint, or
+starting from the seed), then runs one jitted step per batch, evaluates every
+`train.eval_every` steps, and logs each step to `metrics.jsonl` and
+TensorBoard. It saves through Orbax every `checkpoint.save_every` steps, at the
+end, and when SIGTERM or SIGINT arrives (the step in flight finishes first).
+At the end it writes `loss.png` and the Task's artefacts (a text sample for
+language models).
+
+What differs between model families is the `Task` (`recipes.tasks`); the
+`Trainer` here has no branch on the model kind. `Trainer.open` is the one way
+into a workdir: `run` trains through it, and `eval`/`generate` open a finished
+run read-only through it (no train data, the run's own attention plan).
 
 Determinism: the parameters, optimizer state, RNG state and data position at
 step k are all in checkpoint k, and every step is a pure function of them, so a
 run stopped at any step and resumed ends with the same bits as one that never
 stopped. Log lines past the restored step are dropped on resume, so the loss
 log is the same too.
+
+Example:
+  >>> from jax_ai_stack.recipes import config
+  >>> cfg = config.load("lm-tiny", overrides=["train.steps=2", "model.num_layers=1"])
+  >>> trainer = Trainer.open(cfg, "/tmp/doctest-run", resume="never")  # doctest: +SKIP
+  >>> trainer.fit()["step"]  # doctest: +SKIP
+  2
 """
 
 from __future__ import annotations
@@ -20,55 +33,49 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import grain
 import jax
-import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
-from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import checkpoint, configlib, data, optim, step
+from jax_ai_stack.errors import ConfigError, WorkdirError
+from jax_ai_stack.recipes import checkpoint, configlib, optim, sharding, step, tasks
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
-from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 log = logging.getLogger(__name__)
 
-SAMPLE_FILE = "sample.txt"
 CHECKPOINT_DIR = "checkpoints"
+__all__ = [
+    "CHECKPOINT_DIR", "METRICS_FILE", "PLOT_FILE", "SAMPLE_FILE", "Trainer", "TrainingError",
+    "WorkdirError", "read_metrics", "run",
+]
 
 
 class TrainingError(RuntimeError):
   """Training cannot go on (a NaN loss, say); the last good checkpoint stays."""
 
 
-def build_model(config: LlamaConfig | CNNConfig, seed: int) -> nnx.Module:
-  """The recipe's model, initialised from `seed` (dropout gets its own stream)."""
-  rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-  if isinstance(config, LlamaConfig):
-    return Llama(config, rngs=rngs)
-  return CNN(config, rngs=rngs)
-
-
-def optimizer_updates(config: RecipeConfig) -> int:
-  """Optimizer updates in the run: the schedule's length (accumulation groups steps)."""
-  return max(config.train.steps // config.optim.accumulate_steps, 1)
-
-
-def build_optimizer(config: RecipeConfig, model: nnx.Module) -> nnx.Optimizer:
-  tx = optim.build(config.optim, total_steps=optimizer_updates(config))
-  return nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-def _check_writable(workdir: pathlib.Path) -> None:
+def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
+  """Checks (and for training creates) the workdir; WorkdirError says what is wrong."""
+  if workdir.exists() and not workdir.is_dir():
+    raise WorkdirError(f"workdir {workdir} is a file, not a directory")
+  if read_only:
+    if not (workdir / CHECKPOINT_DIR).is_dir():
+      raise WorkdirError(f"no checkpoints in {workdir}: train there first")
+    return
   try:
     workdir.mkdir(parents=True, exist_ok=True)
     probe = workdir / ".write-test"
@@ -78,117 +85,39 @@ def _check_writable(workdir: pathlib.Path) -> None:
     raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
 
 
-def _create(config: RecipeConfig, *, abstract: bool = False) -> tuple[nnx.Module, nnx.Optimizer]:
-  """Model and optimizer, initialised in one compiled program (eagerly, every
-  parameter initialiser would compile on its own: seconds on a small CPU).
-  `abstract`: shapes only (`nnx.eval_shape`), to restore a checkpoint into."""
+def resolve_attention(task: tasks.Task, workdir: pathlib.Path, *, autotune: bool,
+                      saved: dict | None) -> tuple[kernels.AttentionPlan | None, kernels.Choice | None]:
+  """The run's attention plan, resolved once, and the kernel its train step runs.
 
-  def create():
-    model = build_model(config.model, config.train.seed)
-    return model, build_optimizer(config, model)
-
-  return nnx.eval_shape(create) if abstract else nnx.jit(create)()
-
-
-@dataclasses.dataclass
-class Session:
-  """Everything built from a config for one workdir, restored if it had a checkpoint."""
-
-  config: RecipeConfig
-  workdir: pathlib.Path
-  model: nnx.Module
-  optimizer: nnx.Optimizer
-  train_step: Any
-  eval_step: Any
-  state: nnx.State
-  manager: Any
-  train_iterator: Any
-  validation: Any
-  tokenizer: Any
-  start_step: int
-  metadata: dict
-
-  @property
-  def is_lm(self) -> bool:
-    return isinstance(self.config.model, LlamaConfig)
-
-  def sync_model(self) -> None:
-    """Writes the current step state into the live model (for eval and sampling)."""
-    step.merge(self.model, self.optimizer, self.state)
-
-
-def open_session(config: RecipeConfig, workdir: str | pathlib.Path, *, resume: str) -> Session:
-  """Builds model, optimizer, data and checkpoint manager; restores per `resume`."""
-  ensure_absl_flags_parsed()
-  workdir = pathlib.Path(workdir)
-  _check_writable(workdir)
-  seed = config.train.seed
-  is_lm = isinstance(config.model, LlamaConfig)
-  loss_fn = step.lm_loss if is_lm else step.classification_loss
-  tokenizer = data.build_tokenizer(config.data) if is_lm else None
-  if is_lm and tokenizer.vocab_size > config.model.vocab_size:
-    raise configlib.ConfigError(
-        f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-        f"vocabulary ({tokenizer.vocab_size} ids)"
-    )
-  train_data = data.build_dataset(config.data, split="train", seed=seed)
-  train_iterator = iter(train_data)
-  validation = data.build_dataset(config.data, split="validation", seed=seed)
-
-  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
-  if manager.latest_step() is not None and resume == "never":
-    raise WorkdirError(
-        f"workdir {workdir} already has checkpoints (newest step {manager.latest_step()}) and "
-        "resume is 'never': choose another --workdir, or resume with --resume auto"
-    )
-  restored = None
-  if manager.latest_step() is not None:  # Restore into shapes; no initialisation needed.
-    model, optimizer = _create(config, abstract=True)
-    train_step, eval_step, abstract = step.make_steps(model, optimizer, loss_fn)
-    restored = checkpoint.restore(manager, abstract, train_iterator)
-  if restored is None:
-    train_iterator = iter(train_data)  # A failed restore may have moved it.
-    model, optimizer = _create(config)
-    train_step, eval_step, state = step.make_steps(model, optimizer, loss_fn)
-    start_step, metadata = 0, {}
-  else:
-    state, start_step, metadata = restored.state, restored.step, restored.metadata
-    step.merge(model, optimizer, state)  # The abstract objects now hold the restored arrays.
-    _warn_config_changes(metadata.get("config", {}), configlib.to_dict(config))
-  if is_lm:
-    metadata = {**metadata, "attention": _attention_choice(config, metadata.get("attention"))}
-  return Session(config, workdir, model, optimizer, train_step, eval_step, state, manager,
-                 train_iterator, validation, tokenizer, start_step, metadata)
-
-
-def _attention_shapes(config: RecipeConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """q and k shapes of the LM's attention for one process's training batch."""
-  model, batch = config.model, config.data.batch_size // jax.process_count()
-  head_dim = model.resolved_head_dim
-  return ((batch, config.data.seq_len, model.num_heads, head_dim),
-          (batch, config.data.seq_len, model.num_kv_heads, head_dim))
-
-
-def _attention_choice(config: RecipeConfig, saved: dict | None) -> dict:
-  """Selects attention once, says which and why, and warns if a resume changes it."""
-  q_shape, k_shape = _attention_shapes(config)
-  choice = kernels.select(q_shape, k_shape, config.model.dtype, causal=True, segment_ids=True,
-                          implementation=config.model.attention_impl)
-  log.info("%s", choice.report())
-  if saved and saved.get("implementation") != choice.name:
-    log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
-                "run will not be bitwise identical to one that never stopped",
-                saved.get("implementation"), choice.name)
-  return choice.to_dict()
-
-
-def _pinned_attention(config: RecipeConfig, workdir: pathlib.Path) -> contextlib.AbstractContextManager:
-  """Loads (after creating it, if asked) the workdir's attention autotune file."""
+  Precedence: the config's implementation, then `JAX_AI_STACK_ATTENTION`, then
+  the workdir's autotune file (tuned first if `autotune` and missing), then
+  the backend's preference. The training request is pinned to its choice, so
+  the model runs exactly the kernel logged and saved in the checkpoint.
+  `saved` (a checkpoint's `attention` metadata) reuses that run's plan as is.
+  """
+  request = task.attention_request()
+  if request is None:
+    return None, None
+  if saved and "plan" in saved:
+    plan = kernels.AttentionPlan.from_dict(saved["plan"])
+    return plan, plan.select(request)
   path = workdir / kernels.AUTOTUNE_FILENAME
-  if isinstance(config.model, LlamaConfig) and config.train.autotune_attention and not path.exists():
-    workdir.mkdir(parents=True, exist_ok=True)
-    kernels.autotune([_attention_shapes(config)], path, dtype=config.model.dtype, segment_ids=True)
-  return kernels.load_autotune(path) if path.exists() else contextlib.nullcontext()
+  if autotune and not path.exists():
+    kernels.autotune([request], path)
+  plan = kernels.resolve_plan(task.attention_implementation(), origin="model.attention_impl",
+                              environ=os.environ,
+                              autotune_file=path if path.exists() else None)
+  choice = plan.select(request)
+  return plan.pin(choice), choice
+
+
+def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -> None:
+  """Warns about what differs from the checkpoint's run (config, attention kernel)."""
+  _warn_config_changes(metadata.get("config", {}), config)
+  saved = metadata.get("attention", {}).get("implementation")
+  if choice is not None and saved and saved != choice.name:
+    log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
+                "run will not be bitwise identical to one that never stopped", saved, choice.name)
 
 
 def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
@@ -201,35 +130,12 @@ def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
       log.warning("config %s%s changed since the checkpoint: %r -> %r", prefix, key, a, b)
 
 
-def evaluate(session: Session) -> dict[str, float]:
-  """Mean metrics over the first `train.eval_batches` validation batches."""
-  totals: dict[str, float] = {}
-  batches = 0
-  iterator = iter(session.validation)
-  try:
-    for batch in iterator:
-      if batches == session.config.train.eval_batches:
-        break
-      metrics = step.host_metrics(session.eval_step(session.state, batch))
-      for k, v in metrics.items():
-        totals[k] = totals.get(k, 0.0) + v
-      batches += 1
-  finally:
-    if hasattr(iterator, "close"):
-      iterator.close()  # Stops its prefetch thread now, not at garbage collection.
-  if batches == 0:
-    raise configlib.ConfigError(
-        "the validation split has no full batch: lower data.batch_size or raise "
-        "data.validation_fraction"
-    )
-  out = {f"eval_{k}": v / batches for k, v in totals.items() if k != "tokens"}
-  if session.is_lm:
-    out["eval_perplexity"] = math.exp(min(out["eval_loss"], 50.0))
-  return out
-
-
 class _StopSignal:
-  """Records SIGTERM/SIGINT so the loop can finish its step, save and stop."""
+  """Records SIGTERM/SIGINT so the loop can finish its step, save and stop.
+
+  Orbax's `reached_preemption` covers the multi-host case (every host agrees
+  on the step); it sees neither Ctrl-C nor a signal to a single process.
+  """
 
   def __init__(self):
     self.received: str | None = None
@@ -250,74 +156,265 @@ class _StopSignal:
       signal.signal(sig, handler)
 
 
-def _metadata(session: Session, step_number: int) -> dict:
-  return {
-      "step": step_number,
-      "config": configlib.to_dict(session.config),
-      **{k: v for k, v in session.metadata.items() if k not in ("step", "config")},
-  }
+@dataclasses.dataclass
+class Trainer:
+  """A run opened in a workdir: its Task, model, steps, state and checkpoints."""
 
+  config: RecipeConfig
+  task: tasks.Task
+  workdir: pathlib.Path
+  manager: ocp.CheckpointManager
+  model: nnx.Module
+  optimizer: nnx.Optimizer
+  train_step: Callable[[nnx.State, tasks.Batch], tuple[nnx.State, dict]]
+  eval_step: Callable[[nnx.State, tasks.Batch], dict]
+  state: nnx.State
+  step: int
+  attention: kernels.AttentionPlan | None
+  attention_choice: kernels.Choice | None
+  placement: sharding.Placement
+  """The mesh and the rules that lay out the state and each batch."""
+  train_batches: Iterator[tasks.Batch] | None
+  """The train iterator (Grain's, checkpointed with the state); None when read-only."""
+  validation: grain.IterDataset | None
+  """None when evaluation is off (`train.eval_every=0`) and for generation."""
 
-def _save(session: Session, step_number: int, *, force: bool) -> None:
-  # Orbax copies the arrays to host memory before save() returns, so the next
-  # step may donate (reuse) their buffers; the resume tests check the bits.
-  checkpoint.save(session.manager, step_number, session.state, session.train_iterator,
-                  _metadata(session, step_number), force=force)
+  @classmethod
+  def open(cls, config: RecipeConfig, workdir: str | pathlib.Path, *,
+           task: tasks.Task | None = None, resume: str = "auto") -> Trainer:
+    """Opens `workdir` to train `config`, restoring its newest checkpoint if any.
 
+    Args:
+      config: the recipe (any config with `train`, `optim`, `checkpoint`
+        sections that `task` understands).
+      workdir: created if missing; must be writable.
+      task: the model family; default `tasks.for_config(config)`.
+      resume: "auto" continues a run; "never" refuses a workdir with checkpoints.
+    """
+    ensure_absl_flags_parsed()
+    workdir = pathlib.Path(workdir)
+    task = task or tasks.for_config(config)
+    prepare_workdir(workdir, read_only=False)
+    task.check_data()  # Bad input is refused before anything in the workdir is opened.
+    plan, choice = resolve_attention(task, workdir, autotune=config.train.autotune_attention,
+                                     saved=None)
+    train_data = task.dataset("train", config.train.seed)
+    validation = task.dataset("validation", config.train.seed) if config.train.eval_every else None
+    manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
+    try:
+      latest = manager.latest_step()
+      if latest is not None and resume == "never":
+        raise WorkdirError(
+            f"workdir {workdir} already has checkpoints (newest step {latest}) and resume is "
+            "'never': choose another --workdir, or resume with --resume auto"
+        )
+      return cls._build(config, task, workdir, manager, plan, choice, train_data, validation,
+                        restore=latest is not None)
+    except BaseException:
+      manager.close()
+      raise
 
-def train(session: Session, *, stop_after: int | None = None) -> dict[str, Any]:
-  """Runs the loop from `session.start_step` to `train.steps`; returns a summary."""
-  config = session.config
-  total = config.train.steps
-  metrics_log = MetricsLog(session.workdir, session.start_step)
-  schedule = jax.jit(optim.build_schedule(config.optim, optimizer_updates(config)))
-  per_step = config.data.batch_size * (config.data.seq_len if session.is_lm else 1)
-  unit = "tokens/s" if session.is_lm else "examples/s"
-  progress = _progress_bar(config, session.start_step)
-  stopped_by = None
-  last: dict[str, float] = {}
-  step_number = session.start_step
-  try:
-    with _StopSignal() as stop:
-      while step_number < total:
-        batch = next(session.train_iterator)
-        started = time.perf_counter()
-        session.state, device_metrics = session.train_step(session.state, batch)
-        metrics = step.host_metrics(device_metrics)
-        elapsed = time.perf_counter() - started
-        step_number += 1
-        if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
-          raise TrainingError(
-              f"step {step_number}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']} "
-              f"is not finite; training stopped. The last good checkpoint "
-              f"(step {session.manager.latest_step()}) is kept in {session.manager.directory}"
-          )
-        optimizer_step = (step_number - 1) // config.optim.accumulate_steps
-        metrics.update(lr=float(schedule(optimizer_step)), step_time=elapsed,
-                       throughput=per_step / max(elapsed, 1e-9))
-        metrics.pop("tokens", None)
-        metrics_log.write(step_number, "train", metrics)
-        last = metrics
-        if progress is not None:
-          progress.update(1)
-          progress.set_postfix_str(f"loss {metrics['loss']:.3f}  {metrics['throughput']:,.0f} {unit}")
-        if step_number % config.train.eval_every == 0 or step_number == total:
-          eval_metrics = evaluate(session)
-          metrics_log.write(step_number, "eval", eval_metrics)
-          last.update(eval_metrics)
-          _print(progress, f"step {step_number}: " + _format(eval_metrics))
-        should_stop = stop.received or (stop_after is not None and step_number >= stop_after)
-        _save(session, step_number, force=bool(should_stop) or step_number == total)
-        if should_stop:
-          stopped_by = stop.received or f"stop_after={stop_after}"
+  @classmethod
+  def open_finished(cls, workdir: str | pathlib.Path, *, validation: bool = False) -> Trainer:
+    """A trained run, read-only, with its saved config and attention plan.
+
+    What `eval` and `generate` use: no train data is built and nothing in the
+    workdir is written, so an archived run on a read-only disk works.
+    """
+    ensure_absl_flags_parsed()
+    workdir = pathlib.Path(workdir)
+    prepare_workdir(workdir, read_only=True)
+    manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                       read_only=True)
+    try:
+      if manager.latest_step() is None:
+        raise WorkdirError(f"no checkpoints in {workdir / CHECKPOINT_DIR}: train there first")
+      metadata = checkpoint.read_metadata(manager)
+      config = from_json(metadata["config"])
+      task = tasks.for_config(config)
+      plan, choice = resolve_attention(task, workdir, autotune=False,
+                                       saved=metadata.get("attention"))
+      data = task.dataset("validation", config.train.seed) if validation else None
+      return cls._build(config, task, workdir, manager, plan, choice, None, data, restore=True)
+    except BaseException:
+      manager.close()
+      raise
+
+  @classmethod
+  def _build(cls, config, task, workdir, manager, plan, choice, train_data, validation, *,
+             restore: bool) -> Trainer:
+    """Model, optimizer and steps, restored into (no initialisation) or initialised.
+
+    Either way the state is created already laid out on the run's mesh (never
+    a full copy on one device first). `train_data` None: read-only (no data
+    position to restore, nothing to train).
+    """
+
+    def create():
+      model = task.build_model(config.train.seed, plan)
+      return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
+
+    placement = sharding.Placement.build(config.mesh, task.batch_axes())
+    model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
+    state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
+    train_step, eval_step, abstract = step.make_steps(model, optimizer, task.loss,
+                                                      state_sharding=state_sharding)
+    train_batches = iter(train_data) if train_data is not None else None
+    restored = None
+    if restore:  # Into shapes only: no initialisation when a checkpoint exists.
+      abstract = jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
+      restored = checkpoint.restore(manager, abstract, train_batches)
+      if restored is None and train_data is None:
+        raise WorkdirError(f"no readable checkpoint in {manager.directory}")
+    if restored is None:  # A fresh run, or every step was corrupt (moved aside).
+      train_batches = iter(train_data)
+      # One compiled program that writes each array straight to its devices
+      # (eagerly, each initialiser would also compile on its own).
+      state = jax.jit(lambda: nnx.state(create()), out_shardings=state_sharding)()
+      start = 0
+    else:
+      state = jax.device_put(restored.state, state_sharding)
+      start = restored.step
+      _warn_changes(restored.metadata, configlib.to_dict(config), choice)
+    step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
+    return cls(config, task, workdir, manager, model, optimizer, train_step, eval_step,
+               state, start, plan, choice, placement, train_batches, validation)
+
+  # ---- the pieces of the loop ------------------------------------------------
+
+  def run_step(self) -> dict[str, float]:
+    """One optimizer step on the next batch; raises TrainingError on a non-finite loss."""
+    batch = self.placement.batch(next(self.train_batches))
+    started = time.perf_counter()
+    self.state, device_metrics = self.train_step(self.state, batch)
+    metrics = step.host_metrics(device_metrics)
+    elapsed = time.perf_counter() - started
+    self.step += 1
+    if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
+      raise TrainingError(
+          f"step {self.step}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']} "
+          f"is not finite; training stopped. The last good checkpoint "
+          f"(step {self.manager.latest_step()}) is kept in {self.manager.directory}"
+      )
+    metrics.pop("tokens", None)
+    return {**metrics, "step_time": elapsed,
+            "throughput": self.task.items_per_step / max(elapsed, 1e-9)}
+
+  def evaluate(self) -> dict[str, float]:
+    """Mean metrics over the first `train.eval_batches` validation batches."""
+    if self.validation is None:
+      raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
+    totals: dict[str, float] = {}
+    batches = 0
+    iterator = iter(self.validation)
+    try:
+      for batch in iterator:
+        if batches == self.config.train.eval_batches:
           break
-  finally:
-    if progress is not None:
-      progress.close()
-    session.manager.wait_until_finished()
-    metrics_log.close()
-  session.sync_model()
-  return {"step": step_number, "stopped_by": stopped_by, **last}
+        metrics = self.eval_step(self.state, self.placement.batch(batch))
+        for k, v in step.host_metrics(metrics).items():
+          totals[k] = totals.get(k, 0.0) + v
+        batches += 1
+    finally:
+      if hasattr(iterator, "close"):
+        iterator.close()  # Stops its prefetch thread now, not at garbage collection.
+    if batches == 0:
+      raise ConfigError(
+          "the validation split has no full batch: lower data.batch_size, raise "
+          "data.validation_fraction, or turn evaluation off with train.eval_every=0"
+      )
+    return self.task.evaluation({f"eval_{k}": v / batches for k, v in totals.items() if k != "tokens"})
+
+  def eval_due(self) -> bool:
+    every = self.config.train.eval_every
+    return bool(every) and (self.step % every == 0 or self.step == self.config.train.steps)
+
+  def save(self, *, force: bool) -> bool:
+    """Saves state, data position and metadata as one step (async: see checkpoint)."""
+    # Orbax copies the arrays to host memory before save() returns, so the next
+    # step may donate (reuse) their buffers; the resume tests check the bits.
+    metadata = {"step": self.step, "config": configlib.to_dict(self.config)}
+    if self.attention_choice is not None:
+      metadata["attention"] = {**self.attention_choice.to_dict(), "plan": self.attention.to_dict()}
+    return checkpoint.save(self.manager, self.step, self.state, self.train_batches, metadata,
+                           force=force)
+
+  def preempted(self) -> bool:
+    """Whether every host agreed to stop at this step (Orbax; multi-host only)."""
+    return jax.process_count() > 1 and self.manager.reached_preemption(self.step)
+
+  def fit(self, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Trains from `self.step` to `train.steps`; returns the last metrics.
+
+    `stop_after` stops (and saves) after that step as a preemption would.
+    """
+    total = self.config.train.steps
+    metrics_log = MetricsLog(self.workdir, self.step)
+    schedule = jax.jit(optim.build_schedule(
+        self.config.optim, optim.optimizer_updates(self.config.optim, total)))
+    progress = _progress_bar(self.config, self.step)
+    stopped_by = None
+    last: dict[str, float] = {}
+    try:
+      with _StopSignal() as stop, self._kernel_configs():
+        while self.step < total:
+          metrics = self.run_step()
+          updates = (self.step - 1) // self.config.optim.accumulate_steps
+          last = {**metrics, "lr": float(schedule(updates))}
+          metrics_log.write(self.step, "train", last)
+          if progress is not None:
+            progress.update(1)
+            progress.set_postfix_str(f"loss {metrics['loss']:.3f}  "
+                                     f"{metrics['throughput']:,.0f} {self.task.throughput_unit}/s")
+          if self.eval_due():
+            eval_metrics = self.evaluate()
+            metrics_log.write(self.step, "eval", eval_metrics)
+            last.update(eval_metrics)
+            _print(progress, f"step {self.step}: " + _format(eval_metrics))
+          reached = stop_after is not None and self.step >= stop_after
+          stopping = stop.received or (f"stop_after={stop_after}" if reached else None) or (
+              "preemption" if self.preempted() else None)
+          if self.save(force=bool(stopping) or self.step == total):
+            metrics_log.flush()
+          if stopping:
+            stopped_by = stopping
+            break
+    finally:
+      if progress is not None:
+        progress.close()
+      self.manager.wait_until_finished()
+      metrics_log.close()
+    step.merge(self.model, self.optimizer, self.state)
+    return {"step": self.step, "stopped_by": stopped_by, **last}
+
+  def finish(self) -> list[str]:
+    """The end-of-run artefacts (loss plot, the Task's); lines to print."""
+    plot(self.workdir)
+    with self._kernel_configs():
+      return self.task.finish(self.model, self.workdir)
+
+  def missing_artefacts(self) -> list[str]:
+    names = [PLOT_FILE, *self.task.artefacts()]
+    return [name for name in names if not (self.workdir / name).exists()]
+
+  def generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
+    with self._kernel_configs():
+      return self.task.generate(self.model, prompt, max_new_tokens, temperature,
+                                self.config.train.seed)
+
+  def close(self) -> None:
+    self.manager.close()
+
+  def _kernel_configs(self):
+    """tokamax's tuned kernel configs (from an autotune file) while steps trace."""
+    return self.attention.kernel_configs() if self.attention else contextlib.nullcontext()
+
+  def describe(self) -> str:
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+    return (f"recipe {self.config.name}: {n_params:,} parameters on {jax.default_backend()} "
+            f"({jax.device_count()} device(s), {self.placement.describe()}); "
+            f"workdir {self.workdir}")
 
 
 def _progress_bar(config: RecipeConfig, start: int):
@@ -340,73 +437,54 @@ def _format(metrics: dict[str, float]) -> str:
   return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
 
 
-def sample(session: Session, prompt: str, max_new_tokens: int, temperature: float) -> str:
-  """Text generated by the session's language model from `prompt`."""
-  tokenizer, config = session.tokenizer, session.config
-  prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
-  if prompt_ids.size == 0:
-    prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
-  room = config.model.max_seq_len - prompt_ids.size
-  if room <= 0:
-    raise configlib.ConfigError(
-        f"the prompt is {prompt_ids.size} tokens, more than model.max_seq_len "
-        f"({config.model.max_seq_len})"
-    )
-  tokens = generate(session.model, prompt_ids[None, :], min(max_new_tokens, room),
-                    temperature=temperature, rng=jax.random.key(config.train.seed))
-  return tokenizer.decode(np.asarray(tokens[0]))
-
-
 def run(
     config: RecipeConfig,
     workdir: str | pathlib.Path | None = None,
     *,
+    task: tasks.Task | None = None,
     resume: str | None = None,
     stop_after: int | None = None,
 ) -> dict[str, Any]:
   """Trains `config` in `workdir` (default runs/<name>); returns the final metrics.
 
-  `stop_after` stops (and saves) after that step as a preemption would; the next
-  call resumes from there.
+  A finished run (rerun) does nothing but make sure its artefacts exist.
+  `stop_after` stops (and saves) after that step as a preemption would; the
+  next call resumes from there. The result's `stopped_by` names what stopped
+  the run early ("SIGTERM", "SIGINT", "stop_after=N", "preemption") or is None.
   """
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / config.name)
-  with _pinned_attention(config, workdir):
-    return _run(config, workdir, resume=resume or config.train.resume, stop_after=stop_after)
-
-
-def _run(config: RecipeConfig, workdir: pathlib.Path, *, resume: str,
-         stop_after: int | None) -> dict[str, Any]:
-  session = open_session(config, workdir, resume=resume)
-  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(session.model, nnx.Param)))
-  print(f"recipe {config.name}: {n_params:,} parameters on {jax.default_backend()} "
-        f"({jax.device_count()} device(s)); workdir {workdir}", flush=True)
-  if "attention" in session.metadata:
-    attention = session.metadata["attention"]
-    print(f"attention: {attention['implementation']} ({attention['source']})", flush=True)
-  if session.start_step:
-    print(f"resumed from step {session.start_step}", flush=True)
-  if session.start_step >= config.train.steps:
-    print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
-    session.manager.close()
-    result = _final_metrics(workdir)
-    _print_done(result, workdir)
-    return result
+  print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
+  trainer = Trainer.open(config, workdir, task=task, resume=resume or config.train.resume)
   try:
-    result = train(session, stop_after=stop_after)
+    print(trainer.describe(), flush=True)
+    if trainer.attention_choice is not None:
+      log.info("%s", trainer.attention_choice.report())
+      choice = trainer.attention_choice
+      print(f"attention: {choice.name} ({choice.source})", flush=True)
+    if trainer.step:
+      print(f"resumed from step {trainer.step}", flush=True)
+    if trainer.step >= config.train.steps:
+      print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
+      result = {**_final_metrics(workdir), "step": trainer.step, "stopped_by": None}
+      if trainer.missing_artefacts():  # Killed after the last save, before the artefacts.
+        _print_lines(trainer.finish())
+    else:
+      print("compiling the train step ...", flush=True)
+      result = trainer.fit(stop_after=stop_after)
+      if result["stopped_by"]:
+        print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
+              "Run the same command again to resume.", flush=True)
+        return result
+      _print_lines(trainer.finish())
   finally:
-    session.manager.close()
-  if result["stopped_by"]:
-    print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
-          "Run the same command again to resume.", flush=True)
-    return result
-  plot(workdir)
-  if session.is_lm and config.train.sample_tokens:
-    text = sample(session, config.train.sample_prompt, config.train.sample_tokens,
-                  config.train.sample_temperature)
-    (workdir / SAMPLE_FILE).write_text(text, encoding="utf-8")
-    print(f"sample:\n{text}\n", flush=True)
+    trainer.close()
   _print_done(result, workdir)
   return result
+
+
+def _print_lines(lines: list[str]) -> None:
+  for line in lines:
+    print(line, flush=True)
 
 
 def _print_done(result: dict[str, Any], workdir: pathlib.Path) -> None:
@@ -421,20 +499,3 @@ def _final_metrics(workdir: pathlib.Path) -> dict[str, Any]:
   for record in read_metrics(workdir):
     out.update({k: v for k, v in record.items() if k != "split"})
   return out
-
-
-def open_trained(workdir: str | pathlib.Path) -> Session:
-  """A session restored from a workdir's newest checkpoint, with its saved config."""
-  workdir = pathlib.Path(workdir)
-  directory = workdir / CHECKPOINT_DIR
-  if not directory.is_dir():
-    raise WorkdirError(f"no checkpoints in {workdir}: train there first")
-  manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig())
-  if manager.latest_step() is None:
-    raise WorkdirError(f"no checkpoints in {directory}: train there first")
-  config = from_json(checkpoint.read_metadata(manager)["config"])
-  manager.close()
-  session = open_session(config, workdir, resume="auto")
-  session.sync_model()
-  return session
-

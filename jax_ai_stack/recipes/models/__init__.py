@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+_SUBMODULES = ("llama", "cnn")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "llama",
@@ -17,7 +18,7 @@ _EXPORTS = {
     "CNN": "cnn",
     "CNNConfig": "cnn",
 }
-__all__ = ["eager_sharding_scope", "llama", "cnn", *_EXPORTS]
+__all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]
 
 
 def eager_sharding_scope():
@@ -37,7 +38,7 @@ def eager_sharding_scope():
 
 
 def __getattr__(name: str):
-  if name in ("llama", "cnn"):
+  if name in _SUBMODULES:
     return importlib.import_module(f"{__name__}.{name}")
   if name in _EXPORTS:
     module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")

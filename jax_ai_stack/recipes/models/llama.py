@@ -5,8 +5,10 @@ Token embedding -> `num_layers` x [RMSNorm -> grouped-query attention with RoPE
 own matrix, or the embedding transposed when `tie_embeddings`).
 
 Attention goes through `jax_ai_stack.kernels.attention`, so the choice of kernel
-(XLA, cuDNN, Pallas, ...) lives in one place; `config.attention_impl` is passed
-through to it. RoPE is written here once (flax 0.12.8 has no `nnx.RoPE`); it
+(XLA, cuDNN, Pallas, ...) lives in one place. Which kernels may run is an
+explicit `kernels.AttentionPlan` given to the model (the trainer resolves one
+per run from the config, the environment and an autotune file); without one,
+the plan is `config.attention_impl` alone. RoPE is written here once (flax 0.12.8 has no `nnx.RoPE`); it
 uses the same "rotate half" convention as `nnx.RoPE` of later versions.
 
 Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
@@ -95,7 +97,8 @@ class LlamaConfig:
   """Rematerialise each block in the backward pass: 'none', 'full' (keep
   nothing) or 'save_dots' (keep weight-matmul outputs, recompute the rest)."""
   attention_impl: str = "auto"
-  """Passed to `kernels.attention(implementation=...)`; 'auto' picks per backend."""
+  """Which attention kernels may run: 'auto' (the backend's preference), a name or a
+  comma-separated list; resolved into the model's `kernels.AttentionPlan`."""
 
   def __post_init__(self):
     kernels.parse_implementation(self.attention_impl, origin="model.attention_impl")
@@ -199,7 +202,7 @@ def _fan_in_init(in_axis, out_axis):
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs):
     d, n, k, h = (
         config.d_model, config.num_heads, config.num_kv_heads, config.resolved_head_dim
     )
@@ -224,7 +227,7 @@ class Attention(nnx.Module):
         ),
     )
     self.rope_theta = config.rope_theta
-    self.attention_impl = config.attention_impl
+    self.attention_plan = attention
 
   def __call__(
       self,
@@ -245,7 +248,7 @@ class Attention(nnx.Module):
     if cache is None:
       out = kernels.attention(
           q, k, v, causal=True, segment_ids=segment_ids,
-          implementation=self.attention_impl,
+          plan=self.attention_plan,
       )
       return self.o_proj(out), None
     keys, values, length = cache
@@ -257,10 +260,10 @@ class Attention(nnx.Module):
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
       out = kernels.attention(
           q, keys, values, causal=False, kv_seq_lengths=seen,
-          implementation=self.attention_impl,
+          plan=self.attention_plan,
       )
     else:  # Prefill: nothing precedes the prompt, so its own keys suffice.
-      out = kernels.attention(q, k, v, causal=True, implementation=self.attention_impl)
+      out = kernels.attention(q, k, v, causal=True, plan=self.attention_plan)
     return self.o_proj(out), (keys, values)
 
 
@@ -299,9 +302,9 @@ def _rms_norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
 class Block(nnx.Module):
   """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs):
     self.attention_norm = _rms_norm(config, rngs)
-    self.attention = Attention(config, rngs=rngs)
+    self.attention = Attention(config, attention, rngs=rngs)
     self.mlp_norm = _rms_norm(config, rngs)
     self.mlp = MLP(config, rngs=rngs)
 
@@ -317,10 +320,16 @@ def _block_output(block: Block, x, positions, segment_ids):
 
 
 class Llama(nnx.Module):
-  """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+  """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab].
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  `attention`: the kernels it may run (hashable, so it is part of the model's
+  static structure); default `config.attention_impl` on this backend.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs,
+               attention: kernels.AttentionPlan | None = None):
     self.config = config
+    attention = attention or kernels.resolve_plan(config.attention_impl, origin="model.attention_impl")
     with eager_sharding_scope():
       self.embed = nnx.Embed(
           config.vocab_size, config.d_model, rngs=rngs,
@@ -329,7 +338,8 @@ class Llama(nnx.Module):
               nnx.initializers.normal(stddev=0.02), ("vocab", "embed")
           ),
       )
-      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+      self.layers = nnx.List(
+          [Block(config, attention, rngs=rngs) for _ in range(config.num_layers)])
       self.final_norm = _rms_norm(config, rngs)
       if config.tie_embeddings:
         self.lm_head = None

@@ -1,0 +1,241 @@
+"""Device meshes and logical-axis rules: where every array of a recipe lives.
+
+Models name each dimension of their parameters with a logical axis
+(`nnx.with_partitioning`: "embed", "heads", "mlp", "vocab", ...) and each Task
+names the dimensions of a batch ("batch", "length", ...). A rule set maps those
+names onto the axes of one device mesh, `data x fsdp x tensor`:
+
+* `dp`: the batch is split over every device, parameters are replicated.
+* `fsdp`: the batch is split over `data` and `fsdp`; parameters and optimizer
+  state are split along "embed" over `fsdp` (ZeRO-3 style: XLA gathers each
+  weight for its matmul and reduce-scatters its gradient).
+* `fsdp_tp`: as `fsdp`, plus heads, MLP and vocabulary dimensions split over
+  `tensor` (Megatron-style tensor parallelism).
+
+The sizes decide how much each rule does: with `tensor: 1` the `fsdp_tp` rules
+are `fsdp`, and on one device every rule set is a single-device program.
+
+The mesh's axes are `AxisType.Auto` on purpose: `jax.make_mesh` defaults to
+`Explicit` axes in the pinned jax, under which every einsum without an output
+sharding raises `ShardingTypeError`; with `Auto` axes XLA's SPMD partitioner
+propagates the shardings of the inputs, and a few constraints suffice.
+
+Example:
+  >>> config = MeshConfig(data=1, fsdp=-1, rules="fsdp")
+  >>> mesh_shape(config, device_count=8)
+  {'data': 1, 'fsdp': 8, 'tensor': 1}
+  >>> logical_rules(config)["embed"]
+  ('fsdp',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes.configlib import config_dataclass
+
+MESH_AXES = ("data", "fsdp", "tensor")
+"""The mesh's axis names, outermost first (data parallelism crosses hosts)."""
+
+Rules = Mapping[str, tuple[str, ...]]
+
+_BATCH = {"batch": ("data", "fsdp")}
+RULE_SETS: Mapping[str, Rules] = {
+    "dp": {"batch": ("data", "fsdp")},
+    "fsdp": {**_BATCH, "embed": ("fsdp",)},
+    "fsdp_tp": {
+        **_BATCH, "embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",),
+        "mlp": ("tensor",), "vocab": ("tensor",), "classes": ("tensor",),
+    },
+}
+"""Logical axis -> mesh axes, per named rule set. Unnamed axes are replicated."""
+
+
+@config_dataclass
+class MeshConfig:
+  """The device mesh of a run and the rules that place arrays on it.
+
+  Sizes multiply to the number of devices; one of them may be -1 (the rest).
+  The default, `data: -1`, is plain data parallelism over every device; on one
+  device it is the single-device program.
+  """
+
+  data: int = -1
+  """Data-parallel replicas (the outermost axis: it may cross hosts)."""
+  fsdp: int = 1
+  """Devices that split parameters, gradients and optimizer state (and the batch)."""
+  tensor: int = 1
+  """Devices that split heads, MLP and vocabulary dimensions (tensor parallelism)."""
+  rules: Literal["dp", "fsdp", "fsdp_tp"] = "fsdp"
+  """Which logical-axis rule set maps the model's axis names onto the mesh."""
+  rule_overrides: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  """Per logical axis, mesh axes replacing the rule set's ([] replicates), e.g.
+  {vocab: [tensor], mlp: []}."""
+
+  def __post_init__(self):
+    sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
+    for axis, size in sizes.items():
+      if size == 0 or size < -1:
+        raise ValueError(f"mesh.{axis} must be >= 1 or -1 (the rest), got {size}")
+    if list(sizes.values()).count(-1) > 1:
+      raise ValueError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    for name, axes in self.rule_overrides.items():
+      unknown = [a for a in axes if a not in MESH_AXES]
+      if unknown:
+        raise ValueError(f"mesh.rule_overrides.{name}: unknown mesh axis {unknown[0]!r}; "
+                         f"axes: {', '.join(MESH_AXES)}")
+
+
+def mesh_shape(config: MeshConfig, device_count: int) -> dict[str, int]:
+  """Each mesh axis's size, with -1 resolved; ConfigError if they do not fit."""
+  sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+  known = math.prod(size for size in sizes.values() if size != -1)
+  for axis, size in sizes.items():
+    if size == -1:
+      if device_count % known:
+        raise ConfigError(_describe(sizes) + f" cannot fill {device_count} devices: "
+                          f"{device_count} is not a multiple of {known}")
+      sizes[axis] = device_count // known
+  if math.prod(sizes.values()) != device_count:
+    raise ConfigError(_describe(sizes) + f" = {math.prod(sizes.values())} devices, but there "
+                      f"are {device_count}; make the sizes multiply to {device_count} "
+                      "(one of them may be -1)")
+  return sizes
+
+
+def _describe(sizes: Mapping[str, int]) -> str:
+  return " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+
+
+def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+  """The `data x fsdp x tensor` mesh over `devices` (default: all), Auto axes."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(config, len(devices))
+  return jax.make_mesh(tuple(shape.values()), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def logical_rules(config: MeshConfig) -> dict[str, tuple[str, ...]]:
+  """The rule set named by `config.rules` with `config.rule_overrides` applied."""
+  rules = dict(RULE_SETS[config.rules])
+  rules.update({name: tuple(axes) for name, axes in config.rule_overrides.items()})
+  return rules
+
+
+def partition_spec(names: Sequence[str | None], shape: Sequence[int], rules: Rules,
+                   mesh: jax.sharding.Mesh, *, what: str) -> PartitionSpec:
+  """The PartitionSpec of an array whose dimensions have logical `names`.
+
+  Raises:
+    ConfigError: a dimension does not divide by its mesh axes, or two
+      dimensions map to one mesh axis; names `what`, its shape and the axis.
+  """
+  used: dict[str, str] = {}
+  spec = []
+  for dim, (name, size) in enumerate(zip(names, shape)):
+    axes = tuple(rules.get(name, ())) if name else ()
+    for axis in axes:
+      if axis in used:
+        raise ConfigError(f"{what}: logical axes {used[axis]!r} and {name!r} both map to mesh "
+                          f"axis {axis!r}; change mesh.rules or mesh.rule_overrides")
+      used[axis] = name
+    ways = math.prod(mesh.shape[axis] for axis in axes)
+    if size % ways:
+      raise ConfigError(
+          f"{what} has shape {tuple(shape)}: dimension {dim} ({name!r}, size {size}) does not "
+          f"divide by mesh axes {'x'.join(axes)} of size {ways}; change the mesh sizes or "
+          f"mesh.rule_overrides.{name}")
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*spec)
+
+
+def state_shardings(abstract_state: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
+  """A NamedSharding for every Variable of an (abstract) nnx state.
+
+  Each Variable's logical names are its `out_sharding` metadata (set by
+  `nnx.with_partitioning`); optimizer state inherits them from its parameter,
+  so it is split like the parameter. Variables without names are replicated.
+  """
+
+  def sharding(path, variable):
+    if not isinstance(variable, nnx.Variable):
+      return NamedSharding(mesh, PartitionSpec())
+    value = variable.get_value()
+    names = variable.get_metadata().get("out_sharding") or ()
+    what = "parameter " + jax.tree_util.keystr(path, simple=True, separator="/")
+    return variable.replace(
+        NamedSharding(mesh, partition_spec(names, value.shape, rules, mesh, what=what)))
+
+  return jax.tree_util.tree_map_with_path(
+      sharding, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_shardings(batch_axes: Mapping[str, Sequence[str | None]], shapes: Mapping[str, Sequence[int]],
+                    mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, NamedSharding]:
+  """A NamedSharding per batch entry, from the Task's logical batch axes.
+
+  `shapes` are global shapes; an entry the Task does not name is split on its
+  first dimension like "batch".
+  """
+  out = {}
+  for key, shape in shapes.items():
+    names = tuple(batch_axes.get(key, ("batch",)))
+    names = names + (None,) * (len(shape) - len(names))
+    spec = partition_spec(names, shape, rules, mesh,
+                          what=f"the global batch's {key!r} (data.batch_size={shape[0]} rows)")
+    out[key] = NamedSharding(mesh, spec)
+  return out
+
+
+def global_batch(local: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
+                 global_rows: int) -> dict[str, jax.Array]:
+  """This process's rows of a batch -> global arrays laid out by `shardings`.
+
+  Every process passes its own contiguous share (`data.batch_size //
+  process_count` rows, in process order); the result is one array per entry
+  whose first dimension is `global_rows`.
+  """
+  return {
+      key: jax.make_array_from_process_local_data(
+          shardings[key], value, (global_rows, *value.shape[1:]))
+      for key, value in local.items()
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where one run's arrays live: its mesh, its rules and the Task's batch axes.
+
+  The trainer builds one per run and asks it for the state's shardings and
+  for each batch as global arrays.
+  """
+
+  mesh: jax.sharding.Mesh
+  rules: Rules
+  batch_axes: Mapping[str, Sequence[str | None]]
+
+  @classmethod
+  def build(cls, config: MeshConfig, batch_axes: Mapping[str, Sequence[str | None]]) -> Placement:
+    return cls(build_mesh(config), logical_rules(config), batch_axes)
+
+  def state_shardings(self, abstract_state: Any) -> Any:
+    return state_shardings(abstract_state, self.mesh, self.rules)
+
+  def batch(self, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows (from the data pipeline) as one global batch."""
+    rows = len(next(iter(local.values()))) * jax.process_count()
+    shapes = {key: (rows, *value.shape[1:]) for key, value in local.items()}
+    return global_batch(local, batch_shardings(self.batch_axes, shapes, self.mesh, self.rules), rows)
+
+  def describe(self) -> str:
+    return " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items()) + " mesh"

@@ -1,0 +1,100 @@
+"""`Task`: everything that differs between model families, in one object.
+
+The trainer, the command line and the config ask a Task instead of asking
+"is this a language model?": which model to build, its loss, what an
+evaluation reports, which data it reads, what a step's throughput counts, what
+a finished run leaves behind, and the shapes and logical axes of a batch (for
+sharding). A new model family is a new Task subclass (and a preset); nothing
+else changes.
+
+A Task is built from a recipe config (any config dataclass with the fields the
+Task reads); it holds no arrays and no state, so building one is free.
+"""
+
+from __future__ import annotations
+
+import abc
+import pathlib
+from typing import Any, ClassVar
+
+import grain
+import jax
+from flax import nnx
+
+from jax_ai_stack import kernels
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes.step import Batch, LossFn
+
+__all__ = ["Batch", "LossFn", "Task"]
+
+
+class Task(abc.ABC):
+  """One model family: model, loss, data, evaluation and artefacts.
+
+  Subclasses set `model_config` (the config dataclass of their model, whose
+  `kind` tags it in a recipe) and `throughput_unit`, and implement the
+  abstract methods.
+  """
+
+  model_config: ClassVar[type]
+  """The model config dataclass this family trains (tagged by its `kind`)."""
+  throughput_unit: ClassVar[str] = "examples"
+  """What `items_per_step` counts, for the progress bar and logs."""
+
+  def __init__(self, config: Any):
+    self.config = config
+
+  @classmethod
+  def validate(cls, config: Any) -> None:
+    """Raises ValueError when the rest of the recipe does not fit this family."""
+
+  @abc.abstractmethod
+  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None) -> nnx.Module:
+    """The family's model, initialised from `seed`; `attention` where it has any."""
+
+  @abc.abstractmethod
+  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(scalar loss, auxiliary metrics); what `value_and_grad` differentiates."""
+
+  @abc.abstractmethod
+  def dataset(self, split: str, seed: int) -> grain.IterDataset:
+    """This process's batches of `split` ("train": endless; "validation": one pass)."""
+
+  @property
+  @abc.abstractmethod
+  def items_per_step(self) -> int:
+    """Tokens or examples in one global batch (the throughput's numerator)."""
+
+  @abc.abstractmethod
+  def batch_axes(self) -> dict[str, tuple[str, ...]]:
+    """Logical axis names of each batch entry, e.g. {"inputs": ("batch", "length")}."""
+
+  def check_data(self) -> None:
+    """Raises a UserError when the data does not fit the model (e.g. vocabulary)."""
+
+  def attention_implementation(self) -> str:
+    """The config's attention setting ("auto", a name, or a list), if the model attends."""
+    return kernels.AUTO
+
+  def attention_request(self) -> kernels.Request | None:
+    """The attention call one training step makes, if the model attends."""
+    return None
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    """Derived metrics (e.g. perplexity) from the mean eval metrics."""
+    return means
+
+  def finish(self, model: nnx.Module, workdir: pathlib.Path) -> list[str]:
+    """Writes the end-of-run artefacts into `workdir`; returns lines to print."""
+    del model, workdir
+    return []
+
+  def artefacts(self) -> list[str]:
+    """File names `finish` writes (a finished run must always have them)."""
+    return []
+
+  def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int,
+               temperature: float, seed: int) -> str:
+    """Text continued from `prompt`; only families that generate text override it."""
+    del model, prompt, max_new_tokens, temperature, seed
+    raise UsageError(f"a {self.model_config.__name__} model does not generate text")

@@ -1,0 +1,152 @@
+"""The language-model family: a Llama decoder trained on next-token prediction.
+
+Reads a token corpus (`data.source` stdlib/text/npy/arrayrecord/parquet),
+reports eval loss and perplexity, counts throughput in tokens and leaves a
+generated sample (`sample.txt`) at the end of a run.
+
+Example:
+  >>> from jax_ai_stack.recipes import config
+  >>> task = LanguageModel(config.load("lm-tiny"))
+  >>> task.items_per_step, task.throughput_unit
+  (1024, 'tokens')
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jax_ai_stack import kernels
+from jax_ai_stack.atomic import write_atomically
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes import data
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+from jax_ai_stack.recipes.tasks.base import Batch, Task
+
+SAMPLE_FILE = "sample.txt"
+
+
+def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
+
+  Without a `loss_mask`, padding (segment id 0) is left out.
+  """
+  logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                 positions=batch.get("positions"))
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["targets"]
+  )
+  if "loss_mask" in batch:
+    mask = batch["loss_mask"].astype(jnp.float32)
+  elif "segment_ids" in batch:
+    mask = (batch["segment_ids"] != 0).astype(jnp.float32)
+  else:
+    mask = jnp.ones_like(losses)
+  tokens = jnp.maximum(mask.sum(), 1.0)
+  loss = (losses * mask).sum() / tokens
+  return loss, {"tokens": mask.sum()}
+
+
+class LanguageModel(Task):
+  """Next-token prediction with the Llama decoder on a token corpus."""
+
+  model_config = LlamaConfig
+  throughput_unit = "tokens"
+
+  @classmethod
+  def validate(cls, config) -> None:
+    if not config.data.is_token_source:
+      raise ValueError(
+          f"model.kind='llama' does not go with data.source={config.data.source!r}: llama reads token "
+          "corpora (stdlib, text, npy, arrayrecord, parquet)"
+      )
+    if config.data.seq_len > config.model.max_seq_len:
+      raise ValueError(
+          f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
+      )
+
+  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None) -> Llama:
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    return Llama(self.config.model, rngs=rngs, attention=attention)
+
+  def loss(self, model, batch):
+    return lm_loss(model, batch)
+
+  def dataset(self, split: str, seed: int):
+    return data.build_dataset(self.config.data, split=split, seed=seed)
+
+  @property
+  def items_per_step(self) -> int:
+    return self.config.data.batch_size * self.config.data.seq_len
+
+  def batch_axes(self) -> dict[str, tuple[str, ...]]:
+    names = ("inputs", "targets", "segment_ids", "positions")
+    return {name: ("batch", "length") for name in names}
+
+  def tokenizer(self) -> data.Tokenizer:
+    return data.build_tokenizer(self.config.data)
+
+  def check_data(self) -> None:
+    vocabulary = self.tokenizer().vocab_size
+    if vocabulary > self.config.model.vocab_size:
+      raise ConfigError(
+          f"model.vocab_size={self.config.model.vocab_size} is smaller than the tokenizer's "
+          f"vocabulary ({vocabulary} ids)"
+      )
+
+  def attention_implementation(self) -> str:
+    return self.config.model.attention_impl
+
+  def attention_request(self) -> kernels.Request:
+    """The training step's attention: this process's rows, causal, with segment ids."""
+    model, batch = self.config.model, self.config.data.batch_size // jax.process_count()
+    seq_len, head_dim = self.config.data.seq_len, model.resolved_head_dim
+    return kernels.Request.from_shapes(
+        (batch, seq_len, model.num_heads, head_dim),
+        (batch, seq_len, model.num_kv_heads, head_dim),
+        model.dtype, causal=True, segment_ids=True,
+    )
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    return {**means, "eval_perplexity": math.exp(min(means["eval_loss"], 50.0))}
+
+  def artefacts(self) -> list[str]:
+    return [SAMPLE_FILE] if self.config.train.sample_tokens else []
+
+  def finish(self, model, workdir: pathlib.Path) -> list[str]:
+    train = self.config.train
+    if not train.sample_tokens:
+      return []
+    text = self.generate(model, train.sample_prompt, train.sample_tokens,
+                         train.sample_temperature, train.seed)
+    write_atomically(workdir / SAMPLE_FILE, text)
+    return [f"sample:\n{text}\n"]
+
+  def generate(self, model, prompt: str, max_new_tokens: int, temperature: float,
+               seed: int) -> str:
+    """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
+    `max_seq_len` is reached first: a warning says so)."""
+    tokenizer = self.tokenizer()
+    prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
+    if prompt_ids.size == 0:
+      prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
+    room = self.config.model.max_seq_len - prompt_ids.size
+    if room <= 0:
+      raise ConfigError(
+          f"the prompt is {prompt_ids.size} tokens, more than model.max_seq_len "
+          f"({self.config.model.max_seq_len})"
+      )
+    if max_new_tokens > room:
+      print(f"note: generating {room} tokens, not {max_new_tokens}: the prompt "
+            f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
+            f"{self.config.model.max_seq_len}", file=sys.stderr)
+    tokens = generate(model, prompt_ids[None, :], min(max_new_tokens, room),
+                      temperature=temperature, rng=jax.random.key(seed))
+    return tokenizer.decode(np.asarray(tokens[0]))

@@ -1,0 +1,140 @@
+"""`jax-ai-stack train | eval | generate` as a user runs them: the real command in a
+subprocess, its exit codes, its one-line errors, and what it leaves in the workdir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from jax_ai_stack.recipes import train
+
+from training_helpers import STEPS, TINY, start_training, wait_for_step
+
+
+def jax_ai_stack(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "jax_ai_stack.cli", *args], capture_output=True,
+                        text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+  assert result.returncode == 2, result.stdout + result.stderr
+  lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+  assert len(lines) == 1, result.stderr
+  return lines[0]
+
+
+def tree(path) -> dict:
+  """Every file and folder under `path` with its size and mtime."""
+  return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def test_a_config_file_alone_merges_over_the_default_preset(tmp_path):
+  partial = tmp_path / "my.yaml"
+  partial.write_text("model: {num_layers: 2}\ntrain: {steps: 10}\n")
+  result = jax_ai_stack("train", "--config", str(partial), "--print-config")
+  assert result.returncode == 0, result.stderr
+  printed = result.stdout
+  assert "name: lm-tiny" in printed and "num_layers: 2" in printed and "steps: 10" in printed
+  assert "learning_rate: 0.003" in printed and "max_documents: 400" in printed  # The preset's.
+
+
+def test_a_config_file_may_name_its_preset_or_none(tmp_path):
+  other = tmp_path / "digits.yaml"
+  other.write_text("preset: digits-cnn\ntrain: {steps: 7}\n")
+  printed = jax_ai_stack("train", "--config", str(other), "--print-config").stdout
+  assert "kind: cnn" in printed and "steps: 7" in printed
+  bare = jax_ai_stack("train", "--preset", "none", "train.steps=3", "--print-config").stdout
+  assert "name: custom" in bare and "steps: 3" in bare and "max_documents: null" in bare
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.attention_impl=cudnn", "train.steps=1"], "cudnn"),
+        (["--config", "."], "is a directory"),
+    ],
+    ids=["kernel-not-on-this-backend", "config-is-a-directory"],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+  error = one_line_error(jax_ai_stack("train", "lm-tiny", *TINY, "--workdir", str(tmp_path / "w"),
+                                      *args, cwd=tmp_path))
+  assert message in error
+
+
+def test_a_workdir_that_is_a_file_is_named(tmp_path):
+  blocker = tmp_path / "runfile"
+  blocker.write_text("")
+  error = one_line_error(jax_ai_stack("train", "lm-tiny", *TINY, "--workdir", str(blocker)))
+  assert "runfile is a file" in error
+
+
+def test_a_bug_shows_its_traceback_and_exits_1(tmp_path):
+  inject = (
+      "import sys\n"
+      "from jax_ai_stack import cli\n"
+      "from jax_ai_stack.recipes import config\n"
+      "def broken(*a, **k):\n"
+      "  raise ValueError('an injected bug')\n"  # A ValueError too: not a user error.
+      "config.load = broken\n"
+      "sys.exit(cli.main(['train', '--print-config']))\n"
+  )
+  result = subprocess.run([sys.executable, "-c", inject], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  assert result.returncode == 1
+  assert "Traceback (most recent call last)" in result.stderr
+  assert "ValueError: an injected bug" in result.stderr
+
+
+def test_a_subcommand_s_bad_flag_shows_that_subcommand_s_usage():
+  result = jax_ai_stack("doctor", "--bogus")
+  assert result.returncode == 2
+  assert "usage: jax-ai-stack doctor" in result.stderr and "--bogus" in result.stderr
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_then_exits_with_its_code(tmp_path, sig, code):
+  process = start_training(tmp_path, "checkpoint.save_every=1000", "train.steps=100000")
+  wait_for_step(process, tmp_path, 2)
+  process.send_signal(sig)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == code, output
+  # It says what it does before the slow parts (corpus, compilation), not after.
+  assert output.index("preparing data and model") < output.index("compiling the train step")
+  assert f"({sig.name}); checkpoint saved" in output
+  stopped_at = [r["step"] for r in train.read_metrics(tmp_path) if r["split"] == "train"][-1]
+  trainer = train.Trainer.open_finished(tmp_path)
+  trainer.close()
+  assert trainer.step == stopped_at
+
+
+def test_eval_and_generate_read_a_run_without_writing(reference):
+  workdir, _ = reference
+  before = tree(workdir)
+  result = jax_ai_stack("eval", "--workdir", str(workdir))
+  assert result.returncode == 0, result.stderr
+  assert '"step": 30' in result.stdout
+  generated = jax_ai_stack("generate", "--workdir", str(workdir), "--prompt", "import ",
+                           "--max-new-tokens", "1000")
+  assert generated.returncode == 0, generated.stderr
+  assert generated.stdout.startswith("import ")
+  assert "generating 25 tokens, not 1000" in generated.stderr  # max_seq_len 32 - 7 prompt.
+  assert tree(workdir) == before
+
+
+def test_a_finished_run_always_has_its_artefacts(reference, tmp_path):
+  workdir, _ = reference
+  killed = tmp_path / "killed-after-the-last-save"
+  shutil.copytree(workdir, killed)
+  (killed / train.PLOT_FILE).unlink()
+  (killed / train.SAMPLE_FILE).unlink()
+  result = jax_ai_stack("train", "lm-tiny", *TINY, f"train.steps={STEPS}", "--workdir", str(killed))
+  assert result.returncode == 0, result.stderr
+  assert "nothing to do" in result.stdout
+  assert (killed / train.PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
+  assert (killed / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")

@@ -1,0 +1,170 @@
+"""Meshes and logical-axis rules: sizes, specs, bad input; 8 simulated devices."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes import sharding
+from jax_ai_stack.recipes.sharding import MeshConfig
+
+from multidevice import run_on_devices
+
+
+def test_one_size_may_be_the_rest_of_the_devices():
+  assert sharding.mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=2), 8) == {
+      "data": 1, "fsdp": 4, "tensor": 2}
+
+
+def test_sizes_that_do_not_fit_the_devices_say_both_numbers():
+  with pytest.raises(ConfigError, match=r"mesh.data=2 x mesh.fsdp=3 x mesh.tensor=1 = 6 devices, "
+                                        r"but there are 8"):
+    sharding.mesh_shape(MeshConfig(data=2, fsdp=3), 8)
+  with pytest.raises(ConfigError, match="cannot fill 8 devices"):
+    sharding.mesh_shape(MeshConfig(data=-1, tensor=3), 8)
+
+
+def test_bad_sizes_and_axes_are_config_errors():
+  with pytest.raises(ValueError, match="at most one of"):
+    MeshConfig(data=-1, fsdp=-1)
+  with pytest.raises(ValueError, match="mesh.tensor must be >= 1"):
+    MeshConfig(tensor=0)
+  with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+    MeshConfig(rule_overrides={"mlp": ["model"]})
+
+
+def test_rule_overrides_replace_the_rule_set_s_entry():
+  rules = sharding.logical_rules(MeshConfig(rules="fsdp_tp", rule_overrides={"vocab": []}))
+  assert rules["vocab"] == () and rules["mlp"] == ("tensor",)
+
+
+def test_a_dimension_that_does_not_divide_names_the_parameter_shape_and_axis():
+  mesh = jax.sharding.AbstractMesh((1, 4, 2), sharding.MESH_AXES)
+  rules = sharding.logical_rules(MeshConfig(rules="fsdp_tp"))
+  assert sharding.partition_spec(("embed", "mlp"), (8, 6), rules, mesh, what="w") == (
+      jax.sharding.PartitionSpec("fsdp", "tensor"))
+  with pytest.raises(ConfigError, match=r"layers/0/w has shape \(6, 4\): dimension 0 \('embed', "
+                                        r"size 6\) does not divide by mesh axes fsdp of size 4"):
+    sharding.partition_spec(("embed", "mlp"), (6, 4), rules, mesh, what="layers/0/w")
+  with pytest.raises(ConfigError, match="both map to mesh axis 'tensor'"):
+    sharding.partition_spec(("heads", "mlp"), (4, 4), rules, mesh, what="w")
+
+
+def test_one_device_is_a_single_device_mesh():
+  mesh = sharding.build_mesh(MeshConfig())
+  assert mesh.devices.size == 1 and set(mesh.axis_names) == set(sharding.MESH_AXES)
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_each_rule_set_places_parameters_and_their_optimizer_state():
+  """On 8 devices: the specs the rules say, for parameters and Adam's moments."""
+  specs = run_on_devices("""
+      import json, jax, optax
+      from flax import nnx
+      from jax_ai_stack.recipes import sharding
+      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+
+      config = LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                           vocab_size=256, max_seq_len=16)
+      def create():
+        model = Llama(config, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      state = nnx.state(nnx.eval_shape(create))
+      out = {}
+      for rules, sizes in [("dp", {}), ("fsdp", {"data": 2, "fsdp": 4}),
+                           ("fsdp_tp", {"data": 1, "fsdp": 4, "tensor": 2})]:
+        mesh_config = sharding.MeshConfig(rules=rules, **sizes)
+        mesh = sharding.build_mesh(mesh_config)
+        shardings = sharding.state_shardings(state, mesh, sharding.logical_rules(mesh_config))
+        flat = {jax.tree_util.keystr(p, simple=True, separator="/"): list(s.spec)
+                for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+        out[rules] = {k: v for k, v in flat.items()
+                      if k.endswith(("q_proj/kernel/value", "up_proj/kernel/value", "embed/embedding/value"))}
+      print(json.dumps(out))
+  """)
+  q = "0/layers/0/attention/q_proj/kernel/value"
+  up, embed = "0/layers/0/mlp/up_proj/kernel/value", "0/embed/embedding/value"
+  assert specs["dp"][q] == [None, None, None]
+  assert specs["fsdp"][q] == ["fsdp", None, None]
+  assert specs["fsdp_tp"][q] == ["fsdp", "tensor", None]
+  assert specs["fsdp_tp"][up] == ["fsdp", "tensor"]
+  assert specs["fsdp_tp"][embed] == ["tensor", "fsdp"]
+  for rules in specs:  # Adam's first and second moments are split like their parameter.
+    for name in (q, up, embed):
+      moment = name.replace("0/", "1/opt_state/0/mu/", 1)
+      assert specs[rules][moment] == specs[rules][name], (rules, name)
+
+
+def test_process_shares_become_one_global_batch():
+  rows = run_on_devices("""
+      import json, numpy as np
+      from jax_ai_stack.recipes import sharding
+      mesh_config = sharding.MeshConfig(data=2, fsdp=4)
+      mesh = sharding.build_mesh(mesh_config)
+      local = {"inputs": np.arange(8 * 3).reshape(8, 3)}
+      shardings = sharding.batch_shardings({"inputs": ("batch", "length")}, {"inputs": (8, 3)},
+                                           mesh, sharding.logical_rules(mesh_config))
+      batch = sharding.global_batch(local, shardings, 8)
+      print(json.dumps({"spec": list(batch["inputs"].sharding.spec),
+                        "shards": len(batch["inputs"].addressable_shards),
+                        "rows": np.asarray(batch["inputs"]).tolist()}))
+  """)
+  assert rows["spec"] == [["data", "fsdp"], None] and rows["shards"] == 8
+  assert rows["rows"] == np.arange(24).reshape(8, 3).tolist()
+
+
+MESH_TINY = ["data.batch_size=8", "model.num_heads=4", "model.num_kv_heads=2",
+             "model.vocab_size=264", "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"]
+
+
+def test_each_rule_set_trains_like_one_device(tmp_path):
+  """lm-tiny for 4 steps on 8 devices under each rule set: the one-device losses.
+
+  Not bitwise: a sharded matmul or gradient sums in another order (partial sums
+  per device, then an all-reduce), so float32 results differ in the last bits.
+  """
+  from jax_ai_stack.recipes import train
+  from training_helpers import tiny_config
+
+  single = train.run(tiny_config(*MESH_TINY), tmp_path / "one")
+  expected = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  results = run_on_devices(f"""
+      import json, sys
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      import jax
+      from jax_ai_stack.recipes import train
+      from training_helpers import tiny_config
+      out = {{}}
+      for name, mesh in [("dp", ["mesh.rules=dp"]),
+                         ("fsdp", ["mesh.rules=fsdp", "mesh.data=2", "mesh.fsdp=4"]),
+                         ("fsdp_tp", ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4",
+                                      "mesh.tensor=2"])]:
+        workdir = {str(tmp_path)!r} + "/" + name
+        result = train.run(tiny_config(*{MESH_TINY!r}, *mesh), workdir)
+        trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *mesh), workdir)
+        trainer.close()
+        state = dict(jax.tree_util.tree_leaves_with_path(trainer.state))
+        spec = lambda suffix: [list(v.sharding.spec) for k, v in state.items()
+                               if jax.tree_util.keystr(k, simple=True, separator="/").endswith(suffix)]
+        out[name] = {{
+            "losses": [r["loss"] for r in train.read_metrics(workdir) if r["split"] == "train"],
+            "eval_loss": result["eval_loss"],
+            "q_proj": spec("0/layers/0/attention/q_proj/kernel/value"),
+            "q_proj_mu": spec("/mu/layers/0/attention/q_proj/kernel/value"),
+            "devices": len(trainer.placement.mesh.devices.flat),
+        }}
+      print(json.dumps(out))
+  """)
+  for name, result in results.items():
+    assert result["devices"] == 8
+    np.testing.assert_allclose(result["losses"], expected, rtol=2e-5, err_msg=name)
+    np.testing.assert_allclose(result["eval_loss"], single["eval_loss"], rtol=2e-5, err_msg=name)
+    assert len(result["q_proj_mu"]) == 1, name
+    assert result["q_proj"] == result["q_proj_mu"], name  # Adam's moment lives like its weight.
+  assert results["fsdp_tp"]["q_proj"] == [["fsdp", "tensor", None]]
+  assert results["dp"]["q_proj"] == [[None, None, None]]
