@@ -28,3 +28,14 @@ def reference(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("reference")
   result = train.run(tiny_config(), workdir)
   return workdir, result
+
+
+@pytest.fixture
+def fresh_kernel_selection(monkeypatch):
+  """No JAX_AI_STACK_ATTENTION from the caller's shell, and no cached choices."""
+  from jax_ai_stack import kernels
+
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+  kernels.clear_cache()
+  yield
+  kernels.clear_cache()

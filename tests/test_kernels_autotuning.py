@@ -18,12 +18,7 @@ REQUEST = kernels.Request.from_shapes(Q, K, "float32")
 CAN_AUTOTUNE = autotuning.autotune_unsupported_reason() is None
 
 
-@pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
-  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  kernels.clear_cache()
-  yield
-  kernels.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_kernel_selection")
 
 
 def write_pins(path, implementation, **overrides):

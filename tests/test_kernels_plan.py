@@ -23,12 +23,7 @@ REQUEST = kernels.Request.from_shapes(Q, K, "float32")
 OTHER = kernels.Request.from_shapes(Q, K, "float32", causal=False, local_window=4)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
-  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  kernels.clear_cache()
-  yield
-  kernels.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_kernel_selection")
 
 
 def write_autotune_file(path, implementation, request=REQUEST, tokamax=None):

@@ -31,12 +31,8 @@ Q, K = (2, 256, 8, 64), (2, 256, 2, 64)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
-  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
-  kernels.clear_cache()
-  yield
-  kernels.clear_cache()
+def _fresh_selection(fresh_kernel_selection, monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # It changes cuDNN's determinism.
 
 
 def req(q_shape=Q, k_shape=K, dtype="float32", **masks):

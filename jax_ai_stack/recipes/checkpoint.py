@@ -81,6 +81,8 @@ _CORRUPT = ".corrupt"
 
 @config_dataclass
 class CheckpointConfig:
+  """When a run saves and which steps it keeps (the `checkpoint` section)."""
+
   save_every: int = 100
   """Save every this many steps (and always at the end or on SIGTERM/SIGINT)."""
   keep_last: int = 3
@@ -431,6 +433,12 @@ def restore(
   in the checkpoint directory's parent (the system temp directory when
   read-only). A shape mismatch is not corruption: it raises
   `CheckpointMismatchError` at once.
+
+  `abstract_state` is the state's shapes and dtypes without any arrays (so
+  nothing is initialised just to be overwritten): the state of a model and
+  optimizer built under `nnx.eval_shape`, e.g.
+  `nnx.state(nnx.eval_shape(lambda: (model_fn(), optimizer_fn())))`. Leaves
+  that carry a `sharding` are restored onto it.
   """
   manager.wait_until_finished()  # Until then the newest step is only <step>.orbax-checkpoint-tmp.
   unreadable: list[_Unreadable] = []

@@ -24,6 +24,13 @@ TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
 
 @config_dataclass
 class DataConfig:
+  """What a run reads and how it is batched (the `data` section of a recipe).
+
+  `data.build_dataset(config, split=..., seed=...)` turns it into this
+  process's batches; the fields below name the corpus, the tokenizer, the
+  sequence length, the global batch size and the train/validation split.
+  """
+
   source: Source = "stdlib"
   """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits."""
   paths: tuple[str, ...] = ()
