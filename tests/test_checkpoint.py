@@ -104,6 +104,10 @@ def test_an_in_flight_step_is_never_moved_aside(directory, monkeypatch):
   manager.close()
 
 
+@pytest.mark.xfail(
+    sys.version_info >= (3, 12), strict=True,
+    reason="known, open (issue 10 item 3): Python 3.12+ refuses new threads in threading's exit "
+           "hooks, and Orbax needs one to finish a save left in flight; close the manager")
 def test_a_script_that_ends_right_after_save_keeps_the_step(directory):
   result = _run_python("""
       import sys, grain
