@@ -78,9 +78,11 @@ def directory(tmp_path):
 def test_restore_right_after_an_async_save_waits_for_it(directory):
   manager = _manager(directory)
   state = _state(0)
-  assert checkpoint.save(manager, 1, state, _data(3), {"step": 1}, force=True)
-  data = _data()
-  restored = checkpoint.restore(manager, _abstract(), data)  # The save is still in flight.
+  with manager.async_saves():
+    assert manager.saves_in_background
+    assert checkpoint.save(manager, 1, state, _data(3), {"step": 1}, force=True)
+    data = _data()
+    restored = checkpoint.restore(manager, _abstract(), data)  # The save may be in flight.
   assert restored.step == 1 and restored.metadata == {"step": 1}
   assert checkpoint.tree_equal(restored.state, state)  # Bitwise, PRNG key and int keys too.
   assert next(data) == 3  # The data position came back too.
@@ -90,24 +92,39 @@ def test_restore_right_after_an_async_save_waits_for_it(directory):
   assert _listing(directory) == ["1"]
 
 
+def test_a_save_outside_a_block_is_on_disk_when_it_returns(directory):
+  manager = _manager(directory)
+  assert not manager.saves_in_background
+  assert checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
+  assert _listing(directory) == ["1"]  # Not 1.orbax-checkpoint-tmp: nothing left in flight.
+  manager.close()
+
+
+def test_with_manager_saves_in_the_background_then_waits_and_closes(directory):
+  with _manager(directory) as manager:
+    assert manager.saves_in_background
+    assert checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
+  assert not manager.saves_in_background
+  assert _listing(directory) == ["1"]
+  with _manager(directory, async_save=False) as manager:
+    assert not manager.saves_in_background  # The config turned background saves off.
+
+
 def test_an_in_flight_step_is_never_moved_aside(directory, monkeypatch):
   manager = _manager(directory)
-  checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
-  real_wait = manager.wait_until_finished
-  monkeypatch.setattr(manager, "wait_until_finished", lambda: None)  # As if restore did not wait.
-  checkpoint.restore(manager, _abstract())
-  real_wait()
+  with manager.async_saves():
+    checkpoint.save(manager, 1, _state(), _data(), {"step": 1}, force=True)
+    real_wait = manager.wait_until_finished
+    monkeypatch.setattr(manager, "wait_until_finished", lambda: None)  # As if restore did not wait.
+    checkpoint.restore(manager, _abstract())
+    real_wait()
+    monkeypatch.undo()
   assert not list(directory.glob("*.corrupt*"))
-  monkeypatch.undo()
   manager.reload()
   assert checkpoint.restore(manager, _abstract()).step == 1
   manager.close()
 
 
-@pytest.mark.xfail(
-    sys.version_info >= (3, 12), strict=True,
-    reason="known, open (issue 10 item 3): Python 3.12+ refuses new threads in threading's exit "
-           "hooks, and Orbax needs one to finish a save left in flight; close the manager")
 def test_a_script_that_ends_right_after_save_keeps_the_step(directory):
   result = _run_python("""
       import sys, grain
@@ -117,7 +134,7 @@ def test_a_script_that_ends_right_after_save_keeps_the_step(directory):
       state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
       data = iter(grain.MapDataset.range(4).to_iter_dataset())
       assert checkpoint.save(manager, 1, state, data, {"step": 1}, force=True)
-      """, directory)  # No close(), no wait: the interpreter exits with the save in flight.
+      """, directory)  # No close(), no wait, no block: the interpreter exits at once.
   assert result.returncode == 0, result.stderr
   assert "Traceback" not in result.stderr, result.stderr
   assert _listing(directory) == ["1"]

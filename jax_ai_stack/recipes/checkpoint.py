@@ -7,11 +7,14 @@ as JSON). Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
 when complete, so a process killed mid-save never leaves a half step that
 `latest_step()` would return; opening a manager removes such leftovers.
 
-Saves are asynchronous by default (`CheckpointConfig.async_save`): `save`
-returns once the arrays are copied to host memory and a background thread
-writes them. `restore` and `read_metadata` wait for a save in flight, `close()`
-waits, and a manager from `build_manager` also waits at interpreter exit, so a
-script that ends right after `save` still leaves the step on disk.
+Saves can run in the background (`CheckpointConfig.async_save`), but only
+inside a block that waits for them at its end: `with manager:` (which closes
+the manager) or `with manager.async_saves():` (what the trainer's loop uses).
+There `save` returns once the arrays are copied to host memory and a thread
+writes them. Anywhere else `save` returns when the step is on disk, so a
+script that ends right after `save` never loses it: from Python 3.12 on, no
+thread can start once the main script has ended, and Orbax needs new threads to
+finish a step. `restore` and `read_metadata` wait for a save in flight.
 
 Old steps (beyond `keep_last`, except multiples of `keep_every`) are deleted
 only after the new step is complete, in two moves that a kill cannot split:
@@ -32,13 +35,12 @@ Example:
   >>> from flax import nnx
   >>> state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
   >>> data = iter(grain.MapDataset.range(4).to_iter_dataset())
-  >>> manager = build_manager("checkpoints", CheckpointConfig())
-  >>> save(manager, 1, state, data, {"step": 1}, force=True)
+  >>> with build_manager("checkpoints", CheckpointConfig()) as manager:
+  ...   save(manager, 1, state, data, {"step": 1}, force=True)  # In the background.
+  ...   restored = restore(manager, nnx.eval_shape(lambda: state), data)  # Waits for it.
   True
-  >>> restored = restore(manager, nnx.eval_shape(lambda: state), data)
   >>> restored.step, tree_equal(restored.state, state)
   (1, True)
-  >>> manager.close()
 """
 
 from __future__ import annotations
@@ -112,15 +114,43 @@ class Restored:
 
 
 class Manager(ocp.CheckpointManager):
-  """An Orbax `CheckpointManager` that cannot lose its last save at exit.
+  """An Orbax `CheckpointManager` that cannot lose a save at exit.
 
-  Built by `build_manager`. It registers itself to be closed (saves finished)
-  when the interpreter exits, and unregisters on `close()`; `close()` may be
-  called more than once.
+  Built by `build_manager`. Saves run in the background only inside
+  `with manager:` or `with manager.async_saves():`, whose end waits for them.
+  The manager is closed when the interpreter exits if nobody closed it (that
+  releases Orbax's threads; it cannot finish a save on Python 3.12+, hence the
+  blocks); `close()` may be called more than once.
   """
 
   read_only: bool = False
+  async_save: bool = False
+  """`CheckpointConfig.async_save` of a writable manager."""
   _closed: bool = False
+  _async_blocks: int = 0
+
+  @property
+  def saves_in_background(self) -> bool:
+    """Whether `save` returns before the step is on disk (inside a block, `async_save` on)."""
+    return self._async_blocks > 0 and self.async_save
+
+  @contextlib.contextmanager
+  def async_saves(self):
+    """Within: `save` writes in the background. Leaving waits until the steps are on disk."""
+    self._async_blocks += 1
+    try:
+      yield self
+    finally:
+      self._async_blocks -= 1
+      self.wait_until_finished()
+
+  def __contextmanager__(self):
+    """`with manager:` saves in the background, then waits and closes."""
+    try:
+      with self.async_saves():
+        yield self
+    finally:
+      self.close()
 
   def close(self) -> None:
     """Waits for a save in flight, then releases Orbax's threads and files."""
@@ -155,12 +185,12 @@ def _close_open_managers() -> None:
 def _close_managers_at_exit() -> None:
   """Registers `_close_open_managers` to run when the main thread ends.
 
-  A plain `atexit` hook runs too late: the interpreter first runs threading's
-  exit hooks, where `concurrent.futures` stops accepting work, and then joins
-  Orbax's finalize thread, which fails ("cannot schedule new futures after
-  interpreter shutdown") and leaves only `<step>.orbax-checkpoint-tmp`.
-  `threading._register_atexit` (what `concurrent.futures` itself uses) runs
-  hooks in reverse order of registration, so this one runs before that.
+  Closing releases Orbax's threads (its tmp-directory cleanup among them). A
+  plain `atexit` hook runs too late: the interpreter first runs threading's
+  exit hooks, where `concurrent.futures` stops accepting work, and those
+  threads would fail ("cannot schedule new futures after interpreter
+  shutdown"). `threading._register_atexit` (what `concurrent.futures` itself
+  uses) runs hooks in reverse order of registration, so this one runs first.
   """
   register = getattr(threading, "_register_atexit", None)
   if register is None:  # Not CPython: the best a public API offers.
@@ -176,13 +206,14 @@ def build_manager(
 ) -> Manager:
   """A checkpoint manager for `directory`, saving the items `save` writes.
 
-  Saves are asynchronous unless `config.async_save` is False: `save` returns
-  while a background thread writes the step, and `manager.latest_step()`
+  Inside `with manager:` (closes it at the end) or `with
+  manager.async_saves():`, and unless `config.async_save` is False, `save`
+  returns while a background thread writes the step; `manager.latest_step()`
   already counts that step (Orbax's view) although it is only on disk as
   `<step>.orbax-checkpoint-tmp` until the thread finishes. `restore` and
-  `read_metadata` wait for it; call `manager.wait_until_finished()` before
-  reading the directory yourself. Close the manager when done; if you do not,
-  it is closed (its save finished) when the interpreter exits.
+  `read_metadata` wait for it, and so does the end of the block. Outside such a
+  block `save` returns when the step is on disk. Close the manager when done;
+  if you do not, it is closed when the interpreter exits.
 
   Opening a writable manager creates `directory`, removes the leftovers of
   killed saves and deletions, and deletes the steps that `keep_last` and
@@ -203,6 +234,7 @@ def build_manager(
         "meta": ocp.JsonCheckpointHandler(),
     })
   manager.read_only = read_only
+  manager.async_save = config.async_save and not read_only
   if not read_only:
     _OPEN_MANAGERS.add(manager)
     _close_managers_at_exit()
@@ -344,13 +376,13 @@ def save(
   """Saves state, data position and metadata as one step; True if it saved.
 
   Without `force`, saves when Orbax's default policy says so: on multiples of
-  `save_every`, and the first save into an empty directory. Asynchronous unless
-  `async_save` is off: it returns once the arrays are copied to host memory
-  (so the caller may donate or overwrite them) and a background thread writes
-  them. The step is on disk when `manager.wait_until_finished()` returns; the
-  next `save`, `restore`, `close()` and interpreter exit all wait for it. A
-  failed background write raises from that wait. A read-only manager saves
-  nothing (Orbax's own check skips only unforced saves).
+  `save_every`, and the first save into an empty directory. Returns when the
+  step is on disk, except inside `with manager:` or `manager.async_saves()`
+  (and `async_save` on): then it returns once the arrays are copied to host
+  memory (so the caller may donate or overwrite them) and a background thread
+  writes them; the next `save`, `restore`, `close()` and the block's end wait
+  for it, and a failed background write raises from that wait. A read-only
+  manager saves nothing (Orbax's own check skips only unforced saves).
   """
   if getattr(manager, "read_only", False):
     return False
@@ -365,6 +397,8 @@ def save(
   )
   if saved:  # Orbax waited for the previous save, whose deletions are now in the trash.
     _empty_trash(manager.directory)
+    if isinstance(manager, Manager) and not manager.saves_in_background:
+      manager.wait_until_finished()  # Nothing could finish it once the script has ended.
   return saved
 
 

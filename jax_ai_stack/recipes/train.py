@@ -44,7 +44,6 @@ from typing import Any
 
 import grain
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jax_ai_stack import kernels
@@ -163,7 +162,7 @@ class Trainer:
   config: RecipeConfig
   task: tasks.Task
   workdir: pathlib.Path
-  manager: ocp.CheckpointManager
+  manager: checkpoint.Manager
   model: nnx.Module
   optimizer: nnx.Optimizer
   train_step: Callable[[nnx.State, tasks.Batch], tuple[nnx.State, dict]]
@@ -331,7 +330,11 @@ class Trainer:
     return bool(every) and (self.step % every == 0 or self.step == self.config.train.steps)
 
   def save(self, *, force: bool) -> bool:
-    """Saves state, data position and metadata as one step (async: see checkpoint)."""
+    """Saves state, data position and metadata as one step (see `checkpoint.save`).
+
+    Inside `fit` the write goes on in the background; called alone, it returns
+    when the step is on disk.
+    """
     # Orbax copies the arrays to host memory before save() returns, so the next
     # step may donate (reuse) their buffers; the resume tests check the bits.
     metadata = {"step": self.step, "config": configlib.to_dict(self.config)}
@@ -357,7 +360,8 @@ class Trainer:
     stopped_by = None
     last: dict[str, float] = {}
     try:
-      with _StopSignal() as stop, self._kernel_configs():
+      # Saves in the background; leaving the block waits until they are on disk.
+      with _StopSignal() as stop, self._kernel_configs(), self.manager.async_saves():
         while self.step < total:
           metrics = self.run_step()
           updates = (self.step - 1) // self.config.optim.accumulate_steps
@@ -383,7 +387,6 @@ class Trainer:
     finally:
       if progress is not None:
         progress.close()
-      self.manager.wait_until_finished()
       metrics_log.close()
     step.merge(self.model, self.optimizer, self.state)
     return {"step": self.step, "stopped_by": stopped_by, **last}
