@@ -375,3 +375,54 @@ def test_flops_per_token_agrees_with_xla_cost_analysis():
   forward_flops = config.flops_per_token(seq) / 3 * batch * seq  # fwd is 1/3 of fwd + bwd
   # XLA also counts norms, softmax and activations; matmuls dominate.
   assert analysis["flops"] == pytest.approx(forward_flops, rel=0.05)
+
+
+def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
+  """On 8 devices (data 2 x fsdp 2 x tensor 2) a model given the placement's
+  layout has the one-device logits (max difference / max |logit| <= 2e-5, the
+  tolerance of test_sharding.py: sharded matmuls sum in another order), one
+  constraint after the embedding and two per block, and decodes a single
+  prompt (a batch that does not divide) greedily to the same tokens."""
+  from jax_ai_stack.recipes import sharding
+  from multidevice import run_on_devices
+
+  assert sharding.Placement.build(sharding.MeshConfig(), {}).layout() is None  # One device.
+  result = run_on_devices(f"""
+      import json, jax, numpy as np
+      from flax import nnx
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from jax_ai_stack.recipes import sharding
+      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+
+      config = LlamaConfig(**{MICRO!r})
+      placement = sharding.Placement.build(
+          sharding.MeshConfig(data=2, fsdp=2, tensor=2, rules="fsdp_tp"), {{}})
+      plain = Llama(config, rngs=nnx.Rngs(0))
+      laid_out = Llama(config, rngs=nnx.Rngs(0), layout=placement.layout())
+      state = nnx.state(plain)
+      nnx.update(laid_out, jax.device_put(state, placement.state_shardings(state)))
+
+      def program(model):
+        graphdef, state = nnx.split(model)
+        return jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)), state
+
+      tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, config.vocab_size)
+      placed = jax.device_put(tokens, NamedSharding(placement.mesh, P(("data", "fsdp"))))
+      run, laid_out_state = program(laid_out)
+      plain_run, plain_state = program(plain)
+      prompt = tokens[:1, :3]
+      greedy = lambda model: generate(model, prompt, 4, temperature=0.0, rng=jax.random.key(0))
+      print(json.dumps({{
+          "error": float(np.max(np.abs(run(laid_out_state, placed) - plain_run(plain_state, tokens)))
+                         / np.max(np.abs(plain_run(plain_state, tokens)))),
+          "constraints": str(jax.make_jaxpr(run)(laid_out_state, placed)).count("sharding_constraint"),
+          "plain_constraints": str(jax.make_jaxpr(plain_run)(plain_state, tokens)).count(
+              "sharding_constraint"),
+          "generated": np.asarray(greedy(laid_out)).tolist(),
+          "expected": np.asarray(greedy(plain)).tolist(),
+      }}))
+  """)
+  assert result["constraints"] == 1 + 2 * MICRO["num_layers"]
+  assert result["plain_constraints"] == 0
+  assert result["error"] <= 2e-5
+  assert result["generated"] == result["expected"]

@@ -168,3 +168,143 @@ def test_each_rule_set_trains_like_one_device(tmp_path):
     assert result["q_proj"] == result["q_proj_mu"], name  # Adam's moment lives like its weight.
   assert results["fsdp_tp"]["q_proj"] == [["fsdp", "tensor", None]]
   assert results["dp"]["q_proj"] == [[None, None, None]]
+
+
+def _step_program(trainer) -> str:
+  """The jaxpr of the trainer's train step on its next batch, as text."""
+  batch = trainer.placement.batch(next(trainer.train_batches))
+  return str(jax.make_jaxpr(trainer.train_step)(trainer.state, batch))
+
+
+def test_fsdp_tp_with_a_pallas_kernel_trains_like_one_device(tmp_path):
+  """lm-tiny with `pallas_gpu` (Pallas interpret mode on CPU) under fsdp_tp on
+  data 2 x fsdp 2 x tensor 2: the one-device losses (the tolerance above), with
+  the kernel in a shard_map and the activations pinned in the sharded step, and
+  neither in the one-device step."""
+  from jax_ai_stack.recipes import train
+  from training_helpers import tiny_config
+
+  overrides = [*MESH_TINY, "model.attention_impl=pallas_gpu"]
+  train.run(tiny_config(*overrides), tmp_path / "one")
+  expected = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  trainer = train.Trainer.open(tiny_config(*overrides), tmp_path / "one")
+  try:
+    one_device = _step_program(trainer)
+  finally:
+    trainer.close()
+  assert "shard_map" not in one_device and "sharding_constraint" not in one_device
+  result = run_on_devices(f"""
+      import json, sys
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      from jax_ai_stack.recipes import train
+      from training_helpers import tiny_config
+      from test_sharding import _step_program
+
+      config = tiny_config(*{overrides!r}, "mesh.rules=fsdp_tp", "mesh.data=2", "mesh.fsdp=2",
+                           "mesh.tensor=2")
+      workdir = {str(tmp_path / "mesh")!r}
+      train.run(config, workdir)
+      trainer = train.Trainer.open(config, workdir)
+      try:
+        program = _step_program(trainer)
+      finally:
+        trainer.close()
+      print(json.dumps({{
+          "losses": [r["loss"] for r in train.read_metrics(workdir) if r["split"] == "train"],
+          "kernel": trainer.attention_choice.name,
+          "shard_map": "shard_map" in program and "pallas_call" in program,
+          "constraints": program.count("sharding_constraint"),
+      }}))
+  """)
+  assert result["kernel"] == "pallas_gpu"
+  np.testing.assert_allclose(result["losses"], expected, rtol=2e-5)
+  assert result["shard_map"]
+  assert result["constraints"] >= 3  # After the embedding, on attention and MLP outputs.
+
+
+_RESHARD_HELPERS = """
+    import json, logging, sys
+    sys.path.insert(0, {here!r})
+    import jax, numpy as np
+    from jax_ai_stack.recipes import train
+    from training_helpers import tiny_config
+
+    def leaves(state):
+      return {{jax.tree_util.keystr(p, simple=True, separator="."): x
+               for p, x in jax.tree_util.tree_leaves_with_path(state)}}
+
+    def host(x):
+      key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      return np.asarray(jax.random.key_data(x) if key else x)
+"""
+
+
+def _restored_as_saved(trainer, saved: pathlib.Path) -> dict:
+  """How `trainer`'s restored state compares with the arrays saved in `saved` (.npz)."""
+  from flax import nnx
+
+  def host(x):
+    key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return np.asarray(jax.random.key_data(x) if key else x)
+
+  got = {jax.tree_util.keystr(p, simple=True, separator="."): x
+         for p, x in jax.tree_util.tree_leaves_with_path(trainer.state)}
+  expected = trainer.placement.state_shardings(nnx.state((trainer.model, trainer.optimizer)))
+  with np.load(saved) as arrays:
+    differ = [k for k in arrays.files
+              if host(got[k]).dtype != arrays[k].dtype or not np.array_equal(host(got[k]), arrays[k])]
+    return {
+        "step": trainer.step, "leaves": sorted(got) == sorted(arrays.files), "differ": differ,
+        "laid_out": [x.sharding for x in jax.tree.leaves(trainer.state)] == jax.tree.leaves(expected),
+        "q_proj": [list(x.sharding.spec) for k, x in got.items() if k.endswith("q_proj.kernel.value")],
+        "mesh": dict(trainer.placement.mesh.shape),
+    }
+
+
+def test_a_checkpoint_restores_bitwise_onto_another_mesh(tmp_path, caplog):
+  """Saved under fsdp=8 on 8 devices; opened again (resume auto) under fsdp 4 x
+  tensor 2 with the fsdp_tp rules, and on one device: Orbax's sharded restore
+  puts every parameter and optimizer leaf back bitwise, laid out as the new
+  mesh says, and the changed mesh is no warning (it is not a change of the run)."""
+  from jax_ai_stack.recipes import train
+  from training_helpers import tiny_config
+
+  workdir, saved = tmp_path / "run", tmp_path / "saved.npz"
+  helpers = _RESHARD_HELPERS.format(here=str(pathlib.Path(__file__).parent))
+  fsdp = ["mesh.rules=fsdp", "mesh.data=1", "mesh.fsdp=8"]
+  first = run_on_devices(helpers + f"""
+    trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *{fsdp!r}), {str(workdir)!r})
+    try:
+      trainer.fit()
+    finally:
+      trainer.close()
+    np.savez({str(saved)!r}, **{{k: host(x) for k, x in leaves(trainer.state).items()}})
+    print(json.dumps({{"step": trainer.step, "saved": trainer.manager.latest_step(),
+                      "q_proj": [list(x.sharding.spec) for k, x in leaves(trainer.state).items()
+                                 if k.endswith("q_proj.kernel.value")]}}))
+  """)
+  assert first == {"step": 4, "saved": 4, "q_proj": [["fsdp", None, None]] * 3}  # Param, mu, nu.
+
+  fsdp_tp = ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
+  second = run_on_devices(helpers + f"""
+    from test_sharding import _restored_as_saved
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("jax_ai_stack").addHandler(handler)
+    trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *{fsdp_tp!r}), {str(workdir)!r})
+    trainer.close()
+    print(json.dumps({{**_restored_as_saved(trainer, {str(saved)!r}), "warnings": warnings}}))
+  """)
+  assert second["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  assert second["q_proj"] == [["fsdp", "tensor", None]] * 3
+
+  with caplog.at_level("WARNING", logger="jax_ai_stack"):
+    trainer = train.Trainer.open(tiny_config(*MESH_TINY), workdir)  # This process: one device.
+    trainer.close()
+  one = {**_restored_as_saved(trainer, saved), "warnings": [r.getMessage() for r in caplog.records]}
+  assert one["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+  for result in (second, one):
+    assert result["step"] == 4 and result["leaves"] and result["laid_out"], result
+    assert result["differ"] == [], result
+    assert result["warnings"] == [], result

@@ -73,7 +73,7 @@ class SyntheticBatches:
 class Regression(tasks.Task):
   model_config = MLPConfig
 
-  def build_model(self, seed, attention=None):
+  def build_model(self, seed, attention=None, layout=None):
     return MLP(self.config.model, nnx.Rngs(seed))
 
   def loss(self, model, batch):

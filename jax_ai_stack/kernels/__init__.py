@@ -6,7 +6,11 @@ Which kernels may run is an explicit, immutable `AttentionPlan`, which
 says which implementation runs for a `Request` and why; `autotune` measures
 the choice and writes it to a file that later runs read into their plan.
 
+Names load on first use (`kernels.attention` imports jax; `kernels.names`
+does not), so that a recipe config can check an implementation name cheaply.
+
 Modules, one job each:
+  names            the implementation names (no jax) and `parse`
   request          `Request` (shapes, dtype, masks) and `Backend`
   table            `IMPLEMENTATIONS` (what each kernel accepts), `PREFERENCE`
   rules            hardware and library-version rules of the table
@@ -16,55 +20,76 @@ Modules, one job each:
   choice           `Choice` (and `Verdict`): the outcome, its report and JSON
   plan             `AttentionPlan`
   resolve          `resolve_plan`, and `select` / `report` shortcuts
+  sharded          `AttentionSharding`: opaque kernels per shard under a mesh
   attention        `attention`
   autotune_file    the autotune file, read into a plan
   autotuning       `autotune`: measuring the choice
   cli              `jax-ai-stack kernels`
 """
 
-from jax_ai_stack.kernels.attention import attention
-from jax_ai_stack.kernels.autotune_file import AUTOTUNE_FILENAME, AutotuneError, load_plan
-from jax_ai_stack.kernels.autotuning import autotune, autotune_unsupported_reason
-from jax_ai_stack.kernels.choice import Choice, Verdict
-from jax_ai_stack.kernels.plan import AttentionPlan, clear_cache
-from jax_ai_stack.kernels.request import Backend, Request
-from jax_ai_stack.kernels.resolve import ENV_VAR, report, resolve_plan, select
-from jax_ai_stack.kernels.selection import (
-    NoImplementationError,
-    UnknownImplementationError,
-    parse_implementation,
-)
-from jax_ai_stack.kernels.table import (
-    AUTO,
-    IMPLEMENTATIONS,
-    PREFERENCE,
-    Implementation,
-    ImplementationName,
-)
+import importlib
+import sys
+import types
 
-__all__ = [
-    "AUTO",
-    "AUTOTUNE_FILENAME",
-    "AttentionPlan",
-    "AutotuneError",
-    "Backend",
-    "Choice",
-    "ENV_VAR",
-    "IMPLEMENTATIONS",
-    "Implementation",
-    "ImplementationName",
-    "NoImplementationError",
-    "PREFERENCE",
-    "Request",
-    "UnknownImplementationError",
-    "Verdict",
-    "attention",
-    "autotune",
-    "autotune_unsupported_reason",
-    "clear_cache",
-    "load_plan",
-    "parse_implementation",
-    "report",
-    "resolve_plan",
-    "select",
-]
+_EXPORTS = {
+    "AUTO": "names",
+    "AUTOTUNE_FILENAME": "autotune_file",
+    "AttentionPlan": "plan",
+    "AttentionSharding": "sharded",
+    "AttentionShardingError": "sharded",
+    "AutotuneError": "autotune_file",
+    "Backend": "request",
+    "Choice": "choice",
+    "ENV_VAR": "resolve",
+    "IMPLEMENTATIONS": "table",
+    "Implementation": "table",
+    "ImplementationName": "names",
+    "NoImplementationError": "selection",
+    "PREFERENCE": "table",
+    "Request": "request",
+    "UnknownImplementationError": "names",
+    "Verdict": "choice",
+    "attention": "attention",
+    "autotune": "autotuning",
+    "autotune_unsupported_reason": "autotuning",
+    "clear_cache": "plan",
+    "load_plan": "autotune_file",
+    "parse_implementation": "selection",
+    "report": "resolve",
+    "resolve_plan": "resolve",
+    "select": "resolve",
+}
+_SUBMODULES = (
+    "autotune_file", "autotuning", "choice", "cli", "implementations", "names", "pallas",
+    "plan", "request", "resolve", "rules", "selection", "sharded", "table",
+)  # And `attention`, whose name the function takes.
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+  """Keeps `kernels.attention` the function when its module loads.
+
+  Importing the submodule `kernels.attention` sets the package's attribute of
+  that name to the module; here the function takes that place instead, as an
+  eager `from ... import attention` in this file would have done.
+  """
+
+  def __setattr__(self, name, value):
+    if name == "attention" and isinstance(value, types.ModuleType):
+      value = value.attention
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

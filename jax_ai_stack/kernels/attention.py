@@ -4,17 +4,19 @@
 `AttentionPlan` which kernel fits (cached per plan and request, so calling it
 inside `jit`, `grad` or `remat` costs one lookup per trace and prints nothing),
 then calls it; if the kernel still raises `NotImplementedError`, the next
-eligible one runs.
+eligible one runs. Under a mesh the caller passes an `AttentionSharding`, and a
+kernel XLA cannot partition runs on each device's shard (`sharded`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.kernels import implementations, selection, table
+from jax_ai_stack.kernels import implementations, selection, sharded, table
 from jax_ai_stack.kernels.plan import AttentionPlan
 from jax_ai_stack.kernels.choice import Choice
 from jax_ai_stack.kernels.request import Request
@@ -47,15 +49,18 @@ def _plan(plan: AttentionPlan | None, implementation: str | Sequence[str] | None
   return resolve_plan("auto" if implementation is None else implementation)
 
 
-def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths, scale) -> jax.Array:
+def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths, scale,
+         sharding: sharded.AttentionSharding | None) -> jax.Array:
   """The chosen kernel, or the next eligible one where a kernel refuses."""
   refusals = []
   for name, interpret in choice.fallbacks:
+    implementation = table.IMPLEMENTATIONS[name]
+    run = functools.partial(implementations.call, implementation.run, choice.request,
+                            scale=scale, interpret=interpret)
+    if not implementation.partitionable:
+      run = sharded.per_shard(run, sharding, choice.request, name=name)
     try:
-      return implementations.call(
-          table.IMPLEMENTATIONS[name].run, choice.request, q, k, v, segment_ids, kv_seq_lengths,
-          scale=scale, interpret=interpret,
-      )
+      return run(q, k, v, segment_ids, kv_seq_lengths)
     except NotImplementedError as e:
       refusals.append(f"{name}: {e}")
   raise selection.NoImplementationError(
@@ -76,6 +81,7 @@ def attention(
     kv_seq_lengths: jax.Array | None = None,
     plan: AttentionPlan | None = None,
     implementation: str | Sequence[str] | None = None,
+    sharding: sharded.AttentionSharding | None = None,
 ) -> jax.Array:
   """Dot-product attention. q: [B, T, N, H]; k, v: [B, S, K, H] with K dividing N.
 
@@ -95,6 +101,9 @@ def attention(
       a convenience for notebooks.
     implementation: instead of `plan`, `resolve_plan(implementation)`: "auto",
       a name, or a sequence / comma-separated list tried in order.
+    sharding: where q, k, v live on a mesh of several devices (the model
+      passes one). Kernels that XLA cannot partition then run on each
+      device's shard; XLA ones, and every kernel when None, run as they are.
 
   Returns:
     [B, T, N, H], the dtype of q.
@@ -103,6 +112,8 @@ def attention(
     ValueError: inconsistent shapes or dtypes, an unknown implementation, or
       both `plan` and `implementation`.
     NoImplementationError: no implementation fits; names each reason.
+    AttentionShardingError: a kernel runs per shard and the heads do not
+      divide by the mesh axes of `sharding.heads`.
   """
   _check_inputs(q, k, v, segment_ids, kv_seq_lengths)
   plan = _plan(plan, implementation)
@@ -111,4 +122,4 @@ def attention(
       local_window=local_window, kv_seq_lengths=kv_seq_lengths is not None,
   )
   choice = plan.select(request)
-  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, scale)
+  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, scale, sharding)

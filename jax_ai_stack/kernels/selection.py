@@ -23,8 +23,10 @@ import jax.numpy as jnp
 
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.kernels import implementations, table
+from jax_ai_stack.kernels import names as names_lib
 from jax_ai_stack.kernels import request as request_lib
 from jax_ai_stack.kernels.choice import Choice, Verdict
+from jax_ai_stack.kernels.names import UnknownImplementationError
 from jax_ai_stack.kernels.request import Backend, Request
 from jax_ai_stack.kernels.table import AUTO
 
@@ -38,29 +40,18 @@ class NoImplementationError(NotImplementedError, UsageError):
   """
 
 
-class UnknownImplementationError(UsageError, ValueError):
-  """A name that is not an attention implementation; says where it came from."""
-
-
 def parse_implementation(
     spec: str | Sequence[str], *, origin: str = "implementation"
 ) -> tuple[str, ...]:
   """"auto" / "a,b" / ["a", "b"] -> names; the error names `origin` and the bad name.
 
+  As `names.parse`, against `table.IMPLEMENTATIONS` as it is at call time (tests
+  register stand-ins there).
+
   Raises:
     UnknownImplementationError (a ValueError): no names, or an unknown one.
   """
-  names = spec.split(",") if isinstance(spec, str) else list(spec)
-  names = tuple(n.strip() for n in names if isinstance(n, str) and n.strip())
-  if not names:
-    raise UnknownImplementationError(f"{origin} {spec!r} names no attention implementation")
-  for name in names:
-    if name != AUTO and name not in table.IMPLEMENTATIONS:
-      raise UnknownImplementationError(
-          f"{origin}: unknown attention implementation {name!r}; known: {AUTO}, "
-          + ", ".join(table.IMPLEMENTATIONS)
-      )
-  return names
+  return names_lib.parse(spec, origin=origin, known=table.IMPLEMENTATIONS)
 
 
 def expand_order(names: Sequence[str], platform: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

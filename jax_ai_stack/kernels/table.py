@@ -21,23 +21,13 @@ import functools
 import importlib.util
 import types
 from collections.abc import Callable, Mapping
-from typing import Literal
 
 import jax
 
 from jax_ai_stack.kernels import implementations as impls
 from jax_ai_stack.kernels import pallas, rules
+from jax_ai_stack.kernels.names import AUTO, ImplementationName  # Also read as table.AUTO.
 from jax_ai_stack.kernels.request import ALL_FLOATS, Backend, Request
-
-AUTO = "auto"
-"""In an order, stands for the platform's `PREFERENCE`."""
-
-ImplementationName = Literal[
-    "xla", "cudnn", "tokamax_xla", "tokamax_xla_chunked", "tokamax_triton",
-    "tokamax_mosaic_gpu", "tokamax_mosaic_tpu", "pallas_gpu", "pallas_tpu_flash",
-    "pallas_tpu_splash",
-]
-"""The names of `IMPLEMENTATIONS`, for type checkers (tokamax's `Implementation` style)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +59,9 @@ class Implementation:
   """Further rules (hardware generation, library version): a reason or None."""
   package: str = "jax"
   """The distribution that must be installed."""
+  partitionable: bool = False
+  """Plain XLA ops, which XLA's SPMD partitioner splits under a mesh; the others
+  (custom calls) run per shard in `jax.shard_map` (`sharded.per_shard`)."""
 
   def _platform_check(self, backend: Backend, named: bool) -> tuple[str | None, bool]:
     """(reason it cannot run on this platform, or None; whether it would interpret)."""
@@ -126,7 +119,7 @@ _IMPLEMENTATIONS = (
     Implementation(
         "xla", "jax.nn.dot_product_attention(implementation='xla')",
         functools.partial(impls.jax_nn, implementation="xla"),
-        platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
+        platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS, partitionable=True,
     ),
     Implementation(
         "cudnn", "jax.nn.dot_product_attention(implementation='cudnn')",
@@ -141,12 +134,12 @@ _IMPLEMENTATIONS = (
     Implementation(
         "tokamax_xla", "tokamax.dot_product_attention(implementation='xla')",
         _tokamax("xla"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
-        extra_check=rules.tokamax_window_check, package="tokamax",
+        extra_check=rules.tokamax_window_check, package="tokamax", partitionable=True,
     ),
     Implementation(
         "tokamax_xla_chunked", "tokamax.dot_product_attention(implementation='xla_chunked')",
         _tokamax("xla_chunked"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
-        extra_check=rules.tokamax_window_check, package="tokamax",
+        extra_check=rules.tokamax_window_check, package="tokamax", partitionable=True,
     ),
     Implementation(
         "tokamax_triton", "tokamax.dot_product_attention(implementation='triton')",

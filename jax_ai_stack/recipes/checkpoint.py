@@ -70,7 +70,7 @@ from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_ai_stack.errors import CheckpointMismatchError
-from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,28 +79,6 @@ TRASH_DIR = "todelete"
 ERROR_LOG = "checkpoint-errors.log"
 """Beside the checkpoint directory: the full detail of each unreadable step."""
 _CORRUPT = ".corrupt"
-
-
-@config_dataclass
-class CheckpointConfig:
-  """When a run saves and which steps it keeps (the `checkpoint` section)."""
-
-  save_every: int = 100
-  """Save every this many steps (and always at the end or on SIGTERM/SIGINT)."""
-  keep_last: int = 3
-  """Keep this many most recent steps."""
-  keep_every: int | None = None
-  """Also keep every step divisible by this, forever (None: only the last ones)."""
-  async_save: bool = True
-  """Write in a background thread; training blocks only while arrays are copied."""
-
-  def __post_init__(self):
-    if self.save_every < 1:
-      raise ValueError(f"checkpoint.save_every must be >= 1, got {self.save_every}")
-    if self.keep_last < 1:
-      raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
-    if self.keep_every is not None and self.keep_every < 1:
-      raise ValueError(f"checkpoint.keep_every must be >= 1 or null, got {self.keep_every}")
 
 
 @dataclasses.dataclass

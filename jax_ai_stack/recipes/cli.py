@@ -1,6 +1,9 @@
 """`jax-ai-stack train`, `generate` and `eval`: the recipes from the command line.
 
     jax-ai-stack train [PRESET] [--config FILE.yaml] [--workdir DIR] [dotted overrides]
+    jax-ai-stack train ... --distributed auto            (one process per host, on a cluster)
+    jax-ai-stack train ... --coordinator HOST:PORT --num-processes N --process-id I
+    jax-ai-stack train ... --dry-run [--device-memory 16GiB]   (the memory plan; trains nothing)
     jax-ai-stack train --list
     jax-ai-stack generate --workdir DIR --prompt TEXT
     jax-ai-stack eval --workdir DIR
@@ -24,10 +27,18 @@ The config is the preset (default lm-tiny; `--preset none` for the defaults
 alone), then --config FILE merged over it (any section may be partial; a file
 may name its base with `preset: NAME`), then the overrides.
 
+Several processes (hosts) train one job when each is started with the same
+command plus --distributed auto (TPU pod slices, SLURM, Open MPI, Kubernetes:
+JAX reads the cluster from the environment) or the explicit --coordinator,
+--num-processes and --process-id. The mesh spans every process's devices;
+process 0 writes metrics, plot and sample; all write the checkpoint together.
+
 Exit status: 0 trained (or already finished); 2 bad input (one line says what);
 130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, after saving a checkpoint
-(run the same command again to resume); 1 a training failure (a non-finite
-loss) or a bug (with its traceback).
+(run the same command again to resume); 75 stopped by a preemption (SIGTERM
+to a process of a multi-process job: every process saves the same step) or
+by request; 1 a training failure (a non-finite loss) or a bug (with its
+traceback).
 """
 
 
@@ -47,6 +58,20 @@ def register(subparsers) -> None:
   train.add_argument("--workdir", help="where checkpoints and logs go (default: runs/<preset>)")
   train.add_argument("--resume", choices=("auto", "never"), help="override train.resume")
   train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+  train.add_argument("--dry-run", action="store_true",
+                     help="print the mesh and the per-device memory plan, then exit (trains nothing)")
+  train.add_argument("--device-memory", metavar="SIZE",
+                     help="memory per device for --dry-run's largest batch, e.g. 16GiB "
+                     "(default: what the device reports)")
+  launch = train.add_argument_group("several processes (hosts)")
+  launch.add_argument("--distributed", choices=("off", "auto", "explicit"),
+                      help="auto: join the cluster JAX detects; explicit: implied by the next "
+                      "three flags (default off: one process)")
+  launch.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a free port")
+  launch.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+  launch.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+  launch.add_argument("--distributed-timeout", type=int, metavar="SECONDS",
+                      help="how long to wait for the other processes (default 120)")
   train.set_defaults(func=run_train, accepts_overrides=True)
 
   generate = subparsers.add_parser(
@@ -78,13 +103,16 @@ def _split_preset(extra: list[str]) -> tuple[str | None, list[str]]:
 
 def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import config as recipe_config
-  from jax_ai_stack.recipes import configlib, train
+  from jax_ai_stack.recipes import configlib, distributed
 
   if args.list:
     for name in recipe_config.list_presets():
       marker = " (default)" if name == recipe_config.DEFAULT_PRESET else ""
       print(f"{name}{marker}")
     return 0
+  launch = distributed.Launch.from_flags(
+      args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
+      process_id=args.process_id, timeout_s=args.distributed_timeout)
   preset, extra = _split_preset(args.overrides)
   if preset and args.preset and preset != args.preset:
     raise UsageError(f"two presets: {preset!r} and --preset {args.preset!r}")
@@ -93,6 +121,14 @@ def run_train(args: argparse.Namespace) -> int:
   )
   if args.print_config:
     print(configlib.to_yaml(config), end="")
+    return 0
+  from jax_ai_stack.recipes import train  # jax and the libraries: only to train.
+
+  distributed.initialize(launch)  # Before anything touches a device.
+  if args.dry_run:
+    from jax_ai_stack.recipes import memory
+
+    print(memory.dry_run(config, device_memory_text=args.device_memory))
     return 0
   try:
     result = train.run(config, args.workdir, resume=args.resume)

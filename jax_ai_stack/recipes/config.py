@@ -20,19 +20,22 @@ from typing import Annotated, Literal, Union
 
 import pydantic
 
-from jax_ai_stack.recipes import configlib, tasks
-from jax_ai_stack.recipes.checkpoint import CheckpointConfig
+# Only the section configs, never their builders: loading, validating and
+# printing a config imports no jax, flax, optax, grain or orbax.
+from jax_ai_stack.recipes import configlib
+from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
 from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
-from jax_ai_stack.recipes.data import DataConfig
-from jax_ai_stack.recipes.optim import OptimConfig
-from jax_ai_stack.recipes.sharding import MeshConfig
+from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.optim_config import OptimConfig
+from jax_ai_stack.recipes.sharding_config import MeshConfig
+from jax_ai_stack.recipes.tasks import families
 
 DEFAULT_PRESET = "lm-tiny"
 NO_PRESET = "none"
 """`--preset none` (or `preset: none` in a YAML file): start from the defaults alone."""
 
 ModelConfig = Annotated[
-    Union[tuple(family.model_config for family in tasks.FAMILIES)],
+    Union[tuple(family.model_config for family in families.FAMILIES)],
     pydantic.Field(discriminator="kind"),
 ]
 
@@ -84,7 +87,7 @@ class RecipeConfig:
 
   name: str = "custom"
   """The preset this config came from (names the default workdir runs/<name>)."""
-  model: ModelConfig = dataclasses.field(default_factory=tasks.FAMILIES[0].model_config)
+  model: ModelConfig = dataclasses.field(default_factory=families.FAMILIES[0].model_config)
   """The model: `kind: llama` (decoder LM) or `kind: cnn` (image classifier)."""
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   """Optimizer, schedule, clipping, weight decay, accumulation."""
@@ -98,7 +101,7 @@ class RecipeConfig:
   """The device mesh (data x fsdp x tensor) and the rules that place arrays on it."""
 
   def __post_init__(self):
-    tasks.family(self.model).validate(self)
+    families.family(self.model).check(self)
 
 
 def _presets_dir() -> pathlib.Path:

@@ -44,18 +44,26 @@ class MetricsLog:
   the saved steps, and `close()` at the end.
   """
 
-  def __init__(self, workdir: pathlib.Path, start_step: int):
-    """Opens the log of a run that continues after `start_step` (0: a new run)."""
+  def __init__(self, workdir: pathlib.Path, start_step: int, *, enabled: bool = True):
+    """Opens the log of a run that continues after `start_step` (0: a new run).
+
+    `enabled` False writes nothing: the processes of a multi-host job other
+    than the first, which share its workdir.
+    """
     self.workdir = pathlib.Path(workdir)
     self.start_step = start_step
     self.path = self.workdir / METRICS_FILE
+    self._file = self._events = None
+    if not enabled:
+      return
     if self.path.exists():
       _cut_back(self.workdir, start_step)
     self._file = self.path.open("a", encoding="utf-8")
-    self._events = None
 
   def write(self, step_number: int, split: str, metrics: dict[str, float]) -> None:
     """Appends one record to both logs; the JSON line reaches the OS at once."""
+    if self._file is None:
+      return
     self._file.write(json.dumps({"step": step_number, "split": split, **metrics}) + "\n")
     self._file.flush()
     events = self._events_file()
@@ -64,12 +72,14 @@ class MetricsLog:
 
   def flush(self) -> None:
     """Hands everything written so far to the OS, so a kill after this loses none of it."""
-    self._file.flush()
+    if self._file is not None:
+      self._file.flush()
     if self._events is not None:
       self._events.flush()
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._events is not None:
       self._events.close()
 

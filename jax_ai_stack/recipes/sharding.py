@@ -20,6 +20,10 @@ The mesh's axes are `AxisType.Auto` on purpose: `jax.make_mesh` defaults to
 sharding raises `ShardingTypeError`; with `Auto` axes XLA's SPMD partitioner
 propagates the shardings of the inputs, and a few constraints suffice.
 
+Those constraints are the model's: on several devices the trainer hands it a
+`Layout` (the mesh and the rules), with which it pins its hidden states and
+tells attention where q, k, v live (`kernels.AttentionSharding`).
+
 Example:
   >>> config = MeshConfig(data=1, fsdp=-1, rules="fsdp")
   >>> mesh_shape(config, device_count=8)
@@ -33,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
@@ -41,10 +45,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes.configlib import config_dataclass
-
-MESH_AXES = ("data", "fsdp", "tensor")
-"""The mesh's axis names, outermost first (data parallelism crosses hosts)."""
+from jax_ai_stack.kernels.sharded import AttentionSharding
+from jax_ai_stack.recipes.sharding_config import MESH_AXES, MeshConfig
 
 Rules = Mapping[str, tuple[str, ...]]
 
@@ -58,41 +60,6 @@ RULE_SETS: Mapping[str, Rules] = {
     },
 }
 """Logical axis -> mesh axes, per named rule set. Unnamed axes are replicated."""
-
-
-@config_dataclass
-class MeshConfig:
-  """The device mesh of a run and the rules that place arrays on it.
-
-  Sizes multiply to the number of devices; one of them may be -1 (the rest).
-  The default, `data: -1`, is plain data parallelism over every device; on one
-  device it is the single-device program.
-  """
-
-  data: int = -1
-  """Data-parallel replicas (the outermost axis: it may cross hosts)."""
-  fsdp: int = 1
-  """Devices that split parameters, gradients and optimizer state (and the batch)."""
-  tensor: int = 1
-  """Devices that split heads, MLP and vocabulary dimensions (tensor parallelism)."""
-  rules: Literal["dp", "fsdp", "fsdp_tp"] = "fsdp"
-  """Which logical-axis rule set maps the model's axis names onto the mesh."""
-  rule_overrides: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-  """Per logical axis, mesh axes replacing the rule set's ([] replicates), e.g.
-  {vocab: [tensor], mlp: []}."""
-
-  def __post_init__(self):
-    sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
-    for axis, size in sizes.items():
-      if size == 0 or size < -1:
-        raise ValueError(f"mesh.{axis} must be >= 1 or -1 (the rest), got {size}")
-    if list(sizes.values()).count(-1) > 1:
-      raise ValueError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-    for name, axes in self.rule_overrides.items():
-      unknown = [a for a in axes if a not in MESH_AXES]
-      if unknown:
-        raise ValueError(f"mesh.rule_overrides.{name}: unknown mesh axis {unknown[0]!r}; "
-                         f"axes: {', '.join(MESH_AXES)}")
 
 
 def mesh_shape(config: MeshConfig, device_count: int) -> dict[str, int]:
@@ -213,6 +180,58 @@ def global_batch(local: Mapping[str, np.ndarray], shardings: Mapping[str, NamedS
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh and its rules as a model sees them: where its activations go.
+
+  Hashable, so a model holds it as static structure. `Placement.layout()`
+  gives one only for a mesh of several devices; without one a model traces
+  exactly its single-device program.
+
+  Example:
+    >>> mesh = jax.sharding.AbstractMesh((2, 1, 2), MESH_AXES)
+    >>> layout = Layout.of(mesh, logical_rules(MeshConfig(rules="fsdp_tp")))
+    >>> layout.spec(("batch", "length", None), (8, 16, 32))
+    P(('data', 'fsdp'), None, None)
+    >>> layout.spec(("batch", "length", None), (1, 16, 32))  # One prompt: replicated.
+    P(None, None, None)
+    >>> layout.attention().heads
+    ('tensor',)
+  """
+
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+  rules: tuple[tuple[str, tuple[str, ...]], ...]
+  """The logical rules as sorted (name, mesh axes) pairs (a dict is not hashable)."""
+
+  @classmethod
+  def of(cls, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, rules: Rules) -> Layout:
+    return cls(mesh, tuple(sorted((name, tuple(axes)) for name, axes in rules.items())))
+
+  def spec(self, names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+    """As `partition_spec`, but a dimension that does not divide is replicated.
+
+    Activations take whatever batch they are given (one prompt decoded on an
+    8-way data mesh), unlike parameters and training batches, which must divide.
+    """
+    rules = dict(self.rules)
+    fits = lambda name, size: size % math.prod(self.mesh.shape[a] for a in rules.get(name, ())) == 0
+    names = [name if name and fits(name, size) else None for name, size in zip(names, shape)]
+    return partition_spec(names, shape, rules, self.mesh, what=f"an activation {tuple(shape)}")
+
+  def constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`x` pinned where its logical `names` say, so that XLA does not guess."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(names, x.shape)))
+
+  def attention(self) -> AttentionSharding:
+    """Where q, k, v [B, T, N, H] live: batch as "batch", all heads as "heads".
+
+    Key/value heads follow the query heads' axes (not "kv_heads"), so that a
+    kernel run per shard pairs each query head with its own K/V head.
+    """
+    rules = dict(self.rules)
+    return AttentionSharding(self.mesh, batch=rules.get("batch", ()), heads=rules.get("heads", ()))
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
   """Where one run's arrays live: its mesh, its rules and the Task's batch axes.
 
@@ -230,6 +249,10 @@ class Placement:
 
   def state_shardings(self, abstract_state: Any) -> Any:
     return state_shardings(abstract_state, self.mesh, self.rules)
+
+  def layout(self) -> Layout | None:
+    """What the model needs to place its activations; None on one device."""
+    return Layout.of(self.mesh, self.rules) if self.mesh.size > 1 else None
 
   def batch(self, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows (from the data pipeline) as one global batch."""

@@ -49,7 +49,7 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.errors import ConfigError, WorkdirError
-from jax_ai_stack.recipes import checkpoint, configlib, optim, sharding, step, tasks
+from jax_ai_stack.recipes import checkpoint, configlib, distributed, optim, sharding, step, tasks
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
@@ -77,7 +77,7 @@ def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
     return
   try:
     workdir.mkdir(parents=True, exist_ok=True)
-    probe = workdir / ".write-test"
+    probe = workdir / f".write-test-{os.getpid()}"  # Other hosts may probe it too.
     probe.write_text("ok")
     probe.unlink()
   except OSError as e:
@@ -111,8 +111,16 @@ def resolve_attention(task: tasks.Task, workdir: pathlib.Path, *, autotune: bool
 
 
 def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -> None:
-  """Warns about what differs from the checkpoint's run (config, attention kernel)."""
-  _warn_config_changes(metadata.get("config", {}), config)
+  """Warns about what differs from the checkpoint's run (config, attention kernel).
+
+  A new `mesh` is no warning: the checkpoint is restored onto it bitwise
+  (Orbax reshards), so only where the arrays live changed; the steps after it
+  sum in another order, as on any other mesh. It is logged at info level.
+  """
+  saved_config = dict(metadata.get("config", {}))
+  if "mesh" in saved_config and saved_config.pop("mesh") != config.get("mesh"):
+    log.info("restored onto a new mesh (config mesh changed since the checkpoint)")
+  _warn_config_changes(saved_config, {k: v for k, v in config.items() if k != "mesh"})
   saved = metadata.get("attention", {}).get("implementation")
   if choice is not None and saved and saved != choice.name:
     log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
@@ -132,17 +140,19 @@ def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
 class _StopSignal:
   """Records SIGTERM/SIGINT so the loop can finish its step, save and stop.
 
-  Orbax's `reached_preemption` covers the multi-host case (every host agrees
-  on the step); it sees neither Ctrl-C nor a signal to a single process.
+  With several processes SIGTERM is left to JAX's preemption notifier (which
+  `jax.distributed` installs), so that Orbax's `reached_preemption` makes
+  every process stop and save at the same step.
   """
 
-  def __init__(self):
+  def __init__(self, *, sigterm: bool = True):
     self.received: str | None = None
+    self._signals = (signal.SIGTERM, signal.SIGINT) if sigterm else (signal.SIGINT,)
     self._previous = {}
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
+      for sig in self._signals:
         self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
@@ -195,8 +205,12 @@ class Trainer:
     task = task or tasks.for_config(config)
     prepare_workdir(workdir, read_only=False)
     task.check_data()  # Bad input is refused before anything in the workdir is opened.
-    plan, choice = resolve_attention(task, workdir, autotune=config.train.autotune_attention,
-                                     saved=None)
+    autotune = config.train.autotune_attention
+    if autotune and jax.process_count() > 1 and not (workdir / kernels.AUTOTUNE_FILENAME).exists():
+      raise ConfigError(  # Each process would time the kernels and might choose another one.
+          "train.autotune_attention=true tunes in one process only: run the recipe once on one "
+          f"host to write {workdir / kernels.AUTOTUNE_FILENAME}, then launch every process")
+    plan, choice = resolve_attention(task, workdir, autotune=autotune, saved=None)
     train_data = task.dataset("train", config.train.seed)
     validation = task.dataset("validation", config.train.seed) if config.train.eval_every else None
     manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
@@ -250,7 +264,7 @@ class Trainer:
     """
 
     def create():
-      model = task.build_model(config.train.seed, plan)
+      model = task.build_model(config.train.seed, plan, placement.layout())
       return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
 
     placement = sharding.Placement.build(config.mesh, task.batch_axes())
@@ -353,7 +367,8 @@ class Trainer:
     `stop_after` stops (and saves) after that step as a preemption would.
     """
     total = self.config.train.steps
-    metrics_log = MetricsLog(self.workdir, self.step)
+    primary = distributed.is_primary()
+    metrics_log = MetricsLog(self.workdir, self.step, enabled=primary)
     schedule = jax.jit(optim.build_schedule(
         self.config.optim, optim.optimizer_updates(self.config.optim, total)))
     progress = _progress_bar(self.config, self.step)
@@ -361,7 +376,8 @@ class Trainer:
     last: dict[str, float] = {}
     try:
       # Saves in the background; leaving the block waits until they are on disk.
-      with _StopSignal() as stop, self._kernel_configs(), self.manager.async_saves():
+      with (_StopSignal(sigterm=jax.process_count() == 1) as stop, self._kernel_configs(),
+            self.manager.async_saves()):
         while self.step < total:
           metrics = self.run_step()
           updates = (self.step - 1) // self.config.optim.accumulate_steps
@@ -392,10 +408,16 @@ class Trainer:
     return {"step": self.step, "stopped_by": stopped_by, **last}
 
   def finish(self) -> list[str]:
-    """The end-of-run artefacts (loss plot, the Task's); lines to print."""
-    plot(self.workdir)
+    """The end-of-run artefacts (loss plot, the Task's); lines to print.
+
+    Every process runs the Task's computations (a sample needs all of a
+    sharded model); only the first writes files.
+    """
+    primary = distributed.is_primary()
+    if primary:
+      plot(self.workdir)
     with self._kernel_configs():
-      return self.task.finish(self.model, self.workdir)
+      return self.task.finish(self.model, self.workdir if primary else None)
 
   def missing_artefacts(self) -> list[str]:
     names = [PLOT_FILE, *self.task.artefacts()]

@@ -18,7 +18,10 @@ Modules, in the order data flows:
 With `num_workers > 0` Grain starts worker processes with `spawn`: a script
 must build and iterate the dataset under `if __name__ == "__main__":`.
 
+Names load on first use, so a recipe config reads `DataConfig` without Grain.
+
 Example:
+  >>> from jax_ai_stack.recipes.data import DataConfig, build_dataset
   >>> config = DataConfig(max_documents=40, seq_len=16, batch_size=4)
   >>> ds = build_dataset(config, split="train", seed=0, process_index=0, process_count=1)
   >>> batch = next(iter(ds))
@@ -28,45 +31,41 @@ Example:
   True
 """
 
-from jax_ai_stack.recipes.data.config import DataConfig
-from jax_ai_stack.recipes.data.corpus import TokenCorpus, load_corpus
-from jax_ai_stack.recipes.data.examples import DigitsExamples, LMPacked, LMWindows
-from jax_ai_stack.recipes.data.permutation import epoch_permutation, permute
-from jax_ai_stack.recipes.data.pipeline import StepBatches, build_dataset
-from jax_ai_stack.recipes.data.sources import (
-    DataFileNotFoundError,
-    load_digits,
-    resolve_paths,
-    stdlib_files,
-)
-from jax_ai_stack.recipes.data.tokenizers import (
-    ByteTokenizer,
-    HuggingFaceTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    build_tokenizer,
-    vocab_size,
-)
+import importlib
 
-__all__ = [
-    "ByteTokenizer",
-    "DataConfig",
-    "DataFileNotFoundError",
-    "DigitsExamples",
-    "HuggingFaceTokenizer",
-    "LMPacked",
-    "LMWindows",
-    "SentencePieceTokenizer",
-    "StepBatches",
-    "TokenCorpus",
-    "Tokenizer",
-    "build_dataset",
-    "build_tokenizer",
-    "epoch_permutation",
-    "load_corpus",
-    "load_digits",
-    "permute",
-    "resolve_paths",
-    "stdlib_files",
-    "vocab_size",
-]
+_SUBMODULES = ("config", "corpus", "examples", "permutation", "pipeline", "sources", "tokenizers")
+_EXPORTS = {
+    "DataConfig": "config",
+    "TokenCorpus": "corpus",
+    "load_corpus": "corpus",
+    "DigitsExamples": "examples",
+    "LMPacked": "examples",
+    "LMWindows": "examples",
+    "epoch_permutation": "permutation",
+    "permute": "permutation",
+    "StepBatches": "pipeline",
+    "build_dataset": "pipeline",
+    "DataFileNotFoundError": "sources",
+    "load_digits": "sources",
+    "resolve_paths": "sources",
+    "stdlib_files": "sources",
+    "ByteTokenizer": "tokenizers",
+    "HuggingFaceTokenizer": "tokenizers",
+    "SentencePieceTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers",
+    "build_tokenizer": "tokenizers",
+    "vocab_size": "tokenizers",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(__all__)

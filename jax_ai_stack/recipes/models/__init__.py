@@ -1,22 +1,23 @@
 """Flax NNX models of the recipes: `llama` (decoder LM) and `cnn` (image classifier).
 
 The model classes and configs are re-exported here and load on first use, e.g.
-`models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`.
+`models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
+in `configs`, which imports no jax.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("llama", "cnn")
+_SUBMODULES = ("llama", "cnn", "configs")
 _EXPORTS = {
     "Llama": "llama",
-    "LlamaConfig": "llama",
+    "LlamaConfig": "configs",
     "KVCache": "llama",
     "generate": "llama",
     "apply_rope": "llama",
     "CNN": "cnn",
-    "CNNConfig": "cnn",
+    "CNNConfig": "configs",
 }
 __all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]
 

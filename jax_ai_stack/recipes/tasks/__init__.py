@@ -1,8 +1,9 @@
 """One Task per model family; `for_config` picks the one a recipe config names.
 
-`FAMILIES` is the registry: the recipe config's `model` field accepts the
-`model_config` of each family listed here (tagged by its `kind`). To add a
-family, write its Task module and list it here; add a preset to use it.
+`FAMILIES` is the registry (`families`): the recipe config's `model` field
+accepts the `model_config` of each family listed there (tagged by its `kind`).
+To add a family, write its Task module and list it there; add a preset to use
+it. The Task classes load on first use: the config needs only the registry.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -12,31 +13,44 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from jax_ai_stack.recipes.tasks.base import Batch, LossFn, Task
-from jax_ai_stack.recipes.tasks.classification import ImageClassification, classification_loss
-from jax_ai_stack.recipes.tasks.lm import LanguageModel, lm_loss
+from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
 
-FAMILIES: tuple[type[Task], ...] = (LanguageModel, ImageClassification)
-"""Every model family a recipe config can name."""
+if TYPE_CHECKING:
+  from jax_ai_stack.recipes.tasks.base import Task
 
-
-def family(model_config: Any) -> type[Task]:
-  """The Task class whose model config `model_config` is."""
-  for task in FAMILIES:
-    if isinstance(model_config, task.model_config):
-      return task
-  raise TypeError(f"no Task trains a {type(model_config).__name__}; known: "
-                  + ", ".join(t.model_config.__name__ for t in FAMILIES))
+_SUBMODULES = ("base", "classification", "families", "lm")
+_EXPORTS = {
+    "Batch": "base",
+    "LossFn": "base",
+    "Task": "base",
+    "ImageClassification": "classification",
+    "classification_loss": "classification",
+    "LanguageModel": "lm",
+    "lm_loss": "lm",
+}
 
 
 def for_config(config: Any) -> Task:
   """The Task for a recipe config (chosen by the type of `config.model`)."""
-  return family(config.model)(config)
+  return family(config.model).task_class()(config)
+
+
+def __getattr__(name: str):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(__all__)
 
 
 __all__ = [
-    "FAMILIES", "Batch", "ImageClassification", "LanguageModel", "LossFn", "Task",
+    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "Task",
     "classification_loss", "family", "for_config", "lm_loss",
 ]

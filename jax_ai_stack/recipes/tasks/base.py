@@ -1,11 +1,12 @@
 """`Task`: everything that differs between model families, in one object.
 
-The trainer, the command line and the config ask a Task instead of asking
+The trainer and the command line ask a Task instead of asking
 "is this a language model?": which model to build, its loss, what an
 evaluation reports, which data it reads, what a step's throughput counts, what
 a finished run leaves behind, and the shapes and logical axes of a batch (for
-sharding). A new model family is a new Task subclass (and a preset); nothing
-else changes.
+sharding). A new model family is a new Task subclass, listed in `families`
+with its recipe checks (what the config asks, without importing the Task), and
+a preset; nothing else changes.
 
 A Task is built from a recipe config (any config dataclass with the fields the
 Task reads); it holds no arrays and no state, so building one is free.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import grain
@@ -23,6 +25,7 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes import sharding
 from jax_ai_stack.recipes.step import Batch, LossFn
 
 __all__ = ["Batch", "LossFn", "Task"]
@@ -44,13 +47,14 @@ class Task(abc.ABC):
   def __init__(self, config: Any):
     self.config = config
 
-  @classmethod
-  def validate(cls, config: Any) -> None:
-    """Raises ValueError when the rest of the recipe does not fit this family."""
-
   @abc.abstractmethod
-  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None) -> nnx.Module:
-    """The family's model, initialised from `seed`; `attention` where it has any."""
+  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
+                  layout: sharding.Layout | None = None) -> nnx.Module:
+    """The family's model, initialised from `seed`; `attention` where it has any.
+
+    `layout`: where its activations live on a mesh of several devices, for a
+    model that pins them (None on one device).
+    """
 
   @abc.abstractmethod
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -80,12 +84,27 @@ class Task(abc.ABC):
     """The attention call one training step makes, if the model attends."""
     return None
 
+  def activation_bytes(self, ways: Mapping[str, int],
+                       attention: str | None) -> tuple[int, str] | None:
+    """Bytes one batch row keeps for the backward pass on one device, and how
+    that was found; None: unknown, so `memory` measures the compiled step.
+
+    `ways`: into how many parts the mesh splits each logical axis;
+    `attention`: the kernel's name (families that attend).
+    """
+    del ways, attention
+    return None
+
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     """Derived metrics (e.g. perplexity) from the mean eval metrics."""
     return means
 
-  def finish(self, model: nnx.Module, workdir: pathlib.Path) -> list[str]:
-    """Writes the end-of-run artefacts into `workdir`; returns lines to print."""
+  def finish(self, model: nnx.Module, workdir: pathlib.Path | None) -> list[str]:
+    """Writes the end-of-run artefacts into `workdir`; returns lines to print.
+
+    `workdir` None: a process of a multi-host job other than the first; it runs
+    the same computations (they span every process) and writes nothing.
+    """
     del model, workdir
     return []
 

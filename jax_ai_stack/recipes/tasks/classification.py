@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from jax_ai_stack import kernels
-from jax_ai_stack.recipes import data
+from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
 from jax_ai_stack.recipes.tasks.base import Batch, Task
 
@@ -36,16 +36,9 @@ class ImageClassification(Task):
   model_config = CNNConfig
   throughput_unit = "examples"
 
-  @classmethod
-  def validate(cls, config) -> None:
-    if config.data.is_token_source:
-      raise ValueError(
-          f"model.kind='cnn' does not go with data.source={config.data.source!r}: "
-          "cnn reads the digits images"
-      )
-
-  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None) -> CNN:
-    del attention  # No attention in a CNN.
+  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
+                  layout: sharding.Layout | None = None) -> CNN:
+    del attention, layout  # No attention in a CNN; XLA places its small activations.
     return CNN(self.config.model, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
   def loss(self, model, batch):

@@ -26,7 +26,8 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import data
+from jax_ai_stack.recipes import data, sharding
+from jax_ai_stack.recipes.models import llama
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
 from jax_ai_stack.recipes.tasks.base import Batch, Task
 
@@ -60,21 +61,10 @@ class LanguageModel(Task):
   model_config = LlamaConfig
   throughput_unit = "tokens"
 
-  @classmethod
-  def validate(cls, config) -> None:
-    if not config.data.is_token_source:
-      raise ValueError(
-          f"model.kind='llama' does not go with data.source={config.data.source!r}: llama reads token "
-          "corpora (stdlib, text, npy, arrayrecord, parquet)"
-      )
-    if config.data.seq_len > config.model.max_seq_len:
-      raise ValueError(
-          f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
-      )
-
-  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None) -> Llama:
+  def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
+                  layout: sharding.Layout | None = None) -> Llama:
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    return Llama(self.config.model, rngs=rngs, attention=attention)
+    return Llama(self.config.model, rngs=rngs, attention=attention, layout=layout)
 
   def loss(self, model, batch):
     return lm_loss(model, batch)
@@ -105,8 +95,9 @@ class LanguageModel(Task):
     return self.config.model.attention_impl
 
   def attention_request(self) -> kernels.Request:
-    """The training step's attention: this process's rows, causal, with segment ids."""
-    model, batch = self.config.model, self.config.data.batch_size // jax.process_count()
+    """The training step's attention: the global batch (what the jitted step traces), causal,
+    with segment ids."""
+    model, batch = self.config.model, self.config.data.batch_size
     seq_len, head_dim = self.config.data.seq_len, model.resolved_head_dim
     return kernels.Request.from_shapes(
         (batch, seq_len, model.num_heads, head_dim),
@@ -114,19 +105,26 @@ class LanguageModel(Task):
         model.dtype, causal=True, segment_ids=True,
     )
 
+  def activation_bytes(self, ways, attention) -> tuple[int, str]:
+    model = self.config.model
+    per_row = llama.activation_bytes(model, self.config.data.seq_len, ways, attention)
+    kept = "keeps T x T scores" if attention in llama.MATERIALIZING_ATTENTION else "(flash)"
+    return per_row, f"analytic: remat {model.remat}, attention {attention} {kept}"
+
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return {**means, "eval_perplexity": math.exp(min(means["eval_loss"], 50.0))}
 
   def artefacts(self) -> list[str]:
     return [SAMPLE_FILE] if self.config.train.sample_tokens else []
 
-  def finish(self, model, workdir: pathlib.Path) -> list[str]:
+  def finish(self, model, workdir: pathlib.Path | None) -> list[str]:
     train = self.config.train
     if not train.sample_tokens:
       return []
     text = self.generate(model, train.sample_prompt, train.sample_tokens,
                          train.sample_temperature, train.seed)
-    write_atomically(workdir / SAMPLE_FILE, text)
+    if workdir is not None:
+      write_atomically(workdir / SAMPLE_FILE, text)
     return [f"sample:\n{text}\n"]
 
   def generate(self, model, prompt: str, max_new_tokens: int, temperature: float,

@@ -1,0 +1,297 @@
+"""The memory plan: the bytes each device needs for a recipe, before anything runs.
+
+`estimate_memory(config, devices)` answers "does it fit, and how large a batch
+fits?" from the config alone, for any number of devices (an int is a mesh of
+that many simulated devices: a `jax.sharding.AbstractMesh`, no hardware). Per
+device it counts:
+
+* parameters and optimizer state: exact. The model and optimizer are built
+  abstractly (`nnx.eval_shape`, nothing allocated), the mesh rules give each
+  array's `NamedSharding`, and `shard_shape` its per-device block: the same
+  numbers as `array.addressable_shards[0].data.nbytes` of the real state.
+* gradients: one per parameter, laid out like it (under `fsdp` XLA
+  reduce-scatters them), so exact in the same way.
+* gathered weights: a matmul of batch-split activations needs its weight
+  whole along the mesh axes that split the batch, so under `fsdp` XLA
+  all-gathers it; without remat the gathered copy stays live from the
+  forward to the backward pass (measured on CPU: the whole model's), with
+  remat each block gathers again when it is recomputed (one block's).
+* activations: an estimate of what the forward pass keeps for the backward
+  pass. Where the Task knows it, analytic (`Task.activation_bytes`; the llama
+  family's is `models.llama.activation_bytes`); for other families, measured: XLA's temporary bytes of the train step
+  compiled for one device's rows on the local backend, less the gradients
+  (`compiled.memory_analysis()`; the pinned jax reports them on CPU too).
+
+What is not counted: the input batch, XLA's working space for the optimizer
+update and collectives, fragmentation. Leave headroom: the largest batch is an
+upper bound for the estimate, not a promise.
+
+Example:
+  >>> from jax_ai_stack.recipes import config
+  >>> plan = estimate_memory(config.load("lm-tiny"), 8, attention="xla")
+  >>> plan.mesh, plan.rows_per_device
+  ({'data': 8, 'fsdp': 1, 'tensor': 1}, 1)
+  >>> format_bytes(plan.parameters), format_bytes(plan.optimizer)  # AdamW: two moments.
+  ('3.13 MiB', '6.26 MiB')
+  >>> plan.max_batch_size(parse_bytes("1GiB")) > plan.batch_size
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from jax_ai_stack import kernels
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes import optim, sharding, step, tasks
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Per-device bytes of one training step of a recipe on a mesh."""
+
+  mesh: Mapping[str, int]
+  """Each mesh axis's size (data, fsdp, tensor)."""
+  rules: str
+  """The rule set that places the arrays (`mesh.rules`)."""
+  batch_size: int
+  """Global rows per step (`data.batch_size`)."""
+  batch_ways: int
+  """Devices that split the batch (the mesh axes "batch" maps to)."""
+  parameters: int
+  """The model's state (parameters, and RNG state if it keeps any)."""
+  optimizer: int
+  """The optimizer's state (moments, step count, accumulated gradients)."""
+  gradients: int
+  """One gradient per parameter, laid out like it."""
+  gathered: int
+  """Weights all-gathered over the batch's mesh axes for the matmuls (fsdp)."""
+  activations_per_row: int
+  """Activation bytes per row of this device's share of the batch."""
+  activations_from: str
+  """How the activations were obtained (analytic or measured, and with what)."""
+
+  @property
+  def rows_per_device(self) -> int:
+    return self.batch_size // self.batch_ways
+
+  @property
+  def activations(self) -> int:
+    return self.activations_per_row * self.rows_per_device
+
+  @property
+  def fixed(self) -> int:
+    """Bytes that do not depend on the batch size."""
+    return self.parameters + self.optimizer + self.gradients + self.gathered
+
+  @property
+  def total(self) -> int:
+    return self.fixed + self.activations
+
+  def max_batch_size(self, device_memory: int) -> int:
+    """The largest global batch whose estimate fits `device_memory` bytes per device.
+
+    A multiple of `batch_ways` (every device gets whole rows); 0 when not even
+    the parameters, optimizer state and gradients fit.
+    """
+    room = device_memory - self.fixed
+    if room < self.activations_per_row:
+      return 0
+    return room // max(self.activations_per_row, 1) * self.batch_ways
+
+  def describe(self, device_memory: int | None = None) -> str:
+    """The plan as a few human-readable lines (what `train --dry-run` prints)."""
+    devices = math.prod(self.mesh.values())
+    mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.items())
+    lines = [
+        f"mesh {mesh} ({devices} device{'s' if devices > 1 else ''}), rules {self.rules}; "
+        f"global batch {self.batch_size} ({_rows(self.rows_per_device)} per device)",
+        "per-device memory plan:",
+        f"  parameters   {format_bytes(self.parameters):>11}",
+        f"  optimizer    {format_bytes(self.optimizer):>11}",
+        f"  gradients    {format_bytes(self.gradients):>11}",
+        f"  gathered     {format_bytes(self.gathered):>11}  (weights gathered for the matmuls)",
+        f"  activations  {format_bytes(self.activations):>11}  ({self.activations_from})",
+        f"  total        {format_bytes(self.total):>11}",
+    ]
+    if device_memory is None:
+      lines.append("device memory unknown (this backend reports none): pass --device-memory, "
+                   "e.g. 16GiB, for the largest batch that fits")
+    else:
+      largest = self.max_batch_size(device_memory)
+      fits = "fits" if self.total <= device_memory else "does NOT fit"
+      lines.append(f"device memory {format_bytes(device_memory)}: this batch {fits}; largest "
+                   f"global batch {largest:,} ({_rows(largest // self.batch_ways)} per device)")
+    return "\n".join(lines)
+
+
+def _rows(n: int) -> str:
+  return f"{n:,} row{'' if n == 1 else 's'}"
+
+
+def abstract_mesh(config: sharding.MeshConfig, device_count: int) -> AbstractMesh:
+  """The run's `data x fsdp x tensor` mesh for `device_count` devices, without devices."""
+  shape = sharding.mesh_shape(config, device_count)
+  return AbstractMesh(tuple(shape.values()), tuple(shape),
+                      axis_types=(AxisType.Auto,) * len(shape))
+
+
+def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
+                    attention: str | None = None) -> MemoryPlan:
+  """The per-device memory plan of one training step of `config`.
+
+  Args:
+    config: a recipe config (`config.load(...)`).
+    devices: a device count (the mesh `config.mesh` gives for that many
+      devices, simulated) or a mesh.
+    attention: the attention kernel the llama estimate assumes (a name of
+      `kernels.IMPLEMENTATIONS`); None: the one the config selects on this
+      backend, as the trainer would.
+
+  Raises:
+    ConfigError: the mesh does not fit the device count, or an array or the
+      batch does not divide by its mesh axes (the trainer's own messages).
+  """
+  mesh = abstract_mesh(config.mesh, devices) if isinstance(devices, int) else devices
+  rules = sharding.logical_rules(config.mesh)
+  task = tasks.for_config(config)
+
+  def create():
+    model = task.build_model(config.train.seed)
+    return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
+
+  model, optimizer = nnx.eval_shape(create)
+  batch_size = config.data.batch_size
+  sharding.batch_shardings(task.batch_axes(), {k: (batch_size,) for k in task.batch_axes()},
+                           mesh, rules)  # Raises ConfigError if the batch does not divide.
+  ways = {name: math.prod(mesh.shape[axis] for axis in axes) for name, axes in rules.items()}
+  batch_ways = ways.get("batch", 1)
+  params = nnx.state(model, nnx.Param)
+  gathered = _gathered_bytes(params, mesh, rules)
+  if attention is None and task.attention_request() is not None:
+    attention = _selected_attention(task)
+  analytic = task.activation_bytes(ways, attention)
+  if analytic is None:
+    per_row, source = _measured_activation_bytes(task, model, optimizer,
+                                                 batch_size // batch_ways)
+  else:
+    per_row, source = analytic
+  remat, layers = getattr(config.model, "remat", "none"), getattr(config.model, "num_layers", 1)
+  if remat != "none":  # Blocks gather again when recomputed: one at a time.
+    blocks = sum(n for path, n in gathered.items() if "/layers/" in f"/{path}")
+    gathered = {"blocks": blocks // layers,
+                **{path: n for path, n in gathered.items() if "/layers/" not in f"/{path}"}}
+  return MemoryPlan(
+      mesh=dict(mesh.shape), rules=config.mesh.rules, batch_size=batch_size,
+      batch_ways=batch_ways,
+      parameters=device_bytes(nnx.state(model), mesh, rules),
+      optimizer=device_bytes(nnx.state(optimizer), mesh, rules),
+      gradients=device_bytes(params, mesh, rules), gathered=sum(gathered.values()),
+      activations_per_row=per_row, activations_from=source,
+  )
+
+
+def device_bytes(abstract_state: Any, mesh: Mesh | AbstractMesh, rules: sharding.Rules) -> int:
+  """Bytes of one device's shards of an abstract state laid out by `rules`."""
+  return sum(_shard_bytes(abstract_state, mesh, rules).values())
+
+
+def _shard_bytes(abstract_state: Any, mesh: Mesh | AbstractMesh,
+                 rules: sharding.Rules) -> dict[str, int]:
+  """{'layers/0/mlp/up_proj/kernel/value': bytes of one device's shard}."""
+  shardings = jax.tree.leaves(sharding.state_shardings(abstract_state, mesh, rules))
+  return {
+      jax.tree_util.keystr(path, simple=True, separator="/"):
+          math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+      for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract_state), shardings)}
+
+
+def _gathered_bytes(params: Any, mesh: Mesh | AbstractMesh,
+                    rules: sharding.Rules) -> dict[str, int]:
+  """Per parameter split over a mesh axis of the batch: its bytes gathered over those axes."""
+  batch = set(rules.get("batch", ()))
+  whole = {name: tuple(a for a in axes if a not in batch) for name, axes in rules.items()}
+  split, gathered = _shard_bytes(params, mesh, rules), _shard_bytes(params, mesh, whole)
+  return {path: n for path, n in gathered.items() if n != split[path]}
+
+
+def _selected_attention(task: tasks.Task) -> str:
+  """The kernel the trainer would run here (config, environment; no autotune file)."""
+  plan = kernels.resolve_plan(task.attention_implementation(), origin="model.attention_impl",
+                              environ=os.environ)
+  return plan.select(task.attention_request()).name
+
+
+def _measured_activation_bytes(task: tasks.Task, model: nnx.Module, optimizer: nnx.Optimizer,
+                               rows: int) -> tuple[int, str]:
+  """XLA's temporary bytes of the one-device train step for `rows` rows, less gradients.
+
+  The batch's shapes come from the first batch of the train split. Tensor
+  parallelism is not taken into account (an overestimate under `fsdp_tp`).
+  """
+  train_step, _, state = step.make_steps(model, optimizer, task.loss)
+  iterator = iter(task.dataset("train", task.config.train.seed))
+  try:
+    first = next(iterator)
+  finally:
+    if hasattr(iterator, "close"):
+      iterator.close()  # Stops its prefetch thread now.
+  batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in first.items()}
+  analysis = train_step.lower(state, batch).compile().memory_analysis()
+  backend = jax.default_backend()
+  if analysis is None:
+    return 0, f"unknown: XLA reports no memory analysis on {backend}"
+  gradients = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  measured = max(analysis.temp_size_in_bytes - gradients, 0)
+  return -(-measured // max(rows, 1)), f"measured: XLA temp bytes of the step on {backend}"
+
+
+def device_memory() -> int | None:
+  """Bytes of memory of this process's first device, if the backend says (not CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def parse_bytes(text: str) -> int:
+  """'16GiB' -> 17179869184; also GB (powers of 10), MiB, KiB, plain bytes.
+
+  Raises:
+    UsageError: not a size.
+  """
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+  if not match:
+    raise UsageError(f"--device-memory {text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB")
+  return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+
+
+def format_bytes(n: int) -> str:
+  """Bytes in binary units with three significant digits: '1.50 GiB'."""
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.3g} {unit}" if n / size >= 100 else f"{n / size:.2f} {unit}"
+  return f"{n} B"
+
+
+def dry_run(config: Any, *, device_memory_text: str | None = None) -> str:
+  """What `jax-ai-stack train --dry-run` prints: the plan on this host's devices.
+
+  The device memory is `device_memory_text` if given, else what the device
+  reports. Nothing is trained, allocated, or written.
+  """
+  memory = parse_bytes(device_memory_text) if device_memory_text else device_memory()
+  plan = estimate_memory(config, jax.device_count())
+  return f"recipe {config.name} on {jax.device_count()} {jax.default_backend()} device(s)\n" + (
+      plan.describe(memory))

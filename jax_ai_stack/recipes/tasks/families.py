@@ -1,0 +1,83 @@
+"""The model families as a recipe config sees them: no jax, no Task yet.
+
+A recipe config needs, of each family, only its model config (tagged by its
+`kind`) and the checks that tie that model to the rest of the recipe. The
+Task, which builds models and datasets, imports jax, flax, optax and grain; so
+a `Family` names where its Task lives and imports it on first use. The config
+then loads, validates and prints in a fraction of a second.
+
+Example:
+  >>> from jax_ai_stack.recipes.models.configs import CNNConfig
+  >>> family(CNNConfig()).task
+  'jax_ai_stack.recipes.tasks.classification:ImageClassification'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jax_ai_stack.recipes.models.configs import CNNConfig, LlamaConfig
+
+if TYPE_CHECKING:
+  from jax_ai_stack.recipes.tasks.base import Task
+
+
+def _no_check(config: Any) -> None:
+  del config
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family: its model config, its recipe checks, where its Task lives."""
+
+  model_config: type
+  """The model config dataclass this family trains (tagged by its `kind`)."""
+  task: str
+  """"module:Class" of its Task, imported by `task_class`."""
+  check: Callable[[Any], None] = _no_check
+  """Raises ValueError when the rest of a recipe config does not fit this family."""
+
+  def task_class(self) -> type[Task]:
+    """The family's `Task` subclass (imports its module: jax, flax, ...)."""
+    module, _, name = self.task.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _check_language_model(config: Any) -> None:
+  if not config.data.is_token_source:
+    raise ValueError(
+        f"model.kind='llama' does not go with data.source={config.data.source!r}: llama reads token "
+        "corpora (stdlib, text, npy, arrayrecord, parquet)"
+    )
+  if config.data.seq_len > config.model.max_seq_len:
+    raise ValueError(
+        f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
+    )
+
+
+def _check_image_classification(config: Any) -> None:
+  if config.data.is_token_source:
+    raise ValueError(
+        f"model.kind='cnn' does not go with data.source={config.data.source!r}: "
+        "cnn reads the digits images"
+    )
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(LlamaConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model),
+    Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
+           _check_image_classification),
+)
+"""Every model family a recipe config can name; the first is the default."""
+
+
+def family(model_config: Any) -> Family:
+  """The family whose model config `model_config` is."""
+  for candidate in FAMILIES:
+    if isinstance(model_config, candidate.model_config):
+      return candidate
+  raise TypeError(f"no Task trains a {type(model_config).__name__}; known: "
+                  + ", ".join(f.model_config.__name__ for f in FAMILIES))

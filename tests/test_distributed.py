@@ -1,0 +1,192 @@
+"""Several processes, one job: `jax-ai-stack train` on 2 processes x 2 CPU devices.
+
+The processes meet on 127.0.0.1 through `jax.distributed` (CPU collectives over
+Gloo), exactly as hosts of a cluster would. The same recipe on 1 process with 4
+devices (the same global mesh and batch) is the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes import checkpoint, distributed, train
+
+STEPS = 40
+RECIPE = [
+    "model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.mlp_dim=64", "model.max_seq_len=32", "data.seq_len=16", "data.batch_size=8",
+    "data.max_documents=30", "data.validation_fraction=0.2", "train.eval_every=20",
+    "train.eval_batches=2", "train.sample_tokens=8", "train.progress=false",
+    "checkpoint.save_every=20", "optim.warmup_steps=2", f"train.steps={STEPS}",
+    "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp",
+]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _train(workdir: pathlib.Path, *flags: str, devices: int) -> subprocess.Popen:
+  command = [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", "--workdir",
+             str(workdir), *RECIPE, *flags]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
+  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+
+
+def _start_job(workdir: pathlib.Path, processes: int = 2) -> list[subprocess.Popen]:
+  address = f"127.0.0.1:{_free_port()}"
+  return [_train(workdir, "--coordinator", address, "--num-processes", str(processes),
+                 "--process-id", str(i), devices=2) for i in range(processes)]
+
+
+def _finish(job: list[subprocess.Popen]) -> list[tuple[int, str]]:
+  results = []
+  for process in job:
+    try:
+      output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+      for p in job:
+        p.kill()
+      pytest.fail("a process of the job did not finish in time")
+    results.append((process.returncode, output))
+  return results
+
+
+def _losses(workdir: pathlib.Path) -> list[float]:
+  return [r["loss"] for r in train.read_metrics(workdir) if r["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> pathlib.Path:
+  """The recipe on one process with 4 devices."""
+  workdir = tmp_path_factory.mktemp("one-process")
+  [(code, output)] = _finish([_train(workdir, devices=4)])
+  assert code == 0, output
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[pathlib.Path, list[tuple[int, str]]]:
+  workdir = tmp_path_factory.mktemp("two-processes")
+  return workdir, _finish(_start_job(workdir))
+
+
+def test_two_processes_train_like_one_process_with_the_same_devices(reference, two_processes):
+  """Same global mesh, batch and program; the all-reduce crosses processes (Gloo)
+  and may sum in another order, so float32 losses may differ in the last bits."""
+  workdir, results = two_processes
+  for code, output in results:
+    assert code == 0, output
+    assert "4 device(s)" in output and f"done: step {STEPS}" in output
+  np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=2e-5)
+  assert len(_losses(workdir)) == STEPS  # Only process 0 wrote the log: no duplicate lines.
+  for name in ("loss.png", "sample.txt"):
+    assert (workdir / name).is_file()
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwise(
+    tmp_path, two_processes):
+  workdir = tmp_path / "preempted"
+  job = _start_job(workdir)
+  deadline = time.monotonic() + 180
+  while not (workdir / "metrics.jsonl").exists() or len(_losses(workdir)) < 3:
+    if any(p.poll() is not None for p in job) or time.monotonic() > deadline:
+      pytest.fail("the job ended or hung before step 3: "
+                  + "\n".join(output for _, output in _finish(job)))
+    time.sleep(0.02)
+  job[1].send_signal(15)  # SIGTERM to one process, as a cluster preempting one host.
+  results = _finish(job)
+  stopped = set()
+  for code, output in results:
+    assert code == 75, output  # Preempted: run again to resume.
+    [line] = [line for line in output.splitlines() if line.startswith("stopped at step")]
+    stopped.add(line)
+  assert len(stopped) == 1, stopped  # Both saved the same step.
+  step = int(next(iter(stopped)).split()[3])
+  assert 3 <= step < STEPS
+  manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                     read_only=True)
+  assert manager.latest_step() == step
+  manager.close()
+
+  for code, output in _finish(_start_job(workdir)):  # Both processes again: they resume.
+    assert code == 0, output
+    assert f"resumed from step {step}" in output
+  uninterrupted, _ = two_processes
+  # Each checkpoint (written on 4 devices by 2 processes) restores in this single process.
+  resumed, expected = train.Trainer.open_finished(workdir), train.Trainer.open_finished(uninterrupted)
+  try:
+    assert resumed.step == expected.step == STEPS
+    assert checkpoint.tree_equal(resumed.state, expected.state)
+  finally:
+    resumed.close()
+    expected.close()
+  assert _losses(workdir) == _losses(uninterrupted)
+
+
+# ---- joining the job: bad input ------------------------------------------------
+
+
+def _run_cli(*flags: str, timeout: int = 60) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", *flags],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_an_unreachable_coordinator_is_a_named_error_not_a_hang(tmp_path):
+  address = f"127.0.0.1:{_free_port()}"  # Nobody serves it.
+  result = _run_cli("--workdir", str(tmp_path / "run"), "--coordinator", address,
+                    "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "2")
+  assert result.returncode == 2, result.stderr
+  assert f"could not reach the coordinator at {address} within 2s" in result.stderr
+  assert not (tmp_path / "run").exists()  # Nothing was created.
+
+
+def test_a_coordinator_port_in_use_is_a_named_error(tmp_path):
+  with socket.socket() as busy:
+    busy.bind(("", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    result = _run_cli("--workdir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}",
+                      "--num-processes", "2", "--process-id", "0")
+  assert result.returncode == 2, result.stderr
+  assert f"port {port} is not free" in result.stderr
+
+
+def test_distributed_auto_without_a_cluster_says_what_to_give(tmp_path):
+  result = _run_cli("--workdir", str(tmp_path / "run"), "--distributed", "auto")
+  assert result.returncode == 2, result.stderr
+  assert "found no cluster" in result.stderr and "--coordinator HOST:PORT" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(coordinator="h:1"), "missing: --num-processes, --process-id"),
+    (dict(coordinator="h:1", num_processes=2, process_id=2), "--process-id must be in [0, 2)"),
+    (dict(coordinator="nohost", num_processes=2, process_id=0), "HOST:PORT"),
+    (dict(distributed="auto", process_id=0), "--process-id given with --distributed auto"),
+    (dict(distributed="cluster"), "must be off, auto or explicit"),
+    (dict(distributed="auto", timeout_s=0), "--distributed-timeout must be >= 1"),
+])
+def test_flags_that_do_not_fit_together_are_usage_errors(flags, message):
+  with pytest.raises(UsageError) as error:
+    distributed.Launch.from_flags(flags.pop("distributed", None), **flags)
+  assert message in str(error.value)
+
+
+def test_one_process_is_the_default_and_joins_nothing():
+  launch = distributed.Launch.from_flags(None)
+  assert launch.mode == "off" and launch.describe() == "one process"
+  distributed.initialize(launch)  # Returns at once: no coordinator involved.
+  assert distributed.is_primary()  # The only process writes the run's files.
