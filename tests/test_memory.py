@@ -157,3 +157,14 @@ def test_dry_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
   lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
   assert len(lines) == 1 and message in lines[0], result.stderr
   assert list(tmp_path.iterdir()) == []
+
+
+def test_the_worked_example_in_docs_scaling_is_what_the_function_prints(capsys):
+  """docs/scaling.md's Llama-3-8B table is the output of the snippet beneath it."""
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "scaling.md").read_text()
+  snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+  exec(compile(snippet, "docs/scaling.md", "exec"), {})
+  printed = capsys.readouterr().out.splitlines()
+  assert len(printed) == 3
+  for line in printed:
+    assert line in text, f"docs/scaling.md lacks the row {line!r}: re-run its snippet"
