@@ -27,7 +27,7 @@ Modules, one job each:
   cli              `jax-ai-stack kernels`
 """
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 import sys
 import types
 
@@ -66,16 +66,7 @@ _SUBMODULES = (
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 class _Package(types.ModuleType):

@@ -4,29 +4,12 @@
 Submodules load on first use, so `from jax_ai_stack import recipes` stays cheap.
 """
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = (
-    "checkpoint",
-    "cli",
-    "config",
-    "configlib",
-    "data",
-    "metrics",
-    "models",
-    "optim",
-    "step",
-    "tasks",
-    "train",
+    "checkpoint", "checkpoint_config", "cli", "config", "configlib", "data", "distributed",
+    "memory", "metrics", "models", "optim", "optim_config", "sharding", "sharding_config",
+    "step", "tasks", "train",
 )
 __all__ = list(_SUBMODULES)
-
-
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES)

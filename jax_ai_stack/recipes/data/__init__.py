@@ -31,7 +31,7 @@ Example:
   True
 """
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("config", "corpus", "examples", "permutation", "pipeline", "sources", "tokenizers")
 _EXPORTS = {
@@ -59,13 +59,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

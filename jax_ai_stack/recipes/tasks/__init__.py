@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 from typing import TYPE_CHECKING, Any
 
 from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
@@ -38,16 +38,7 @@ def for_config(config: Any) -> Task:
   return family(config.model).task_class()(config)
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  if name in _EXPORTS:
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 __all__ = [

@@ -1,0 +1,43 @@
+"""Package attributes loaded on first use, so importing a package stays cheap.
+
+`import jax_ai_stack.recipes.config` must not pay for jax, Flax or Orbax; a
+package `__init__` therefore names its submodules and the names it exports
+from them, and Python calls the module-level `__getattr__` this builds the
+first time one is asked for (PEP 562).
+
+Example:
+  >>> __getattr__, __dir__ = lazy_attributes("json", ["decoder"], {"JSONEncoder": "encoder"})
+  >>> __getattr__("decoder").__name__, __getattr__("JSONEncoder")().encode({"a": 1})
+  ('json.decoder', '{"a": 1}')
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+
+def lazy_attributes(
+    package: str, submodules: Iterable[str], exports: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+  """`__getattr__` and `__dir__` for `package`.
+
+  Args:
+    package: the package's `__name__`.
+    submodules: names that import `package.<name>`.
+    exports: name -> the submodule that defines it.
+  """
+  submodules, exports = frozenset(submodules), dict(exports or {})
+
+  def __getattr__(name: str) -> Any:
+    if name in submodules:
+      return importlib.import_module(f"{package}.{name}")
+    if name in exports:
+      return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+  def __dir__() -> list[str]:
+    return sorted(submodules | exports.keys())
+
+  return __getattr__, __dir__
