@@ -47,12 +47,19 @@ def test_sharded_attention_equals_one_device_and_opaque_kernels_run_per_shard():
           return (out, *vjp(cotangent))
         return jax.jit(run)
 
+      def sub_jaxprs(params):  # jax.core.jaxprs_in_params is gone in jax 0.12.
+        for value in params.values():
+          for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)  # A ClosedJaxpr holds a Jaxpr.
+            if hasattr(inner, "eqns"):
+              yield inner
+
       def pallas_operand_shapes(jaxpr):
         shapes = []
         for eqn in jaxpr.eqns:
           if eqn.primitive.name == "pallas_call":
             shapes.append(list(eqn.invars[0].aval.shape))
-          for sub in jax.core.jaxprs_in_params(eqn.params):
+          for sub in sub_jaxprs(eqn.params):
             shapes += pallas_operand_shapes(sub)
         return shapes
 
