@@ -19,6 +19,7 @@ from jax_ai_stack.errors import UserError
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
+    "jax_ai_stack.recipes.data.cli",
     "jax_ai_stack.kernels.cli",
 )
 

@@ -101,6 +101,19 @@ def _split_preset(extra: list[str]) -> tuple[str | None, list[str]]:
   return None, extra
 
 
+def load_config(args: argparse.Namespace):
+  """The RecipeConfig that --preset (or a first bare word), --config and the overrides give."""
+  from jax_ai_stack.recipes import config as recipe_config
+  from jax_ai_stack.recipes import configlib
+
+  preset, extra = _split_preset(args.overrides)
+  if preset and args.preset and preset != args.preset:
+    raise UsageError(f"two presets: {preset!r} and --preset {args.preset!r}")
+  return recipe_config.load(
+      preset or args.preset, config_file=args.config, overrides=configlib.parse_overrides(extra)
+  )
+
+
 def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import config as recipe_config
   from jax_ai_stack.recipes import configlib, distributed
@@ -113,12 +126,7 @@ def run_train(args: argparse.Namespace) -> int:
   launch = distributed.Launch.from_flags(
       args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, timeout_s=args.distributed_timeout)
-  preset, extra = _split_preset(args.overrides)
-  if preset and args.preset and preset != args.preset:
-    raise UsageError(f"two presets: {preset!r} and --preset {args.preset!r}")
-  config = recipe_config.load(
-      preset or args.preset, config_file=args.config, overrides=configlib.parse_overrides(extra)
-  )
+  config = load_config(args)
   if args.print_config:
     print(configlib.to_yaml(config), end="")
     return 0

@@ -14,6 +14,8 @@ Modules, in the order data flows:
   examples    windows, packing, digits: a whole batch per NumPy gather
   permutation the stateless per-epoch order: a Feistel permutation per index
   pipeline    order (seed, epoch, index), per-process shards, workers, state
+  token_cache the corpus tokenized once into TensorStore, read per batch (`data.cache`)
+  cli         `jax-ai-stack data prepare`
 
 With `num_workers > 0` Grain starts worker processes with `spawn`: a script
 must build and iterate the dataset under `if __name__ == "__main__":`.
@@ -33,7 +35,8 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config", "corpus", "examples", "permutation", "pipeline", "sources", "tokenizers")
+_SUBMODULES = ("cli", "config", "corpus", "examples", "permutation", "pipeline", "sources",
+               "token_cache", "tokenizers")
 _EXPORTS = {
     "DataConfig": "config",
     "TokenCorpus": "corpus",
@@ -49,6 +52,7 @@ _EXPORTS = {
     "load_digits": "sources",
     "resolve_paths": "sources",
     "stdlib_files": "sources",
+    "TokenCache": "token_cache",
     "ByteTokenizer": "tokenizers",
     "HuggingFaceTokenizer": "tokenizers",
     "SentencePieceTokenizer": "tokenizers",

@@ -60,6 +60,9 @@ class DataConfig:
   """Invalid UTF-8: replace by U+FFFD, drop, or raise an error naming the file and byte."""
   prefetch_batches: int = 4
   """Batches built ahead in the background, per process (and per worker); 0 disables."""
+  cache: str | None = None
+  """A TensorStore token cache (a directory or a kvstore URL such as file:// or memory://)
+  read per batch instead of tokenizing into memory; prepared first if missing."""
 
   def __post_init__(self):
     if self.seq_len < 1:
@@ -84,6 +87,10 @@ class DataConfig:
       raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
+    if self.cache is not None and not self.is_token_source:
+      raise ConfigError(f"data.cache: source={self.source!r} is an image set; it has no tokens")
+    if self.cache is not None and not self.cache.strip():
+      raise ConfigError("data.cache must be a directory or a kvstore URL, got ''")
     if self.tokenizer != "byte" and not self.tokenizer_path:
       raise ConfigError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
 

@@ -49,6 +49,8 @@ class TokenCorpus:
 
   Attributes:
     tokens: all token ids, uint16 when the vocabulary fits, else int32; read-only.
+      A NumPy array, or a token cache's view (`token_cache.CachedTokens`):
+      anything with `len` and NumPy integer-array indexing.
     doc_starts: int64 [num_documents + 1]; document d is
       `tokens[doc_starts[d]:doc_starts[d + 1]]`.
     description: where it came from, for messages and a stable `repr`.
@@ -82,6 +84,15 @@ def hash_fraction(content: bytes) -> float:
   return int.from_bytes(digest, "little") / 2.0**64
 
 
+def document_digest(content: bytes) -> bytes:
+  """The 16-byte BLAKE2b digest of a document that its chunks' split is hashed from.
+
+  A token cache stores it per document, so the split can be recomputed for
+  any `validation_fraction` without the text.
+  """
+  return hashlib.blake2b(content, digest_size=16).digest()
+
+
 def held_out_chunks(
     content: bytes, num_tokens: int, chunk_tokens: int, fraction: float
 ) -> np.ndarray:
@@ -95,7 +106,10 @@ def held_out_chunks(
     >>> held_out_chunks(b"one long document", 2000, 512, 0.5).tolist()
     [False, False, True, False]
   """
-  digest = hashlib.blake2b(content, digest_size=16).digest()
+  return _held_out(document_digest(content), num_tokens, chunk_tokens, fraction)
+
+
+def _held_out(digest: bytes, num_tokens: int, chunk_tokens: int, fraction: float) -> np.ndarray:
   num_chunks = -(-num_tokens // chunk_tokens)
   return np.array(
       [hash_fraction(digest + k.to_bytes(8, "little")) < fraction for k in range(num_chunks)],
@@ -103,16 +117,30 @@ def held_out_chunks(
   )
 
 
-def split_document(
-    content: bytes, ids: np.ndarray, chunk_tokens: int, fraction: float
-) -> Iterator[tuple[bool, np.ndarray]]:
-  """`(held out, tokens)` of each run of consecutive chunks that land on one side."""
-  held_out = held_out_chunks(content, len(ids), chunk_tokens, fraction)
+def split_runs(
+    digest: bytes, num_tokens: int, chunk_tokens: int, fraction: float
+) -> Iterator[tuple[bool, int, int]]:
+  """`(held out, start, stop)` token ranges of each run of chunks that land on one side.
+
+  Example:
+    >>> list(split_runs(document_digest(b"one long document"), 2000, 512, 0.5))
+    [(False, 0, 1024), (True, 1024, 1536), (False, 1536, 2000)]
+  """
+  held_out = _held_out(digest, num_tokens, chunk_tokens, fraction)
   if not held_out.size:
     return
   cuts = (np.flatnonzero(held_out[1:] != held_out[:-1]) + 1).tolist()
   for start, stop in zip([0, *cuts], [*cuts, len(held_out)]):
-    yield bool(held_out[start]), ids[start * chunk_tokens:stop * chunk_tokens]
+    yield bool(held_out[start]), start * chunk_tokens, min(stop * chunk_tokens, num_tokens)
+
+
+def split_document(
+    content: bytes, ids: np.ndarray, chunk_tokens: int, fraction: float
+) -> Iterator[tuple[bool, np.ndarray]]:
+  """`(held out, tokens)` of each run of consecutive chunks that land on one side."""
+  runs = split_runs(document_digest(content), len(ids), chunk_tokens, fraction)
+  for held_out, start, stop in runs:
+    yield held_out, ids[start:stop]
 
 
 def _take_documents(
@@ -123,14 +151,20 @@ def _take_documents(
   return itertools.islice(non_empty, max_documents)
 
 
-def _tokenized(config: DataConfig, tokenizer: Tokenizer) -> Iterator[tuple[bytes, np.ndarray]]:
-  """`(content for the split hash, token ids)` of each document."""
+def tokenized_documents(
+    config: DataConfig, tokenizer: Tokenizer, *, skip: int = 0
+) -> Iterator[tuple[bytes, np.ndarray]]:
+  """`(content for the split hash, token ids)` of each document, in source order.
+
+  The first `skip` documents are read but not tokenized (a resumed token cache).
+  """
   if config.source == "npy":
     arrays = sources.read_token_arrays(config, tokenizer.vocab_size, tokenizer.eos_id)
-    for ids in _take_documents(arrays, config.max_documents):
+    for ids in itertools.islice(_take_documents(arrays, config.max_documents), skip, None):
       yield np.ascontiguousarray(ids, dtype="<i8").tobytes(), ids
     return
   texts = _take_documents(sources.read_texts(config), config.max_documents)
+  texts = itertools.islice(texts, skip, None)
   bos, eos = np.int32([tokenizer.bos_id]), np.int32([tokenizer.eos_id])
   while chunk := list(itertools.islice(texts, _ENCODE_CHUNK)):
     for text, ids in zip(chunk, tokenizer.encode_batch(chunk)):
@@ -146,7 +180,13 @@ def _concatenate(documents: list[np.ndarray], dtype, description: str) -> TokenC
   return TokenCorpus(tokens, doc_starts, description)
 
 
-def _describe(config: DataConfig) -> str:
+def token_dtype(tokenizer: Tokenizer) -> np.dtype:
+  """uint16 when the vocabulary fits, else int32: how corpora and caches store ids."""
+  return np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
+
+
+def describe(config: DataConfig) -> str:
+  """Where the corpus comes from, for messages."""
   where = f"source={config.source!r}"
   if config.paths:
     where += f" paths={list(config.paths)!r}"
@@ -155,16 +195,16 @@ def _describe(config: DataConfig) -> str:
 
 def _build(config: DataConfig) -> dict[Split, TokenCorpus]:
   tokenizer = build_tokenizer(config)
-  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+  dtype = token_dtype(tokenizer)
   splits: dict[Split, list[np.ndarray]] = {"train": [], "validation": []}
-  for content, ids in _tokenized(config, tokenizer):
+  for content, ids in tokenized_documents(config, tokenizer):
     for held_out, piece in split_document(
         content, ids, config.split_chunk_tokens, config.holdout_fraction):
       splits["validation" if held_out else "train"].append(piece)
   if not splits["train"] and not splits["validation"]:
-    raise DataError(f"data: the corpus is empty ({_describe(config)}): no non-empty document")
+    raise DataError(f"data: the corpus is empty ({describe(config)}): no non-empty document")
   return {
-      split: _concatenate(docs, dtype, f"{_describe(config)}, split={split!r}")
+      split: _concatenate(docs, dtype, f"{describe(config)}, split={split!r}")
       for split, docs in splits.items()
   }
 
@@ -193,13 +233,22 @@ def _cache_key(config: DataConfig) -> tuple:
 def load_corpus(config: DataConfig) -> dict[Split, TokenCorpus]:
   """`{"train": TokenCorpus, "validation": TokenCorpus}` for a token source.
 
+  With `data.cache` set, the tokens are read from that TensorStore cache
+  (prepared first when it does not exist) instead of held in memory.
+
   Raises:
-    DataError: the corpus is empty, or a file holds bad data (names the file);
+    DataError: the corpus is empty, or a file holds bad data (names the file),
+      or `data.cache` does not fit the config (names what differs);
       a path, glob or tokenizer file that matches nothing is also a
       FileNotFoundError.
     ConfigError: the source is an image set.
   """
   require_token_source(config, "token corpus")
+  if config.cache:
+    # The on-disk cache: tokens stay there and are read per batch.
+    from jax_ai_stack.recipes.data import token_cache  # pylint: disable=g-import-not-at-top
+
+    return token_cache.load_cached_corpus(config)
   key = _cache_key(config)
   if key not in _cache:
     corpus = _build(config)
