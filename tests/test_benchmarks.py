@@ -126,3 +126,21 @@ def test_checkpoint_refuses_a_disk_without_room(checkpoint, tmp_path, monkeypatc
   with pytest.raises(SystemExit, match=r"has 1 MiB free; --size-mb 4 needs about 12 MiB"):
     checkpoint.main(["--quick", "--dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
   assert list(tmp_path.iterdir()) == []  # Nothing written, the temporary directory removed.
+
+
+def test_token_cache_quick_writes_positive_figures(tmp_path):
+  token_cache = _load("token_cache")
+  out = tmp_path / "token_cache.json"
+  returned = token_cache.main(["--quick", "--dir", str(tmp_path), "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  assert {(row["tokenizer"], row["workers"]) for row in results["prepare"]} >= {
+      ("byte", 1), ("byte", 2)}
+  for row in results["prepare"]:
+    assert row["tokens_per_s"] > 0 and row["raw_tokens_per_s"] > 0 and row["vs_raw"] > 0, row
+  for key in ("windows_tokens_per_s", "sequential_tokens_per_s", "raw_file_tokens_per_s"):
+    assert results["read"][key] > 0, key
+  memory = results["memory"]
+  assert memory["big"]["num_tokens"] > memory["small"]["num_tokens"]
+  assert memory["small"]["peak_rss_mb"] > 0 and isinstance(memory["met_target"], bool)
+  assert [p.name for p in tmp_path.iterdir()] == ["token_cache.json"]  # the work is removed

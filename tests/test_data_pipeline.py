@@ -13,6 +13,8 @@ import pytest
 from absl import flags
 
 from jax_ai_stack.errors import ConfigError, DataError
+from data_helpers import assert_same_batches as _assert_same
+from data_helpers import read_batches as _batches
 from jax_ai_stack.recipes.data import (
     DataConfig,
     LMWindows,
@@ -25,21 +27,6 @@ from jax_ai_stack.recipes.data import (
 LM = DataConfig(max_documents=40, seq_len=16, batch_size=4)
 
 
-def _batches(config, count, **kwargs):
-  kwargs = {"split": "train", "seed": 0, "process_index": 0, "process_count": 1, **kwargs}
-  iterator = iter(build_dataset(config, **kwargs))
-  try:
-    return [next(iterator) for _ in range(count)]
-  finally:
-    iterator.close()
-
-
-def _assert_same(batches_a, batches_b):
-  assert len(batches_a) == len(batches_b)
-  for a, b in zip(batches_a, batches_b):
-    assert a.keys() == b.keys()
-    for key in a:
-      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 class _Ids:

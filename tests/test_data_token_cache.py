@@ -11,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+from data_helpers import assert_same_batches as _assert_same
+from data_helpers import read_batches
 from jax_ai_stack import cli
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import DataConfig, build_dataset, load_corpus, token_cache
+from jax_ai_stack.recipes.data import DataConfig, load_corpus, token_cache
 
 SMALL = {"shard_documents": 5, "chunk_tokens": 64, "progress": False}
 
@@ -39,23 +41,8 @@ def _config(corpus_dir, **fields) -> DataConfig:
 
 
 def _batches(config, split, count=None, **kwargs):
-  kwargs = {"seed": 3, "process_index": 0, "process_count": 1, **kwargs}
-  iterator = iter(build_dataset(config, split=split, **kwargs))
-  try:
-    if count is None:
-      return list(iterator)
-    return [next(iterator) for _ in range(count)]
-  finally:
-    iterator.close()
+  return read_batches(config, count, split=split, **{"seed": 3, **kwargs})
 
-
-def _assert_same(batches_a, batches_b):
-  assert len(batches_a) == len(batches_b)
-  for a, b in zip(batches_a, batches_b):
-    assert a.keys() == b.keys()
-    for key in a:
-      assert a[key].dtype == b[key].dtype, key
-      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def _tree(root: pathlib.Path) -> dict[str, bytes]:
@@ -123,8 +110,9 @@ def on_shard(shard, stage):
     os.kill(os.getpid(), signal.SIGKILL)
 
 config = DataConfig(source="text", paths=({pattern!r},))
-token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64, progress=False,
-                    on_shard=on_shard)
+if __name__ == "__main__":  # spawned workers import this script again
+  token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64, progress=False,
+                      on_shard=on_shard, workers={workers})
 """
 
 
@@ -134,13 +122,35 @@ def test_sigkill_during_prepare_then_rerun_is_byte_identical(corpus_dir, tmp_pat
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
   script = _KILLED_PREPARE.format(shard=shard, stage=stage, pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache))
+                                  cache=str(cache), workers=1)
   killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
   assert killed.returncode == -9, killed.stderr
   assert not (cache / "manifest.json").exists()
   assert (cache / "shards" / "00000.json").is_file()
   token_cache.prepare(config, cache, **SMALL)
+  assert _tree(cache) == _tree(tmp_path / "reference")
+
+
+def test_two_workers_give_the_same_bytes_as_one(corpus_dir, tmp_path):
+  config = DataConfig(source="text", paths=(str(corpus_dir / "*.txt"),))
+  token_cache.prepare(config, tmp_path / "one", **SMALL)
+  manifest = token_cache.prepare(config, tmp_path / "two", **SMALL, workers=2)
+  assert manifest.num_shards == 5  # several shards, more than 2 workers take at once
+  assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
+
+
+def test_sigkill_then_rerun_with_workers_is_byte_identical(corpus_dir, tmp_path):
+  config = DataConfig(source="text", paths=(str(corpus_dir / "*.txt"),))
+  token_cache.prepare(config, tmp_path / "reference", **SMALL)
+  cache = tmp_path / "cache"
+  script = _KILLED_PREPARE.format(shard=1, stage="written", pattern=str(corpus_dir / "*.txt"),
+                                  cache=str(cache), workers=2)
+  (tmp_path / "killed.py").write_text(script)
+  killed = subprocess.run([sys.executable, str(tmp_path / "killed.py")], capture_output=True,
+                          text=True, timeout=120)
+  assert killed.returncode == -9, killed.stderr
+  token_cache.prepare(config, cache, **SMALL, workers=2)
   assert _tree(cache) == _tree(tmp_path / "reference")
 
 
@@ -243,6 +253,17 @@ def test_cli_prepare_writes_a_cache_then_has_nothing_to_do(corpus_dir, tmp_path,
   before = _tree(tmp_path / "cache")
   assert _cli("data.source=text", pattern, "--cache", str(tmp_path / "cache")) == 0
   assert _tree(tmp_path / "cache") == before
+
+
+def test_cli_workers_flag(corpus_dir, tmp_path, capsys):
+  pattern = f"data.paths=[{corpus_dir}/*.txt]"
+  token_cache.prepare(_config(corpus_dir), tmp_path / "one", progress=False)
+  assert _cli("data.source=text", pattern, "--cache", str(tmp_path / "two"), "--workers", "2") == 0
+  assert "23 documents" in capsys.readouterr().out
+  assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
+  with pytest.raises(SystemExit):
+    _cli("data.source=text", pattern, "--cache", str(tmp_path / "x"), "--workers", "0")
+  assert "must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def _one_line_error(capsys) -> str:

@@ -1,6 +1,7 @@
 """`jax-ai-stack data prepare`: tokenize a recipe's corpus once into a token cache.
 
     jax-ai-stack data prepare [PRESET] [--config FILE.yaml] [dotted overrides] --cache DIR
+                              [--workers N]
 
 The config is resolved as `train` resolves it (preset, file, overrides); only
 its `data` section is used. A run that is killed resumes where it stopped when
@@ -27,9 +28,17 @@ def register(subparsers) -> None:
   prepare.add_argument("--config", help="a YAML file merged over the preset")
   prepare.add_argument("--cache", help="the cache: a directory or a kvstore URL"
                        " (default: data.cache of the config)")
+  prepare.add_argument("--workers", type=_at_least_one, default=1,
+                       help="processes that tokenize (default: 1); the cache is the same")
   prepare.add_argument("--quiet", action="store_true", help="no progress bar")
   prepare.set_defaults(func=run_prepare, accepts_overrides=True)
   data.set_defaults(func=lambda args: _help(data))
+
+
+def _at_least_one(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+  return int(text)
 
 
 def _help(parser: argparse.ArgumentParser) -> int:
@@ -46,7 +55,7 @@ def run_prepare(args: argparse.Namespace) -> int:
   if not cache:
     raise UsageError("no cache location: pass --cache DIR (or set data.cache)")
   data = dataclasses.replace(data, cache=cache)
-  manifest = token_cache.prepare(data, cache, progress=not args.quiet)
+  manifest = token_cache.prepare(data, cache, progress=not args.quiet, workers=args.workers)
   print(f"{cache}: {manifest.num_documents} documents, {manifest.num_tokens} tokens"
         f" (train with data.cache={cache})")
   return 0

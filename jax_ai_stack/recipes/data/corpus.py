@@ -163,12 +163,26 @@ def tokenized_documents(
     for ids in itertools.islice(_take_documents(arrays, config.max_documents), skip, None):
       yield np.ascontiguousarray(ids, dtype="<i8").tobytes(), ids
     return
-  texts = _take_documents(sources.read_texts(config), config.max_documents)
-  texts = itertools.islice(texts, skip, None)
-  bos, eos = np.int32([tokenizer.bos_id]), np.int32([tokenizer.eos_id])
+  texts = document_texts(config, skip=skip)
   while chunk := list(itertools.islice(texts, _ENCODE_CHUNK)):
-    for text, ids in zip(chunk, tokenizer.encode_batch(chunk)):
-      yield text.encode("utf-8", "surrogatepass"), np.concatenate([bos, ids, eos])
+    yield from tokenize_texts(tokenizer, chunk)
+
+
+def document_texts(config: DataConfig, *, skip: int = 0) -> Iterator[str]:
+  """The non-empty documents of a text source, in source order, after the first `skip`.
+
+  Reading and tokenizing are apart so that a token cache can read here and
+  tokenize in worker processes.
+  """
+  texts = _take_documents(sources.read_texts(config), config.max_documents)
+  return itertools.islice(texts, skip, None)
+
+
+def tokenize_texts(tokenizer: Tokenizer, texts: list[str]) -> list[tuple[bytes, np.ndarray]]:
+  """`(content for the split hash, [BOS, *ids, EOS])` of each text."""
+  bos, eos = np.int32([tokenizer.bos_id]), np.int32([tokenizer.eos_id])
+  return [(text.encode("utf-8", "surrogatepass"), np.concatenate([bos, ids, eos]))
+          for text, ids in zip(texts, tokenizer.encode_batch(texts))]
 
 
 def _concatenate(documents: list[np.ndarray], dtype, description: str) -> TokenCorpus:

@@ -26,6 +26,11 @@ continues after the last committed shard and rewrites whatever a killed run
 had written beyond it with the same bytes (a chunk's bytes depend on its
 contents alone), so it ends byte-identical to an uninterrupted run.
 
+Workers: with `workers=N` (`data prepare --workers N`) this process reads
+the documents and N spawned processes tokenize them, a shard per task; shards
+are written strictly in order, so the cache is byte-identical to one of a
+single process, and at most 2N shards are in flight, so memory stays bounded.
+
 `location` is a directory or a TensorStore kvstore URL (`file://`,
 `memory://`, ...). Local files are replaced with `atomic.write_atomically`;
 other kvstores write each key atomically themselves.
@@ -33,15 +38,20 @@ other kvstores write each key atomically themselves.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import pathlib
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import tensorstore as ts
@@ -341,6 +351,76 @@ def _grow(array: ts.TensorStore, size: int) -> ts.TensorStore:
   return array
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+  """One shard's documents as the arrays store them (what a worker sends back)."""
+
+  lengths: np.ndarray  # int64 [documents]
+  tokens: np.ndarray  # the cache's dtype [sum(lengths)]
+  digests: np.ndarray  # uint8 [documents, 16]
+
+
+def _pack(documents: list[tuple[bytes, np.ndarray]], dtype: np.dtype) -> _Shard:
+  return _Shard(
+      lengths=np.array([len(ids) for _, ids in documents], dtype=np.int64),
+      tokens=np.concatenate([ids for _, ids in documents]).astype(dtype),
+      digests=np.frombuffer(
+          b"".join(corpus_lib.document_digest(content) for content, _ in documents), np.uint8
+      ).reshape(-1, _DIGEST_BYTES),
+  )
+
+
+# Each worker process's tokenizer, built once there by `_start_worker`.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(config: DataConfig, parent: int) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = build_tokenizer(config)
+  threading.Thread(target=_exit_without, args=(parent,), daemon=True).start()
+
+
+def _exit_without(parent: int) -> None:
+  """Ends this worker once `parent` is gone: a killed prepare leaves no orphans
+  (workers hold both ends of their task queue, so they never see it close)."""
+  while os.getppid() == parent:
+    time.sleep(0.5)
+  os._exit(1)
+
+
+def _tokenize_shard(texts: list[str], dtype: np.dtype) -> _Shard:
+  return _pack(corpus_lib.tokenize_texts(_worker_tokenizer, texts), dtype)
+
+
+def _shards(config: DataConfig, tokenizer: Tokenizer, *, skip: int, shard_documents: int,
+            workers: int) -> Iterator[_Shard]:
+  """The shards after the first `skip` documents, in order, tokenized in `workers` processes.
+
+  Worker processes are spawned, not forked: TensorStore's threads are running
+  here. `.npy` sources need no tokenizing and are read here whatever `workers`.
+  """
+  dtype = corpus_lib.token_dtype(tokenizer)
+  if workers == 1 or config.source == "npy":
+    documents = corpus_lib.tokenized_documents(config, tokenizer, skip=skip)
+    while batch := list(itertools.islice(documents, shard_documents)):
+      yield _pack(batch, dtype)
+    return
+  texts = corpus_lib.document_texts(config, skip=skip)
+  pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker, initargs=(config, os.getpid()))
+  pending = collections.deque()
+  try:
+    while True:
+      while len(pending) < 2 * workers and (batch := list(itertools.islice(texts,
+                                                                           shard_documents))):
+        pending.append(pool.submit(_tokenize_shard, batch, dtype))
+      if not pending:
+        return
+      yield pending.popleft().result()
+  finally:
+    pool.shutdown(cancel_futures=True)
+
+
 class _Writer:
   """Appends shards of documents to the three arrays and commits each with its ledger."""
 
@@ -357,16 +437,11 @@ class _Writer:
     }
     self.dtype = dtype
 
-  def write_shard(self, shard: int, first_doc: int, first_token: int,
-                  documents: list[tuple[bytes, np.ndarray]]) -> tuple[int, int]:
+  def write_shard(self, first_doc: int, first_token: int, shard: _Shard) -> tuple[int, int]:
     """Writes and waits for the shard's chunks; returns the end (document, token)."""
-    lengths = np.array([len(ids) for _, ids in documents], dtype=np.int64)
-    offsets = first_token + np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.concatenate([ids for _, ids in documents]).astype(self.dtype)
-    digests = np.frombuffer(
-        b"".join(corpus_lib.document_digest(content) for content, _ in documents), np.uint8
-    ).reshape(-1, _DIGEST_BYTES)
-    end_doc, end_token = first_doc + len(documents), int(offsets[-1])
+    offsets = first_token + np.concatenate([[0], np.cumsum(shard.lengths)])
+    tokens, digests = shard.tokens, shard.digests
+    end_doc, end_token = first_doc + len(shard.lengths), int(offsets[-1])
     arrays = self.arrays
     arrays["tokens"] = _grow(arrays["tokens"], end_token)
     arrays["doc_offsets"] = _grow(arrays["doc_offsets"], end_doc + 1)
@@ -416,6 +491,7 @@ def prepare(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     progress: bool = True,
     on_shard: Callable[[int, str], None] | None = None,
+    workers: int = 1,
 ) -> Manifest:
   """Tokenizes `config`'s source once into a token cache at `location`; resumable.
 
@@ -429,6 +505,8 @@ def prepare(
     progress: a tqdm bar on stderr (documents, tokens/s).
     on_shard: called with (shard, "written") once its chunks are written and
       (shard, "committed") once its ledger is; tests kill the process there.
+    workers: processes that tokenize (1: this one); the cache is the same
+      bytes whatever the number.
 
   Returns:
     The manifest; a finished cache that fits the config is left as it is.
@@ -438,9 +516,9 @@ def prepare(
       config or of a newer format, or the corpus is empty or unreadable.
   """
   require_token_source(config, "token cache")
-  if shard_documents < 1 or chunk_tokens < 1:
-    raise ValueError(f"shard_documents={shard_documents} and chunk_tokens={chunk_tokens}"
-                     " must be >= 1")
+  if shard_documents < 1 or chunk_tokens < 1 or workers < 1:
+    raise ValueError(f"shard_documents={shard_documents}, chunk_tokens={chunk_tokens} and"
+                     f" workers={workers} must be >= 1")
   location = _Location(location)
   location.make_writable()
   tokenizer = build_tokenizer(config)
@@ -465,32 +543,33 @@ def prepare(
   ledgers = _committed(location)
   num_docs = ledgers[-1]["documents"][1] if ledgers else 0
   num_tokens = ledgers[-1]["tokens"][1] if ledgers else 0
-  documents = corpus_lib.tokenized_documents(config, tokenizer, skip=num_docs)
-  first = list(itertools.islice(documents, shard_documents))
-  if not first and not num_docs:
-    raise DataError(
-        f"data: the corpus is empty ({corpus_lib.describe(config)}): no non-empty document;"
-        f" nothing was written to {location.where}")
-  if recorded is None:
-    location.write(IDENTITY, _to_json(identity))
-  writer = _Writer(location, corpus_lib.token_dtype(tokenizer), chunk_tokens, shard_documents)
-  shard, start = len(ledgers), time.monotonic()
-  new_tokens = 0
-  with _progress(config.max_documents or 0, num_docs, progress) as bar:
-    batch = first
-    while batch:
-      end_doc, end_token = writer.write_shard(shard, num_docs, num_tokens, batch)
-      if on_shard:
-        on_shard(shard, "written")
-      location.write(_shard_name(shard), _to_json(
-          {"documents": [num_docs, end_doc], "tokens": [num_tokens, end_token]}))
-      if on_shard:
-        on_shard(shard, "committed")
-      new_tokens += end_token - num_tokens
-      bar.update(end_doc - num_docs)
-      bar.set_postfix_str(f"{new_tokens / max(time.monotonic() - start, 1e-9):,.0f} tokens/s")
-      shard, num_docs, num_tokens = shard + 1, end_doc, end_token
-      batch = list(itertools.islice(documents, shard_documents))
+  shards = _shards(config, tokenizer, skip=num_docs, shard_documents=shard_documents,
+                   workers=workers)
+  with contextlib.closing(shards):  # stops the worker processes on an error
+    first = next(shards, None)
+    if first is None and not num_docs:
+      raise DataError(
+          f"data: the corpus is empty ({corpus_lib.describe(config)}): no non-empty document;"
+          f" nothing was written to {location.where}")
+    if recorded is None:
+      location.write(IDENTITY, _to_json(identity))
+    writer = _Writer(location, corpus_lib.token_dtype(tokenizer), chunk_tokens,
+                     shard_documents)
+    shard, start = len(ledgers), time.monotonic()
+    new_tokens = 0
+    with _progress(config.max_documents or 0, num_docs, progress) as bar:
+      for packed in itertools.chain([first] if first is not None else [], shards):
+        end_doc, end_token = writer.write_shard(num_docs, num_tokens, packed)
+        if on_shard:
+          on_shard(shard, "written")
+        location.write(_shard_name(shard), _to_json(
+            {"documents": [num_docs, end_doc], "tokens": [num_tokens, end_token]}))
+        if on_shard:
+          on_shard(shard, "committed")
+        new_tokens += end_token - num_tokens
+        bar.update(end_doc - num_docs)
+        bar.set_postfix_str(f"{new_tokens / max(time.monotonic() - start, 1e-9):,.0f} tokens/s")
+        shard, num_docs, num_tokens = shard + 1, end_doc, end_token
   writer.finish(num_docs, num_tokens)
   manifest = Manifest(**identity, num_documents=num_docs, num_tokens=num_tokens,
                       num_shards=shard)
