@@ -18,6 +18,13 @@ from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import DataConfig, load_corpus, token_cache
 
 SMALL = {"shard_documents": 5, "chunk_tokens": 64, "progress": False}
+BLOCK = 16  # Tokens per compressed block: 4 blocks per 64-token chunk, as in real caches.
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+  """Several read blocks per chunk, so shard commits rewrite partly filled chunk files."""
+  monkeypatch.setattr(token_cache, "READ_BLOCK_TOKENS", BLOCK)
 
 
 @pytest.fixture
@@ -110,6 +117,7 @@ def on_shard(shard, stage):
     os.kill(os.getpid(), signal.SIGKILL)
 
 config = DataConfig(source="text", paths=({pattern!r},))
+token_cache.READ_BLOCK_TOKENS = {block}
 if __name__ == "__main__":  # spawned workers import this script again
   token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64, progress=False,
                       on_shard=on_shard, workers={workers})
@@ -122,7 +130,7 @@ def test_sigkill_during_prepare_then_rerun_is_byte_identical(corpus_dir, tmp_pat
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
   script = _KILLED_PREPARE.format(shard=shard, stage=stage, pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), workers=1)
+                                  cache=str(cache), block=BLOCK, workers=1)
   killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
   assert killed.returncode == -9, killed.stderr
@@ -145,7 +153,7 @@ def test_sigkill_then_rerun_with_workers_is_byte_identical(corpus_dir, tmp_path)
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
   script = _KILLED_PREPARE.format(shard=1, stage="written", pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), workers=2)
+                                  cache=str(cache), block=BLOCK, workers=2)
   (tmp_path / "killed.py").write_text(script)
   killed = subprocess.run([sys.executable, str(tmp_path / "killed.py")], capture_output=True,
                           text=True, timeout=120)
@@ -195,7 +203,7 @@ def test_a_corrupt_chunk_is_an_error_naming_it(corpus_dir, tmp_path):
   cache = token_cache.TokenCache.open(tmp_path / "cache", config)
   cache.read(0, 64)  # chunk 0 is fine
   with pytest.raises(DataError, match=r"array 'tokens' is damaged: .*tokens/c/3"):
-    cache.read(3 * 64, 3 * 64 + 10)
+    cache.read(3 * 64, 4 * 64)  # Every block of chunk 3: one of them is damaged.
   chunk.write_bytes(bytes(data[: len(data) // 3]))  # truncated
   with pytest.raises(DataError, match=r"tokens/c/3"):
     token_cache.TokenCache.open(tmp_path / "cache").read(200, 201)
