@@ -136,6 +136,24 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwis
   assert _losses(workdir) == _losses(uninterrupted)
 
 
+def test_two_processes_train_from_a_token_cache_as_from_memory(tmp_path, two_processes):
+  """Each process reads only its rows from the cache: the same batches, the same losses."""
+  cache = tmp_path / "tokens"
+  prepared = subprocess.run(
+      [sys.executable, "-m", "jax_ai_stack.cli", "data", "prepare", "lm-tiny", *RECIPE,
+       "--cache", str(cache), "--quiet"], capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert prepared.returncode == 0, prepared.stderr
+  workdir = tmp_path / "from-cache"
+  address = f"127.0.0.1:{_free_port()}"
+  job = [_train(workdir, f"data.cache={cache}", "--coordinator", address, "--num-processes", "2",
+                "--process-id", str(i), devices=2) for i in range(2)]
+  for code, output in _finish(job):
+    assert code == 0, output
+  in_memory, _ = two_processes
+  assert _losses(workdir) == _losses(in_memory)
+
+
 # ---- joining the job: bad input ------------------------------------------------
 
 
