@@ -17,14 +17,9 @@ from jax_ai_stack import cli
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import DataConfig, load_corpus, token_cache
 
-SMALL = {"shard_documents": 5, "chunk_tokens": 64, "progress": False}
-BLOCK = 16  # Tokens per compressed block: 4 blocks per 64-token chunk, as in real caches.
-
-
-@pytest.fixture(autouse=True)
-def _small_blocks(monkeypatch):
-  """Several read blocks per chunk, so shard commits rewrite partly filled chunk files."""
-  monkeypatch.setattr(token_cache, "READ_BLOCK_TOKENS", BLOCK)
+# 4 compressed blocks per 64-token chunk, as in real caches: shard commits rewrite partly
+# filled chunk files.
+SMALL = {"shard_documents": 5, "chunk_tokens": 64, "read_block_tokens": 16, "progress": False}
 
 
 @pytest.fixture
@@ -117,10 +112,10 @@ def on_shard(shard, stage):
     os.kill(os.getpid(), signal.SIGKILL)
 
 config = DataConfig(source="text", paths=({pattern!r},))
-token_cache.READ_BLOCK_TOKENS = {block}
 if __name__ == "__main__":  # spawned workers import this script again
-  token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64, progress=False,
-                      on_shard=on_shard, workers={workers})
+  token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64,
+                      read_block_tokens=16, progress=False, on_shard=on_shard,
+                      workers={workers})
 """
 
 
@@ -130,7 +125,7 @@ def test_sigkill_during_prepare_then_rerun_is_byte_identical(corpus_dir, tmp_pat
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
   script = _KILLED_PREPARE.format(shard=shard, stage=stage, pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), block=BLOCK, workers=1)
+                                  cache=str(cache), workers=1)
   killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
   assert killed.returncode == -9, killed.stderr
@@ -153,7 +148,7 @@ def test_sigkill_then_rerun_with_workers_is_byte_identical(corpus_dir, tmp_path)
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
   script = _KILLED_PREPARE.format(shard=1, stage="written", pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), block=BLOCK, workers=2)
+                                  cache=str(cache), workers=2)
   (tmp_path / "killed.py").write_text(script)
   killed = subprocess.run([sys.executable, str(tmp_path / "killed.py")], capture_output=True,
                           text=True, timeout=120)

@@ -10,7 +10,7 @@ order then run the same code, so batches are bitwise those of the in-memory
 path while memory holds only the document offsets.
 
 Layout (zarr v3 arrays; chunks zstd-compressed with a crc32c checksum; a chunk
-file of `tokens` holds blocks of READ_BLOCK_TOKENS compressed one by one):
+file of `tokens` holds blocks of `read_block_tokens` compressed one by one):
 
   tokens/          uint16 or int32 [num_tokens]: every document's ids, back to back
   doc_offsets/     int64 [num_documents + 1]: document d is tokens[o[d]:o[d + 1]]
@@ -84,14 +84,14 @@ _CODECS = [
 ]
 
 
-def _read_block(chunk_tokens: int) -> int:
-  """READ_BLOCK_TOKENS where it divides the chunk; else the chunk is one block."""
-  return READ_BLOCK_TOKENS if chunk_tokens % READ_BLOCK_TOKENS == 0 else chunk_tokens
+def _read_block(chunk_tokens: int, read_block_tokens: int) -> int:
+  """`read_block_tokens` where it divides the chunk; else the chunk is one block."""
+  return read_block_tokens if chunk_tokens % read_block_tokens == 0 else chunk_tokens
 
 
-def _token_codecs(chunk_tokens: int) -> list[dict]:
+def _token_codecs(block_tokens: int) -> list[dict]:
   return [{"name": "sharding_indexed", "configuration": {
-      "chunk_shape": [_read_block(chunk_tokens)],
+      "chunk_shape": [block_tokens],
       "codecs": _CODECS,
       "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
       "index_location": "end",
@@ -248,7 +248,8 @@ def _settings(config: DataConfig) -> dict:
   }
 
 
-def _identity(config, tokenizer, *, chunk_tokens, shard_documents, recorded=None) -> dict:
+def _identity(config, tokenizer, *, chunk_tokens, shard_documents,
+              read_block_tokens=READ_BLOCK_TOKENS, recorded=None) -> dict:
   return {
       "format_version": FORMAT_VERSION,
       "tokenizer": _tokenizer_identity(config, tokenizer),
@@ -256,7 +257,7 @@ def _identity(config, tokenizer, *, chunk_tokens, shard_documents, recorded=None
       "sources": _file_entries(_source_files(config), recorded),
       "layout": {
           "chunk_tokens": chunk_tokens,
-          "read_block_tokens": _read_block(chunk_tokens),
+          "read_block_tokens": _read_block(chunk_tokens, read_block_tokens),
           "shard_documents": shard_documents,
           "dtype": corpus_lib.token_dtype(tokenizer).name,
       },
@@ -445,11 +446,11 @@ class _Writer:
   """Appends shards of documents to the three arrays and commits each with its ledger."""
 
   def __init__(self, location: _Location, dtype: np.dtype, chunk_tokens: int,
-               shard_documents: int):
+               block_tokens: int, shard_documents: int):
     self.location = location
     self.arrays = {
         "tokens": _open_array(location, "tokens", create=True, dtype=dtype,
-                              chunk_shape=chunk_tokens, codecs=_token_codecs(chunk_tokens)),
+                              chunk_shape=chunk_tokens, codecs=_token_codecs(block_tokens)),
         "doc_offsets": _open_array(location, "doc_offsets", create=True, dtype=np.int64,
                                    chunk_shape=shard_documents),
         "doc_digests": _open_array(location, "doc_digests", create=True, dtype=np.uint8,
@@ -509,6 +510,7 @@ def prepare(
     *,
     shard_documents: int = DEFAULT_SHARD_DOCUMENTS,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    read_block_tokens: int = READ_BLOCK_TOKENS,
     progress: bool = True,
     on_shard: Callable[[int, str], None] | None = None,
     workers: int = 1,
@@ -521,7 +523,9 @@ def prepare(
     location: a directory or a kvstore URL.
     shard_documents: documents per shard: the unit of progress kept by a
       killed run, and the chunk length of the document arrays.
-    chunk_tokens: tokens per chunk of the token array.
+    chunk_tokens: tokens per chunk (file) of the token array.
+    read_block_tokens: tokens per separately compressed block of a chunk, what
+      reading a window decompresses (used when it divides `chunk_tokens`).
     progress: a tqdm bar on stderr (documents, tokens/s).
     on_shard: called with (shard, "written") once its chunks are written and
       (shard, "committed") once its ledger is; tests kill the process there.
@@ -536,9 +540,9 @@ def prepare(
       config or of a newer format, or the corpus is empty or unreadable.
   """
   require_token_source(config, "token cache")
-  if shard_documents < 1 or chunk_tokens < 1 or workers < 1:
-    raise ValueError(f"shard_documents={shard_documents}, chunk_tokens={chunk_tokens} and"
-                     f" workers={workers} must be >= 1")
+  if min(shard_documents, chunk_tokens, read_block_tokens, workers) < 1:
+    raise ValueError(f"shard_documents={shard_documents}, chunk_tokens={chunk_tokens},"
+                     f" read_block_tokens={read_block_tokens} and workers={workers} must be >= 1")
   location = _Location(location)
   location.make_writable()
   tokenizer = build_tokenizer(config)
@@ -546,7 +550,8 @@ def prepare(
   if existing is not None:
     manifest = Manifest.from_json(location.where, existing)
     current = _identity(config, tokenizer, chunk_tokens=chunk_tokens,
-                        shard_documents=shard_documents, recorded=manifest.sources)
+                        shard_documents=shard_documents, read_block_tokens=read_block_tokens,
+                        recorded=manifest.sources)
     _refuse_differences(location.where, manifest.identity(), current, prefix_ok=False)
     if progress:
       print(f"token cache {location.where}: complete ({manifest.num_documents} documents,"
@@ -554,7 +559,7 @@ def prepare(
     return manifest
   recorded = _read_json(location, IDENTITY)
   identity = _identity(config, tokenizer, chunk_tokens=chunk_tokens,
-                       shard_documents=shard_documents,
+                       shard_documents=shard_documents, read_block_tokens=read_block_tokens,
                        recorded=recorded["sources"] if recorded else None)
   if recorded is not None:
     _check_version(location.where, recorded)
@@ -574,7 +579,7 @@ def prepare(
     if recorded is None:
       location.write(IDENTITY, _to_json(identity))
     writer = _Writer(location, corpus_lib.token_dtype(tokenizer), chunk_tokens,
-                     shard_documents)
+                     identity["layout"]["read_block_tokens"], shard_documents)
     shard, start = len(ledgers), time.monotonic()
     new_tokens = 0
     with _progress(config.max_documents or 0, num_docs, progress) as bar:
