@@ -101,11 +101,21 @@ def test_sentencepiece_model(tmp_path):
   path = _sentencepiece_file(tmp_path)
   tok = build_tokenizer(DataConfig(tokenizer="sentencepiece", tokenizer_path=path))
   assert isinstance(tok, SentencePieceTokenizer)
-  # The trainer's defaults define BOS=1 and EOS=2 but no PAD: PAD is appended.
-  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 30, 31)
+  # The trainer's defaults define BOS=1 and EOS=2 but no PAD: PAD reuses EOS,
+  # so the vocabulary stays the file's (a pretrained embedding fits).
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 30)
   ids = tok.encode("the quick dog")
   assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "the quick dog"
   np.testing.assert_array_equal(tok.encode_batch(["the quick dog"])[0], ids)
+
+
+def test_huggingface_file_with_only_eos_reuses_it_for_bos_and_pad(tmp_path):
+  # GPT-2 / SmolLM style: one <|endoftext|> and nothing else.
+  path = _hf_file(tmp_path, special_tokens=("<|endoftext|>",))
+  tok = HuggingFaceTokenizer(path)
+  eos = tok._tok.token_to_id("<|endoftext|>")
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (eos, eos, eos)
+  assert tok.vocab_size == _file_vocab_size(path)
 
 
 def test_dataset_through_a_huggingface_tokenizer(tmp_path):

@@ -82,13 +82,22 @@ class ByteTokenizer(Tokenizer):
 
 
 def _special_ids(find_id, base_size: int) -> tuple[tuple[int, int, int], int]:
-  """(bos, eos, pad) ids found by `find_id(name_list)`, missing ones appended.
+  """(bos, eos, pad) ids found by `find_id(name_list)`, missing ones supplied.
+
+  A file without BOS or PAD reuses its own EOS for them (as transformers does:
+  Llama, SmolLM and GPT-2 files define no PAD, some no BOS), so the vocabulary
+  stays the file's and a pretrained model's embedding fits. Padding is masked
+  out of the loss, so PAD == EOS costs nothing. Ids still missing (no EOS
+  either) are appended after the file's vocabulary.
 
   Returns the three ids and the vocabulary size including appended ids.
   """
+  bos, eos, pad = (find_id(names) for names in (_BOS_NAMES, _EOS_NAMES, _PAD_NAMES))
+  if eos is not None:
+    bos = eos if bos is None else bos
+    pad = eos if pad is None else pad
   ids, size = [], base_size
-  for names in (_BOS_NAMES, _EOS_NAMES, _PAD_NAMES):
-    found = find_id(names)
+  for found in (bos, eos, pad):
     if found is None:
       found, size = size, size + 1
     ids.append(found)
