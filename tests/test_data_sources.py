@@ -284,7 +284,7 @@ def test_a_digits_config_has_no_token_corpus():
 
 @pytest.mark.parametrize("fields, message", [
     ({"source": "text"}, "needs at least one file"),
-    ({"paths": ["a.txt"]}, "reads no files"),
+    ({"source": "digits", "paths": ["a.txt"]}, "reads no files"),
     ({"seq_len": 0}, "seq_len must be >= 1"),
     ({"validation_fraction": 1.0}, r"validation_fraction must be in \[0, 1\)"),
     ({"max_documents": 0}, "max_documents"),
@@ -296,3 +296,11 @@ def test_a_digits_config_has_no_token_corpus():
 def test_bad_config_fields_are_named(fields, message):
   with pytest.raises(configlib.ConfigError, match=message):
     configlib.from_dict(DataConfig, fields)
+
+
+def test_stdlib_paths_keep_one_package():
+  files = stdlib_files(("json/*",))
+  assert files and all(p.parent.name == "json" for p in files)
+  assert len(stdlib_files()) > len(files)
+  with pytest.raises(sources.DataFileNotFoundError, match=r"data\.paths\[0\]='nosuchpackage/\*'"):
+    stdlib_files(("nosuchpackage/*",))

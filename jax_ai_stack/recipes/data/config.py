@@ -34,7 +34,8 @@ class DataConfig:
   source: Source = "stdlib"
   """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits."""
   paths: tuple[str, ...] = ()
-  """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file."""
+  """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.
+  stdlib: optional patterns relative to the standard library's root ("logging/*"): only those files."""
   text_column: str = "text"
   """parquet: the column holding one document per row."""
   tokenizer: TokenizerName = "byte"
@@ -83,7 +84,7 @@ class DataConfig:
       )
     if self.source in _PATH_SOURCES and not self.paths:
       raise ConfigError(f"data.paths: source={self.source!r} needs at least one file or glob")
-    if self.source not in _PATH_SOURCES and self.paths:
+    if self.source not in (*_PATH_SOURCES, "stdlib") and self.paths:
       raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )

@@ -231,7 +231,7 @@ def _stamp(path) -> tuple[str, int, int]:
 def _cache_key(config: DataConfig) -> tuple:
   """The fields that change the corpus, and each input file's size and mtime."""
   if config.source == "stdlib":
-    files = sources.stdlib_files()
+    files = sources.stdlib_files(config.paths)
   else:
     files = sources.resolve_paths(config.paths)
   if config.tokenizer != "byte" and os.path.isfile(config.tokenizer_path):

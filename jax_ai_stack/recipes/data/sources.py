@@ -21,6 +21,7 @@ one document.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import logging
 import os
@@ -65,14 +66,30 @@ def resolve_paths(patterns: tuple[str, ...]) -> list[pathlib.Path]:
   return list(dict.fromkeys(files))  # drop repeats, keep the order
 
 
-def stdlib_files() -> list[pathlib.Path]:
-  """The standard library's own .py files, sorted, without site-/dist-packages."""
+def stdlib_files(patterns: tuple[str, ...] = ()) -> list[pathlib.Path]:
+  """The standard library's own .py files, sorted, without site-/dist-packages.
+
+  `patterns` (`data.paths` of the stdlib source): keep only the files whose
+  path relative to the stdlib root matches one (fnmatch, e.g. "logging/*"),
+  so a recipe can name one package, wherever Python is installed.
+
+  Raises:
+    DataFileNotFoundError: a pattern matches no file.
+  """
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = []
   for directory, subdirs, names in os.walk(root):  # os.walk does not follow symlinks
     subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
     files.extend(pathlib.Path(directory, n) for n in names if n.endswith(".py"))
-  return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+  files.sort(key=lambda p: p.relative_to(root).as_posix())
+  if not patterns:
+    return files
+  names = [p.relative_to(root).as_posix() for p in files]
+  for i, pattern in enumerate(patterns):
+    if not fnmatch.filter(names, pattern):
+      raise DataFileNotFoundError(
+          f"data.paths[{i}]={pattern!r}: no file of the standard library ({root}) matches")
+  return [p for p, n in zip(files, names) if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
 
 
 def invalid_utf8_bytes(data: bytes) -> int:
@@ -219,7 +236,7 @@ def _read_parquet(
 def read_texts(config: DataConfig) -> Iterator[tuple[str, str]]:
   """`(name, text)` of each document of a text source, in source order."""
   if config.source == "stdlib":
-    return _read_files(stdlib_files(), config.encoding_errors, trusted=True)
+    return _read_files(stdlib_files(config.paths), config.encoding_errors, trusted=True)
   files = resolve_paths(config.paths)
   if config.source == "text":
     return _read_files(files, config.encoding_errors)

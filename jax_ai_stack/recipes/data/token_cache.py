@@ -201,7 +201,7 @@ def _file_hash(path: pathlib.Path) -> str:
 
 def _source_files(config: DataConfig) -> list[pathlib.Path]:
   if config.source == "stdlib":
-    return sources.stdlib_files()
+    return sources.stdlib_files(config.paths)
   return sources.resolve_paths(config.paths)
 
 
