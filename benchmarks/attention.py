@@ -5,20 +5,27 @@ In one process, at one shape, from the same inputs, this times
   reference   softmax(q k^T / sqrt(H) + mask) v, written in jax.numpy (the baseline)
   auto        kernels.attention(plan=resolve_plan()): what the models call
   <name>      each implementation eligible on this backend for this shape
+              (`xla_blocked` too where "auto" passes it over, so that its
+              rule can be checked)
+  xla_blocked@<n>   with --block-sizes: the blocked kernel with n-row blocks
+  torch_sdpa  when torch is importable (and the masks are at most causal):
+              torch's scaled_dot_product_attention forward+backward, the CPU
+              baseline of issue #15, in the same rounds
 
 and reports milliseconds, the ratio to the reference, the implementation "auto"
 chose (marked *) and whether "auto" is within noise of the fastest eligible
 one; "auto" and its choice compile to the same program, so the gap between
-their two timings is the noise of the run. Pallas kernels that would run interpreted on CPU are left out: they would
-time the interpreter, not the kernel.
+their two timings is the noise of the run. Pallas kernels that would run
+interpreted on CPU are left out: they would time the interpreter, not the kernel.
 
 Timing uses tokamax's benchmarking (wall clock on CPU, device timers on GPU and
 TPU). Rounds interleave the variants so that noise from other work on a shared
 machine hits them alike; each figure is the fastest run, since noise only ever
 adds time.
 
-    python benchmarks/attention.py                                # B2 T1024 N8 K8 H64 f32
+    python benchmarks/attention.py                 # B8 T512 N8 K8 H64 f32 (issue #15's layer)
     python benchmarks/attention.py --shape 4,1024,8,8,64 --dtype bf16 --segment-ids
+    python benchmarks/attention.py --block-sizes 64,128,256 --no-torch
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import pathlib
 import platform
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +43,7 @@ import numpy as np
 
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import UsageError
-from jax_ai_stack.kernels import autotuning, implementations
+from jax_ai_stack.kernels import autotuning, blocked, implementations
 from jax_ai_stack.kernels.cli import parse_shape
 
 RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "attention.json"
@@ -64,9 +72,47 @@ def reference_attention(q, k, v, ids, lengths, *, causal, local_window):
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
 
 
+def torch_sdpa_timer(request, inputs):
+  """(timer of torch's SDPA forward+backward on `inputs`, None), or (None, why not).
+
+  The timer takes a number of runs and returns their milliseconds. torch gets
+  the same values in its own [B, N, T, H] layout and a fixed cotangent.
+  """
+  try:
+    import torch
+  except ImportError:
+    return None, "torch is not installed"
+  if request.segment_ids or request.local_window is not None or request.kv_seq_lengths:
+    return None, "torch SDPA is compared only with causal or no mask"
+  if request.dtype not in ("float32", "bfloat16"):
+    return None, f"torch SDPA on CPU is compared in float32 and bfloat16, not {request.dtype}"
+  dtype = getattr(torch, request.dtype)
+  q, k, v = (
+      torch.from_numpy(np.array(x, np.float32)).to(dtype).transpose(1, 2).contiguous()
+      .requires_grad_() for x in inputs[:3])
+  cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+  gqa = request.num_heads != request.num_kv_heads
+
+  def forward_backward():
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=request.causal, enable_gqa=gqa)
+    torch.autograd.grad(out, (q, k, v), cotangent)
+
+  def timer(iterations: int) -> list[float]:
+    times = []
+    for _ in range(iterations):
+      start = time.perf_counter()
+      forward_backward()
+      times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+  forward_backward()  # Warm-up, as the JAX variants are compiled first.
+  return timer, None
+
+
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--shape", default="2,1024,8,8,64", metavar="B,T,N,K,H")
+  parser.add_argument("--shape", default="8,512,8,8,64", metavar="B,T,N,K,H")
   parser.add_argument("--kv-len", type=int, metavar="S", help="key/value length (default: T)")
   parser.add_argument("--dtype", default="float32", help="float32/f32, bfloat16/bf16")
   parser.add_argument("--no-causal", dest="causal", action="store_false")
@@ -75,8 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--kv-seq-lengths", action="store_true")
   parser.add_argument("--iterations", type=int, default=3, help="timed runs per round")
   parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+  parser.add_argument("--block-sizes", default="", metavar="N,N",
+                      help="also time xla_blocked with these query block sizes")
+  parser.add_argument("--no-torch", dest="torch", action="store_false",
+                      help="leave out torch's SDPA even where torch is importable")
   parser.add_argument("--output", type=pathlib.Path, default=RESULTS_PATH)
   args = parser.parse_args(argv)
+  try:
+    block_sizes = [int(n) for n in args.block_sizes.split(",") if n.strip()]
+    if any(n < 1 for n in block_sizes):
+      raise ValueError
+  except ValueError:
+    parser.error(f"--block-sizes {args.block_sizes!r} must be positive ints, e.g. 64,128")
   try:
     q_shape, k_shape = parse_shape(args.shape, args.kv_len)
   except UsageError as e:
@@ -89,7 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.error(str(e))
   plan = kernels.resolve_plan()  # What the models run: JAX_AI_STACK_ATTENTION, else "auto".
   choice = plan.report(request)
-  eligible = [name for name, interpret in choice.fallbacks if not interpret]
+  # Also those "auto" passes over for this shape (its measured rules), named here.
+  ruled = [name for name, impl in kernels.IMPLEMENTATIONS.items() if impl.auto_check]
+  candidates = kernels.report(request, [kernels.AUTO, *ruled], environ={})
+  eligible = [name for name, interpret in choice.fallbacks + candidates.fallbacks
+              if not interpret]
+  eligible = list(dict.fromkeys(eligible))
+  if block_sizes and "xla_blocked" not in eligible:
+    parser.error(f"--block-sizes: xla_blocked does not run here: {candidates.report()}")
   if not eligible:
     parser.exit(1, choice.report() + "\nerror: no attention implementation runs here\n")
   variants = {
@@ -104,9 +167,16 @@ def main(argv: list[str] | None = None) -> dict:
     variants[name] = lambda q, k, v, ids, lengths, run=run: implementations.call(
         run, request, q, k, v, ids, lengths)
 
+  for size in block_sizes:
+    variants[f"xla_blocked@{size}"] = lambda q, k, v, ids, lengths, size=size: (
+        blocked.blocked_attention(q, k, v, causal=args.causal, segment_ids=ids,
+                                  local_window=args.local_window, block_size=size))
+
   inputs = autotuning.inputs(request)
+  timer, torch_note = (None, "--no-torch") if not args.torch else torch_sdpa_timer(request, inputs)
   times = autotuning.time_forward_backward(
-      variants, inputs, iterations=args.iterations, rounds=args.rounds)
+      variants, inputs, iterations=args.iterations, rounds=args.rounds,
+      others={"torch_sdpa": timer} if timer else None)
   # "auto" traces to the very program of the implementation it chose, so the
   # gap between those two timings measures this machine's noise.
   fastest = min(eligible, key=times.get)
@@ -127,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
       "measured_noise": noise,
       "auto_over_fastest": auto_ms / times[fastest],
       "auto_within_noise": auto_ms <= times[fastest] * (1 + tolerance),
+      "torch_sdpa": torch_note or "timed",
+      "auto_over_torch_sdpa": auto_ms / times["torch_sdpa"] if timer else None,
   }
 
   print(f"attention forward+backward on {results['device']}: {request.describe()}")
@@ -138,6 +210,12 @@ def main(argv: list[str] | None = None) -> dict:
   print(f"auto runs {choice.name} (* above; the same program: their timings differ by"
         f" {noise:.0%}, the noise here). auto is {results['auto_over_fastest']:.2f}x the"
         f" fastest eligible ({fastest}): {verdict} it (tolerance {tolerance:.0%}).")
+  if timer:
+    ratio = results["auto_over_torch_sdpa"]
+    print(f"auto / torch SDPA (is_causal={args.causal}): {ratio:.2f}x"
+          f" ({'at or below' if ratio <= 1 else 'ABOVE'} torch's time)")
+  else:
+    print(f"torch SDPA not timed: {torch_note}")
   args.output.parent.mkdir(parents=True, exist_ok=True)
   args.output.write_text(json.dumps(results, indent=2) + "\n")
   print(f"wrote {args.output}")

@@ -43,11 +43,12 @@ def verdict(choice, name):
   return next(v for v in choice.verdicts if v.name == name)
 
 
-def test_cpu_auto_prefers_tokamax_xla_and_never_interprets_pallas():
-  choice = kernels.select(req())
-  assert choice.name == "tokamax_xla" and choice.probed and not choice.interpret
+def test_cpu_auto_prefers_xla_blocked_then_tokamax_xla_and_never_interprets_pallas():
+  choice = kernels.select(req())  # Causal, T 256: the blocked kernel's measured range.
+  assert choice.name == "xla_blocked" and choice.probed and not choice.interpret
   assert choice.order == kernels.PREFERENCE["cpu"]
-  assert [n for n, _ in choice.fallbacks] == ["tokamax_xla", "xla", "tokamax_xla_chunked"]
+  assert [n for n, _ in choice.fallbacks] == [
+      "xla_blocked", "tokamax_xla", "xla", "tokamax_xla_chunked"]
   for name in ("pallas_gpu", "pallas_tpu_flash", "pallas_tpu_splash"):
     assert "interpret mode" in verdict(choice, name).reason
 
@@ -148,7 +149,7 @@ def test_pins_apply_to_their_request_only():
   other = plan.select(req(causal=False))
   assert (pinned.name, pinned.source) == ("xla", "pinned by test pins")
   assert other.name == "tokamax_xla"
-  assert kernels.select(req()).name == "tokamax_xla"  # Pins live in their plan only.
+  assert kernels.select(req()).name == "xla_blocked"  # Pins live in their plan only.
 
 
 def test_choices_are_cached_per_request():
@@ -174,9 +175,9 @@ def test_report_lists_every_implementation_and_serializes():
   text = choice.report()
   for name in kernels.IMPLEMENTATIONS:
     assert name in text
-  assert "* tokamax_xla" in text and text.endswith("Chosen: tokamax_xla (deterministic)")
+  assert "* xla_blocked" in text and text.endswith("Chosen: xla_blocked (deterministic)")
   data = json.loads(json.dumps(choice.to_dict()))
-  assert data["implementation"] == "tokamax_xla" and data["request"]["num_kv_heads"] == 2
+  assert data["implementation"] == "xla_blocked" and data["request"]["num_kv_heads"] == 2
   assert any("cudnn: not in order (runs on gpu, not cpu)" == r for r in choice.reasons)
 
 

@@ -67,7 +67,7 @@ def test_sharded_attention_equals_one_device_and_opaque_kernels_run_per_shard():
       placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
       ids = jax.device_put(segment_ids, NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0])))
       out = {}
-      for name in ("xla", "tokamax_xla", "pallas_gpu"):
+      for name in ("xla", "tokamax_xla", "pallas_gpu", "xla_blocked"):
         single = forward_and_grads(name, None)(q, k, v, segment_ids)
         sharded = forward_and_grads(name, attention_sharding)(*placed, ids)
         jaxpr = jax.make_jaxpr(forward_and_grads(name, attention_sharding))(*placed, ids).jaxpr
@@ -92,6 +92,9 @@ def test_sharded_attention_equals_one_device_and_opaque_kernels_run_per_shard():
   assert pallas["pallas_q_shapes"] and all(s[:3] == [1, 32, 2] for s in pallas["pallas_q_shapes"]), (
       pallas["pallas_q_shapes"])
   assert pallas["out_spec"] == [["data", "fsdp"], None, "tensor", None]
+  # The blocked kernel's loop over (row, head) slices is not XLA-partitionable: per shard too.
+  assert results["xla_blocked"]["shard_map"]
+  assert results["xla_blocked"]["out_spec"] == [["data", "fsdp"], None, "tensor", None]
 
 
 def _inputs(num_kv_heads=2):

@@ -14,8 +14,9 @@ Modules, one job each:
   request          `Request` (shapes, dtype, masks) and `Backend`
   table            `IMPLEMENTATIONS` (what each kernel accepts), `PREFERENCE`
   rules            hardware and library-version rules of the table
-  implementations  adapters for jax.nn and tokamax, and `call`, which runs one
+  implementations  adapters for jax.nn, tokamax and `blocked`, and `call`, which runs one
   pallas           adapters for JAX's Pallas kernels
+  blocked          causal attention that skips the masked keys (`xla_blocked`, CPU)
   selection        parsing names, probing, deciding
   choice           `Choice` (and `Verdict`): the outcome, its report and JSON
   plan             `AttentionPlan`
@@ -60,8 +61,8 @@ _EXPORTS = {
     "select": "resolve",
 }
 _SUBMODULES = (
-    "autotune_file", "autotuning", "choice", "cli", "implementations", "names", "pallas",
-    "plan", "request", "resolve", "rules", "selection", "sharded", "table",
+    "autotune_file", "autotuning", "blocked", "choice", "cli", "implementations", "names",
+    "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
 )  # And `attention`, whose name the function takes.
 __all__ = list(_EXPORTS)
 

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -96,15 +96,19 @@ def inputs(request: Request) -> tuple:
 
 
 def time_forward_backward(
-    functions: dict, args: Sequence[Any], *, iterations: int, rounds: int
+    functions: dict, args: Sequence[Any], *, iterations: int, rounds: int,
+    others: Mapping[str, Callable[[int], Sequence[float]]] | None = None,
 ) -> dict:
   """Best forward+backward milliseconds of each of `functions`, interleaved.
 
   Uses tokamax's benchmarking (device timers on GPU and TPU, wall clock on
   CPU). Rounds run every function in turn, so that bursts of other work on a
   shared machine hit them alike; the fastest run is kept, because noise only
-  ever adds time.
+  ever adds time. `others` maps names to timers of code outside JAX (the
+  benchmark's torch baseline): timer(iterations) -> milliseconds per run,
+  called in the same rounds.
   """
+  others = others or {}
   tokamax = implementations.import_tokamax()
   runners = {}
   for name, forward in functions.items():
@@ -112,10 +116,12 @@ def time_forward_backward(
         forward, *args, mode="forward_and_vjp", seed=None
     )
     runners[name] = (tokamax.benchmarking.compile_benchmark(standard, arrays), arrays)
-  best = {name: float("inf") for name in functions}
+  best = {name: float("inf") for name in [*functions, *others]}
   for _ in range(rounds):
     for name, (runner, arrays) in runners.items():
       best[name] = min(best[name], *runner(arrays, iterations=iterations).evaluation_times_ms)
+    for name, timer in others.items():
+      best[name] = min(best[name], *timer(iterations))
   return best
 
 

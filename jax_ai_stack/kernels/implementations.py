@@ -1,7 +1,7 @@
 """Adapters: one function per attention kernel, all with the same signature.
 
-This module holds those of `jax.nn` (XLA, cuDNN) and tokamax; `pallas` holds
-JAX's Pallas kernels.
+This module holds those of `jax.nn` (XLA, cuDNN), tokamax and this package's
+`blocked` attention; `pallas` holds JAX's Pallas kernels.
 
 Each adapter takes `q: [B, T, N, H]`, `k, v: [B, S, K, H]` and keyword-only
 `causal, segment_ids, scale, local_window, kv_seq_lengths, interpret`, and calls
@@ -139,3 +139,15 @@ def tokamax_attention(q, k, v, *, causal, segment_ids, scale, local_window,
       local_window_size=_window(local_window),
       implementation=implementation,
   )
+
+
+def xla_blocked(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
+                interpret):
+  """`blocked.blocked_attention`: skips the keys a causal or windowed mask hides."""
+  del interpret
+  if kv_seq_lengths is not None:  # The table says so too; this guards direct calls.
+    raise NotImplementedError("xla_blocked takes no kv_seq_lengths")
+  from jax_ai_stack.kernels import blocked
+
+  return blocked.blocked_attention(
+      q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, local_window=local_window)

@@ -25,7 +25,7 @@ AUTO = "auto"
 """In an order, stands for the platform's `PREFERENCE`."""
 
 ImplementationName = Literal[
-    "xla", "cudnn", "tokamax_xla", "tokamax_xla_chunked", "tokamax_triton",
+    "xla", "cudnn", "tokamax_xla", "tokamax_xla_chunked", "xla_blocked", "tokamax_triton",
     "tokamax_mosaic_gpu", "tokamax_mosaic_tpu", "pallas_gpu", "pallas_tpu_flash",
     "pallas_tpu_splash",
 ]

@@ -78,3 +78,25 @@ def mosaic_tpu_check(request: Request, backend: Backend) -> str | None:
   if generation is not None and generation < 5:
     return f"tokamax's Mosaic TPU kernel needs TPU v5 or newer (device: {backend.device_kind})"
   return tokamax_window_check(request, backend)
+
+
+BLOCKED_MIN_Q_LEN = 256
+"""Below this many queries "auto" leaves CPU attention to tokamax's XLA kernel."""
+
+
+def blocked_auto_check(request: Request, backend: Backend) -> str | None:
+  """Where "auto" passes over `xla_blocked`, which it prefers on CPU otherwise.
+
+  Measured forward+backward on 2 CPU cores (benchmarks/attention.py, idle
+  machine): 2.2x faster than tokamax_xla at lm-small's shape (T 256), 1.6x at
+  T 512; at lm-tiny's (T 128) even, and in lm-tiny's whole train step 10%
+  slower, so below T 256 tokamax_xla stays (and the main job's numbers too).
+  Without a causal mask or a window there is nothing to skip.
+  """
+  del backend
+  if not request.causal and request.local_window is None:
+    return "nothing to skip without causal or local_window (auto leaves it to dense kernels)"
+  if request.q_len < BLOCKED_MIN_Q_LEN:
+    return (f"q_len {request.q_len} < {BLOCKED_MIN_Q_LEN}: not measurably faster than dense"
+            " kernels there (auto leaves it; name it to use it)")
+  return None

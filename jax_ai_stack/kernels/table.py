@@ -11,7 +11,7 @@ Example:
   >>> IMPLEMENTATIONS["cudnn"].check(request, Backend("cpu"), named=True)
   ('runs on gpu, not cpu', False)
   >>> PREFERENCE["cpu"]
-  ('tokamax_xla', 'xla', 'tokamax_xla_chunked')
+  ('xla_blocked', 'tokamax_xla', 'xla', 'tokamax_xla_chunked')
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Implementation:
   partitionable: bool = False
   """Plain XLA ops, which XLA's SPMD partitioner splits under a mesh; the others
   (custom calls) run per shard in `jax.shard_map` (`sharded.per_shard`)."""
+  auto_check: Callable[[Request, Backend], str | None] | None = None
+  """Why "auto" passes it over for a request it can run (another kernel is
+  measured faster there): a reason or None. Not applied when named explicitly."""
 
   def _platform_check(self, backend: Backend, named: bool) -> tuple[str | None, bool]:
     """(reason it cannot run on this platform, or None; whether it would interpret)."""
@@ -108,6 +111,8 @@ class Implementation:
     reason = reason or self._input_check(request, backend, interpret)
     if reason is None and self.extra_check is not None:
       reason = self.extra_check(request, backend)
+    if reason is None and not named and self.auto_check is not None:
+      reason = self.auto_check(request, backend)
     return reason, interpret
 
 
@@ -140,6 +145,13 @@ _IMPLEMENTATIONS = (
         "tokamax_xla_chunked", "tokamax.dot_product_attention(implementation='xla_chunked')",
         _tokamax("xla_chunked"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
         extra_check=rules.tokamax_window_check, package="tokamax", partitionable=True,
+    ),
+    Implementation(
+        "xla_blocked", "jax_ai_stack.kernels.blocked (causal blocks skip masked keys)",
+        impls.xla_blocked, platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
+        kv_seq_lengths=False, auto_check=rules.blocked_auto_check,
+        # Plain XLA, but its loop over (batch, head) slices is not something
+        # the SPMD partitioner splits: under a mesh it runs per shard.
     ),
     Implementation(
         "tokamax_triton", "tokamax.dot_product_attention(implementation='triton')",
@@ -185,9 +197,11 @@ can register stand-ins by patching this one attribute.
 """
 
 PREFERENCE: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
-    # Measured (benchmarks/attention.py): tokamax's XLA attention matches a
-    # plain softmax on CPU; jax.nn's is ~1.7x slower forward+backward.
-    "cpu": ("tokamax_xla", "xla", "tokamax_xla_chunked"),
+    # Measured (benchmarks/attention.py): the staircase of `blocked` beats
+    # every dense kernel forward+backward on CPU from q_len 256 (its
+    # `auto_check` says where not); tokamax's XLA attention matches a plain
+    # softmax; jax.nn's is ~1.7x slower.
+    "cpu": ("xla_blocked", "tokamax_xla", "xla", "tokamax_xla_chunked"),
     # Tokamax's own GPU order (Mosaic, then Triton), then cuDNN, which is
     # after them because its backward is nondeterministic by default.
     "gpu": (
