@@ -15,6 +15,15 @@ and reports ms/step, tokens/s, the recipe/hand-written ratio (target <= 1.03),
 an MFU estimate against a matmul peak measured on this device in the same run,
 and whether every variant ends with bitwise the same parameters.
 
+With `--bf16` it also times `recipe_bf16`: the recipe with `model.dtype=
+bfloat16` (parameters float32). With `--torch` (needs PyTorch: `pip install
+jax-ai-stack[bench]`) it adds `recipe_bf16` and the same step in PyTorch
+(`torch_llama.py`, from the same initial parameters: the first losses must
+agree): eager and `torch.compile`, float32 and bfloat16 autocast, with the
+ratio recipe / torch.compile; and a per-component table (attention core,
+projections, MLP, head + loss, optimizer, everything else) of the recipe and
+of torch.compile, so that the next gap is visible.
+
 Timings interleave the variants (one chunk of steps each, round after round,
 taking turns to go first) so that noise from other processes on a shared
 machine hits them alike; each figure is the median over rounds. A chunk is as
@@ -23,6 +32,7 @@ a GPU, where steps are dispatch-bound and must be timed in flight).
 
     python benchmarks/train_step.py                # tiny and medium
     python benchmarks/train_step.py --sizes tiny   # skip medium (slow on CPU)
+    python benchmarks/train_step.py --sizes tiny --torch   # against PyTorch
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -110,7 +121,8 @@ class Variant:
 
   name: str
   run: Callable[[int], Any]
-  params: Callable[[], dict[str, np.ndarray]]
+  params: Callable[[], dict[str, np.ndarray]] | None
+  """None: not expected to match the recipe's bits (bfloat16, PyTorch)."""
 
 
 def has_tree_mode_jit() -> bool:
@@ -148,7 +160,8 @@ def _flat(state: Any) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x) for p, x in leaves}
 
 
-def recipe_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
+def recipe_variant(size: Size, batch: dict[str, jax.Array], name: str = "recipe") -> Variant:
+  """The recipe's step; a `size` of another dtype is another variant (`name`)."""
   model, tx = _fresh(size)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train_step, _, state = step.make_steps(model, optimizer, lm_loss)
@@ -163,7 +176,45 @@ def recipe_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
     step.merge(model, optimizer, box["state"])
     return _flat(nnx.state(model, nnx.Param))
 
-  return Variant("recipe", run, params)
+  return Variant(name, run, params if name == "recipe" else None)
+
+
+def bf16_size(size: Size) -> Size:
+  """`size` with bfloat16 compute (`model.dtype`), parameters still float32."""
+  return dataclasses.replace(size, model=dataclasses.replace(size.model, dtype="bfloat16"))
+
+
+def load_torch_llama():
+  """benchmarks/torch_llama.py (this folder is not a package); None without torch."""
+  if importlib.util.find_spec("torch") is None:
+    return None
+  name = "_benchmark_torch_llama"
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name("torch_llama.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+TORCH_VARIANTS = {  # name: (torch.compile, bfloat16 autocast)
+    "torch_eager": (False, False),
+    "torch_compile": (True, False),
+    "torch_eager_bf16": (False, True),
+    "torch_compile_bf16": (True, True),
+}
+
+
+def torch_variants(size: Size, batch: dict[str, jax.Array]) -> tuple[list[Variant], dict]:
+  """The PyTorch variants, from the recipe's initial parameters, and the trainers."""
+  torch_llama = load_torch_llama()
+  params = _flat(nnx.state(_init_fn(size.model)(), nnx.Param))
+  trainers = {
+      name: torch_llama.Trainer(size.model, params, batch, OPTIM_CONFIG, TOTAL_STEPS,
+                                compiled=compiled, bf16=bf16)
+      for name, (compiled, bf16) in TORCH_VARIANTS.items()
+  }
+  return [Variant(name, t.run, None) for name, t in trainers.items()], trainers
 
 
 def hand_written_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
@@ -213,7 +264,7 @@ def nnx_jit_variant(size: Size, batch: dict[str, jax.Array], *, graph: bool) -> 
   return Variant(name, run, lambda: _flat(nnx.state(model, nnx.Param)))
 
 
-def build_variants(size: Size, batch: dict[str, jax.Array]) -> list[Variant]:
+def build_variants(size: Size, batch: dict[str, jax.Array], *, bf16: bool = False) -> list[Variant]:
   variants = [
       recipe_variant(size, batch),
       hand_written_variant(size, batch),
@@ -221,7 +272,98 @@ def build_variants(size: Size, batch: dict[str, jax.Array]) -> list[Variant]:
   ]
   if has_tree_mode_jit():
     variants.append(nnx_jit_variant(size, batch, graph=False))
+  if bf16:
+    variants.append(recipe_variant(bf16_size(size), batch, name="recipe_bf16"))
   return variants
+
+
+def _grad_thunk(fn: Callable, *args) -> Callable[[], Any]:
+  """A jitted forward + backward of scalar `fn(*args)` with respect to every arg."""
+  grad = jax.jit(jax.value_and_grad(fn, argnums=tuple(range(len(args)))))
+  return lambda: grad(*args)
+
+
+def jax_components(size: Size, batch: dict[str, jax.Array]) -> dict[str, Callable[[], Any]]:
+  """Thunks that run one part of the recipe's step (forward + backward) on its own.
+
+  Per block: the attention kernel on q, k, v; the q, k, v, o projections; the
+  SwiGLU MLP. Once: the head (tied embedding) + cross-entropy, and the optimizer
+  update (clipping + AdamW) over every parameter. Each is its own jitted
+  program, so fusions across the boundaries are lost: "everything else" (the
+  step minus the parts) can come out negative when the whole step fuses better.
+  """
+  c = size.model
+  model, tx = _fresh(size)
+  rng = np.random.default_rng(2)
+  dtype = jnp.dtype(c.dtype)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+  b, t, n, k, h = size.batch_size, size.seq_len, c.num_heads, c.num_kv_heads, c.resolved_head_dim
+  x, q, kk, v = normal(b, t, c.d_model), normal(b, t, n, h), normal(b, t, k, h), normal(b, t, k, h)
+  block = model.layers[0]
+  plan = block.attention.attention_plan
+
+  def on(module, fn):
+    """fn(module, *args) as a function of the module's state and args."""
+    graphdef, state = nnx.split(module)
+    return lambda state, *args: fn(nnx.merge(graphdef, state), *args), nnx.state(module)
+
+  def projections(a, x):
+    qx = a.q_proj(x)
+    return (qx.sum() + a.k_proj(x).sum() + a.v_proj(x).sum() + a.o_proj(qx).sum()).astype(jnp.float32)
+
+  def head_loss(embed, x):
+    logits = embed.attend(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  attention = lambda q, k, v: kernels_attention(q, k, v, plan).astype(jnp.float32).sum()  # noqa: E731
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def optimizer(params, opt_state):
+    updates, opt_state = tx.update(params, opt_state, params)  # The params stand in for grads.
+    return optax.apply_updates(params, updates), opt_state
+
+  return {
+      "attention core": _grad_thunk(attention, q, kk, v),
+      "projections": _grad_thunk(*on(block.attention, projections), x),
+      "MLP": _grad_thunk(*on(block.mlp, lambda m, x: m(x).astype(jnp.float32).sum()), x),
+      "head + loss": _grad_thunk(*on(model.embed, head_loss), x),
+      "optimizer": lambda: optimizer(params, opt_state),
+  }
+
+
+def kernels_attention(q, k, v, plan):
+  from jax_ai_stack import kernels
+
+  return kernels.attention(q, k, v, causal=True, plan=plan)
+
+
+PER_LAYER = ("attention core", "projections", "MLP")
+
+
+def time_components(thunks: dict[str, dict[str, Callable]], step_ms: dict[str, float],
+                    num_layers: int, rounds: int) -> dict[str, dict[str, float]]:
+  """ms per step of each part ({framework: {part: thunk}}), interleaved; "everything else"."""
+  for parts in thunks.values():
+    for thunk in parts.values():
+      jax.block_until_ready(thunk())  # Compiles.
+  seconds = {fw: {part: [] for part in parts} for fw, parts in thunks.items()}
+  for _ in range(rounds):
+    for fw, parts in thunks.items():
+      for part, thunk in parts.items():
+        time.sleep(SETTLE_SECONDS)
+        start = time.perf_counter()
+        jax.block_until_ready(thunk())
+        seconds[fw][part].append(time.perf_counter() - start)
+  table = {}
+  for fw, parts in seconds.items():
+    row = {part: statistics.median(s) * 1e3 * (num_layers if part in PER_LAYER else 1)
+           for part, s in parts.items()}
+    row["everything else"] = step_ms[fw] - sum(row.values())
+    row["step"] = step_ms[fw]
+    table[fw] = row
+  return table
 
 
 def measure_matmul_peak(n: int, repeats: int = 5) -> float:
@@ -243,10 +385,15 @@ def measure_matmul_peak(n: int, repeats: int = 5) -> float:
 
 
 def compare_params(variants: Sequence[Variant]) -> dict[str, Any]:
-  """Bitwise equality of every variant's parameters with the recipe's."""
+  """Bitwise equality of every variant's parameters with the recipe's.
+
+  Variants without `params` (bfloat16, PyTorch) are not compared.
+  """
   reference = variants[0].params()
   result = {}
   for variant in variants[1:]:
+    if variant.params is None:
+      continue
     other = variant.params()
     same_keys = reference.keys() == other.keys()
     max_diff = max(
@@ -261,20 +408,36 @@ def compare_params(variants: Sequence[Variant]) -> dict[str, Any]:
   return result
 
 
+WARMUP_STEPS = 3
+"""Untimed steps per variant first: the first few PyTorch steps (eager or compiled)
+ran up to 10x slower than later ones here."""
+SETTLE_SECONDS = 0.2
+"""Untimed pause before each timed chunk. XLA's and PyTorch's CPU thread pools
+spin for a while after their work; in one process, a chunk right after the
+other framework's would share the cores with those spinning threads (PyTorch's
+step measured 4x slower that way on 2 cores)."""
+
+
 def _seconds(variant: Variant, steps: int) -> float:
+  time.sleep(SETTLE_SECONDS)
   start = time.perf_counter()
   jax.block_until_ready(variant.run(steps))
   return time.perf_counter() - start
 
 
 def bench_size(
-    size: Size, rounds: int, peak_flops: float, min_chunk_seconds: float
+    size: Size, rounds: int, peak_flops: float, min_chunk_seconds: float, *,
+    bf16: bool = False, with_torch: bool = False,
 ) -> dict[str, Any]:
   """Times every variant of one size; see the module docstring."""
   batch = make_batch(size)
-  variants = build_variants(size, batch)
+  variants = build_variants(size, batch, bf16=bf16 or with_torch)
+  trainers = {}
+  if with_torch:
+    extra, trainers = torch_variants(size, batch)
+    variants += extra
   for variant in variants:
-    _seconds(variant, 1)  # Compiles.
+    _seconds(variant, WARMUP_STEPS)  # Compiles, and lets PyTorch settle.
   fastest_step = min(_seconds(variant, 1) for variant in variants)
   steps = max(1, math.ceil(min_chunk_seconds / fastest_step))
   seconds = {v.name: [] for v in variants}
@@ -297,6 +460,11 @@ def bench_size(
   ratio = timings["recipe"]["ms_per_step"] / timings["hand_written"]["ms_per_step"]
   ratio_min = timings["recipe"]["ms_per_step_min"] / timings["hand_written"]["ms_per_step_min"]
   equality = compare_params(variants)
+  extra = {}
+  if "recipe_bf16" in timings:
+    extra["ratio_bf16_vs_f32"] = timings["recipe_bf16"]["ms_per_step"] / timings["recipe"]["ms_per_step"]
+  if with_torch:
+    extra.update(torch_comparison(size, batch, timings, trainers, rounds))
   return {
       "model": {
           "num_layers": size.model.num_layers, "d_model": size.model.d_model,
@@ -309,34 +477,77 @@ def bench_size(
       "flops_per_step": flops_per_step,
       "steps_per_chunk": steps,
       "rounds": rounds,
-      "steps_compared": 2 + rounds * steps,
+      "steps_compared": WARMUP_STEPS + 1 + rounds * steps,
       "variants": timings,
       "ratio_recipe_vs_hand_written": ratio,
       "ratio_recipe_vs_hand_written_min": ratio_min,
       "met_target": ratio <= TARGET_RATIO,
       "bitwise_identical": all(e["bitwise_identical"] for e in equality.values()),
       "equality_vs_recipe": equality,
+      **extra,
+  }
+
+
+def torch_comparison(size: Size, batch: dict[str, jax.Array], timings: dict[str, Any],
+                     trainers: dict, rounds: int) -> dict[str, Any]:
+  """Ratios to PyTorch, the first-loss check, and the per-component table."""
+  torch_llama = load_torch_llama()
+  model = _init_fn(size.model)()
+  jax_loss = float(lm_loss(model, batch)[0])
+  torch_loss = torch_llama.first_loss(size.model, _flat(nnx.state(model, nnx.Param)), batch)
+  recipe_ms = timings["recipe"]["ms_per_step"]
+  step_ms = {"recipe": recipe_ms, "torch_compile": timings["torch_compile"]["ms_per_step"]}
+  thunks = {"recipe": jax_components(size, batch),
+            "torch_compile": torch_llama.components(trainers["torch_compile"], size.model, size)}
+  return {
+      "first_loss": {"jax": jax_loss, "torch": torch_loss, "abs_diff": abs(jax_loss - torch_loss)},
+      "ratio_recipe_vs_torch_compile": recipe_ms / timings["torch_compile"]["ms_per_step"],
+      "ratio_recipe_vs_torch_eager": recipe_ms / timings["torch_eager"]["ms_per_step"],
+      "ratio_recipe_bf16_vs_torch_compile_bf16": (
+          timings["recipe_bf16"]["ms_per_step"] / timings["torch_compile_bf16"]["ms_per_step"]),
+      "components_ms": time_components(thunks, step_ms, size.model.num_layers, rounds),
   }
 
 
 def print_table(results: dict[str, Any]) -> None:
   print(f"\ndevice: {results['device']}  jax {results['jax']}  flax {results['flax']}  "
         f"matmul peak {results['matmul_peak_tflops']:.3f} TFLOP/s (f32, n={results['matmul_n']})")
-  header = f"{'size':8} {'variant':14} {'ms/step':>10} {'tokens/s':>12} {'MFU':>7} {'vs hand':>8}"
+  header = f"{'size':8} {'variant':18} {'ms/step':>10} {'tokens/s':>12} {'MFU':>7} {'vs hand':>8}"
   print(header)
   print("-" * len(header))
   for size_name, size in results["sizes"].items():
     base = size["variants"]["hand_written"]["ms_per_step"]
     for variant_name, t in size["variants"].items():
-      print(f"{size_name:8} {variant_name:14} {t['ms_per_step']:10.2f} {t['tokens_per_s']:12.0f} "
+      print(f"{size_name:8} {variant_name:18} {t['ms_per_step']:10.2f} {t['tokens_per_s']:12.0f} "
             f"{t['mfu']:7.2%} {t['ms_per_step'] / base:8.3f}")
     verdict = "met" if size["met_target"] else "MISSED"
     print(f"{size_name:8} recipe/hand-written = {size['ratio_recipe_vs_hand_written']:.3f} "
           f"(target <= {TARGET_RATIO}: {verdict}; fastest rounds: "
           f"{size['ratio_recipe_vs_hand_written_min']:.3f}); parameters bitwise identical after "
           f"{size['steps_compared']} steps: {size['bitwise_identical']}")
+    if "ratio_bf16_vs_f32" in size:
+      print(f"{size_name:8} recipe bfloat16 / float32 = {size['ratio_bf16_vs_f32']:.3f}")
+    if "components_ms" in size:
+      print_torch(size_name, size)
   if not results["nnx_jit_tree_available"]:
     print("nnx.jit has no graph= argument in this flax: the tree-mode variant was skipped")
+
+
+def print_torch(size_name: str, size: dict[str, Any]) -> None:
+  loss = size["first_loss"]
+  print(f"{size_name:8} recipe / torch.compile = {size['ratio_recipe_vs_torch_compile']:.3f}, "
+        f"recipe / torch eager = {size['ratio_recipe_vs_torch_eager']:.3f}, recipe bf16 / "
+        f"torch.compile bf16 = {size['ratio_recipe_bf16_vs_torch_compile_bf16']:.3f}; first loss "
+        f"jax {loss['jax']:.6f} torch {loss['torch']:.6f}")
+  table = size["components_ms"]
+  frameworks = list(table)
+  print(f"\n{size_name}: ms per step by part (per-block parts x {size['model']['num_layers']} "
+        "layers, each timed alone)")
+  print(f"{'part':18}" + "".join(f"{fw:>15}" for fw in frameworks) + f"{'ratio':>8}")
+  for part in table[frameworks[0]]:
+    values = [table[fw][part] for fw in frameworks]
+    ratio = values[0] / values[1] if len(values) == 2 and values[1] > 0 else float("nan")
+    print(f"{part:18}" + "".join(f"{v:15.2f}" for v in values) + f"{ratio:8.2f}")
 
 
 def _size_list(text: str) -> list[str]:
@@ -389,9 +600,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: the 'quick' size, 2 rounds of 1 step, a small matmul, "
                            "most XLA optimizations off (timings not representative)")
+  parser.add_argument("--bf16", action="store_true",
+                      help="also time the recipe with model.dtype=bfloat16 (parameters float32)")
+  parser.add_argument("--torch", action="store_true",
+                      help="also time the same step in PyTorch (eager, torch.compile; float32, "
+                           "bfloat16 autocast), implies --bf16, and print a per-part table; "
+                           "needs torch (pip install jax-ai-stack[bench])")
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
                       help=f"where to write the JSON (default: {RESULTS_PATH})")
   args = parser.parse_args(argv)
+  if args.torch and load_torch_llama() is None:
+    parser.error("--torch needs PyTorch, which is not installed: "
+                 "pip install 'jax-ai-stack[bench]' (or pip install torch)")
   if args.quick:
     args.sizes, args.matmul_n, args.min_chunk_seconds = ["quick"], args.matmul_n or 256, 0.0
   return args
@@ -442,9 +662,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "target_ratio": TARGET_RATIO,
       "nnx_jit_tree_available": has_tree_mode_jit(),
       "quick": args.quick,
+      "torch": load_torch_llama().torch.__version__ if args.torch else None,
       "sizes": {
           name: bench_size(SIZES[name], args.repeats or SIZES[name].rounds, peak,
-                           args.min_chunk_seconds)
+                           args.min_chunk_seconds, bf16=args.bf16, with_torch=args.torch)
           for name in args.sizes
       },
   }

@@ -86,7 +86,10 @@ class PackageStatus:
   def status(self) -> Status:
     if self.installed is None:
       return "absent" if self.optional else "missing"
-    return "ok" if self.installed == self.pinned else "different"
+    installed = self.installed
+    if "+" not in self.pinned:  # PEP 440: ==2.13.0 accepts the local build 2.13.0+cpu.
+      installed = installed.split("+")[0]
+    return "ok" if installed == self.pinned else "different"
 
 
 def canonical_name(name: str) -> str:
