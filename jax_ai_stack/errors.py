@@ -40,5 +40,9 @@ class CheckpointMismatchError(WorkdirError):
   """The checkpoint in the workdir does not fit the model the config builds."""
 
 
+class ModelFileError(UserError, ValueError):
+  """A model directory (Hugging Face config.json, safetensors) that cannot be read or used."""
+
+
 class MissingExtraError(UserError, ImportError):
   """An optional package is not installed; names the extra that installs it."""

@@ -2,14 +2,15 @@
 
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
-in `configs`, which imports no jax.
+in `configs`, which imports no jax; `hf` reads and writes Hugging Face Llama
+directories (config.json + safetensors).
 """
 
 from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("llama", "cnn", "configs")
+_SUBMODULES = ("llama", "cnn", "configs", "hf")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",

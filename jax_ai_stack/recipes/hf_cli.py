@@ -1,0 +1,176 @@
+"""`jax-ai-stack import-hf` and `export-hf`: Hugging Face Llama directories <-> workdirs.
+
+    jax-ai-stack import-hf DIR --workdir W [--preset P] [--config FILE] [dotted overrides]
+    jax-ai-stack train --config W/config.yaml --workdir W train.steps=N   (fine-tune it)
+    jax-ai-stack eval --workdir W;  jax-ai-stack generate --workdir W --prompt TEXT
+    jax-ai-stack export-hf --workdir W OUT [--max-shard-size 5GB]
+
+`import-hf` writes step 0 of a run, exactly as `train` saves one (state,
+data position, metadata with the recipe config), whose model section comes
+from DIR/config.json and whose parameters from DIR's safetensors. The rest
+of the recipe is the preset's (default lm-tiny), then --config, then the
+overrides (e.g. `data.source=text data.paths=[corpus.txt]`, `model.param_dtype=float32`).
+A DIR/tokenizer.json is copied into W and becomes the run's tokenizer. The
+resolved config is written to W/config.yaml, for `train --config` to continue
+from step 0.
+
+Nothing is written when the input is bad: config.json, the tensors' names and
+shapes and the tokenizer are checked before W is created, and W is removed
+again if anything fails later. `export-hf` writes OUT beside itself and
+renames it into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+
+from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
+
+CONFIG_YAML = "config.yaml"
+
+
+def register(subparsers) -> None:
+  importer = subparsers.add_parser(
+      "import-hf", help="import a Hugging Face Llama directory as a run's step 0",
+      description="Read DIR (config.json, model.safetensors or its shards, optional "
+      "tokenizer.json) into a new workdir, as step 0 of a run that train, eval and generate "
+      "use. Extra arguments are dotted config overrides.")
+  importer.add_argument("directory", metavar="DIR", help="a Hugging Face model directory")
+  importer.add_argument("--workdir", required=True, help="the new workdir (missing or empty)")
+  importer.add_argument("--preset", help="the preset the rest of the recipe comes from "
+                        "(default lm-tiny)")
+  importer.add_argument("--config", help="a YAML file merged over the preset")
+  importer.set_defaults(func=run_import, accepts_overrides=True)
+
+  exporter = subparsers.add_parser(
+      "export-hf", help="write a run's model as a Hugging Face Llama directory",
+      description="Write the newest checkpoint of --workdir as OUT/config.json and "
+      "safetensors (sharded above --max-shard-size), plus the run's tokenizer.json if it has one.")
+  exporter.add_argument("out", metavar="OUT", help="the directory to write (missing or empty)")
+  exporter.add_argument("--workdir", required=True, help="a workdir train or import-hf wrote")
+  exporter.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file, e.g. 5GB or 500MiB (default 5GB)")
+  exporter.set_defaults(func=run_export)
+
+
+def _empty_or_missing(path: pathlib.Path, what: str) -> None:
+  if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+    raise WorkdirError(f"{what} {path} already exists and is not empty; choose a new one")
+
+
+def import_config(args: argparse.Namespace, model_fields: dict, tokenizer: pathlib.Path | None):
+  """The recipe: preset and --config, the model from config.json, the tokenizer, overrides."""
+  from jax_ai_stack.recipes import config as recipe_config
+  from jax_ai_stack.recipes import configlib
+
+  base = configlib.to_dict(recipe_config.load(args.preset, config_file=args.config))
+  base["model"] = dict(model_fields)
+  base["name"] = f"hf-{pathlib.Path(args.directory).absolute().name}"
+  if tokenizer is not None:
+    base["data"] = {**base["data"], "tokenizer": "huggingface", "tokenizer_path": str(tokenizer)}
+  data = configlib.apply_overrides(base, configlib.parse_overrides(args.overrides))
+  return configlib.from_dict(recipe_config.RecipeConfig, data,
+                             source=f"{args.directory}/config.json + overrides")
+
+
+def run_import(args: argparse.Namespace) -> int:
+  from jax_ai_stack.recipes import configlib
+  from jax_ai_stack.recipes.data import tokenizers
+  from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.train import Trainer
+
+  source = pathlib.Path(args.directory)
+  workdir = pathlib.Path(args.workdir).absolute()
+  fields = hf.read_config(source)
+  _empty_or_missing(workdir, "workdir")
+  tokenizer = source / hf.TOKENIZER_FILE
+  tokenizer = tokenizer if tokenizer.is_file() else None
+  config = import_config(args, fields, workdir / hf.TOKENIZER_FILE if tokenizer else None)
+  if getattr(config, "finetune", None) is not None and config.finetune.active:
+    raise UsageError("import-hf starts a run from DIR's weights, not from finetune.base: leave "
+                     "finetune unset here, then fine-tune with finetune.base=<the new workdir>")
+  copied = tokenizer is not None and config.data.tokenizer_path == str(workdir / hf.TOKENIZER_FILE)
+  # Unreadable or too small for the model: refused before anything is written.
+  _check_tokenizer(tokenizers.HuggingFaceTokenizer(str(tokenizer)) if copied
+                   else tokenizers.build_tokenizer(config.data), config.model.vocab_size,
+                   tokenizer if copied else None, source)
+  hf.check_weights(source, config.model)  # Names, shapes, headers: before W exists.
+  created = not workdir.exists()
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    if copied:
+      shutil.copyfile(tokenizer, workdir / hf.TOKENIZER_FILE)
+    (workdir / CONFIG_YAML).write_text(
+        "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
+    trainer = Trainer.open(config, workdir, resume="never", initial_params=lambda target: (
+        hf.load_params(source, config.model, target)))
+    try:
+      trainer.save(force=True)
+    finally:
+      trainer.close()
+  except BaseException:
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
+    else:  # It was empty: empty it again.
+      for entry in workdir.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    raise
+  print(f"imported {source} ({config.model.num_params():,} parameters) into {workdir} as "
+        f"step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_YAML} --workdir "
+        f"{workdir} train.steps=N")
+  return 0
+
+
+def _check_tokenizer(tokenizer, vocab_size: int, file: pathlib.Path | None,
+                     source: pathlib.Path) -> None:
+  """Refuses a tokenizer with more ids than the model has rows (`check_data`, before writing).
+
+  A tokenizer.json without BOS or PAD reuses its EOS (`data.tokenizers`); one
+  with no EOS of a known name gets the missing ids appended after its
+  vocabulary, which a model of exactly that many rows cannot embed; the
+  message says which.
+  """
+  if tokenizer.vocab_size <= vocab_size:
+    return
+  what = f"{file}" if file else f"the run's {type(tokenizer).__name__}"
+  appended = [name for name, i in zip(("BOS", "EOS", "PAD"), tokenizer.special_ids)
+              if i >= vocab_size]
+  why = (f": it defines no {'/'.join(appended)} token of a known name, so the recipe's tokenizer "
+         "appends one beyond the model's vocabulary" if file and appended else
+         "" if file else f" ({source} has no tokenizer.json)")
+  raise ModelFileError(f"{what} needs {tokenizer.vocab_size} ids but config.json has "
+                       f"vocab_size={vocab_size}{why}")
+
+
+def run_export(args: argparse.Namespace) -> int:
+  from jax_ai_stack.recipes import memory
+  from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.train import Trainer
+
+  try:
+    max_bytes = memory.parse_bytes(args.max_shard_size)
+  except UsageError:
+    raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a size; "
+                     "write e.g. 5GB or 500MiB") from None
+  out = pathlib.Path(args.out)
+  _empty_or_missing(out, "output directory")
+  trainer = Trainer.open_finished(args.workdir)
+  try:
+    if not isinstance(trainer.model, Llama):
+      raise UsageError(f"{args.workdir} trained a {trainer.config.model.kind} model; "
+                       "export-hf writes Llama models only")
+    data = trainer.config.data
+    tokenizer, token_ids = None, {}
+    if data.tokenizer == "huggingface":
+      tok = trainer.task.tokenizer()
+      tokenizer = data.tokenizer_path
+      token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    files = hf.save(trainer.model, out, max_shard_bytes=max_bytes, tokenizer=tokenizer,
+                    token_ids=token_ids)
+  finally:
+    trainer.close()
+  print(f"wrote step {trainer.step} of {args.workdir} to {out}: {', '.join(files)}")
+  return 0
