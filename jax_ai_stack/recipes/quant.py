@@ -1,0 +1,170 @@
+"""Qwix quantization of the recipe models: named schemes, QAT and PTQ models.
+
+A scheme (`SCHEMES`: w8, w8a8, w4) is a short list of `qwix.QuantizationRule`s
+whose module paths fit the recipe models (`rules`). The same rules serve
+quantization-aware training (`qat`: Qwix's `QtProvider` fakes the quantization
+in the forward pass, gradients pass straight through) and post-training
+quantization (`ptq`: Qwix's `PtqProvider` replaces each matched weight by an
+int8 or int4 `QArray` with a float32 scale per output channel), so a model
+trained for a scheme converts to exactly that scheme for serving.
+
+What stays float, and why:
+
+- the Llama token embedding, which is also the output head
+  (`tie_embeddings`): the lookup (`jnp.take`) cannot read a quantized table,
+  and under tracing Qwix would quantize the table when `Embed.attend` uses it.
+  An untied `lm_head` stays float too, so both layouts quantize alike;
+- norms and biases (no matmul);
+- CNN convolutions in the weight-only schemes: Qwix's PTQ convolution needs
+  quantized activations too (`act_qtype == weight_qtype`); w8a8 quantizes them.
+
+Activations (w8a8) are quantized per token at run time (dynamic range), so
+no calibration data is needed and nothing is added to the model state: a QAT
+model has the same parameters, optimizer state and checkpoint as a float one.
+
+Example:
+  >>> [r.module_path for r in rules("w4", "cnn")]
+  ['hidden', 'classifier']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import qwix
+from flax import nnx
+
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes import tasks
+from jax_ai_stack.recipes.quant_config import (
+    SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
+
+__all__ = [
+    "SCHEMES", "QuantConfig", "SchemeError", "check_scheme", "describe_schemes", "param_bytes",
+    "ptq", "qat", "rules",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+  """Module-path regexes (Qwix matches them in full) of one model family."""
+
+  mlp: str
+  """The feed-forward weights (int4 in w4)."""
+  other: str
+  """The other matmul weights that are quantized."""
+  convs: str | None = None
+  """Convolutions: quantized only with their activations (w8a8)."""
+
+
+_LAYERS = {
+    "llama": _Layers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
+                     other=r"layers/\d+/attention/(q|k|v|o)_proj"),
+    "cnn": _Layers(mlp="hidden", other="classifier", convs=r"convs/\d+"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scheme:
+  mlp_weights: Any
+  other_weights: Any
+  activations: Any = None
+
+
+_SCHEMES = {
+    "w8": _Scheme(jnp.int8, jnp.int8),
+    "w8a8": _Scheme(jnp.int8, jnp.int8, activations=jnp.int8),
+    "w4": _Scheme(jnp.int4, jnp.int8),
+}
+assert _SCHEMES.keys() == SCHEMES.keys()
+
+
+def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
+  """The Qwix rules of `scheme` for a model of `model_kind` ("llama" or "cnn").
+
+  Raises:
+    SchemeError: `scheme` is not one of `SCHEMES` (the message lists them).
+    ConfigError: no rules are written for `model_kind`.
+  """
+  spec = _SCHEMES[check_scheme(scheme)]
+  if model_kind not in _LAYERS:
+    raise ConfigError(f"quantization has no rules for model.kind={model_kind!r}; "
+                      f"kinds: {', '.join(_LAYERS)}")
+  layers = _LAYERS[model_kind]
+  out = [
+      qwix.QuantizationRule(module_path=layers.mlp, weight_qtype=spec.mlp_weights,
+                            act_qtype=spec.activations),
+      qwix.QuantizationRule(module_path=layers.other, weight_qtype=spec.other_weights,
+                            act_qtype=spec.activations),
+  ]
+  if layers.convs and spec.activations is not None:
+    out.append(qwix.QuantizationRule(module_path=layers.convs, weight_qtype=spec.activations,
+                                     act_qtype=spec.activations))
+  return out
+
+
+def qat(model: nnx.Module, config: Any) -> nnx.Module:
+  """`model` trained through `config.quant.qat`'s fake quantization; as it is when None.
+
+  `config`: a recipe config (its `quant` and `model` sections; a config with no
+  `quant` section trains in float). Called inside the trainer's `create()`, so
+  it runs under `nnx.eval_shape` and `jax.jit`.
+  """
+  scheme = getattr(getattr(config, "quant", None), "qat", None)
+  if scheme is None:
+    return model
+  return _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
+                   tasks.example_inputs(config.model))
+
+
+def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
+        method: str = "__call__") -> nnx.Module:
+  """A copy of `model` whose matched weights are quantized (int8/int4 + scales).
+
+  `model` (float, or a QAT model) is not changed. Only `method` of the copy
+  runs quantized ops (Qwix intercepts one method): "__call__" to evaluate,
+  "decode" for `llama.generate`. A model that is already quantized keeps its
+  quantized weights, so the same PTQ model can be given another `method`.
+  """
+  provider = qwix.PtqProvider(rules(scheme, model_config.kind))
+  inputs = tasks.example_inputs(model_config, method)
+  quantize = lambda m: _quantize(m, provider, inputs, method)  # noqa: E731
+  graphdef, state = nnx.split(model)
+  # Traced once for the structure, then once compiled for the values: eagerly,
+  # each small op of the model would compile on its own (seconds each on a CPU).
+  quantized_graphdef = nnx.graphdef(nnx.eval_shape(lambda: quantize(model)))
+  quantized_state = jax.jit(lambda s: nnx.state(quantize(nnx.merge(graphdef, s))))(state)
+  return nnx.merge(quantized_graphdef, quantized_state)
+
+
+def _quantize(model, provider, inputs, method="__call__"):
+  quantized = qwix.quantize_model(model, provider, *inputs, methods=(method,))
+  unused = provider.get_unused_rules()
+  if unused:  # The patterns no longer fit the model: a bug, not bad input.
+    raise RuntimeError(f"quantization rules matched no layer of {type(model).__name__}: "
+                       + ", ".join(r.module_path for r in unused))
+  return quantized
+
+
+def param_bytes(model_or_state: Any) -> int:
+  """Bytes of the parameters (`nnx.Param`), counting int4 as half a byte.
+
+  JAX stores int4 in a byte per value on CPU; packed (on TPU/GPU, and what
+  a serving format stores) it is half that, which is what this counts.
+  """
+  state = model_or_state
+  if isinstance(state, nnx.Module):
+    state = nnx.state(state, nnx.Param)
+  return sum(x.size * _bits(x.dtype) for x in jax.tree.leaves(state)) // 8
+
+
+def _bits(dtype) -> int:
+  dtype = np.dtype(dtype)
+  if dtype.kind in "iu" or dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
+    return ml_dtypes.iinfo(dtype).bits
+  return dtype.itemsize * 8
