@@ -633,3 +633,30 @@ def tree_equal(a: Any, b: Any) -> bool:
       np.array_equal(unwrap(x), unwrap(y)) and unwrap(x).dtype == unwrap(y).dtype
       for x, y in zip(la, lb)
   )
+
+
+def restore_subset(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State,
+                   *, what: str = "the checkpoint") -> nnx.State:
+  """Reads only the leaves of `abstract_state` from `step`'s state (the rest stays on disk).
+
+  What a fine-tuning run reads of its base: the model's parameters, not the
+  optimizer moments beside them. Shapes are checked first: a leaf missing or
+  of another shape raises `CheckpointMismatchError` naming `what`, and nothing
+  is read.
+  """
+  manager.wait_until_finished()
+  stored = _shapes_by_path(manager.item_metadata(step)["state"])
+  expected = _shapes_by_path(_abstract_savable(abstract_state))
+  problems = [f"{path}: " + (f"checkpoint shape {stored[path]}, config shape {shape}"
+                             if path in stored else f"not in the checkpoint (config expects {shape})")
+              for path, shape in sorted(expected.items()) if stored.get(path) != shape]
+  if problems:
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    raise CheckpointMismatchError(f"{what} (step {step} in {manager.directory}) does not fit "
+                                  f"this config: {shown}")
+  target = _abstract_savable(abstract_state)
+  args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+  with ocp.PyTreeCheckpointer() as reader:
+    items = reader.restore(pathlib.Path(manager.directory) / str(step) / "state", args=args)
+  return _from_savable(abstract_state, items)

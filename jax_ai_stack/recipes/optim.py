@@ -101,7 +101,8 @@ def optimizer_updates(config: OptimConfig, train_steps: int) -> int:
   return max(train_steps // config.accumulate_steps, 1)
 
 
-def build_optimizer(config: OptimConfig, model: nnx.Module, *, train_steps: int) -> nnx.Optimizer:
-  """`build(config)` over `model`'s parameters, scheduled for `train_steps` steps."""
+def build_optimizer(config: OptimConfig, model: nnx.Module, *, train_steps: int,
+                    wrt=nnx.Param) -> nnx.Optimizer:
+  """`build(config)` over `model`'s `wrt` variables (e.g. `nnx.LoRAParam`), for `train_steps` steps."""
   tx = build(config, total_steps=optimizer_updates(config, train_steps))
-  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return nnx.Optimizer(model, tx, wrt=wrt)

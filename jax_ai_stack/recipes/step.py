@@ -65,7 +65,9 @@ def make_steps(
 
   def train_step_fn(state: nnx.State, batch: Batch) -> tuple[nnx.State, dict[str, jax.Array]]:
     model, optimizer = nnx.merge(graphdef, state)
-    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+    # Only what the optimizer updates (all parameters, or LoRA adapters) is differentiated.
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
+    (loss, aux), grads = grad_fn(model, batch)
     optimizer.update(model, grads)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
     return nnx.state((model, optimizer)), metrics

@@ -38,10 +38,15 @@ def for_config(config: Any) -> Task:
   return family(config.model).task_class()(config)
 
 
+def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
+  """Zeros of the shapes one call of the model's `method` takes (`Task.example_inputs`)."""
+  return family(model_config).task_class().example_inputs(model_config, method)
+
+
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 __all__ = [
     "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "Task",
-    "classification_loss", "family", "for_config", "lm_loss",
+    "classification_loss", "example_inputs", "family", "for_config", "lm_loss",
 ]

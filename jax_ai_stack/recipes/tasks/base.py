@@ -24,7 +24,7 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import kernels
-from jax_ai_stack.errors import UsageError
+from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import sharding
 from jax_ai_stack.recipes.step import Batch, LossFn
 
@@ -55,6 +55,16 @@ class Task(abc.ABC):
     `layout`: where its activations live on a mesh of several devices, for a
     model that pins them (None on one device).
     """
+
+  @staticmethod
+  def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
+    """Zeros of the shapes one call of the model's `method` takes.
+
+    What Qwix needs to run a model once (quantization, LoRA adapters); the
+    values do not matter. A family without it cannot be quantized or adapted.
+    """
+    raise ConfigError(f"{type(model_config).__name__} models give no example inputs: "
+                      "quantization and LoRA do not support this model family")
 
   @abc.abstractmethod
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -35,6 +36,11 @@ class ImageClassification(Task):
 
   model_config = CNNConfig
   throughput_unit = "examples"
+
+  @staticmethod
+  def example_inputs(model_config: CNNConfig, method: str = "__call__") -> tuple:
+    del method  # A CNN has one.
+    return (jnp.zeros((1, *model_config.image_shape), jnp.float32),)
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> CNN:

@@ -61,6 +61,16 @@ class LanguageModel(Task):
   model_config = LlamaConfig
   throughput_unit = "tokens"
 
+  @staticmethod
+  def example_inputs(model_config: LlamaConfig, method: str = "__call__") -> tuple:
+    tokens = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
+    if method != "decode":
+      return (tokens,)
+    c = model_config  # decode also takes a KV cache.
+    zeros = tuple(jnp.zeros((1, tokens.shape[1], c.num_kv_heads, c.resolved_head_dim),
+                            jnp.dtype(c.dtype)) for _ in range(c.num_layers))
+    return tokens, llama.KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> Llama:
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)

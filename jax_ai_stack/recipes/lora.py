@@ -1,0 +1,408 @@
+"""Fine-tuning from a trained run: all parameters, or (Q)LoRA adapters through Qwix.
+
+`finetune.base` names a trained run. Without `finetune.lora` the new run starts
+from its weights and trains everything (a fresh optimizer). With it, Qwix's
+`LoraProvider` gives each matching layer a pair of `nnx.LoRAParam` adapters
+(A [in, r], B [r, out], B zero at first, so step 0 is the base model), and only
+they train: the optimizer is built `wrt=nnx.LoRAParam` and the gradient is
+taken of them alone. The base stays frozen, float or (QLoRA) quantized by a
+scheme of `recipes.quant`.
+
+Checkpoints of a LoRA run hold what changes (adapters, optimizer state, data
+position) and, in the metadata, a pointer to the base: its checkpoint
+directory, step and a checksum of the weights. Restoring reads the base again
+from there, so a run stays small on disk; a base that vanished or changed
+(another checksum) is a `BaseCheckpointError`, never a silent mix.
+
+Qwix adds the adapters inside the model's `__call__` only, so what decodes
+(generation, `merge`) uses `merged_model`: W + (alpha / r) A B in a plain model.
+
+Example:
+  >>> from jax_ai_stack.recipes import config
+  >>> cfg = config.load("lm-tiny-lora")
+  >>> cfg.finetune.base, cfg.finetune.lora.rank
+  ('runs/lm-tiny', 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_ai_stack.errors import ConfigError, WorkdirError
+from jax_ai_stack.recipes import checkpoint, tasks
+from jax_ai_stack.recipes.finetune_config import FinetuneConfig, LoraConfig
+
+__all__ = ["BaseCheckpointError", "Finetune", "FinetuneConfig", "LoraConfig", "merged_model"]
+
+_A, _B = "_lora_a", "_lora_b"
+
+
+class BaseCheckpointError(WorkdirError):
+  """The base run of a fine-tuning run is missing, unreadable or changed."""
+
+
+def resolve_base(base: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
+  """(checkpoint directory, step or None for the newest) that `finetune.base` names."""
+  path = pathlib.Path(base)
+  if (path / "checkpoints").is_dir():
+    return (path / "checkpoints").absolute(), None
+  if path.name.isdigit() and path.is_dir():
+    return path.parent.absolute(), int(path.name)
+  if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
+    return path.absolute(), None
+  raise BaseCheckpointError(
+      f"finetune.base={str(base)!r}: no trained run there (a workdir with checkpoints/, or "
+      "one step directory <workdir>/checkpoints/<step>); train the base first")
+
+
+def lora_rules(config: LoraConfig, model_kind: str) -> list:
+  """Qwix rules: adapters on `config.modules`; for QLoRA also `recipes.quant`'s weight scheme.
+
+  QLoRA's rules, in Qwix's order of precedence: adapters over each quantized
+  layer that `modules` names, the scheme's quantization alone on its other
+  layers, then adapters over float layers.
+  """
+  import qwix
+
+  adapted = f"(?:.*/)?(?:{config.modules})"
+  adapters = dict(rank=config.rank, alpha=config.alpha)
+  if config.quantize_base is None:
+    return [qwix.LoraRule(module_path=adapted, **adapters)]
+  from jax_ai_stack.recipes import quant
+
+  scheme = quant.rules(config.quantize_base, model_kind)  # Weight-only (LoraConfig checks).
+  both = [qwix.LoraRule(module_path=f"(?={adapted}$)(?:{rule.module_path})",
+                        weight_qtype=rule.weight_qtype, **adapters) for rule in scheme]
+  return [*both, *scheme, qwix.LoraRule(module_path=adapted, **adapters)]
+
+
+def add_adapters(model: nnx.Module, config: LoraConfig, model_config: Any,
+                 seed: int) -> nnx.Module:
+  """`model` with Qwix LoRA adapters on the layers `config.modules` matches.
+
+  Raises ConfigError when no layer matches or the rank exceeds a layer's width.
+  """
+  import qwix
+
+  provider = qwix.LoraProvider(lora_rules(config, model_config.kind))
+  model = qwix.apply_lora_to_model(model, provider, *tasks.example_inputs(model_config),
+                                   rngs=nnx.Rngs(seed))
+  pairs = adapter_pairs(model)
+  if not pairs:
+    raise ConfigError(f"finetune.lora.modules={config.modules!r} matches no layer of the model")
+  for name, (a, b) in pairs.items():
+    width = min(math.prod(a.shape[:-1]), math.prod(b.shape[1:]))
+    if config.rank > width:
+      raise ConfigError(f"finetune.lora.rank={config.rank} is larger than the width ({width}) "
+                        f"of layer {name}: choose a rank <= {width}")
+  return model
+
+
+def adapter_pairs(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """{'layers/0/mlp/up_proj/kernel': (A, B)} of every adapted weight."""
+  flat = {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+  return {name[:-len(_A)]: (flat[name].get_value(), flat[name[:-len(_A)] + _B].get_value())
+          for name in flat if name.endswith(_A)}
+
+
+def adapter_delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ...]) -> jax.Array:
+  """scale * A B in the weight's own shape (Qwix's A holds the weight's input axes, B its output).
+
+  Example:
+    >>> adapter_delta(jnp.ones((3, 1)), jnp.ones((1, 2)), 0.5, (3, 2)).tolist()
+    [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]
+  """
+  delta = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1) * scale
+  return delta.reshape(shape)
+
+
+def merged_model(model: nnx.Module, plain: Callable[[], nnx.Module], scale: float) -> nnx.Module:
+  """A plain model (no Qwix) whose weights are the base plus `scale` * A B.
+
+  `plain` builds the model without adapters (its values are replaced); the
+  result decodes like `model` computes (Qwix adds the adapters only inside
+  `__call__`), up to float rounding of the merged sum. A QLoRA base is
+  dequantized first, so the merged model is float.
+  """
+  target = nnx.eval_shape(plain)
+  graphdef, state = nnx.split(model)
+
+  def merged_state(state):
+    source = nnx.merge(graphdef, state)
+    pairs = adapter_pairs(source)
+    out = []
+    for path, variable in nnx.to_flat_state(nnx.state(target)):
+      value = _float_value(source, path)
+      name = "/".join(map(str, path))
+      if name in pairs:
+        value = value.astype(jnp.float32) + adapter_delta(*pairs[name], scale, value.shape)
+      out.append((path, variable.replace(value.astype(variable.get_value().dtype))))
+    return nnx.from_flat_state(out)
+
+  nnx.update(target, jax.jit(merged_state)(state))
+  return target
+
+
+def _float_value(model: nnx.Module, path: tuple) -> jax.Array:
+  """The value at `path` of `model`; a QLoRA base weight (Qwix `WithAux`) dequantized."""
+  import qwix
+  from qwix._src.utils.flax_util import get_value_from_path
+
+  value = get_value_from_path(model, path)
+  if isinstance(value, nnx.Variable):
+    return value.get_value()
+  return qwix.dequantize(value.array)  # A WithAux[QArray].
+
+
+def _is_base_weight(path, variable) -> bool:
+  """The model's (path[0] == 0) weights other than the adapters: what a LoRA run freezes."""
+  return (path[0] == 0 and isinstance(variable, nnx.Param)
+          and not isinstance(variable, nnx.LoRAParam))
+
+
+def _is_model_param(path, variable) -> bool:
+  return path[0] == 0 and isinstance(variable, nnx.Param)
+
+
+@jax.jit
+def checksum(tree: Any) -> jax.Array:
+  """Two uint32 sums of every bit of `tree`'s arrays, position-weighted: a change detector."""
+  total = jnp.zeros(2, jnp.uint32)
+  for index, leaf in enumerate(jax.tree.leaves(tree)):
+    bits = jax.lax.bitcast_convert_type(leaf, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                               8: jnp.uint32}[leaf.dtype.itemsize])
+    bits = bits.ravel().astype(jnp.uint32)
+    position = jnp.arange(bits.size, dtype=jnp.uint32)
+    weights = jnp.stack([position * jnp.uint32(2654435761) + 1, position + jnp.uint32(index)])
+    total = total * jnp.uint32(31) + (weights * bits).sum(axis=1, dtype=jnp.uint32)
+  return total
+
+
+@dataclasses.dataclass
+class Finetune:
+  """What `finetune` changes in a run: the model, what trains, what is saved, the base.
+
+  Inactive (`finetune.base` None) it changes nothing. `base` holds the
+  pointer to the loaded base once `with_base` ran (saved in the metadata).
+  """
+
+  config: FinetuneConfig
+  model_config: Any
+  seed: int
+  base: dict | None = None
+
+  @classmethod
+  def of(cls, recipe: Any) -> Finetune:
+    """The recipe's `finetune` section; refuses LoRA with QAT (Qwix keeps one provider per
+    model: the adapters' would silently replace the fake quantization)."""
+    config = getattr(recipe, "finetune", None) or FinetuneConfig()
+    if config.lora is not None and getattr(getattr(recipe, "quant", None), "qat", None):
+      raise ConfigError("finetune.lora does not combine with quant.qat (Qwix applies one "
+                        "provider per model); for a quantized base use finetune.lora.quantize_base")
+    return cls(config, recipe.model, recipe.train.seed)
+
+  @property
+  def lora(self) -> LoraConfig | None:
+    return self.config.lora
+
+  @property
+  def scale(self) -> float:
+    return self.lora.alpha / self.lora.rank
+
+  def apply(self, model: nnx.Module) -> nnx.Module:
+    """`model` with adapters (LoRA runs); as it is otherwise."""
+    if self.lora is None:
+      return model
+    return add_adapters(model, self.lora, self.model_config, self.seed + 2)
+
+  @property
+  def wrt(self):
+    """What the optimizer updates and the gradient is taken of."""
+    return nnx.LoRAParam if self.lora is not None else nnx.Param
+
+  def saved(self, state: nnx.State) -> nnx.State:
+    """The part of a (model, optimizer) state that checkpoints hold: all but a frozen base."""
+    if self.lora is None:
+      return state
+    return nnx.filter_state(state, nnx.Not(_is_base_weight))
+
+  def with_base(self, state: nnx.State, abstract: nnx.State, shardings: nnx.State,
+                metadata: dict | None, *, model: nnx.Module | None = None) -> nnx.State:
+    """`state` with the base weights read in: always for LoRA, only at the start otherwise.
+
+    `metadata`: the restored checkpoint's (None for a fresh run); a resumed
+    run reads the base its pointer names and checks that it did not change.
+    `model`: the (abstract) model with adapters; QLoRA quantizes the base as it says.
+    """
+    if not self.config.active or (self.lora is None and metadata is not None):
+      self.base = (metadata or {}).get("finetune")
+      return state
+    which = _is_base_weight if self.lora is not None else _is_model_param
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.filter_state(abstract, which), nnx.filter_state(shardings, which))
+    pointer = (metadata or {}).get("finetune")
+    if metadata is not None and not pointer:
+      raise BaseCheckpointError("the checkpoint has no pointer to its finetune.base run")
+    directory, step = ((pathlib.Path(pointer["base"]), pointer["step"]) if pointer
+                       else resolve_base(self.config.base))
+    quantized = self.lora is not None and self.lora.quantize_base is not None
+    read = _float_target(target, self.model_config.param_dtype) if quantized else target
+    weights, step = _read_base(directory, step, read, self.config.base)
+    found = np.asarray(checksum(nnx.to_pure_dict(weights))).tolist()
+    if pointer and found != pointer["checksum"]:
+      raise BaseCheckpointError(
+          f"the base run {directory} step {step} has changed since this run started (checksum "
+          f"{found} != {pointer['checksum']}): restore it, or fine-tune again in a new --workdir")
+    self.base = {"base": str(directory), "step": step, "checksum": found}
+    if quantized:
+      weights = _quantized(weights, target, model)
+    if self.lora is None:  # Full fine-tuning starts from the base's weights.
+      state = nnx.filter_state(state, nnx.Not(_is_model_param))
+    return nnx.merge_state(state, weights)
+
+  def metadata(self) -> dict | None:
+    """The pointer to the base, for a checkpoint's metadata."""
+    return self.base
+
+
+def _float_target(target: nnx.State, dtype: str) -> nnx.State:
+  """The float weights a QLoRA base is quantized from: `w/array/qvalue` -> `w` (its shape)."""
+  out = []
+  for path, variable in nnx.to_flat_state(target):
+    if path[-2:] == ("array", "qvalue"):
+      value = variable.get_value()
+      out.append((path[:-2], variable.replace(
+          jax.ShapeDtypeStruct(value.shape, jnp.dtype(dtype), sharding=value.sharding))))
+    elif path[-2:-1] != ("array",):  # The scale is recomputed from the float weight.
+      out.append((path, variable))
+  return nnx.from_flat_state(out)
+
+
+def _quantized(weights: nnx.State, target: nnx.State, model: nnx.Module) -> nnx.State:
+  """The float base `weights` quantized as the QLoRA `model` does (Qwix PTQ), into `target`."""
+  import qwix
+  from flax import traverse_util
+
+  floats = nnx.to_pure_dict(weights)[0]
+  # One compiled program (eagerly, each op of each weight would compile on its own).
+  quantized = traverse_util.flatten_dict(jax.jit(lambda f: qwix.quantize_params(f, model))(floats))
+  out = []
+  for path, variable in nnx.to_flat_state(target):
+    value = quantized[path[1:]]  # Qwix gives an NNX model's params as a pure dict.
+    out.append((path, variable.replace(jax.device_put(value, variable.get_value().sharding))))
+  return nnx.from_flat_state(out)
+
+
+def _read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
+               origin: str) -> tuple[nnx.State, int]:
+  """The base's weights at `step` (None: newest) into `target`'s shapes and shardings."""
+  if not directory.is_dir():
+    raise BaseCheckpointError(f"the base run's checkpoints {directory} are gone "
+                              f"(finetune.base={origin!r})")
+  manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig(), read_only=True)
+  try:
+    steps = manager.all_steps()
+    if step is None:
+      if not steps:
+        raise BaseCheckpointError(f"no checkpoint in {directory} (finetune.base={origin!r})")
+      step = max(steps)
+    elif step not in steps:
+      raise BaseCheckpointError(f"step {step} of the base run {directory} is gone "
+                                f"(finetune.base={origin!r}); steps there: {sorted(steps)}")
+    try:
+      weights = checkpoint.restore_subset(manager, step, target,
+                                          what=f"the base run finetune.base={origin!r}")
+    except checkpoint.CheckpointMismatchError:
+      raise
+    except Exception as e:  # noqa: BLE001 - any read failure: the base is unusable.
+      raise BaseCheckpointError(f"the base run {directory} step {step} is unreadable: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    return weights, step
+  finally:
+    manager.close()
+
+
+def eval_before(trainer) -> None:
+  """A fine-tuning run's evaluation before its first step, logged as step 0 and printed.
+
+  With LoRA that is the base model itself (B is zero), so the run's later
+  evaluations show what fine-tuning changed on the held-out text.
+  """
+  if trainer.finetune is None or not trainer.finetune.config.active or trainer.step:
+    return
+  if trainer.validation is None:
+    return
+  from jax_ai_stack.recipes import distributed
+  from jax_ai_stack.recipes.metrics import MetricsLog
+
+  metrics = trainer.evaluate()
+  log = MetricsLog(trainer.workdir, 0, enabled=distributed.is_primary())
+  try:
+    log.write(0, "eval", metrics)
+  finally:
+    log.close()
+  print("before fine-tuning: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
+
+
+def eval_change(workdir: str | pathlib.Path) -> str | None:
+  """'eval_loss 2.1 at step 0 -> 1.7 at step 200' from a run's metrics.jsonl, if it has both."""
+  from jax_ai_stack.recipes.metrics import read_metrics
+
+  evals = [r for r in read_metrics(workdir) if r["split"] == "eval" and "eval_loss" in r]
+  if len(evals) < 2 or evals[0]["step"] != 0:
+    return None
+  first, last = evals[0], evals[-1]
+  return (f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
+          f"{last['eval_loss']:.4f} at step {last['step']}")
+
+
+def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
+  """Writes a LoRA run's merged weights (base + adapters) as a plain run in `out`.
+
+  `out` (default `<workdir>-merged`) is a normal workdir: one checkpoint at the
+  LoRA run's step, its config without `finetune`, a fresh optimizer state, so
+  `eval` and `generate` (and further training) work on it without the base.
+  An `out` that already has checkpoints is refused; nothing there changes.
+  """
+  from jax_ai_stack.errors import UsageError
+  from jax_ai_stack.recipes import configlib, optim, tasks, train
+
+  workdir = pathlib.Path(workdir)
+  out = pathlib.Path(out) if out is not None else workdir.with_name(workdir.name + "-merged")
+  if out.absolute() == workdir.absolute():
+    raise UsageError(f"--out {out} is the LoRA run's own workdir: choose another directory")
+  if (out / train.CHECKPOINT_DIR).is_dir() and any((out / train.CHECKPOINT_DIR).iterdir()):
+    raise WorkdirError(f"{out} already has checkpoints: choose another --out (nothing was changed)")
+  trainer = train.Trainer.open_finished(workdir)
+  try:
+    if trainer.finetune is None or trainer.finetune.lora is None:
+      raise WorkdirError(f"{workdir} is not a LoRA run (no finetune.lora): its checkpoint "
+                         "already holds full weights")
+    config = dataclasses.replace(trainer.config, finetune=FinetuneConfig())
+    model = trainer.inference_model()
+    optimizer = optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
+    metadata = {"step": trainer.step, "config": configlib.to_dict(config),
+                "merged_from": {"workdir": str(workdir.absolute()), **trainer.finetune.base}}
+    if trainer.attention_choice is not None:
+      metadata["attention"] = {**trainer.attention_choice.to_dict(),
+                               "plan": trainer.attention.to_dict()}
+    step = trainer.step
+  finally:
+    trainer.close()
+  train.prepare_workdir(out, read_only=False)
+  data = iter(tasks.for_config(config).dataset("train", config.train.seed))
+  manager = checkpoint.build_manager(out / train.CHECKPOINT_DIR, config.checkpoint)
+  try:
+    checkpoint.save(manager, step, nnx.state((model, optimizer)), data, metadata, force=True)
+  finally:
+    manager.close()
+  return out
