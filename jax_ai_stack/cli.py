@@ -19,7 +19,10 @@ from jax_ai_stack.errors import UserError
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
+    "jax_ai_stack.recipes.hf_cli",
     "jax_ai_stack.recipes.data.cli",
+    "jax_ai_stack.recipes.lora_cli",
+    "jax_ai_stack.recipes.quant_cli",
     "jax_ai_stack.kernels.cli",
 )
 

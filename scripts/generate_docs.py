@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import pathlib
 import sys
+import typing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -110,7 +111,20 @@ def recipe_sections() -> list[tuple[str, str, type]]:
         sections.append((f"`model` (kind: {kind})", doc, family.model_config))
     elif field.default_factory is not dataclasses.MISSING:
       sections.append((f"`{field.name}`", doc, field.default_factory))
+      sections += optional_subsections(field.name, field.default_factory)
   return sections
+
+
+def optional_subsections(prefix: str, cls: type) -> list[tuple[str, str, type]]:
+  """`S.f` sections for the fields of type `SomeConfig | None` (off unless set: `finetune.lora`)."""
+  _, docs = field_docs(cls)
+  hints = typing.get_type_hints(cls)
+  out = []
+  for field in dataclasses.fields(cls):
+    members = [t for t in typing.get_args(hints[field.name]) if dataclasses.is_dataclass(t)]
+    if len(members) == 1:
+      out.append((f"`{prefix}.{field.name}`", docs[field.name][1], members[0]))
+  return out
 
 
 def config_page() -> str:

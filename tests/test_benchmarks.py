@@ -144,3 +144,108 @@ def test_token_cache_quick_writes_positive_figures(tmp_path):
   assert memory["big"]["num_tokens"] > memory["small"]["num_tokens"]
   assert memory["small"]["peak_rss_mb"] > 0 and isinstance(memory["met_target"], bool)
   assert [p.name for p in tmp_path.iterdir()] == ["token_cache.json"]  # the work is removed
+
+
+def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
+  startup = _load("startup")
+  out = tmp_path / "startup.json"
+  returned = startup.main(["--quick", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  (round_,) = results["rounds"]
+  assert round_["cache_entries"] >= 2 and round_["cache_bytes"] > 0
+  assert round_["warm"]["cache_hits"] >= 2  # At least the initialisation and the train step.
+  for kind in ("cold", "warm"):
+    assert round_[kind]["first_step_s"] >= round_[kind]["import_s"] > 0
+  assert results["ratio_warm_vs_cold"] > 0 and isinstance(results["met_target"], bool)
+
+
+def test_startup_rejects_output_without_a_start_up_line():
+  startup = _load("startup")
+  with pytest.raises(ValueError, match="no start-up line"):
+    startup.parse_startup("recipe lm-tiny: preparing data and model ...\n")
+  line = ("start-up: import 1.5 s, init 2.0 s (data, model, checkpoint), first step after 3.5 s; "
+          "of which trace 1.0 s, compile 0.5 s (2 programs, 2 loaded from the cache /c)")
+  assert startup.parse_startup(line)["first_step_s"] == 5.0
+  assert startup.parse_startup(line)["cache_hits"] == 2
+
+
+def test_quant_quick_reports_every_scheme_smaller_than_float(tmp_path):
+  quant = _load("quant")
+  out = tmp_path / "quant.json"
+  returned = quant.main(["--quick", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  variants = results["variants"]
+  assert list(variants) == ["float", "w8", "w8a8", "w4"]
+  assert variants["float"]["loss_delta"] == 0 and variants["float"]["bytes_vs_float"] == 1
+  for name in ("w8", "w8a8", "w4"):
+    assert variants[name]["ms_per_forward"] > 0 and abs(variants[name]["loss_delta"]) < 0.05
+    assert variants[name]["param_bytes"] < variants["float"]["param_bytes"]
+  assert variants["w4"]["param_bytes"] < variants["w8"]["param_bytes"]
+
+
+def test_lora_quick_reports_fewer_trainable_parameters_than_full(tmp_path):
+  lora = _load("lora")
+  out = tmp_path / "lora.json"
+  returned = lora.main(["--quick", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  size = results["sizes"]["quick"]
+  variants = size["variants"]
+  assert list(variants) == ["full", "lora", "qlora"]
+  assert variants["full"]["trainable_params"] == size["model_params"]
+  for name in ("lora", "qlora"):
+    assert 0 < variants[name]["trainable_params"] < variants["full"]["trainable_params"]
+    assert variants[name]["optimizer_state_bytes"] < variants["full"]["optimizer_state_bytes"]
+    assert variants[name]["ms_per_step"] > 0 and variants[name]["ratio_vs_full"] > 0
+  # B starts at zero: step 0 of LoRA is the base model itself.
+  assert variants["lora"]["first_loss"] == pytest.approx(variants["full"]["first_loss"], abs=1e-6)
+
+
+def test_train_step_torch_needs_torch(train_step, capsys, monkeypatch):
+  monkeypatch.setattr(train_step, "load_torch_llama", lambda: None)
+  with pytest.raises(SystemExit) as exit_info:
+    train_step.parse_args(["--torch"])
+  assert exit_info.value.code == 2
+  assert "--torch needs PyTorch" in capsys.readouterr().err
+
+
+def test_train_step_does_not_compare_bits_of_other_numerics(train_step):
+  reference = train_step.Variant("recipe", None, lambda: {"w": np.zeros(3, np.float32)})
+  bf16 = train_step.Variant("recipe_bf16", None, None)
+  assert train_step.compare_params([reference, bf16]) == {}
+
+
+def test_torch_llama_computes_the_recipe_s_loss(train_step):
+  pytest.importorskip("torch")
+  torch_llama = train_step.load_torch_llama()
+  size = train_step.SIZES["quick"]
+  for config in (size.model, size.model.tiny(**{**_fields(size.model), "tie_embeddings": False})):
+    model = train_step._init_fn(config)()
+    batch = train_step.make_batch(train_step.dataclasses.replace(size, model=config))
+    params = train_step._flat(train_step.nnx.state(model, train_step.nnx.Param))
+    jax_loss = float(train_step.lm_loss(model, batch)[0])
+    assert torch_llama.first_loss(config, params, batch) == pytest.approx(jax_loss, abs=1e-5)
+
+
+def _fields(config) -> dict:
+  return {f: getattr(config, f) for f in ("num_layers", "d_model", "num_heads", "num_kv_heads",
+                                          "mlp_dim", "max_seq_len")}
+
+
+@pytest.mark.slow  # torch.compile of two models and four parts: minutes on 2 cores.
+def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
+  pytest.importorskip("torch")
+  results = train_step.main(["--quick", "--torch", "--out", str(tmp_path / "t.json")])
+  size = results["sizes"]["quick"]
+  assert set(train_step.TORCH_VARIANTS) | {"recipe_bf16"} <= set(size["variants"])
+  assert size["first_loss"]["abs_diff"] < 1e-5, size["first_loss"]
+  assert size["bitwise_identical"]  # recipe_bf16 and torch are left out of the comparison.
+  for key in ("ratio_recipe_vs_torch_compile", "ratio_recipe_vs_torch_eager", "ratio_bf16_vs_f32"):
+    assert size[key] > 0, key
+  parts = {"attention core", "projections", "MLP", "head + loss", "optimizer", "everything else"}
+  for framework in ("recipe", "torch_compile"):
+    row = size["components_ms"][framework]
+    assert parts | {"step"} == set(row)
+    assert all(row[p] > 0 for p in parts - {"everything else"}), row

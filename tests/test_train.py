@@ -3,6 +3,7 @@ preemption, and the bad-input paths that must lose nothing already saved."""
 
 from __future__ import annotations
 
+import logging
 import json
 import signal
 import sys
@@ -232,3 +233,12 @@ def test_eval_and_generate_run_the_kernel_the_training_run_used(tmp_path, monkey
   saved = checkpoint.read_metadata(manager)["attention"]
   manager.close()
   assert saved["implementation"] == "xla" and kernels.ENV_VAR in saved["source"]
+
+
+def test_a_section_newer_than_the_checkpoint_is_no_config_change_warning(caplog):
+  saved = {"config": {"train": {"steps": 3}}}  # written before `quant` and `finetune` existed
+  with caplog.at_level(logging.WARNING):
+    train._warn_changes(saved, {"train": {"steps": 3}, "quant": {"qat": None}}, None)
+    assert not caplog.records
+    train._warn_changes(saved, {"train": {"steps": 4}}, None)
+  assert "config train.steps changed since the checkpoint: 3 -> 4" in caplog.text

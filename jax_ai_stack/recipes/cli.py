@@ -5,8 +5,8 @@
     jax-ai-stack train ... --coordinator HOST:PORT --num-processes N --process-id I
     jax-ai-stack train ... --dry-run [--device-memory 16GiB]   (the memory plan; trains nothing)
     jax-ai-stack train --list
-    jax-ai-stack generate --workdir DIR --prompt TEXT
-    jax-ai-stack eval --workdir DIR
+    jax-ai-stack generate --workdir DIR --prompt TEXT [--quantized SCHEME]
+    jax-ai-stack eval --workdir DIR [--quantized SCHEME]
 
 Overrides take either form: `model.num_layers=6` or `--model.num_layers 6`.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from jax_ai_stack.errors import UsageError
 
@@ -63,6 +64,9 @@ def register(subparsers) -> None:
   train.add_argument("--device-memory", metavar="SIZE",
                      help="memory per device for --dry-run's largest batch, e.g. 16GiB "
                      "(default: what the device reports)")
+  train.add_argument("--verbose", action="store_true",
+                     help="after the first step, print where the start-up went: import, init, "
+                     "trace and compile seconds, compilation-cache hits")
   launch = train.add_argument_group("several processes (hosts)")
   launch.add_argument("--distributed", choices=("off", "auto", "explicit"),
                       help="auto: join the cluster JAX detects; explicit: implied by the next "
@@ -84,6 +88,8 @@ def register(subparsers) -> None:
                         help="tokens to add; fewer if the model's max_seq_len is reached (default 128)")
   generate.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 picks the most likely token (default 0.8)")
+  generate.add_argument("--quantized", metavar="SCHEME",
+                        help="run the parameters `quantize --scheme SCHEME` saved in --workdir")
   generate.set_defaults(func=run_generate)
 
   evaluate = subparsers.add_parser(
@@ -91,6 +97,8 @@ def register(subparsers) -> None:
       description="Evaluate the newest checkpoint in --workdir on the run's validation split "
       "(read-only); prints JSON.")
   evaluate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
+  evaluate.add_argument("--quantized", metavar="SCHEME",
+                        help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
   evaluate.set_defaults(func=run_eval)
 
 
@@ -116,7 +124,7 @@ def load_config(args: argparse.Namespace):
 
 def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import config as recipe_config
-  from jax_ai_stack.recipes import configlib, distributed
+  from jax_ai_stack.recipes import compile_cache, configlib, distributed
 
   if args.list:
     for name in recipe_config.list_presets():
@@ -130,16 +138,20 @@ def run_train(args: argparse.Namespace) -> int:
   if args.print_config:
     print(configlib.to_yaml(config), end="")
     return 0
+  import_started = time.perf_counter()
   from jax_ai_stack.recipes import train  # jax and the libraries: only to train.
+  import_s = time.perf_counter() - import_started
 
   distributed.initialize(launch)  # Before anything touches a device.
+  compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:
     from jax_ai_stack.recipes import memory
 
     print(memory.dry_run(config, device_memory_text=args.device_memory))
     return 0
   try:
-    result = train.run(config, args.workdir, resume=args.resume)
+    result = train.run(config, args.workdir, resume=args.resume, verbose=args.verbose,
+                       import_s=import_s)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
@@ -148,9 +160,11 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes.train import Trainer
+  from jax_ai_stack.recipes import compile_cache
 
-  trainer = Trainer.open_finished(args.workdir)
+  compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
+
+  trainer = _open_finished(args, validation=False, method="decode")
   try:
     print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature))
   finally:
@@ -159,12 +173,26 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes.train import Trainer
+  from jax_ai_stack.recipes import compile_cache
 
-  trainer = Trainer.open_finished(args.workdir, validation=True)
+  compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
+
+  trainer = _open_finished(args, validation=True, method="__call__")
   try:
     metrics = trainer.evaluate()
   finally:
     trainer.close()
   print(json.dumps({"step": trainer.step, **metrics}, indent=2))
   return 0
+
+
+def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
+  """The trained run, or with --quantized its quantized parameters (`ptq.open_quantized`)."""
+  from jax_ai_stack.recipes.train import Trainer
+
+  if not getattr(args, "quantized", None):
+    return Trainer.open_finished(args.workdir, validation=validation)
+  from jax_ai_stack.recipes import ptq, quant_config
+
+  quant_config.check_scheme(args.quantized)
+  return ptq.open_quantized(args.workdir, args.quantized, validation=validation, method=method)

@@ -24,9 +24,12 @@ import pydantic
 # printing a config imports no jax, flax, optax, grain or orbax.
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
+from jax_ai_stack.recipes.compile_cache import Setting as CompileCacheSetting
 from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
 from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.finetune_config import FinetuneConfig
 from jax_ai_stack.recipes.optim_config import OptimConfig
+from jax_ai_stack.recipes.quant_config import QuantConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 from jax_ai_stack.recipes.tasks import families
 
@@ -63,6 +66,10 @@ class TrainConfig:
   autotune_attention: bool = False
   """Tune attention once (tokamax.autotune + timing) and pin the choice in
   <workdir>/attention_autotune.json; resume reloads it so numerics do not change."""
+  compile_cache: CompileCacheSetting = "auto"
+  """Persistent XLA compilation cache of the command line (a rerun or resume skips
+  compiling): 'auto' ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax-ai-stack/xla
+  under $XDG_CACHE_HOME), a directory, or 'off'. Library calls never turn it on."""
 
   def __post_init__(self):
     for name in ("steps", "eval_batches"):
@@ -99,6 +106,10 @@ class RecipeConfig:
   """Steps, seed, evaluation, resume, the final sample."""
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   """The device mesh (data x fsdp x tensor) and the rules that place arrays on it."""
+  finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+  """Start from a trained run (`base`): every parameter, or LoRA adapters only (`lora`)."""
+  quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+  """Quantization-aware training (`qat`: a scheme); `jax-ai-stack quantize` converts any run."""
 
   def __post_init__(self):
     families.family(self.model).check(self)

@@ -49,7 +49,9 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.errors import ConfigError, WorkdirError
-from jax_ai_stack.recipes import checkpoint, configlib, distributed, optim, sharding, step, tasks
+from jax_ai_stack.recipes import (checkpoint, compile_cache, configlib, distributed, optim,
+                                  sharding, step, tasks)
+from jax_ai_stack.recipes import lora, quant
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
@@ -110,6 +112,10 @@ def resolve_attention(task: tasks.Task, workdir: pathlib.Path, *, autotune: bool
   return plan.pin(choice), choice
 
 
+_NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"))
+"""Config fields a resume may change without changing a single bit of the run."""
+
+
 def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -> None:
   """Warns about what differs from the checkpoint's run (config, attention kernel).
 
@@ -118,6 +124,9 @@ def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -
   sum in another order, as on any other mesh. It is logged at info level.
   """
   saved_config = dict(metadata.get("config", {}))
+  for section, field in _NOT_NUMERICS:  # Settings that change no bits: no warning.
+    saved_config[section] = {k: v for k, v in saved_config.get(section, {}).items() if k != field}
+    config = {**config, section: {k: v for k, v in config.get(section, {}).items() if k != field}}
   if "mesh" in saved_config and saved_config.pop("mesh") != config.get("mesh"):
     log.info("restored onto a new mesh (config mesh changed since the checkpoint)")
   _warn_config_changes(saved_config, {k: v for k, v in config.items() if k != "mesh"})
@@ -131,7 +140,9 @@ def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
   """Says which settings differ from the checkpoint's: resuming with them breaks bit-exactness."""
   for key in sorted(saved.keys() | current.keys()):
     a, b = saved.get(key), current.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
+    if key not in saved:  # A setting newer than the checkpoint (e.g. a new section).
+      log.info("config %s%s is not in the checkpoint (written by an older version)", prefix, key)
+    elif isinstance(a, dict) and isinstance(b, dict):
       _warn_config_changes(a, b, f"{prefix}{key}.")
     elif a != b:
       log.warning("config %s%s changed since the checkpoint: %r -> %r", prefix, key, a, b)
@@ -187,10 +198,13 @@ class Trainer:
   """The train iterator (Grain's, checkpointed with the state); None when read-only."""
   validation: grain.IterDataset | None
   """None when evaluation is off (`train.eval_every=0`) and for generation."""
+  finetune: lora.Finetune | None = None
+  """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
 
   @classmethod
   def open(cls, config: RecipeConfig, workdir: str | pathlib.Path, *,
-           task: tasks.Task | None = None, resume: str = "auto") -> Trainer:
+           task: tasks.Task | None = None, resume: str = "auto",
+           initial_params: Callable[[nnx.State], nnx.State] | None = None) -> Trainer:
     """Opens `workdir` to train `config`, restoring its newest checkpoint if any.
 
     Args:
@@ -199,6 +213,9 @@ class Trainer:
       workdir: created if missing; must be writable.
       task: the model family; default `tasks.for_config(config)`.
       resume: "auto" continues a run; "never" refuses a workdir with checkpoints.
+      initial_params: a fresh run's parameters instead of the seed's initialisation:
+        called with the model's abstract parameter state (ShapeDtypeStructs with
+        their shardings), returns it filled (e.g. by `models.hf.load_params`).
     """
     ensure_absl_flags_parsed()
     workdir = pathlib.Path(workdir)
@@ -222,7 +239,7 @@ class Trainer:
             "'never': choose another --workdir, or resume with --resume auto"
         )
       return cls._build(config, task, workdir, manager, plan, choice, train_data, validation,
-                        restore=latest is not None)
+                        restore=latest is not None, initial_params=initial_params)
     except BaseException:
       manager.close()
       raise
@@ -255,7 +272,7 @@ class Trainer:
 
   @classmethod
   def _build(cls, config, task, workdir, manager, plan, choice, train_data, validation, *,
-             restore: bool) -> Trainer:
+             restore: bool, initial_params=None) -> Trainer:
     """Model, optimizer and steps, restored into (no initialisation) or initialised.
 
     Either way the state is created already laid out on the run's mesh (never
@@ -263,9 +280,16 @@ class Trainer:
     position to restore, nothing to train).
     """
 
-    def create():
+    finetune = lora.Finetune.of(config)
+
+    def create(params=None):
       model = task.build_model(config.train.seed, plan, placement.layout())
-      return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
+      if params is not None:  # Given parameters: the initialisers become dead code.
+        nnx.update(model, params)
+      model = quant.qat(model, config)  # Fake quantization (quant.qat); else unchanged.
+      model = finetune.apply(model)  # LoRA adapters (finetune.lora); else unchanged.
+      return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
+                                          wrt=finetune.wrt)
 
     placement = sharding.Placement.build(config.mesh, task.batch_axes())
     model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
@@ -277,22 +301,34 @@ class Trainer:
     if restore:  # Into shapes only: no initialisation when a checkpoint exists.
       abstract = jax.tree.map(
           lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
-      restored = checkpoint.restore(manager, abstract, train_batches)
+      restored = checkpoint.restore(manager, finetune.saved(abstract), train_batches)
       if restored is None and train_data is None:
         raise WorkdirError(f"no readable checkpoint in {manager.directory}")
     if restored is None:  # A fresh run, or every step was corrupt (moved aside).
       train_batches = iter(train_data)
       # One compiled program that writes each array straight to its devices
       # (eagerly, each initialiser would also compile on its own).
-      state = jax.jit(lambda: nnx.state(create()), out_shardings=state_sharding)()
+      if initial_params is None:
+        state = jax.jit(lambda: finetune.saved(nnx.state(create())),  # No frozen base init.
+                        out_shardings=finetune.saved(state_sharding))()
+      else:  # Placed by `initial_params`, then donated: one copy on the devices.
+        bare = nnx.state(nnx.eval_shape(  # The Task's model, before QAT or adapters.
+            lambda: task.build_model(config.train.seed, plan, placement.layout())))
+        params = initial_params(jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            bare, placement.state_shardings(bare)))
+        state = jax.jit(lambda p: finetune.saved(nnx.state(create(p))),
+                        out_shardings=finetune.saved(state_sharding), donate_argnums=0)(params)
       start = 0
     else:
-      state = jax.device_put(restored.state, state_sharding)
+      state = jax.device_put(restored.state, finetune.saved(state_sharding))
       start = restored.step
       _warn_changes(restored.metadata, configlib.to_dict(config), choice)
+    state = finetune.with_base(state, abstract, state_sharding,
+                               restored.metadata if restored else None, model=model)
     step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
     return cls(config, task, workdir, manager, model, optimizer, train_step, eval_step,
-               state, start, plan, choice, placement, train_batches, validation)
+               state, start, plan, choice, placement, train_batches, validation, finetune)
 
   # ---- the pieces of the loop ------------------------------------------------
 
@@ -354,17 +390,22 @@ class Trainer:
     metadata = {"step": self.step, "config": configlib.to_dict(self.config)}
     if self.attention_choice is not None:
       metadata["attention"] = {**self.attention_choice.to_dict(), "plan": self.attention.to_dict()}
-    return checkpoint.save(self.manager, self.step, self.state, self.train_batches, metadata,
+    if self.finetune is not None and self.finetune.metadata():
+      metadata["finetune"] = self.finetune.metadata()  # The base, which LoRA checkpoints lack.
+    saved = self.finetune.saved(self.state) if self.finetune is not None else self.state
+    return checkpoint.save(self.manager, self.step, saved, self.train_batches, metadata,
                            force=force)
 
   def preempted(self) -> bool:
     """Whether every host agreed to stop at this step (Orbax; multi-host only)."""
     return jax.process_count() > 1 and self.manager.reached_preemption(self.step)
 
-  def fit(self, *, stop_after: int | None = None) -> dict[str, Any]:
+  def fit(self, *, stop_after: int | None = None,
+          on_first_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """Trains from `self.step` to `train.steps`; returns the last metrics.
 
     `stop_after` stops (and saves) after that step as a preemption would.
+    `on_first_step` is called once the first step (and its compile) is done.
     """
     total = self.config.train.steps
     primary = distributed.is_primary()
@@ -380,6 +421,9 @@ class Trainer:
             self.manager.async_saves()):
         while self.step < total:
           metrics = self.run_step()
+          if on_first_step is not None:
+            on_first_step()
+            on_first_step = None
           updates = (self.step - 1) // self.config.optim.accumulate_steps
           last = {**metrics, "lr": float(schedule(updates))}
           metrics_log.write(self.step, "train", last)
@@ -417,7 +461,7 @@ class Trainer:
     if primary:
       plot(self.workdir)
     with self._kernel_configs():
-      return self.task.finish(self.model, self.workdir if primary else None)
+      return self.task.finish(self.inference_model(), self.workdir if primary else None)
 
   def missing_artefacts(self) -> list[str]:
     names = [PLOT_FILE, *self.task.artefacts()]
@@ -425,8 +469,16 @@ class Trainer:
 
   def generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
     with self._kernel_configs():
-      return self.task.generate(self.model, prompt, max_new_tokens, temperature,
+      return self.task.generate(self.inference_model(), prompt, max_new_tokens, temperature,
                                 self.config.train.seed)
+
+  def inference_model(self) -> nnx.Module:
+    """The model that decodes: a LoRA run's base and adapters merged (Qwix adds
+    the adapters only inside `__call__`, not in `decode`)."""
+    if self.finetune is None or self.finetune.lora is None:
+      return self.model
+    return lora.merged_model(self.model, lambda: self.task.build_model(
+        self.config.train.seed, self.attention, self.placement.layout()), self.finetune.scale)
 
   def close(self) -> None:
     self.manager.close()
@@ -437,7 +489,12 @@ class Trainer:
 
   def describe(self) -> str:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
-    return (f"recipe {self.config.name}: {n_params:,} parameters on {jax.default_backend()} "
+    if self.finetune is not None and self.finetune.lora is not None:
+      trained = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.LoRAParam)))
+      n_params = f"{n_params:,} parameters ({trained:,} in LoRA adapters, the rest frozen)"
+    else:
+      n_params = f"{n_params:,} parameters"
+    return (f"recipe {self.config.name}: {n_params} on {jax.default_backend()} "
             f"({jax.device_count()} device(s), {self.placement.describe()}); "
             f"workdir {self.workdir}")
 
@@ -469,6 +526,8 @@ def run(
     task: tasks.Task | None = None,
     resume: str | None = None,
     stop_after: int | None = None,
+    verbose: bool = False,
+    import_s: float | None = None,
 ) -> dict[str, Any]:
   """Trains `config` in `workdir` (default runs/<name>); returns the final metrics.
 
@@ -476,10 +535,26 @@ def run(
   `stop_after` stops (and saves) after that step as a preemption would; the
   next call resumes from there. The result's `stopped_by` names what stopped
   the run early ("SIGTERM", "SIGINT", "stop_after=N", "preemption") or is None.
+  `verbose` prints one start-up line after the first step: `import_s` (the
+  caller's import of the libraries), init, trace and compile seconds, cache hits.
   """
   workdir = pathlib.Path(workdir or pathlib.Path("runs") / config.name)
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
-  trainer = Trainer.open(config, workdir, task=task, resume=resume or config.train.resume)
+  started = time.perf_counter()
+  compile_times = compile_cache.CompileTimes().start()
+  try:
+    trainer = Trainer.open(config, workdir, task=task, resume=resume or config.train.resume)
+  except BaseException:
+    compile_times.stop()
+    raise
+  init_s = time.perf_counter() - started
+
+  def report_startup():
+    compile_times.stop()
+    if verbose:
+      print(_startup_line(compile_times, import_s, init_s, time.perf_counter() - started),
+            flush=True)
+
   try:
     print(trainer.describe(), flush=True)
     if trainer.attention_choice is not None:
@@ -494,17 +569,33 @@ def run(
       if trainer.missing_artefacts():  # Killed after the last save, before the artefacts.
         _print_lines(trainer.finish())
     else:
+      lora.eval_before(trainer)  # A fine-tuning run: the base's held-out loss, as step 0.
       print("compiling the train step ...", flush=True)
-      result = trainer.fit(stop_after=stop_after)
+      result = trainer.fit(stop_after=stop_after, on_first_step=report_startup)
       if result["stopped_by"]:
         print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
               "Run the same command again to resume.", flush=True)
         return result
       _print_lines(trainer.finish())
   finally:
+    compile_times.stop()
     trainer.close()
   _print_done(result, workdir)
+  change = lora.eval_change(workdir) if trainer.finetune and trainer.finetune.config.active else None
+  if change:
+    print(change, flush=True)
   return result
+
+
+def _startup_line(times: compile_cache.CompileTimes, import_s: float | None, init_s: float,
+                  first_step_s: float) -> str:
+  """Where the wait for the first step went: import, init, trace, compile, cache hits."""
+  imported = f"import {import_s:.1f} s, " if import_s is not None else ""
+  cache = compile_cache.active_dir()
+  hits = f"{times.cache_hits} loaded from the cache {cache}" if cache else "no persistent cache"
+  return (f"start-up: {imported}init {init_s:.1f} s (data, model, checkpoint), "
+          f"first step after {first_step_s:.1f} s; of which trace {times.trace_s:.1f} s, "
+          f"compile {times.compile_s:.1f} s ({times.compiles} programs, {hits})")
 
 
 def _print_lines(lines: list[str]) -> None:
