@@ -34,7 +34,7 @@ def execute(path: pathlib.Path, workdir: pathlib.Path):
 def test_there_are_notebooks():
   names = {p.name for p in NOTEBOOKS}
   assert {"getting_started.md", "bring_your_own_data.md", "kernels.md",
-          "scaling.md"} <= names
+          "scaling.md", "quantize_and_finetune.md"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
