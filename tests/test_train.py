@@ -242,3 +242,27 @@ def test_a_section_newer_than_the_checkpoint_is_no_config_change_warning(caplog)
     assert not caplog.records
     train._warn_changes(saved, {"train": {"steps": 4}}, None)
   assert "config train.steps changed since the checkpoint: 3 -> 4" in caplog.text
+
+
+def test_a_resumed_run_keeps_the_kernel_it_was_trained_with_unless_one_is_named(
+    tmp_path, monkeypatch):
+  # Trained on xla; `auto` prefers another kernel now (as after an upgrade of the table).
+  monkeypatch.setenv("JAX_AI_STACK_ATTENTION", "xla")
+  train.run(tiny_config("train.steps=2", "train.eval_every=0"), tmp_path)
+  monkeypatch.delenv("JAX_AI_STACK_ATTENTION")
+  fresh = train.Trainer.open(tiny_config(), tmp_path / "other")
+  try:
+    assert fresh.attention_choice.name != "xla"
+  finally:
+    fresh.close()
+  resumed = train.Trainer.open(tiny_config(), tmp_path)
+  try:
+    assert resumed.step == 2 and resumed.attention_choice.name == "xla"
+  finally:
+    resumed.close()
+  named = train.Trainer.open(tiny_config(f"model.attention_impl={fresh.attention_choice.name}"),
+                             tmp_path)
+  try:
+    assert named.attention_choice.name == fresh.attention_choice.name
+  finally:
+    named.close()

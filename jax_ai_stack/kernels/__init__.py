@@ -35,6 +35,7 @@ import types
 _EXPORTS = {
     "AUTO": "names",
     "AUTOTUNE_FILENAME": "autotune_file",
+    "AUTO_SOURCE": "resolve",
     "AttentionPlan": "plan",
     "AttentionSharding": "sharded",
     "AttentionShardingError": "sharded",

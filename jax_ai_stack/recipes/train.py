@@ -112,6 +112,33 @@ def resolve_attention(task: tasks.Task, workdir: pathlib.Path, *, autotune: bool
   return plan.pin(choice), choice
 
 
+def keep_trained_kernel(task: tasks.Task, manager, plan: kernels.AttentionPlan | None,
+                        choice: kernels.Choice | None):
+  """A resumed run keeps the kernel its checkpoint was trained with, unless asked otherwise.
+
+  `auto` may prefer another kernel after an upgrade of this package; resuming
+  on it would make the run differ from one that never stopped. An explicit
+  choice (`model.attention_impl`, `JAX_AI_STACK_ATTENTION`, an autotune file)
+  still wins, with the warning that the resume is not bitwise.
+  """
+  if choice is None or plan.source != kernels.AUTO_SOURCE:
+    return plan, choice
+  try:
+    saved = checkpoint.read_metadata(manager).get("attention") or {}
+  except Exception:  # An unreadable newest step: the restore falls back to an older one.
+    return plan, choice
+  if "plan" not in saved or saved.get("implementation") in (None, choice.name):
+    return plan, choice
+  try:
+    trained = kernels.AttentionPlan.from_dict(saved["plan"])
+    trained_choice = trained.select(task.attention_request())
+  except (ValueError, kernels.NoImplementationError):  # Trained on another backend, say.
+    return plan, choice
+  log.info("attention: keeping %s, the kernel this run was trained with (auto now prefers %s; "
+           "set model.attention_impl to change it)", trained_choice.name, choice.name)
+  return trained, trained_choice
+
+
 _NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"))
 """Config fields a resume may change without changing a single bit of the run."""
 
@@ -238,6 +265,8 @@ class Trainer:
             f"workdir {workdir} already has checkpoints (newest step {latest}) and resume is "
             "'never': choose another --workdir, or resume with --resume auto"
         )
+      if latest is not None:
+        plan, choice = keep_trained_kernel(task, manager, plan, choice)
       return cls._build(config, task, workdir, manager, plan, choice, train_data, validation,
                         restore=latest is not None, initial_params=initial_params)
     except BaseException:
