@@ -160,6 +160,20 @@ def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
   assert results["ratio_warm_vs_cold"] > 0 and isinstance(results["met_target"], bool)
 
 
+def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
+  compile_depth = _load("compile_depth")
+  out = tmp_path / "compile_depth.json"
+  returned = compile_depth.main(["--quick", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  assert [row["num_layers"] for row in results["rows"]] == list(compile_depth.QUICK_DEPTHS)
+  for row in results["rows"]:
+    for layout in ("unrolled", "scanned"):
+      assert row[layout]["total_s"] >= row[layout]["compile_s"] > 0
+    assert row["ratio"] == row["scanned"]["total_s"] / row["unrolled"]["total_s"]
+  assert results["met_target"] is None  # --quick does not judge the target.
+
+
 def test_startup_rejects_output_without_a_start_up_line():
   startup = _load("startup")
   with pytest.raises(ValueError, match="no start-up line"):

@@ -93,6 +93,10 @@ def add_adapters(model: nnx.Module, config: LoraConfig, model_config: Any,
   """
   import qwix
 
+  from jax_ai_stack.recipes.models import layer_stack
+
+  layer_stack.refuse_scanned(model_config, "finetune.lora", "its Qwix rules match per-layer "
+                             "module paths (layers/N/...); set model.scan_layers=false")
   provider = qwix.LoraProvider(lora_rules(config, model_config.kind))
   model = qwix.apply_lora_to_model(model, provider, *tasks.example_inputs(model_config),
                                    rngs=nnx.Rngs(seed))

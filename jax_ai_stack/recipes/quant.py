@@ -118,6 +118,7 @@ def qat(model: nnx.Module, config: Any) -> nnx.Module:
   scheme = getattr(getattr(config, "quant", None), "qat", None)
   if scheme is None:
     return model
+  _refuse_scanned(config.model, "quant.qat")
   return _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
                    tasks.example_inputs(config.model))
 
@@ -131,6 +132,7 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
   "decode" for `llama.generate`. A model that is already quantized keeps its
   quantized weights, so the same PTQ model can be given another `method`.
   """
+  _refuse_scanned(model_config, "post-training quantization")
   provider = qwix.PtqProvider(rules(scheme, model_config.kind))
   inputs = tasks.example_inputs(model_config, method)
   quantize = lambda m: _quantize(m, provider, inputs, method)  # noqa: E731
@@ -140,6 +142,14 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
   quantized_graphdef = nnx.graphdef(nnx.eval_shape(lambda: quantize(model)))
   quantized_state = jax.jit(lambda s: nnx.state(quantize(nnx.merge(graphdef, s))))(state)
   return nnx.merge(quantized_graphdef, quantized_state)
+
+
+def _refuse_scanned(model_config: Any, what: str) -> None:
+  """The rules name `layers/N/...` paths; a scanned model has none."""
+  from jax_ai_stack.recipes.models import layer_stack
+
+  layer_stack.refuse_scanned(model_config, what, "its Qwix rules match per-layer module paths "
+                             "(layers/N/...); train with model.scan_layers=false")
 
 
 def _quantize(model, provider, inputs, method="__call__"):

@@ -3,14 +3,15 @@
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
 in `configs`, which imports no jax; `hf` reads and writes Hugging Face Llama
-directories (config.json + safetensors).
+directories (config.json + safetensors); `layer_stack` converts a Llama between
+the unrolled and the scanned (`scan_layers`) layouts.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("llama", "cnn", "configs", "hf")
+_SUBMODULES = ("llama", "cnn", "configs", "hf", "layer_stack")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",

@@ -63,6 +63,11 @@ class LlamaConfig:
   remat: RematPolicy = "none"
   """Rematerialise each block in the backward pass: 'none', 'full' (keep
   nothing) or 'save_dots' (keep weight-matmul outputs, recompute the rest)."""
+  scan_layers: bool = False
+  """Stack the blocks' parameters (a leading 'layers' axis) and run them with
+  `nnx.scan`: compile time stays flat in depth (MaxText's default). Off keeps one
+  module per block (`layers/N/...`), the layout Hugging Face import/export, Qwix
+  quantization and LoRA expect; `models.layer_stack` converts between the two."""
   attention_impl: str = "auto"
   """Which attention kernels may run: 'auto' (the backend's preference), a name or a
   comma-separated list; resolved into the model's `kernels.AttentionPlan`."""

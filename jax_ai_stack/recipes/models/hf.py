@@ -227,7 +227,17 @@ class Tensor:
 
 
 def tensors(config: LlamaConfig) -> list[Tensor]:
-  """Every parameter of a `Llama(config)`, in Hugging Face's order."""
+  """Every parameter of a `Llama(config)`, in Hugging Face's order.
+
+  Raises:
+    ConfigError: `config.scan_layers`: the names are per layer (`load_model`
+      and `save` convert; reading into a scanned model's state does not).
+  """
+  from jax_ai_stack.recipes.models import layer_stack
+
+  layer_stack.refuse_scanned(config, "Hugging Face weight import into a model state",
+                             "import with model.scan_layers=false, or load with "
+                             "hf.load_model(directory, scan_layers=True)")
   out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
   for i in range(config.num_layers):
     hf, ours = f"model.layers.{i}.", ("layers", i)
@@ -418,10 +428,13 @@ def load_model(directory: str | os.PathLike, **overrides: Any):
   """
   from jax_ai_stack.recipes.models.llama import Llama
 
+  from jax_ai_stack.recipes.models import layer_stack
+
   config = LlamaConfig(**{**read_config(directory), **overrides})
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  nnx.update(model, load_params(directory, config, nnx.state(model)))
-  return model
+  unrolled = dataclasses.replace(config, scan_layers=False)  # The files name each layer.
+  model = nnx.eval_shape(lambda: Llama(unrolled, rngs=nnx.Rngs(0)))
+  nnx.update(model, load_params(directory, unrolled, nnx.state(model)))
+  return layer_stack.convert(model, scan_layers=config.scan_layers)
 
 
 # ---- writing ----------------------------------------------------------------------
@@ -442,7 +455,10 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
   Raises:
     UsageError: `out` exists and is not an empty directory (nothing is written).
   """
+  from jax_ai_stack.recipes.models import layer_stack
+
   st = _safetensors()
+  model = layer_stack.unrolled(model)  # The files name each layer.
   out = pathlib.Path(out)
   if out.exists() and not (out.is_dir() and not any(out.iterdir())):
     raise UsageError(f"{out} already exists and is not an empty directory; choose a new one")

@@ -21,6 +21,14 @@ for the sharding recipe to map onto mesh axes:
   head_dim  features per head
   mlp       hidden units of the SwiGLU MLP
   norm      features scaled by an RMSNorm
+  layers    the leading axis of the stacked blocks when `scan_layers` (no mesh
+            axis maps to it: every device holds every layer's share)
+
+With `config.scan_layers` the blocks are one `Block` whose parameters are
+stacked [num_layers, ...] (built with `nnx.vmap`) and run by `nnx.scan`: XLA
+compiles one block instead of `num_layers`, so compile time stays flat in depth.
+The KV cache is then stacked too (keys [num_layers, B, S, K, H]).
+`layer_stack.convert` moves the weights between the two layouts.
 
 Under a mesh of several devices the trainer also gives the model a
 `sharding.Layout` (its mesh and logical rules): the hidden states [B, T, D] are
@@ -59,7 +67,10 @@ from jax_ai_stack.recipes.models.configs import DType, LlamaConfig, RematPolicy 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.sharding import Layout
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
+_STACKED = {nnx.PARTITION_NAME: "layers"}
+"""Transform metadata of `nnx.vmap`/`nnx.scan` over the blocks: the stacked
+axis is named "layers" in each parameter's logical names."""
 HIDDEN_AXES = ("batch", "length", None)
 """Logical names of the hidden states [B, T, D]. D stays whole: the parameters'
 "embed" is split over fsdp, which the batch already uses."""
@@ -92,11 +103,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class KVCache(NamedTuple):
   """Keys and values of every layer; the first `length` positions are filled.
 
-  keys[i] and values[i] are [B, S, num_kv_heads, head_dim] for layer i.
+  keys[i] and values[i] are [B, S, num_kv_heads, head_dim] for layer i: a tuple
+  of arrays, or one stacked array [num_layers, B, S, ...] with `scan_layers`.
   """
 
-  keys: tuple[jax.Array, ...]
-  values: tuple[jax.Array, ...]
+  keys: tuple[jax.Array, ...] | jax.Array
+  values: tuple[jax.Array, ...] | jax.Array
   length: jax.Array  # int32 scalar
 
 
@@ -238,6 +250,42 @@ def _block_output(block: Block, x, positions, segment_ids):
   return block(x, positions, segment_ids)[0]
 
 
+def _stacked_blocks(config: LlamaConfig, attention, rngs: nnx.Rngs, layout) -> Block:
+  """One Block whose parameters are stacked [num_layers, ...], each layer its own init."""
+
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_STACKED)
+  def make(rngs):
+    return Block(config, attention, rngs=rngs, layout=layout)
+
+  return make(rngs)
+
+
+def _scan_blocks(run_block, blocks: Block, x, positions, segment_ids):
+  """x through every layer of the stacked `blocks`, one traced block for all."""
+
+  @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata=_STACKED)
+  def body(x, block, positions, segment_ids):
+    return run_block(block, x, positions, segment_ids)
+
+  return body(x, blocks, positions, segment_ids)
+
+
+def _scan_decode(blocks: Block, x, positions, cache: KVCache):
+  """`_scan_blocks` with each layer's slice of the stacked cache; its new keys/values."""
+  keys, values = cache.keys, cache.values
+  if isinstance(keys, (tuple, list)):  # A per-layer cache: stack it.
+    keys, values = jnp.stack(keys), jnp.stack(values)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0, 0),
+            transform_metadata=_STACKED)
+  def body(x, block, k, v, positions, length):
+    x, (k, v) = block(x, positions, cache=(k, v, length))
+    return x, k, v
+
+  return body(x, blocks, keys, values, positions, cache.length)
+
+
 class Llama(nnx.Module):
   """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab].
 
@@ -260,8 +308,11 @@ class Llama(nnx.Module):
               nnx.initializers.normal(stddev=0.02), ("vocab", "embed")
           ),
       )
-      self.layers = nnx.List(
-          [Block(config, attention, rngs=rngs, layout=layout) for _ in range(config.num_layers)])
+      if config.scan_layers:
+        self.layers = _stacked_blocks(config, attention, rngs, layout)
+      else:
+        self.layers = nnx.List(
+            [Block(config, attention, rngs=rngs, layout=layout) for _ in range(config.num_layers)])
       self.final_norm = _rms_norm(config, rngs)
       if config.tie_embeddings:
         self.lm_head = None
@@ -298,15 +349,21 @@ class Llama(nnx.Module):
       run_block = _block_output
     else:
       run_block = nnx.remat(_block_output, policy=_REMAT_POLICIES[self.config.remat])
-    for block in self.layers:
-      x = run_block(block, x, positions, segment_ids)
+    if self.config.scan_layers:
+      x = _scan_blocks(run_block, self.layers, x, positions, segment_ids)
+    else:
+      for block in self.layers:
+        x = run_block(block, x, positions, segment_ids)
     return self._logits(x)
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     """An empty KV cache for `batch_size` rows of up to `max_length` tokens."""
     c = self.config
     shape = (batch_size, max_length, c.num_kv_heads, c.resolved_head_dim)
-    zeros = tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))
+    if c.scan_layers:
+      zeros = jnp.zeros((c.num_layers, *shape), jnp.dtype(c.dtype))
+    else:
+      zeros = tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))
     return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
 
   def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -319,6 +376,9 @@ class Llama(nnx.Module):
     t = tokens.shape[1]
     positions = jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape)
     x = _constrain(self.layout, self.embed(tokens))
+    if self.config.scan_layers:
+      x, keys, values = _scan_decode(self.layers, x, positions, cache)
+      return self._logits(x), KVCache(keys, values, cache.length + t)
     keys, values = [], []
     for i, block in enumerate(self.layers):
       x, (k, v) = block(x, positions, cache=(cache.keys[i], cache.values[i], cache.length))
@@ -409,12 +469,14 @@ def _generate(graphdef, state, prompt, rng, temperature, *, max_new_tokens, top_
   new_tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
 
   def step(i, carry):
-    new_tokens, cache = carry
-    logits, cache = model.decode(new_tokens[:, i - 1, None], cache)
+    # The state rides in the carry, so the loop body builds its own module:
+    # nnx.scan (scan_layers) refuses Variables made at an outer trace level.
+    new_tokens, cache, state = carry
+    logits, cache = nnx.merge(graphdef, state).decode(new_tokens[:, i - 1, None], cache)
     token = _sample(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k)
-    return new_tokens.at[:, i].set(token), cache
+    return new_tokens.at[:, i].set(token), cache, state
 
-  new_tokens, _ = jax.lax.fori_loop(1, max_new_tokens, step, (new_tokens, cache))
+  new_tokens, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (new_tokens, cache, state))
   return jnp.concatenate([prompt, new_tokens], axis=1)
 
 
