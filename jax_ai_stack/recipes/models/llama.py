@@ -85,19 +85,41 @@ _REMAT_POLICIES = {
 }
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by position [B, T].
+class RopeTables(NamedTuple):
+  """sin and cos of every position's RoPE angles, float32 [B, T, 1, head_dim / 2].
 
-  Angles use float32 whatever the dtype of `x`, so bfloat16 runs see the same
-  rotation as float32 ones; the result has the dtype of `x`.
+  Computed once per forward pass and shared by every layer: the angles depend
+  only on the positions. (Unrolled, XLA merges the layers' copies anyway; a
+  scanned stack would compute them again in every iteration of its loop.)
   """
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1])
+
+  sin: jax.Array
+  cos: jax.Array
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> RopeTables:
+  """The RoPE tables of `positions` [B, T] for heads of `head_dim` features."""
+  half = head_dim // 2
+  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim)
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,T,1,H/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  return RopeTables(jnp.sin(angles), jnp.cos(angles))
+
+
+def rotate(x: jax.Array, rope: RopeTables) -> jax.Array:
+  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by the `rope` angles.
+
+  The rotation runs in float32 whatever the dtype of `x`, so bfloat16 runs see
+  the same rotation as float32 ones; the result has the dtype of `x`.
+  """
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  sin, cos = rope
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by position [B, T]."""
+  return rotate(x, rope_tables(positions, x.shape[-1], theta))
 
 
 class KVCache(NamedTuple):
@@ -147,25 +169,26 @@ class Attention(nnx.Module):
             _fan_in_init(in_axis=(0, 1), out_axis=2), ("heads", "head_dim", "embed")
         ),
     )
-    self.rope_theta = config.rope_theta
     self.attention_plan = attention
     self.attention_sharding = sharding
 
   def __call__(
       self,
       x: jax.Array,
-      positions: jax.Array,
+      rope: RopeTables,
       segment_ids: jax.Array | None = None,
       cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """x [B, T, D] -> ([B, T, D], updated (keys, values) or None).
 
+    `rope`: the tables of the tokens' positions (`rope_tables`).
+
     With `cache` = (keys, values, length): the new keys/values are written at
     `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
     decodes one token that attends to the first length + 1 cached positions.
     """
-    q = apply_rope(self.q_proj(x), positions, self.rope_theta)
-    k = apply_rope(self.k_proj(x), positions, self.rope_theta)
+    q = rotate(self.q_proj(x), rope)
+    k = rotate(self.k_proj(x), rope)
     v = self.v_proj(x)
     if cache is None:
       out = kernels.attention(
@@ -234,8 +257,8 @@ class Block(nnx.Module):
     self.mlp = MLP(config, rngs=rngs)
     self.layout = layout
 
-  def __call__(self, x, positions, segment_ids=None, cache=None):
-    h, new_cache = self.attention(self.attention_norm(x), positions, segment_ids, cache)
+  def __call__(self, x, rope: RopeTables, segment_ids=None, cache=None):
+    h, new_cache = self.attention(self.attention_norm(x), rope, segment_ids, cache)
     x = x + _constrain(self.layout, h)
     return x + _constrain(self.layout, self.mlp(self.mlp_norm(x))), new_cache
 
@@ -245,9 +268,9 @@ def _constrain(layout: Layout | None, x: jax.Array) -> jax.Array:
   return x if layout is None else layout.constrain(x, HIDDEN_AXES)
 
 
-def _block_output(block: Block, x, positions, segment_ids):
+def _block_output(block: Block, x, rope, segment_ids):
   """A block's output without the cache, in a form `nnx.remat` can wrap."""
-  return block(x, positions, segment_ids)[0]
+  return block(x, rope, segment_ids)[0]
 
 
 def _stacked_blocks(config: LlamaConfig, attention, rngs: nnx.Rngs, layout) -> Block:
@@ -261,17 +284,17 @@ def _stacked_blocks(config: LlamaConfig, attention, rngs: nnx.Rngs, layout) -> B
   return make(rngs)
 
 
-def _scan_blocks(run_block, blocks: Block, x, positions, segment_ids):
+def _scan_blocks(run_block, blocks: Block, x, rope, segment_ids):
   """x through every layer of the stacked `blocks`, one traced block for all."""
 
   @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata=_STACKED)
-  def body(x, block, positions, segment_ids):
-    return run_block(block, x, positions, segment_ids)
+  def body(x, block, rope, segment_ids):
+    return run_block(block, x, rope, segment_ids)
 
-  return body(x, blocks, positions, segment_ids)
+  return body(x, blocks, rope, segment_ids)
 
 
-def _scan_decode(blocks: Block, x, positions, cache: KVCache):
+def _scan_decode(blocks: Block, x, rope, cache: KVCache):
   """`_scan_blocks` with each layer's slice of the stacked cache; its new keys/values."""
   keys, values = cache.keys, cache.values
   if isinstance(keys, (tuple, list)):  # A per-layer cache: stack it.
@@ -279,11 +302,11 @@ def _scan_decode(blocks: Block, x, positions, cache: KVCache):
 
   @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0, 0),
             transform_metadata=_STACKED)
-  def body(x, block, k, v, positions, length):
-    x, (k, v) = block(x, positions, cache=(k, v, length))
+  def body(x, block, k, v, rope, length):
+    x, (k, v) = block(x, rope, cache=(k, v, length))
     return x, k, v
 
-  return body(x, blocks, keys, values, positions, cache.length)
+  return body(x, blocks, keys, values, rope, cache.length)
 
 
 class Llama(nnx.Module):
@@ -344,16 +367,17 @@ class Llama(nnx.Module):
     _check_tokens(tokens, segment_ids=segment_ids, positions=positions)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    rope = self._rope(positions)
     x = _constrain(self.layout, self.embed(tokens))
     if self.config.remat == "none":
       run_block = _block_output
     else:
       run_block = nnx.remat(_block_output, policy=_REMAT_POLICIES[self.config.remat])
     if self.config.scan_layers:
-      x = _scan_blocks(run_block, self.layers, x, positions, segment_ids)
+      x = _scan_blocks(run_block, self.layers, x, rope, segment_ids)
     else:
       for block in self.layers:
-        x = run_block(block, x, positions, segment_ids)
+        x = run_block(block, x, rope, segment_ids)
     return self._logits(x)
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -374,17 +398,20 @@ class Llama(nnx.Module):
     """
     _check_tokens(tokens)
     t = tokens.shape[1]
-    positions = jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape)
+    rope = self._rope(jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape))
     x = _constrain(self.layout, self.embed(tokens))
     if self.config.scan_layers:
-      x, keys, values = _scan_decode(self.layers, x, positions, cache)
+      x, keys, values = _scan_decode(self.layers, x, rope, cache)
       return self._logits(x), KVCache(keys, values, cache.length + t)
     keys, values = [], []
     for i, block in enumerate(self.layers):
-      x, (k, v) = block(x, positions, cache=(cache.keys[i], cache.values[i], cache.length))
+      x, (k, v) = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length))
       keys.append(k)
       values.append(v)
     return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
+
+  def _rope(self, positions: jax.Array) -> RopeTables:
+    return rope_tables(positions, self.config.resolved_head_dim, self.config.rope_theta)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
