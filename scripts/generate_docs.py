@@ -109,6 +109,7 @@ def recipe_sections() -> list[tuple[str, str, type]]:
       for family in families.FAMILIES:
         kind = dataclasses.fields(family.model_config)[0].default
         sections.append((f"`model` (kind: {kind})", doc, family.model_config))
+        sections += optional_subsections("model", family.model_config)
     elif field.default_factory is not dataclasses.MISSING:
       sections.append((f"`{field.name}`", doc, field.default_factory))
       sections += optional_subsections(field.name, field.default_factory)

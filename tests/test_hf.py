@@ -18,7 +18,7 @@ from jax_ai_stack import cli
 from jax_ai_stack.errors import ModelFileError, UsageError
 from jax_ai_stack.recipes import checkpoint, train
 from jax_ai_stack.recipes.models import hf
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, RopeScaling
 
 from multidevice import run_on_devices
 
@@ -32,6 +32,11 @@ TINY_HF = {
     "rope_theta": 500.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
     "tie_word_embeddings": False, "torch_dtype": "float32",
 }
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+"""Llama 3.1's RoPE scaling, shrunk to the tiny model: of its wavelengths (theta 500, head_dim
+8) 2 pi stays, 30 is blended, 140 and 660 are divided by 8."""
+TINY_LLAMA3 = {**TINY_HF, "rope_scaling": LLAMA3}
 TOLERANCE = 2e-4
 """Largest absolute logit difference from the float64 reference (float32 model, 2 layers)."""
 
@@ -80,6 +85,15 @@ def reference_logits(w: dict, c: dict, tokens: np.ndarray) -> np.ndarray:
   n, k = c["num_attention_heads"], c["num_key_value_heads"]
   t = len(tokens)
   inv_freq = 1.0 / c["rope_theta"] ** (np.arange(0, h, 2) / h)  # LlamaRotaryEmbedding
+  if c.get("rope_scaling"):  # _compute_llama3_parameters
+    r = c["rope_scaling"]
+    old, low, high, factor = (r["original_max_position_embeddings"], r["low_freq_factor"],
+                              r["high_freq_factor"], r["factor"])
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    inv_freq = np.where(~(wavelen < old / high) & ~(wavelen > old / low), smoothed, scaled)
   emb = np.concatenate([np.outer(np.arange(t), inv_freq)] * 2, axis=-1)  # [T, H]
   cos, sin = np.cos(emb), np.sin(emb)
 
@@ -117,6 +131,8 @@ def reference_logits(w: dict, c: dict, tokens: np.ndarray) -> np.ndarray:
 
 
 TOKENS = np.array([3, 17, 0, 39, 8, 8, 21, 5, 30, 12, 1, 2], dtype=np.int32)
+LONG = np.random.default_rng(1).integers(0, 40, 48).astype(np.int32)
+"""Longer than LLAMA3's original_max_position_embeddings, where the scaling shows most."""
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -128,6 +144,17 @@ def test_logits_match_a_numpy_forward_pass_of_transformers_llama(tmp_path, tied)
   logits = np.asarray(model(TOKENS[None]))[0]
   expected = reference_logits(weights, c, TOKENS)
   assert np.abs(logits - expected).max() < TOLERANCE, np.abs(logits - expected).max()
+
+
+def test_llama3_rope_scaling_imports_with_the_reference_logits(tmp_path):
+  weights = hf_weights(TINY_LLAMA3)
+  model = hf.load_model(write_hf(tmp_path, TINY_LLAMA3, weights))
+  assert model.config.rope_scaling == RopeScaling(factor=8.0, original_max_position_embeddings=32)
+  logits = np.asarray(model(LONG[None]))[0]
+  expected = reference_logits(weights, TINY_LLAMA3, LONG)
+  assert np.abs(logits - expected).max() < TOLERANCE, np.abs(logits - expected).max()
+  # Without the scaling the same weights give other logits: the check above can fail.
+  assert np.abs(reference_logits(weights, TINY_HF, LONG) - expected).max() > 100 * TOLERANCE
 
 
 def test_the_reference_tells_the_rope_layouts_apart(tmp_path):
@@ -164,6 +191,7 @@ def test_sharded_and_single_file_directories_load_the_same_bits(tmp_path):
 def test_export_then_import_is_bitwise(tmp_path, param_dtype):
   config = LlamaConfig(vocab_size=40, num_layers=2, d_model=24, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=40, tie_embeddings=False, rope_theta=500.0,
+                       rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=16),
                        dtype=param_dtype, param_dtype=param_dtype)
   model = Llama(config, rngs=nnx.Rngs(3))
   files = hf.save(model, tmp_path / "out", max_shard_bytes=4000, token_ids={"bos_token_id": 1})
@@ -205,8 +233,10 @@ def test_bfloat16_tensors_are_cast_to_the_parameter_dtype(tmp_path):
     ("architectures", ["MistralForCausalLM"]),
     ("model_type", "mistral"),
     ("hidden_act", "gelu"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}),
+    ("rope_parameters", "llama3"),
     ("attention_bias", True),
     ("mlp_bias", True),
     ("sliding_window", 4096),
@@ -220,9 +250,12 @@ def test_what_the_model_cannot_represent_is_refused_by_field(tmp_path, field, va
 
 
 def test_default_rope_and_transformers_5_fields_are_accepted():
+  fields = hf.llama_fields({**TINY_HF, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+  assert fields["rope_theta"] == 7.0 and fields["rope_scaling"] is None
+  # Both: a non-empty rope_scaling wins and rope_theta stays beside it (transformers 5.23.0 too).
   fields = hf.llama_fields({**TINY_HF, "rope_scaling": {"rope_type": "default"},
                             "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
-  assert fields["rope_theta"] == 7.0
+  assert fields["rope_theta"] == 500.0 and fields["rope_scaling"] is None
   bare = {k: TINY_HF[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                   "num_hidden_layers", "vocab_size")}
   fields = hf.llama_fields({**bare, "dtype": "bfloat16"})
@@ -230,6 +263,46 @@ def test_default_rope_and_transformers_5_fields_are_accepted():
       4, 1e-6, False, "bfloat16")
   with pytest.raises(ModelFileError, match="missing hidden_size"):
     hf.llama_fields({k: v for k, v in bare.items() if k != "hidden_size"})
+
+
+def test_llama3_rope_is_read_from_every_transformers_layout():
+  fields = hf.llama_fields(TINY_LLAMA3)  # transformers 4: rope_scaling beside rope_theta.
+  assert fields["rope_theta"] == 500.0
+  assert fields["rope_scaling"] == {"kind": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+  v5 = {k: v for k, v in TINY_HF.items() if k not in ("rope_theta", "rope_scaling")}
+  assert hf.llama_fields({**v5, "rope_parameters": {**LLAMA3, "rope_theta": 500.0}}) == fields
+  old_key = {"type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}
+  assert hf.llama_fields({**TINY_HF, "rope_scaling": old_key}) == fields
+  # No original_max_position_embeddings: max_position_embeddings, as transformers does.
+  short = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+  scaling = hf.llama_fields({**TINY_HF, "rope_scaling": short})["rope_scaling"]
+  assert scaling["original_max_position_embeddings"] == TINY_HF["max_position_embeddings"]
+
+
+def test_llama3_rope_scaling_round_trips_through_config_json(tmp_path):
+  for layout, c in (("v4", TINY_LLAMA3), ("v5", {**TINY_HF, "rope_scaling": None,
+                                                 "rope_parameters": {**LLAMA3, "rope_theta": 500.0}})):
+    write_hf(tmp_path / layout, c, hf_weights(TINY_HF))
+    config = LlamaConfig(**hf.read_config(tmp_path / layout))
+    written = hf.hf_config(config)
+    assert written["rope_scaling"] == LLAMA3 and written["rope_theta"] == 500.0, layout
+    assert hf.llama_fields(written) == hf.read_config(tmp_path / layout)
+  assert hf.hf_config(LlamaConfig())["rope_scaling"] is None
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "llama3", "factor": 8.0},
+     "rope_scaling of rope_type 'llama3' has no low_freq_factor, high_freq_factor"),
+    ({**LLAMA3, "high_freq_factor": 1.0}, "does not describe a valid model: field 'rope_scaling'"
+     ".*high_freq_factor=1.0 must be greater than low_freq_factor=1.0"),
+    ({**LLAMA3, "factor": -2.0}, r"does not describe a valid model: field 'rope_scaling.factor'"),
+])
+def test_a_bad_llama3_rope_scaling_is_named_in_one_line(tmp_path, rope, message):
+  write_hf(tmp_path, {**TINY_HF, "rope_scaling": rope}, hf_weights(TINY_HF))
+  with pytest.raises(ModelFileError, match=message) as raised:
+    hf.read_config(tmp_path)
+  assert "\n" not in str(raised.value)
 
 
 def _corrupt(directory: pathlib.Path) -> None:
@@ -419,6 +492,11 @@ def _refused(source):
   (source / "config.json").write_text(json.dumps({**TINY_HF, "rope_scaling": {"rope_type": "yarn"}}))
 
 
+def _bad_llama3(source):
+  (source / "config.json").write_text(json.dumps(
+      {**TINY_HF, "rope_scaling": {**LLAMA3, "low_freq_factor": 5.0}}))
+
+
 def _bad_tokenizer(source):
   (source / "tokenizer.json").write_text("{not json")
 
@@ -437,6 +515,7 @@ def _tokenizer_without_eos(source):
     (_no_config, "no config.json"),
     (_bad_shape, "'model.layers.0.self_attn.k_proj.weight' has shape"),
     (_refused, "rope_scaling="),
+    (_bad_llama3, "high_freq_factor=4.0 must be greater than low_freq_factor=5.0"),
     (_corrupt, "not a readable safetensors file"),
     (_bad_tokenizer, "not a huggingface tokenizer file"),
     (_tokenizer_without_eos, "needs 42 ids but config.json has vocab_size=40: it defines no EOS/PAD"),
@@ -501,29 +580,37 @@ def test_import_refuses_a_finetune_base(tmp_path, capsys):
   assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_model_made_by_transformers_imports_and_exports_with_its_logits(tmp_path, tied):
+@pytest.mark.parametrize("tied, scaled", [(False, False), (True, False), (False, True)])
+def test_a_model_made_by_transformers_imports_and_exports_with_its_logits(tmp_path, tied, scaled):
   """Against transformers itself, where it is installed (not a dependency: it needs torch).
 
   Checked by hand with transformers 5.23.0 and torch 2.13.0+cpu: 2e-7 on import, 0 on export.
+  `scaled`: Llama 3.1's RoPE scaling, which transformers 5 saves as `rope_parameters` and
+  our export writes as `rope_scaling` (the layout of Meta's files), on a sequence past
+  original_max_position_embeddings.
   """
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
+  rope = {"rope_parameters": {**LLAMA3, "rope_theta": 500.0}} if scaled else {}
   config = transformers.LlamaConfig(
       vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-      tie_word_embeddings=tied)
+      tie_word_embeddings=tied, **rope)
   torch.manual_seed(0)
   made = transformers.LlamaForCausalLM(config).eval()
   with torch.no_grad():
     for parameter in made.parameters():
       parameter.normal_(0, 0.2)  # Not the tiny init: logits of a visible size.
   made.save_pretrained(tmp_path / "made", safe_serialization=True)
-  tokens = TOKENS[None] % 64
+  tokens = (LONG if scaled else TOKENS)[None] % 64
   with torch.no_grad():
     expected = made(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   model = hf.load_model(tmp_path / "made")
   assert np.abs(np.asarray(model(tokens)) - expected).max() < TOLERANCE
+  if scaled:  # Without the scaling, the check above fails (by 0.012 with these weights).
+    assert model.config.rope_scaling == RopeScaling(original_max_position_embeddings=32)
+    plain = hf.load_model(tmp_path / "made", rope_scaling=None)
+    assert np.abs(np.asarray(plain(tokens)) - expected).max() > 30 * TOLERANCE
   hf.save(model, tmp_path / "back")
   back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
   with torch.no_grad():

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models import llama
-from jax_ai_stack.recipes.models.llama import KVCache, Llama, LlamaConfig, apply_rope, generate
+from jax_ai_stack.recipes.models.llama import (
+    KVCache, Llama, LlamaConfig, RopeScaling, apply_rope, generate)
 
 # Smaller than `tiny` so that every test compiles in about a second.
 MICRO = dict(
@@ -83,9 +84,24 @@ def test_config_errors_name_the_field():
 
 
 def test_config_round_trips_through_yaml():
-  config = LlamaConfig.llama3_8b(remat="save_dots")
+  config = LlamaConfig.llama3_8b(remat="save_dots", rope_scaling=RopeScaling(factor=32.0))
   loaded = configlib.from_dict(LlamaConfig, yaml.safe_load(configlib.to_yaml(config)))
-  assert loaded == config
+  assert loaded == config and loaded.rope_scaling.factor == 32.0
+
+
+def test_rope_scaling_is_validated_by_field():
+  with pytest.raises(ValueError, match="high_freq_factor=1.0 must be greater than low_freq_factor=1.0"):
+    RopeScaling(high_freq_factor=1.0)
+  with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.factor'.*greater than 0"):
+    configlib.from_dict(LlamaConfig, {"rope_scaling": {"factor": 0}})
+  with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.kind'.*'yarn'"):
+    configlib.from_dict(LlamaConfig, {"rope_scaling": {"kind": "yarn"}})
+  with pytest.raises(configlib.ConfigError, match="did you mean 'rope_scaling.low_freq_factor'"):
+    configlib.from_dict(LlamaConfig, {"rope_scaling": {"low_freq_facter": 2.0}})
+  # A dotted override fills the rest with Llama 3.1's values.
+  config = configlib.from_dict(LlamaConfig, configlib.apply_overrides({}, ["rope_scaling.factor=32"]))
+  assert config.rope_scaling == RopeScaling(factor=32.0, original_max_position_embeddings=8192)
+  assert LlamaConfig().rope_scaling is None
 
 
 # Shapes and parameter counts --------------------------------------------------
@@ -244,6 +260,59 @@ def test_rope_matches_flax_rope():
   flax_rope = jax.jit(lambda x, p: nnx.RoPE(theta=500_000.0)(x, p))
   theirs = flax_rope(x.transpose(0, 2, 1, 3), jnp.arange(9.0) + 4)
   np.testing.assert_allclose(ours, theirs.transpose(0, 2, 1, 3), atol=1e-5)
+
+
+def llama3_inv_freq_reference(head_dim, theta, factor, low, high, old_context):
+  """Meta's `apply_scaling` (llama-models, Llama 3.1), one frequency at a time, in float64."""
+  out = []
+  for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+    wavelen = 2 * np.pi / freq
+    if wavelen < old_context / high:
+      out.append(freq)
+    elif wavelen > old_context / low:
+      out.append(freq / factor)
+    else:
+      smooth = (old_context / wavelen - low) / (high - low)
+      out.append((1 - smooth) * freq / factor + smooth * freq)
+  return np.array(out)
+
+
+@pytest.mark.parametrize("head_dim, theta, factor, low, high, old_context", [
+    (128, 500_000.0, 8.0, 1.0, 4.0, 8192),   # Llama 3.1 8B
+    (64, 500_000.0, 32.0, 1.0, 4.0, 8192),   # Llama 3.2 1B
+    (8, 500.0, 8.0, 1.0, 4.0, 32),           # tests/test_hf.py's tiny model
+    (16, 10_000.0, 4.0, 2.0, 8.0, 64),
+])
+def test_llama3_rope_scaling_matches_meta_reference(head_dim, theta, factor, low, high, old_context):
+  scaling = RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                        original_max_position_embeddings=old_context)
+  ours = np.asarray(llama.rope_inv_freq(head_dim, theta, scaling))
+  expected = llama3_inv_freq_reference(head_dim, theta, factor, low, high, old_context)
+  assert ours.dtype == np.float32
+  np.testing.assert_allclose(ours, expected, rtol=1e-5)
+  # Each case has kept, divided and blended frequencies, so every branch is checked.
+  plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+  kept = np.isclose(expected, plain, rtol=1e-12)
+  divided = np.isclose(expected, plain / factor, rtol=1e-12)
+  assert kept.any() and divided.any() and (~kept & ~divided).any()
+
+
+def test_no_rope_scaling_keeps_the_plain_rope_bitwise():
+  positions = jnp.arange(40)[None] * 7
+  sin, cos = llama.rope_tables(positions, 16, 500_000.0)
+  # The formula before rope_scaling existed: checkpoints and resumes must not move a bit.
+  inv_freq = 1.0 / 500_000.0 ** (jnp.arange(0, 8, dtype=jnp.float32) * 2 / 16)
+  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
+  assert np.array_equal(sin, jnp.sin(angles)) and np.array_equal(cos, jnp.cos(angles))
+
+
+def test_the_model_applies_its_rope_scaling(model):
+  scaled = Llama(micro(rope_scaling=RopeScaling(original_max_position_embeddings=8)),
+                 rngs=nnx.Rngs(0))  # The same parameters as `model`.
+  tokens = random_tokens((1, 16))
+  plain, stretched = forward(model, tokens), forward(scaled, tokens)
+  np.testing.assert_allclose(stretched[:, :1], plain[:, :1], atol=1e-6)  # Position 0: no angle.
+  assert not np.allclose(stretched[:, 1:], plain[:, 1:], atol=1e-3)
 
 
 def test_gqa_equals_mha_with_repeated_kv_weights(model):

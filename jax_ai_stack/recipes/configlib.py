@@ -66,6 +66,9 @@ def _walk(cls: Any, loc: tuple[str, ...]) -> tuple[list[str], Any]:
       continue
     shown.append(part)
     cls = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+    members = [m for m in typing.get_args(cls) if m is not type(None)]
+    if len(members) == 1 and type(None) in typing.get_args(cls):
+      cls = members[0]  # An optional section (`X | None`) has X's fields.
   return shown, cls
 
 

@@ -15,6 +15,7 @@ _SUBMODULES = ("llama", "cnn", "configs", "hf", "layer_stack")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",
+    "RopeScaling": "configs",
     "KVCache": "llama",
     "generate": "llama",
     "apply_rope": "llama",

@@ -26,6 +26,37 @@ RematPolicy = Literal["none", "full", "save_dots"]
 
 
 @config_dataclass
+class RopeScaling:
+  """Llama 3.1's RoPE frequency scaling (Hugging Face's rope_type "llama3").
+
+  Stretches a model trained on `original_max_position_embeddings` tokens to a
+  longer context: frequencies whose wavelength exceeds original / low_freq_factor
+  are divided by `factor`, those under original / high_freq_factor are kept, and
+  the ones between are blended smoothly. Llama 3.1 and 3.2 were trained with it,
+  so their weights only give their logits with it. The defaults are Llama
+  3.1's; Llama 3.2 uses factor 32.
+  """
+
+  kind: Literal["llama3"] = "llama3"
+  """The scaling rule; "llama3" is the one implemented."""
+  factor: PositiveFloat = 8.0
+  """Divides the low (long-wavelength) frequencies."""
+  low_freq_factor: PositiveFloat = 1.0
+  """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+  high_freq_factor: PositiveFloat = 4.0
+  """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+  original_max_position_embeddings: PositiveInt = 8192
+  """The context length the model was pretrained on, before scaling."""
+
+  def __post_init__(self):
+    if self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(
+          f"high_freq_factor={self.high_freq_factor} must be greater than "
+          f"low_freq_factor={self.low_freq_factor}"
+      )
+
+
+@config_dataclass
 class LlamaConfig:
   """Shapes and numerics of a Llama-style decoder. The defaults are `tiny()`."""
 
@@ -47,6 +78,12 @@ class LlamaConfig:
   """Hidden units of the SwiGLU MLP."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
+  rope_scaling: RopeScaling | None = None
+  """Llama 3.1 / 3.2's scaling of the RoPE frequencies (Hugging Face's
+  rope_scaling with rope_type "llama3"), without which their weights give other
+  logits; None is plain RoPE. import-hf sets it from config.json, export-hf
+  writes it back; `model.rope_scaling.factor=32` sets it with Llama 3.1's other
+  values."""
   max_seq_len: PositiveInt = 128
   """Longest sequence the recipes feed (training windows, prompt + generated)."""
   norm_eps: PositiveFloat = 1e-5
@@ -67,7 +104,10 @@ class LlamaConfig:
   """Stack the blocks' parameters (a leading 'layers' axis) and run them with
   `nnx.scan`: compile time stays flat in depth (MaxText's default). Off keeps one
   module per block (`layers/N/...`), the layout Hugging Face import/export, Qwix
-  quantization and LoRA expect; `models.layer_stack` converts between the two."""
+  quantization and LoRA expect; `models.layer_stack` converts between the two.
+  Flipping it on an existing workdir just works: a checkpoint of the other layout
+  (parameters and optimizer moments) is converted bitwise on restore, and the next
+  save is in the new one."""
   attention_impl: str = "auto"
   """Which attention kernels may run: 'auto' (the backend's preference), a name or a
   comma-separated list; resolved into the model's `kernels.AttentionPlan`."""

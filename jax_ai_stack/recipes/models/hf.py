@@ -19,7 +19,8 @@ The layouts differ in three ways, all handled by `TENSORS`:
   features (i, i + H/2) with inv_freq = 1 / theta^(2i / H), which is exactly
   `llama.apply_rope`. tests/test_hf.py checks it against a NumPy forward pass
   written from Hugging Face's code, and that the permuted (interleaved) layout
-  fails that check.
+  fails that check. Llama 3.1 / 3.2's `rope_scaling` ("llama3") maps onto
+  `LlamaConfig.rope_scaling`; the other RoPE types are refused.
 
 Loading is lazy: one tensor at a time is read from disk (`safe_open`), cast to
 the parameter dtype and placed straight onto its sharding, so no full host
@@ -51,7 +52,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack.errors import MissingExtraError, ModelFileError, UsageError
+from jax_ai_stack.errors import ConfigError, MissingExtraError, ModelFileError, UsageError
+from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import LlamaConfig
 
 CONFIG_FILE = "config.json"
@@ -105,11 +107,7 @@ def llama_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, 
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise _refuse(source, "hidden_act", act, "the MLP is SwiGLU (silu)")
-  rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here.
-  for field, value in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", rope)):
-    kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
-    if kind != "default":
-      raise _refuse(source, field, value, "RoPE scaling is not implemented (plain RoPE only)")
+  rope_field, rope = _rope_parameters(hf, source)
   for field in ("attention_bias", "mlp_bias"):
     if hf.get(field):
       raise _refuse(source, field, hf[field], "the model has no biases")
@@ -138,12 +136,52 @@ def llama_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, 
       head_dim=None if head_dim in (None, hf["hidden_size"] // heads) else head_dim,
       mlp_dim=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      rope_scaling=_rope_scaling(hf, rope_field, rope, source),
       max_seq_len=hf.get("max_position_embeddings", 2048),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       dtype=_DTYPES[dtype],
       param_dtype=_DTYPES[dtype],
   )
+
+
+_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _rope_parameters(hf: Mapping[str, Any], source: str) -> tuple[str, Mapping[str, Any]]:
+  """The config.json field that holds the RoPE parameters, and its value.
+
+  transformers 4 writes `rope_scaling` (beside a top-level rope_theta),
+  transformers 5 `rope_parameters` (rope_theta inside); like transformers 5,
+  a non-empty `rope_scaling` wins.
+  """
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  rope = hf.get(field) or {}
+  if not isinstance(rope, Mapping):
+    raise _refuse(source, field, rope, "expected an object")
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind not in _ROPE_TYPES:
+    raise _refuse(source, field, dict(rope), f"of the RoPE types only {' and '.join(_ROPE_TYPES)} "
+                  "are implemented")
+  return field, rope
+
+
+def _rope_scaling(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
+                  source: str) -> dict[str, Any] | None:
+  """`LlamaConfig.rope_scaling` of a "llama3" rope; None for plain RoPE.
+
+  A missing original_max_position_embeddings is max_position_embeddings, as
+  in transformers.
+  """
+  if rope.get("rope_type", rope.get("type", "default")) == "default":
+    return None
+  missing = [name for name in _LLAMA3_FIELDS if rope.get(name) is None]
+  if missing:
+    raise ModelFileError(f"{source}: {field} of rope_type 'llama3' has no {', '.join(missing)}")
+  original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
+  return dict(kind="llama3", **{name: rope[name] for name in _LLAMA3_FIELDS},
+              original_max_position_embeddings=original)
 
 
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -160,10 +198,10 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
   if not isinstance(hf, dict):
     raise ModelFileError(f"{path}: the top level must be an object")
   fields = llama_fields(hf, str(path))
-  try:
-    LlamaConfig(**fields)
-  except ValueError as e:
-    raise ModelFileError(f"{path}: does not describe a valid model: {e}") from None
+  try:  # configlib's message is one line naming the field.
+    configlib.from_dict(LlamaConfig, fields, source=f"{path}: does not describe a valid model")
+  except ConfigError as e:
+    raise ModelFileError(str(e)) from None
   return fields
 
 
@@ -183,7 +221,7 @@ def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
       "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta,
-      "rope_scaling": None,
+      "rope_scaling": _hf_rope_scaling(config),
       "attention_bias": False,
       "attention_dropout": 0.0,
       "mlp_bias": False,
@@ -193,6 +231,20 @@ def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
       "pretraining_tp": 1,
       "use_cache": True,
       **token_ids,
+  }
+
+
+def _hf_rope_scaling(config: LlamaConfig) -> dict[str, Any] | None:
+  """config.json's `rope_scaling`, as Meta's Llama 3.1 / 3.2 files write it."""
+  scaling = config.rope_scaling
+  if scaling is None:
+    return None
+  return {
+      "rope_type": scaling.kind,
+      "factor": scaling.factor,
+      "low_freq_factor": scaling.low_freq_factor,
+      "high_freq_factor": scaling.high_freq_factor,
+      "original_max_position_embeddings": scaling.original_max_position_embeddings,
   }
 
 

@@ -9,7 +9,8 @@ Attention goes through `jax_ai_stack.kernels.attention`, so the choice of kernel
 explicit `kernels.AttentionPlan` given to the model (the trainer resolves one
 per run from the config, the environment and an autotune file); without one,
 the plan is `config.attention_impl` alone. RoPE is written here once (flax 0.12.8 has no `nnx.RoPE`); it
-uses the same "rotate half" convention as `nnx.RoPE` of later versions.
+uses the same "rotate half" convention as `nnx.RoPE` of later versions, and
+Llama 3.1's frequency scaling when `config.rope_scaling` is set.
 
 Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
 for the sharding recipe to map onto mesh axes:
@@ -51,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -62,7 +64,8 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
-from jax_ai_stack.recipes.models.configs import DType, LlamaConfig, RematPolicy  # noqa: F401
+from jax_ai_stack.recipes.models.configs import (  # noqa: F401
+    DType, LlamaConfig, RematPolicy, RopeScaling)
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.sharding import Layout
@@ -97,10 +100,31 @@ class RopeTables(NamedTuple):
   cos: jax.Array
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> RopeTables:
-  """The RoPE tables of `positions` [B, T] for heads of `head_dim` features."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """The head_dim / 2 RoPE frequencies 1 / theta^(2i / head_dim), float32.
+
+  With `scaling`, Llama 3.1's rescaling of them, written as transformers'
+  `_compute_llama3_parameters` (5.23.0) computes it, in float32.
+  """
   half = head_dim // 2
   inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim)
+  if scaling is None:
+    return inv_freq
+  old_context = scaling.original_max_position_embeddings
+  low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths are divided by `factor`, short ones kept, those between blended.
+  scaled = jnp.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+  smooth = (old_context / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> RopeTables:
+  """The RoPE tables of `positions` [B, T] for heads of `head_dim` features."""
+  inv_freq = rope_inv_freq(head_dim, theta, scaling)
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,T,1,H/2]
   return RopeTables(jnp.sin(angles), jnp.cos(angles))
 
@@ -411,7 +435,8 @@ class Llama(nnx.Module):
     return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
 
   def _rope(self, positions: jax.Array) -> RopeTables:
-    return rope_tables(positions, self.config.resolved_head_dim, self.config.rope_theta)
+    config = self.config
+    return rope_tables(positions, config.resolved_head_dim, config.rope_theta, config.rope_scaling)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
