@@ -170,3 +170,34 @@ def test_cli_qat_with_scan_layers_exits_2_and_saves_nothing(tmp_path, capsys):
   assert cli.main(command) == 2
   assert "model.scan_layers=true is not supported by quant.qat yet" in capsys.readouterr().err
   assert not list(tmp_path.glob("checkpoints/*"))
+
+
+def test_match_layout_converts_every_layers_subtree_to_the_other_trees_layout(pair):
+  unrolled, scanned = pair
+  params = nnx.to_pure_dict(nnx.state(unrolled))
+  tree = {0: params, 1: {"opt_state": {"mu": params, "count": np.zeros(())}}}
+  # As Orbax's metadata names them: string keys, anything at the leaves.
+  like = {"0": {"layers": {"mlp": None}}, "1": {"opt_state": {"mu": {"layers": {"mlp": None}}}}}
+  out, layout = layer_stack.match_layout(tree, like)
+  assert layout is True
+  expected = nnx.to_pure_dict(nnx.state(scanned))
+  assert checkpoint.tree_equal(out[0], expected)
+  assert checkpoint.tree_equal(out[1]["opt_state"]["mu"], expected)
+  back, layout = layer_stack.match_layout(out, tree)
+  assert layout is False and checkpoint.tree_equal(back, tree)
+  assert layer_stack.match_layout(tree, tree) == (tree, None)
+  assert layer_stack.match_layout(tree, {"2": {}})[1] is None  # Nothing to match: unchanged.
+
+
+def test_match_layout_of_shapes_keeps_the_shardings_and_refuses_blocks_that_differ():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
+  block = {"w": jax.ShapeDtypeStruct((4, 2), np.float32, sharding=spec)}
+  stacked, _ = layer_stack.match_layout({"layers": {0: block, 1: block}}, {"layers": {"w": 0}})
+  w = stacked["layers"]["w"]
+  assert w.shape == (2, 4, 2) and tuple(w.sharding.spec) == (None, "fsdp", None)
+  back, _ = layer_stack.match_layout(stacked, {"layers": {"0": {}, "1": {}}})
+  assert back["layers"][1]["w"] == block["w"]
+  other = {"w": jax.ShapeDtypeStruct((5, 2), np.float32)}
+  with pytest.raises(ValueError, match="blocks differ"):
+    layer_stack.match_layout({"layers": {0: block, 1: other}}, {"layers": {"w": 0}})

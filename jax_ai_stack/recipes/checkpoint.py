@@ -23,7 +23,10 @@ removes it. Opening a manager finishes both, and applies the retention rule to
 what is on disk (a run killed right after its last save has one step too many).
 
 Restoring checks shapes before reading (a config that does not fit the
-checkpoint names the parameter and both shapes, and touches nothing), and falls
+checkpoint names the parameter and both shapes, and touches nothing), converts
+a step saved with the other Llama layer layout (`model.scan_layers` flipped:
+`layers/N/...` vs stacked `layers/...`, parameters and optimizer moments alike;
+see `models.layer_stack`) after reading it as saved, and falls
 back past a corrupt newest step to the previous good one, moving the corrupt
 directory aside as `<step>.corrupt` rather than deleting anything. It prints one
 warning line per corrupt step; the full error, and everything the libraries
@@ -71,6 +74,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_ai_stack.errors import CheckpointMismatchError
 from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
+from jax_ai_stack.recipes.models import layer_stack
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,8 @@ class Restored:
   step: int
   state: nnx.State
   metadata: dict
+  converted: str | None = None
+  """What was converted on the way in (a step of the other layer layout), else None."""
 
 
 # ---- the manager --------------------------------------------------------------
@@ -394,10 +400,15 @@ def read_metadata(manager: ocp.CheckpointManager, step: int | None = None) -> di
 def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State) -> None:
   """Raises `CheckpointMismatchError` naming every parameter whose shape differs."""
   manager.wait_until_finished()
-  stored = _shapes_by_path(manager.item_metadata(step)["state"])
-  expected = _shapes_by_path(_abstract_savable(abstract_state))
+  stored = manager.item_metadata(step)["state"]
+  _raise_if_unfit(manager, step, _mismatches(stored, _abstract_savable(abstract_state)))
+
+
+def _mismatches(stored: Any, target: dict, *, subset: bool = False) -> list[str]:
+  """What differs between the checkpoint's tree and `target`'s (`subset`: target's leaves only)."""
+  stored, expected = _shapes_by_path(stored), _shapes_by_path(target)
   problems = []
-  for path in sorted(expected.keys() | stored.keys()):
+  for path in sorted(expected.keys() if subset else expected.keys() | stored.keys()):
     want, have = expected.get(path), stored.get(path)
     if have is None:
       problems.append(f"{path}: not in the checkpoint (config expects shape {want})")
@@ -405,12 +416,69 @@ def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.St
       problems.append(f"{path}: in the checkpoint (shape {have}) but not in the config")
     elif have != want:
       problems.append(f"{path}: checkpoint shape {have}, config shape {want}")
-  if problems:
-    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-    raise CheckpointMismatchError(
-        f"the checkpoint at step {step} in {manager.directory} does not fit this config: {shown}. "
-        "Use the config it was trained with, or a new --workdir (nothing was changed)."
-    )
+  return problems
+
+
+def _raise_if_unfit(manager, step: int, problems: list[str], what: str | None = None) -> None:
+  if not problems:
+    return
+  shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+  if what is not None:
+    raise CheckpointMismatchError(f"{what} (step {step} in {manager.directory}) does not fit "
+                                  f"this config: {shown}")
+  raise CheckpointMismatchError(
+      f"the checkpoint at step {step} in {manager.directory} does not fit this config: {shown}. "
+      "Use the config it was trained with, or a new --workdir (nothing was changed)."
+  )
+
+
+def _read_target(manager, step: int, abstract_state: nnx.State, *, subset: bool = False,
+                 what: str | None = None) -> tuple[dict, str | None]:
+  """What to read `step` into: the savable tree of `abstract_state`, or, if the step
+  holds the other layer layout of the same model, that tree in the step's layout.
+
+  Returns the target and a line saying what the conversion after reading will be
+  (None: none). Raises `CheckpointMismatchError` (naming the differences from
+  `abstract_state` itself) when neither fits.
+  """
+  manager.wait_until_finished()
+  stored = manager.item_metadata(step)["state"]
+  target = _abstract_savable(abstract_state)
+  problems = _mismatches(stored, target, subset=subset)
+  if not problems:
+    return target, None
+  try:
+    saved_layout, scanned = layer_stack.match_layout(target, _nested(stored))
+  except (ValueError, TypeError, KeyError):  # Blocks that do not stack: not one model's layouts.
+    saved_layout, scanned = target, None
+  if scanned is None or _mismatches(stored, saved_layout, subset=subset):
+    _raise_if_unfit(manager, step, problems, what)
+  wanted = layer_stack.layout_name(not scanned)
+  note = (f"checkpoint step {step} has the {layer_stack.layout_name(scanned)} layout; converted "
+          f"to {wanted} (model.scan_layers={str(not scanned).lower()})")
+  return saved_layout, note
+
+
+def _nested(tree: Any) -> dict:
+  """A checkpoint's metadata tree as nested dicts with string keys (leaves: None)."""
+  out: dict = {}
+  for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+    keys = jax.tree_util.keystr(path, simple=True, separator="/").split("/")
+    node = out
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = None
+  return out
+
+
+def _to_target_layout(items: dict, abstract_state: nnx.State) -> dict:
+  """A step read in its own layer layout, copied into `abstract_state`'s (and its shardings)."""
+  target = _abstract_savable(abstract_state)
+  # One compiled program of copies (stacking, indexing): the bits stay the saved ones.
+  converted = jax.jit(lambda tree: layer_stack.match_layout(tree, target)[0])(items)
+  return jax.tree.map(
+      lambda x, t: x if getattr(t, "sharding", None) is None else jax.device_put(x, t.sharding),
+      converted, target)
 
 
 def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -470,22 +538,27 @@ def restore(
       sys.stderr.write(output.text)  # Nothing was unreadable: show what the libraries said.
   if restored is None:
     return None
-  step, items = restored
-  return Restored(step, _from_savable(abstract_state, items["state"]), items["meta"])
+  step, items, note = restored
+  state = items["state"]
+  if note is not None:  # Outside the loop: a failure here is no corruption of the step.
+    state = _to_target_layout(state, abstract_state)
+    log.info("%s", note)
+  return Restored(step, _from_savable(abstract_state, state), items["meta"], note)
 
 
 def _restore_newest_readable(manager, abstract_state, data_iterator, unreadable):
-  """(step, Orbax's restored items) of the newest step that reads, or None."""
-  items = {
-      "state": ocp.args.StandardRestore(_abstract_savable(abstract_state)),
-      "meta": ocp.args.JsonRestore(),
-  }
+  """(step, Orbax's restored items, the layout note) of the newest step that reads, or None.
+
+  Each step is read in its own layer layout (steps of one workdir may differ).
+  """
+  items = {"meta": ocp.args.JsonRestore()}
   if data_iterator is not None:
     items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
   for step in sorted(manager.all_steps(), reverse=True):
     try:
-      check_fits(manager, step, abstract_state)
-      return step, manager.restore(step, args=ocp.args.Composite(**items))
+      target, note = _read_target(manager, step, abstract_state)
+      items["state"] = ocp.args.StandardRestore(target)
+      return step, manager.restore(step, args=ocp.args.Composite(**items)), note
     except CheckpointMismatchError:
       raise  # The config does not fit: not corruption, and no other step would fit either.
     except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable.
@@ -642,21 +715,15 @@ def restore_subset(manager: ocp.CheckpointManager, step: int, abstract_state: nn
   What a fine-tuning run reads of its base: the model's parameters, not the
   optimizer moments beside them. Shapes are checked first: a leaf missing or
   of another shape raises `CheckpointMismatchError` naming `what`, and nothing
-  is read.
+  is read. A base saved with the other layer layout (`model.scan_layers`) is
+  read as saved and converted.
   """
-  manager.wait_until_finished()
-  stored = _shapes_by_path(manager.item_metadata(step)["state"])
-  expected = _shapes_by_path(_abstract_savable(abstract_state))
-  problems = [f"{path}: " + (f"checkpoint shape {stored[path]}, config shape {shape}"
-                             if path in stored else f"not in the checkpoint (config expects {shape})")
-              for path, shape in sorted(expected.items()) if stored.get(path) != shape]
-  if problems:
-    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-    raise CheckpointMismatchError(f"{what} (step {step} in {manager.directory}) does not fit "
-                                  f"this config: {shown}")
-  target = _abstract_savable(abstract_state)
+  target, note = _read_target(manager, step, abstract_state, subset=True, what=what)
   args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target))
   with ocp.PyTreeCheckpointer() as reader:
     items = reader.restore(pathlib.Path(manager.directory) / str(step) / "state", args=args)
+  if note is not None:
+    items = _to_target_layout(items, abstract_state)
+    log.info("%s (%s)", note, what)
   return _from_savable(abstract_state, items)

@@ -227,6 +227,8 @@ class Trainer:
   """None when evaluation is off (`train.eval_every=0`) and for generation."""
   finetune: lora.Finetune | None = None
   """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
+  converted: str | None = None
+  """What the restore converted (a step of the other `model.scan_layers` layout), else None."""
 
   @classmethod
   def open(cls, config: RecipeConfig, workdir: str | pathlib.Path, *,
@@ -357,7 +359,8 @@ class Trainer:
                                restored.metadata if restored else None, model=model)
     step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
     return cls(config, task, workdir, manager, model, optimizer, train_step, eval_step,
-               state, start, plan, choice, placement, train_batches, validation, finetune)
+               state, start, plan, choice, placement, train_batches, validation, finetune,
+               restored.converted if restored else None)
 
   # ---- the pieces of the loop ------------------------------------------------
 
@@ -592,6 +595,8 @@ def run(
       print(f"attention: {choice.name} ({choice.source})", flush=True)
     if trainer.step:
       print(f"resumed from step {trainer.step}", flush=True)
+    if trainer.converted:
+      print(trainer.converted, flush=True)
     if trainer.step >= config.train.steps:
       print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
       result = {**_final_metrics(workdir), "step": trainer.step, "stopped_by": None}

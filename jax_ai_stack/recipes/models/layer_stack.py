@@ -6,8 +6,11 @@ numbers are the same, so a checkpoint (or a Hugging Face import) of one layout
 serves the other: stacking and unstacking copy, never compute, and a round trip
 is bitwise.
 
-The functions on trees take pure dicts (`nnx.to_pure_dict(state)`, arrays at the
-leaves, integer keys under `layers` when unrolled); `convert` does a whole model.
+The functions on trees take pure dicts (`nnx.to_pure_dict(state)`, arrays or
+`jax.ShapeDtypeStruct`s at the leaves, integer keys under `layers` when
+unrolled); `convert` does a whole model, `match_layout` every `layers` subtree of
+a bigger tree (a checkpoint's parameters and the optimizer moments that mirror
+them), which is how a run resumes after `model.scan_layers` was flipped.
 
 Example:
   >>> from flax import nnx
@@ -25,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
@@ -40,7 +44,7 @@ def stack_layers(tree: Mapping[str, Any]) -> dict[str, Any]:
   """Unrolled pure dict -> scanned: `layers/i/x` become one `layers/x` [L, ...]."""
   layers = tree["layers"]
   blocks = [layers[i] for i in sorted(layers, key=int)]
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+  stacked = jax.tree.map(_stack, *blocks)
   return {**tree, "layers": stacked}
 
 
@@ -48,8 +52,78 @@ def unstack_layers(tree: Mapping[str, Any]) -> dict[str, Any]:
   """Scanned pure dict -> unrolled: `layers/x` [L, ...] becomes `layers/i/x`."""
   stacked = tree["layers"]
   count = jax.tree.leaves(stacked)[0].shape[0]
-  blocks = {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)}
+  blocks = {i: jax.tree.map(lambda x, i=i: _take(x, i), stacked) for i in range(count)}
   return {**tree, "layers": blocks}
+
+
+def _stack(*xs):
+  """`jnp.stack`; for shapes, the sharding gains an unsharded leading 'layers' axis."""
+  first = xs[0]
+  if not isinstance(first, jax.ShapeDtypeStruct):
+    return jnp.stack(xs)
+  if any((x.shape, x.dtype) != (first.shape, first.dtype) for x in xs):
+    raise ValueError(f"blocks differ: cannot stack {[(x.shape, str(x.dtype)) for x in xs]}")
+  sharding = first.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, P(None, *sharding.spec))
+  return jax.ShapeDtypeStruct((len(xs), *first.shape), first.dtype, sharding=sharding)
+
+
+def _take(x, i: int):
+  """`x[i]`; for shapes, the sharding loses the leading 'layers' axis."""
+  if not isinstance(x, jax.ShapeDtypeStruct):
+    return x[i]
+  sharding = x.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+
+def layout_name(scanned: bool) -> str:
+  return "scanned" if scanned else "unrolled"
+
+
+def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any]) -> tuple[dict, bool | None]:
+  """`tree` with each `layers` subtree in the layout of the same subtree of `like`.
+
+  Walks `tree`'s nested dicts; `like` may name integer keys as strings (as
+  Orbax's metadata of a checkpoint does) and have anything at its leaves (only
+  its keys are read). A subtree that already has `like`'s layout, or that
+  `like` lacks, is left as it is. The arrays are only copied, so converting
+  back gives bitwise the same tree.
+
+  Returns:
+    The tree, and the layout it was converted to (True: scanned, False:
+    unrolled), or None if nothing was converted.
+
+  Example:
+    >>> params = {"layers": {0: {"w": jnp.zeros(3)}, 1: {"w": jnp.ones(3)}}}
+    >>> stacked, scanned = match_layout(params, {"layers": {"w": None}})
+    >>> stacked["layers"]["w"].shape, scanned
+    ((2, 3), True)
+    >>> match_layout(stacked, {"layers": {"0": {"w": None}, "1": {"w": None}}})[0]["layers"][1]
+    {'w': Array([1., 1., 1.], dtype=float32)}
+  """
+  converted: list[bool] = []
+
+  def walk(node, other):
+    if not isinstance(node, Mapping) or not isinstance(other, Mapping):
+      return node
+    out = {}
+    for key, child in node.items():
+      counterpart = other.get(key, other.get(str(key)))
+      if (key == "layers" and isinstance(child, Mapping) and isinstance(counterpart, Mapping)
+          and child and counterpart and is_scanned(node) != is_scanned({key: counterpart})):
+        scanned = is_scanned({key: counterpart})
+        child = (stack_layers if scanned else unstack_layers)({key: child})[key]
+        converted.append(scanned)
+      else:
+        child = walk(child, counterpart)
+      out[key] = child
+    return out
+
+  result = walk(tree, like)
+  return result, (converted[0] if converted else None)
 
 
 def convert(model: Llama, *, scan_layers: bool) -> Llama:
