@@ -31,9 +31,6 @@ adds time.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import platform
 import sys
 import time
 
@@ -41,12 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import common
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.kernels import autotuning, blocked, implementations
 from jax_ai_stack.kernels.cli import parse_shape
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "attention.json"
 NOISE_FLOOR = 0.05
 """Ratios within 5%, or within the noise measured in the run if larger, count as equal."""
 
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                       help="also time xla_blocked with these query block sizes")
   parser.add_argument("--no-torch", dest="torch", action="store_false",
                       help="leave out torch's SDPA even where torch is importable")
-  parser.add_argument("--output", type=pathlib.Path, default=RESULTS_PATH)
+  common.add_out_argument(parser, "attention")
   args = parser.parse_args(argv)
   try:
     block_sizes = [int(n) for n in args.block_sizes.split(",") if n.strip()]
@@ -184,9 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
   tolerance = max(NOISE_FLOOR, noise)
   auto_ms = min(times["auto"], times[choice.name])
   results = {
+      **common.header("attention"),
       "device": choice.backend.describe(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
       "request": request.to_dict(),
       "chosen": choice.name,
       "iterations": args.iterations,
@@ -216,9 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
           f" ({'at or below' if ratio <= 1 else 'ABOVE'} torch's time)")
   else:
     print(f"torch SDPA not timed: {torch_note}")
-  args.output.parent.mkdir(parents=True, exist_ok=True)
-  args.output.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.output}")
+  common.write(results, args.out)
   return results
 
 

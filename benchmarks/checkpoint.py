@@ -28,10 +28,8 @@ at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -47,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import common
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import checkpoint
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "checkpoint.json"
 TARGET_RATIO = 0.10
 """An async save may block the caller for under 10% of a synchronous save."""
 NUM_ARRAYS = 4
@@ -224,8 +222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="write under a new temporary directory here (default: the "
                            "system temporary directory); put it on the disk you train on")
   parser.add_argument("--quick", action="store_true", help="smoke test: 4 MiB, one round")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  common.add_out_argument(parser, "checkpoint")
   args = parser.parse_args(argv)
   if args.quick:
     args.size_mb, args.rounds = 4.0, 1
@@ -250,12 +247,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     nbytes = state_bytes(state)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
-  device = jax.devices()[0]
   results = {
-      "benchmark": "checkpoint",
-      "device": f"{device.platform}: {device.device_kind}",
-      "python": platform.python_version(),
-      "jax": jax.__version__,
+      **common.header("checkpoint"),
       "orbax": importlib_metadata.version("orbax-checkpoint"),
       "directory": str(workdir.parent),
       "state_bytes": nbytes,
@@ -265,9 +258,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       **summarize(runs, nbytes),
   }
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

@@ -15,9 +15,6 @@ the deepest, 32 layers: <= 0.25).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -28,9 +25,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import common
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "compile_depth.json"
 TARGET_RATIO = 0.25
 """At 32 layers, the scanned step may take at most a quarter of the unrolled compile time."""
 DEPTHS, QUICK_DEPTHS = (4, 16, 32), (2, 4)
@@ -76,10 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{scanned['total_s']:.2f} s", flush=True)
   deepest = rows[-1]
   return {
-      "benchmark": "compile_depth",
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "backend": jax.default_backend(),
+      **common.header("compile_depth"),
       "quick": args.quick,
       "model": {**WIDTH, "batch": BATCH, "seq_len": SEQ},
       "rows": rows,
@@ -107,8 +101,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="benchmarks/compile_depth.py",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help=f"smoke test: depths {QUICK_DEPTHS}")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  common.add_out_argument(parser, "compile_depth")
   args = parser.parse_args(argv)
   args.depths = QUICK_DEPTHS if args.quick else DEPTHS
   return args
@@ -119,9 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   results = run(args)
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

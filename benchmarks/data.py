@@ -16,18 +16,20 @@ NumPy gathers, so shipping it between processes costs more than building it.
 Usage:
   python benchmarks/data.py [--batches 1000] [--steps 200] [--width 32] [--out data.json]
 
-Writes a JSON record (with --out) and prints a table.
+Prints a table and writes a JSON record (to results/data.json unless --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
+import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
+import common
 from jax_ai_stack.recipes import data
 
 _CORPUS = dict(max_documents=400, seq_len=128)
@@ -135,18 +137,19 @@ def _data_wait(config: data.DataConfig, steps: int, width: int, repeats: int = 3
           "wait_cpu_ms": 1e3 * cpu / steps, "wait_fraction": waited / total}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, default=1000)
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--width", type=int, default=32, help="tiny model width")
-  parser.add_argument("--out", help="write the JSON record here")
-  args = parser.parse_args()
+  common.add_out_argument(parser, "data")
+  args = parser.parse_args(argv)
 
   base = data.DataConfig(**_CORPUS, batch_size=args.batch_size)
   tokens = data.load_corpus(base)["train"].tokens
   results = {
+      **common.header("data"),
       "corpus_tokens": int(len(tokens)),
       "batch_size": args.batch_size,
       "seq_len": base.seq_len,
@@ -193,10 +196,9 @@ def main() -> None:
   results["target_wait_fraction_below_2_percent"] = target_met
   print(f"data wait under 2% of the step with the default config: "
         f"{'yes' if target_met else 'NO'} ({100 * default_row['wait_fraction']:.2f}%)")
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=2)
+  common.write(results, args.out)
+  return results
 
 
 if __name__ == "__main__":  # Grain's worker processes re-import this module
-  main()
+  main(sys.argv[1:])

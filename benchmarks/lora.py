@@ -26,9 +26,6 @@ processes hits them alike.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -41,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import common
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import lora, optim, step
 from jax_ai_stack.recipes.finetune_config import LoraConfig
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "lora.json"
 OPTIM_CONFIG = optim.OptimConfig(weight_decay=0.0)
 TOTAL_STEPS = 1_000  # For the schedule only.
 RANK = 8
@@ -137,7 +134,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds")
   parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=None)
   parser.add_argument("--repeats", type=int, default=0, help="timed rounds (default per size)")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH)
+  common.add_out_argument(parser, "lora")
   args = parser.parse_args(argv)
   args.sizes = args.sizes or (["quick"] if args.quick else ["lm-tiny"])
   return args
@@ -147,21 +144,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, prints the table, writes and returns the results."""
   args = parse_args(argv)
   ensure_absl_flags_parsed()  # tokamax (attention kernels) would parse our argv.
-  device = jax.devices()[0]
   results = {
-      "benchmark": "lora",
-      "device": f"{device.platform}: {device.device_kind}",
-      "python": platform.python_version(),
-      "jax": jax.__version__,
+      **common.header("lora"),
       "flax": flax.__version__,
       "optimizer": OPTIM_CONFIG.name,
       "quick": args.quick,
       "sizes": {name: bench_size(name, args.repeats) for name in args.sizes},
   }
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

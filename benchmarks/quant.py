@@ -28,9 +28,7 @@ model and its first validation batch instead.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -42,12 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import common
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import quant
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "quant.json"
 SIZES = {
     "small": (LlamaConfig.small(), 4, 256),  # (model, batch rows, tokens per row)
     "quick": (LlamaConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
@@ -139,8 +137,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "(default: LlamaConfig.small() at init, random tokens)")
   parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
   parser.add_argument("--quick", action="store_true", help="smoke test: a 1-layer model, 2 rounds")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  common.add_out_argument(parser, "quant")
   args = parser.parse_args(argv)
   if args.rounds < 1:
     parser.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -163,12 +160,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     described = f"Llama {'quick' if args.quick else 'small'} at init"
   model.eval()
   models = {"float": model, **{s: quant.ptq(model, s, config) for s in quant.SCHEMES}}
-  device = jax.devices()[0]
   results = {
-      "benchmark": "quant",
-      "device": f"{device.platform}: {device.device_kind}",
-      "python": platform.python_version(),
-      "jax": jax.__version__,
+      **common.header("quant"),
       "model": f"{described}, {config.num_params():,} parameters",
       "batch": f"{batch['inputs'].shape[0]} x {batch['inputs'].shape[1]} tokens",
       "rounds": args.rounds,
@@ -176,9 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "variants": summarize(bench(models, batch, args.rounds)),
   }
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

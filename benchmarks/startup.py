@@ -19,10 +19,8 @@ over `--rounds` (a new cache directory each round).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import platform
 import re
 import statistics
 import subprocess
@@ -32,7 +30,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "startup.json"
+import common
+
 TARGET_RATIO = 0.5
 """A warm run may wait at most half as long for its first step as a cold one."""
 
@@ -90,8 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{warm['programs']} programs from the cache)", flush=True)
   ratio = statistics.median(r["ratio"] for r in rounds)
   return {
-      "benchmark": "startup",
-      "python": platform.python_version(),
+      **common.header("startup", device=False),  # JAX runs in the timed subprocesses only.
       "command": ["jax-ai-stack", "train", *RUN, *overrides],
       "quick": args.quick,
       "rounds": rounds,
@@ -116,25 +114,14 @@ def print_table(results: dict[str, Any]) -> None:
         f"{len(results['rounds'])}; target <= {TARGET_RATIO}: {verdict})")
 
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-  return value
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="benchmarks/startup.py",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=_positive_int, default=None,
+  parser.add_argument("--rounds", type=common.positive_int, default=None,
                       help="cold + warm pairs, each with a new cache (default: 2; 1 with --quick)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a one-layer model, one round")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  common.add_out_argument(parser, "startup")
   args = parser.parse_args(argv)
   args.rounds = args.rounds or (1 if args.quick else 2)
   return args
@@ -145,9 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   results = run(args)
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

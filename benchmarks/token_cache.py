@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
+import common
 from jax_ai_stack.recipes.data import DataConfig, build_tokenizer, token_cache
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "token_cache.json"
 TARGET_RSS_MB = 100
 """Training from a 2 GiB cache may take at most 100 MB more memory than from a 20 MB one."""
 DOCUMENT_BYTES = 16 << 10
@@ -273,8 +273,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="write under a new temporary directory here (default: the system's)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: 2 MB corpus, 64 MiB big cache, 20 batches")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  common.add_out_argument(parser, "token_cache")
   args = parser.parse_args(argv)
   if args.quick:
     args.corpus_mb, args.big_gib, args.batches = 2, 1 / 16, 20
@@ -291,13 +290,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     memory = bench_memory(workdir, int(args.big_gib * 2**29), args.batches)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
-  results = {"benchmark": "token_cache", "machine": platform.platform(),
-             "python": platform.python_version(), "quick": args.quick,
+  results = {**common.header("token_cache", device=False), "machine": platform.platform(),
+             "quick": args.quick,
              "prepare": prepare, "read": read, "memory": memory}
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 

@@ -22,7 +22,11 @@ jax-ai-stack[bench]`) it adds `recipe_bf16` and the same step in PyTorch
 agree): eager and `torch.compile`, float32 and bfloat16 autocast, with the
 ratio recipe / torch.compile; and a per-component table (attention core,
 projections, MLP, head + loss, optimizer, everything else) of the recipe and
-of torch.compile, so that the next gap is visible.
+of torch.compile, so that the next gap is visible. PyTorch runs in a child
+process (`torch_process.py`), driven round by round from this one, so that
+the two runtimes' thread pools never share a process (in one process its step
+measured 10-37% slower on a quiet 2-core CPU); `--torch-threads` sets its
+thread count (see benchmarks/README.md on a busy machine).
 
 Timings interleave the variants (one chunk of steps each, round after round,
 taking turns to go first) so that noise from other processes on a shared
@@ -43,10 +47,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
-import json
 import math
-import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -61,13 +62,14 @@ import optax
 from flax import nnx
 from pydantic import PositiveInt
 
+import common
+import torch_process
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import optim, step
 from jax_ai_stack.recipes.tasks import lm_loss
 from jax_ai_stack.recipes.configlib import config_dataclass
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 
-RESULTS_PATH = pathlib.Path(__file__).parent / "results" / "train_step.json"
 TARGET_RATIO = 1.03
 """The recipe step may take at most 3% longer than the hand-written one."""
 OPTIM_CONFIG = optim.OptimConfig()  # adamw, clipping, cosine schedule, masked decay.
@@ -120,9 +122,12 @@ class Variant:
   """
 
   name: str
-  run: Callable[[int], Any]
+  run: Callable[[int], Any] | None
   params: Callable[[], dict[str, np.ndarray]] | None
   """None: not expected to match the recipe's bits (bfloat16, PyTorch)."""
+  seconds: Callable[[int], float] | None = None
+  """Instead of `run`: takes n steps and returns their time as measured where
+  they ran (PyTorch, in its own process)."""
 
 
 def has_tree_mode_jit() -> bool:
@@ -184,17 +189,9 @@ def bf16_size(size: Size) -> Size:
   return dataclasses.replace(size, model=dataclasses.replace(size.model, dtype="bfloat16"))
 
 
-def load_torch_llama():
-  """benchmarks/torch_llama.py (this folder is not a package); None without torch."""
-  if importlib.util.find_spec("torch") is None:
-    return None
-  name = "_benchmark_torch_llama"
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name("torch_llama.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
+def has_torch() -> bool:
+  """Whether PyTorch is installed (this process never imports it)."""
+  return importlib.util.find_spec("torch") is not None
 
 
 TORCH_VARIANTS = {  # name: (torch.compile, bfloat16 autocast)
@@ -205,16 +202,30 @@ TORCH_VARIANTS = {  # name: (torch.compile, bfloat16 autocast)
 }
 
 
-def torch_variants(size: Size, batch: dict[str, jax.Array]) -> tuple[list[Variant], dict]:
-  """The PyTorch variants, from the recipe's initial parameters, and the trainers."""
-  torch_llama = load_torch_llama()
-  params = _flat(nnx.state(_init_fn(size.model)(), nnx.Param))
-  trainers = {
-      name: torch_llama.Trainer(size.model, params, batch, OPTIM_CONFIG, TOTAL_STEPS,
-                                compiled=compiled, bf16=bf16)
-      for name, (compiled, bf16) in TORCH_VARIANTS.items()
+def torch_spec(size: Size, threads: int | None = None) -> dict[str, Any]:
+  """What the PyTorch process builds (see torch_process.py), as plain JSON."""
+  return {
+      "threads": threads,  # None: torch's default (one per core).
+      "model": {**dataclasses.asdict(size.model), "resolved_head_dim": size.model.resolved_head_dim},
+      "optim": dataclasses.asdict(OPTIM_CONFIG),
+      "total_steps": TOTAL_STEPS,
+      "variants": TORCH_VARIANTS,
   }
-  return [Variant(name, t.run, None) for name, t in trainers.items()], trainers
+
+
+def start_torch(size: Size, batch: dict[str, jax.Array],
+                threads: int | None) -> torch_process.TorchProcess:
+  """The PyTorch process, its trainers built from the recipe's initial parameters."""
+  params = _flat(nnx.state(_init_fn(size.model)(), nnx.Param))
+  return torch_process.TorchProcess(torch_spec(size, threads), params, batch)
+
+
+def torch_variants(process: torch_process.TorchProcess) -> list[Variant]:
+  """The PyTorch variants, each step timed in its process."""
+  def seconds(name: str, steps: int) -> float:
+    return process.call(op="run", variant=name, steps=steps)["seconds"]
+
+  return [Variant(name, None, None, functools.partial(seconds, name)) for name in TORCH_VARIANTS]
 
 
 def hand_written_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
@@ -324,13 +335,31 @@ def jax_components(size: Size, batch: dict[str, jax.Array]) -> dict[str, Callabl
     updates, opt_state = tx.update(params, opt_state, params)  # The params stand in for grads.
     return optax.apply_updates(params, updates), opt_state
 
-  return {
+  thunks = {
       "attention core": _grad_thunk(attention, q, kk, v),
       "projections": _grad_thunk(*on(block.attention, projections), x),
       "MLP": _grad_thunk(*on(block.mlp, lambda m, x: m(x).astype(jnp.float32).sum()), x),
       "head + loss": _grad_thunk(*on(model.embed, head_loss), x),
       "optimizer": lambda: optimizer(params, opt_state),
   }
+  for thunk in thunks.values():
+    jax.block_until_ready(thunk())  # Compiles.
+  return {part: functools.partial(_block_seconds, thunk) for part, thunk in thunks.items()}
+
+
+def _block_seconds(thunk: Callable[[], Any]) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(thunk())
+  return time.perf_counter() - start
+
+
+def torch_components(process: torch_process.TorchProcess, variant: str) -> dict[str, Callable[[], float]]:
+  """The same parts in PyTorch (`torch_llama.components`), timed in its process."""
+  def seconds(part: str) -> float:
+    return process.call(op="part", variant=variant, part=part)["seconds"]
+
+  parts = process.call(op="parts", variant=variant)["parts"]
+  return {part: functools.partial(seconds, part) for part in parts}
 
 
 def kernels_attention(q, k, v, plan):
@@ -342,20 +371,18 @@ def kernels_attention(q, k, v, plan):
 PER_LAYER = ("attention core", "projections", "MLP")
 
 
-def time_components(thunks: dict[str, dict[str, Callable]], step_ms: dict[str, float],
+def time_components(timers: dict[str, dict[str, Callable[[], float]]], step_ms: dict[str, float],
                     num_layers: int, rounds: int) -> dict[str, dict[str, float]]:
-  """ms per step of each part ({framework: {part: thunk}}), interleaved; "everything else"."""
-  for parts in thunks.values():
-    for thunk in parts.values():
-      jax.block_until_ready(thunk())  # Compiles.
-  seconds = {fw: {part: [] for part in parts} for fw, parts in thunks.items()}
+  """ms per step of each part ({framework: {part: timer}}), interleaved; "everything else".
+
+  A timer runs its part once (compiled already) and returns the seconds it took.
+  """
+  seconds = {fw: {part: [] for part in parts} for fw, parts in timers.items()}
   for _ in range(rounds):
-    for fw, parts in thunks.items():
-      for part, thunk in parts.items():
+    for fw, parts in timers.items():
+      for part, timer in parts.items():
         time.sleep(SETTLE_SECONDS)
-        start = time.perf_counter()
-        jax.block_until_ready(thunk())
-        seconds[fw][part].append(time.perf_counter() - start)
+        seconds[fw][part].append(timer())
   table = {}
   for fw, parts in seconds.items():
     row = {part: statistics.median(s) * 1e3 * (num_layers if part in PER_LAYER else 1)
@@ -413,13 +440,14 @@ WARMUP_STEPS = 3
 ran up to 10x slower than later ones here."""
 SETTLE_SECONDS = 0.2
 """Untimed pause before each timed chunk. XLA's and PyTorch's CPU thread pools
-spin for a while after their work; in one process, a chunk right after the
-other framework's would share the cores with those spinning threads (PyTorch's
-step measured 4x slower that way on 2 cores)."""
+spin for a while after their work (in this process or PyTorch's); a chunk right
+after the other framework's would share the cores with those spinning threads."""
 
 
 def _seconds(variant: Variant, steps: int) -> float:
   time.sleep(SETTLE_SECONDS)
+  if variant.seconds is not None:
+    return variant.seconds(steps)
   start = time.perf_counter()
   jax.block_until_ready(variant.run(steps))
   return time.perf_counter() - start
@@ -427,15 +455,25 @@ def _seconds(variant: Variant, steps: int) -> float:
 
 def bench_size(
     size: Size, rounds: int, peak_flops: float, min_chunk_seconds: float, *,
-    bf16: bool = False, with_torch: bool = False,
+    bf16: bool = False, with_torch: bool = False, torch_threads: int | None = None,
 ) -> dict[str, Any]:
   """Times every variant of one size; see the module docstring."""
   batch = make_batch(size)
-  variants = build_variants(size, batch, bf16=bf16 or with_torch)
-  trainers = {}
-  if with_torch:
-    extra, trainers = torch_variants(size, batch)
-    variants += extra
+  if not with_torch:
+    return _bench_size(size, batch, rounds, peak_flops, min_chunk_seconds, bf16=bf16)
+  with start_torch(size, batch, torch_threads) as process:
+    return _bench_size(size, batch, rounds, peak_flops, min_chunk_seconds, bf16=True,
+                       torch=process)
+
+
+def _bench_size(
+    size: Size, batch: dict[str, jax.Array], rounds: int, peak_flops: float,
+    min_chunk_seconds: float, *, bf16: bool, torch: torch_process.TorchProcess | None = None,
+) -> dict[str, Any]:
+  """bench_size's measurements, with the PyTorch variants when `torch` is given."""
+  variants = build_variants(size, batch, bf16=bf16)
+  if torch is not None:
+    variants += torch_variants(torch)
   for variant in variants:
     _seconds(variant, WARMUP_STEPS)  # Compiles, and lets PyTorch settle.
   fastest_step = min(_seconds(variant, 1) for variant in variants)
@@ -463,8 +501,8 @@ def bench_size(
   extra = {}
   if "recipe_bf16" in timings:
     extra["ratio_bf16_vs_f32"] = timings["recipe_bf16"]["ms_per_step"] / timings["recipe"]["ms_per_step"]
-  if with_torch:
-    extra.update(torch_comparison(size, batch, timings, trainers, rounds))
+  if torch is not None:
+    extra.update(torch_comparison(size, batch, timings, torch, rounds))
   return {
       "model": {
           "num_layers": size.model.num_layers, "d_model": size.model.d_model,
@@ -489,23 +527,22 @@ def bench_size(
 
 
 def torch_comparison(size: Size, batch: dict[str, jax.Array], timings: dict[str, Any],
-                     trainers: dict, rounds: int) -> dict[str, Any]:
+                     process: torch_process.TorchProcess, rounds: int) -> dict[str, Any]:
   """Ratios to PyTorch, the first-loss check, and the per-component table."""
-  torch_llama = load_torch_llama()
-  model = _init_fn(size.model)()
-  jax_loss = float(lm_loss(model, batch)[0])
-  torch_loss = torch_llama.first_loss(size.model, _flat(nnx.state(model, nnx.Param)), batch)
+  jax_loss = float(lm_loss(_init_fn(size.model)(), batch)[0])
+  torch_loss = process.call(op="first_loss")["loss"]
   recipe_ms = timings["recipe"]["ms_per_step"]
   step_ms = {"recipe": recipe_ms, "torch_compile": timings["torch_compile"]["ms_per_step"]}
-  thunks = {"recipe": jax_components(size, batch),
-            "torch_compile": torch_llama.components(trainers["torch_compile"], size.model, size)}
+  timers = {"recipe": jax_components(size, batch),
+            "torch_compile": torch_components(process, "torch_compile")}
   return {
+      "torch_process": process.info,  # {"torch": version, "threads": its intra-op threads}
       "first_loss": {"jax": jax_loss, "torch": torch_loss, "abs_diff": abs(jax_loss - torch_loss)},
       "ratio_recipe_vs_torch_compile": recipe_ms / timings["torch_compile"]["ms_per_step"],
       "ratio_recipe_vs_torch_eager": recipe_ms / timings["torch_eager"]["ms_per_step"],
       "ratio_recipe_bf16_vs_torch_compile_bf16": (
           timings["recipe_bf16"]["ms_per_step"] / timings["torch_compile_bf16"]["ms_per_step"]),
-      "components_ms": time_components(thunks, step_ms, size.model.num_layers, rounds),
+      "components_ms": time_components(timers, step_ms, size.model.num_layers, rounds),
   }
 
 
@@ -560,41 +597,21 @@ def _size_list(text: str) -> list[str]:
   return names
 
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-  return value
-
-
-def _non_negative_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not value >= 0:
-    raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-  return value
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="benchmarks/train_step.py", description=__doc__.split("\n\n")[0]
   )
   parser.add_argument("--sizes", type=_size_list, default=list(DEFAULT_SIZES),
                       help=f"comma-separated, from {', '.join(SIZES)} (default: tiny,medium)")
-  parser.add_argument("--repeats", type=_positive_int, default=None,
+  parser.add_argument("--repeats", type=common.positive_int, default=None,
                       help="timed rounds; each variant runs one chunk of steps per round, "
                            "taking turns to go first; the median is reported "
                            "(default: 12 for tiny, 4 for medium)")
-  parser.add_argument("--min-chunk-seconds", type=_non_negative_float, default=0.25,
+  parser.add_argument("--min-chunk-seconds", type=common.non_negative_float, default=0.25,
                       help="a timed chunk runs at least this long (default: 0.25), so that a "
                            "dispatch-bound step (small model, GPU) is timed over many steps "
                            "in flight, not one at a time")
-  parser.add_argument("--matmul-n", type=_positive_int, default=None,
+  parser.add_argument("--matmul-n", type=common.positive_int, default=None,
                       help="side of the square matmul that measures the peak "
                            "(default: 2048 on CPU, 8192 on accelerators)")
   parser.add_argument("--quick", action="store_true",
@@ -606,10 +623,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="also time the same step in PyTorch (eager, torch.compile; float32, "
                            "bfloat16 autocast), implies --bf16, and print a per-part table; "
                            "needs torch (pip install jax-ai-stack[bench])")
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS_PATH,
-                      help=f"where to write the JSON (default: {RESULTS_PATH})")
+  parser.add_argument("--torch-threads", type=common.positive_int, default=None,
+                      help="torch.set_num_threads in the PyTorch process (default: torch's, "
+                           "one per core); see benchmarks/README.md on a busy machine")
+  common.add_out_argument(parser, "train_step")
   args = parser.parse_args(argv)
-  if args.torch and load_torch_llama() is None:
+  if args.torch and not has_torch():
     parser.error("--torch needs PyTorch, which is not installed: "
                  "pip install 'jax-ai-stack[bench]' (or pip install torch)")
   if args.quick:
@@ -640,21 +659,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   with most_optimizations_disabled(args.quick):
     results = run(args)
   print_table(results)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {args.out}")
+  common.write(results, args.out)
   return results
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-  device = jax.devices()[0]
-  matmul_n = args.matmul_n or (2048 if device.platform == "cpu" else 8192)
+  matmul_n = args.matmul_n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
   peak = measure_matmul_peak(matmul_n)
-  results = {
-      "benchmark": "train_step",
-      "device": f"{device.platform}: {device.device_kind}",
-      "python": platform.python_version(),
-      "jax": jax.__version__,
+  sizes = {
+      name: bench_size(SIZES[name], args.repeats or SIZES[name].rounds, peak,
+                       args.min_chunk_seconds, bf16=args.bf16, with_torch=args.torch,
+                       torch_threads=args.torch_threads)
+      for name in args.sizes
+  }
+  return {
+      **common.header("train_step"),
       "flax": flax.__version__,
       "optimizer": OPTIM_CONFIG.name,
       "matmul_n": matmul_n,
@@ -662,14 +681,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "target_ratio": TARGET_RATIO,
       "nnx_jit_tree_available": has_tree_mode_jit(),
       "quick": args.quick,
-      "torch": load_torch_llama().torch.__version__ if args.torch else None,
-      "sizes": {
-          name: bench_size(SIZES[name], args.repeats or SIZES[name].rounds, peak,
-                           args.min_chunk_seconds, bf16=args.bf16, with_torch=args.torch)
-          for name in args.sizes
-      },
+      "torch": next((s["torch_process"]["torch"] for s in sizes.values() if "torch_process" in s), None),
+      "sizes": sizes,
   }
-  return results
 
 
 if __name__ == "__main__":

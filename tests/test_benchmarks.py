@@ -19,7 +19,13 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name: str):
-  """Imports benchmarks/<name>.py (a script folder, not a package)."""
+  """Imports benchmarks/<name>.py (a script folder, not a package).
+
+  The folder goes on sys.path, as `python benchmarks/<name>.py` puts it, for
+  the scripts' own imports (common, torch_process).
+  """
+  if str(BENCHMARKS) not in sys.path:
+    sys.path.append(str(BENCHMARKS))
   module_name = f"_benchmark_{name}"
   if module_name not in sys.modules:
     spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
@@ -39,11 +45,19 @@ def checkpoint():
   return _load("checkpoint")
 
 
-def test_train_step_quick_writes_positive_figures(train_step, tmp_path):
-  out = tmp_path / "train_step.json"
-  returned = train_step.main(["--quick", "--out", str(out)])
+def _run_quick(name: str, tmp_path: pathlib.Path, *argv: str) -> dict:
+  """Runs benchmarks/<name>.py --quick; checks it wrote what it returned, with the header."""
+  out = tmp_path / "results" / f"{name}.json"
+  returned = _load(name).main(["--quick", *argv, "--out", str(out)])
   results = json.loads(out.read_text())
   assert results == json.loads(json.dumps(returned))
+  assert results["benchmark"] == name and results["python"].count(".") == 2
+  return results
+
+
+def test_train_step_quick_writes_positive_figures(train_step, tmp_path):
+  results = _run_quick("train_step", tmp_path)
+  assert results["device"].startswith("cpu") and results["jax"]
   assert results["matmul_peak_tflops"] > 0
   size = results["sizes"]["quick"]
   expected = {"recipe", "hand_written", "nnx_jit"}
@@ -69,24 +83,28 @@ def test_train_step_compare_params_reports_a_difference(train_step):
   assert result["off"] == {"bitwise_identical": False, "max_abs_diff": 2**-20}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--sizes", "tiny,huge"], "unknown size huge; choose from tiny, medium, quick"),
-    (["--repeats", "0"], "must be an integer >= 1, got '0'"),
-    (["--min-chunk-seconds", "-1"], "must be a number >= 0, got '-1'"),
+@pytest.mark.parametrize("script, argv, message", [
+    ("train_step", ["--sizes", "tiny,huge"], "unknown size huge; choose from tiny, medium, quick"),
+    ("train_step", ["--repeats", "0"], "must be an integer >= 1, got '0'"),
+    ("train_step", ["--min-chunk-seconds", "-1"], "must be a number >= 0, got '-1'"),
+    ("train_step", ["--min-chunk-seconds", "nan"], "must be a number >= 0, got 'nan'"),
+    ("train_step", ["--torch-threads", "0"], "must be an integer >= 1, got '0'"),
+    ("startup", ["--rounds", "none"], "must be an integer >= 1, got 'none'"),
+    ("checkpoint", ["--size-mb", "0"], "must be a number > 0, got '0'"),
+    ("checkpoint", ["--rounds", "two"], "must be a number > 0, got 'two'"),
+    ("checkpoint", ["--dir", "/no/such/dir"], "'/no/such/dir' is not an existing directory"),
 ])
-def test_train_step_rejects_bad_arguments(train_step, capsys, argv, message):
+def test_scripts_reject_bad_arguments(capsys, script, argv, message):
   with pytest.raises(SystemExit) as exit_info:
-    train_step.parse_args(argv)
+    _load(script).parse_args(argv)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
 
 
-def test_checkpoint_quick_writes_positive_figures_and_cleans_up(checkpoint, tmp_path):
-  out = tmp_path / "results" / "checkpoint.json"
+def test_checkpoint_quick_writes_positive_figures_and_cleans_up(tmp_path):
   workdir = tmp_path / "disk"
   workdir.mkdir()
-  checkpoint.main(["--quick", "--dir", str(workdir), "--out", str(out)])
-  results = json.loads(out.read_text())
+  results = _run_quick("checkpoint", tmp_path, "--dir", str(workdir))
   for key in ("sync_save_s", "async_blocking_s", "async_total_s", "raw_write_s",
               "sync_save_mb_per_s", "raw_write_mb_per_s", "save_vs_raw_throughput",
               "async_blocking_ratio", "bytes_on_disk"):
@@ -108,18 +126,6 @@ def test_checkpoint_raw_write_writes_every_byte(checkpoint, tmp_path, monkeypatc
   assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--size-mb", "0"], "must be a number > 0, got '0'"),
-    (["--rounds", "two"], "must be a number > 0, got 'two'"),
-    (["--dir", "/no/such/dir"], "'/no/such/dir' is not an existing directory"),
-])
-def test_checkpoint_rejects_bad_arguments(checkpoint, capsys, argv, message):
-  with pytest.raises(SystemExit) as exit_info:
-    checkpoint.parse_args(argv)
-  assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
-
-
 def test_checkpoint_refuses_a_disk_without_room(checkpoint, tmp_path, monkeypatch, capsys):
   usage = checkpoint.shutil.disk_usage(tmp_path)
   monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage._replace(free=2**20))
@@ -129,11 +135,9 @@ def test_checkpoint_refuses_a_disk_without_room(checkpoint, tmp_path, monkeypatc
 
 
 def test_token_cache_quick_writes_positive_figures(tmp_path):
-  token_cache = _load("token_cache")
-  out = tmp_path / "token_cache.json"
-  returned = token_cache.main(["--quick", "--dir", str(tmp_path), "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
+  workdir = tmp_path / "disk"
+  workdir.mkdir()
+  results = _run_quick("token_cache", tmp_path, "--dir", str(workdir))
   assert {(row["tokenizer"], row["workers"]) for row in results["prepare"]} >= {
       ("byte", 1), ("byte", 2)}
   for row in results["prepare"]:
@@ -143,15 +147,11 @@ def test_token_cache_quick_writes_positive_figures(tmp_path):
   memory = results["memory"]
   assert memory["big"]["num_tokens"] > memory["small"]["num_tokens"]
   assert memory["small"]["peak_rss_mb"] > 0 and isinstance(memory["met_target"], bool)
-  assert [p.name for p in tmp_path.iterdir()] == ["token_cache.json"]  # the work is removed
+  assert list(workdir.iterdir()) == []  # the work is removed
 
 
 def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
-  startup = _load("startup")
-  out = tmp_path / "startup.json"
-  returned = startup.main(["--quick", "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
+  results = _run_quick("startup", tmp_path)
   (round_,) = results["rounds"]
   assert round_["cache_entries"] >= 2 and round_["cache_bytes"] > 0
   assert round_["warm"]["cache_hits"] >= 2  # At least the initialisation and the train step.
@@ -161,17 +161,24 @@ def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
 
 
 def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
-  compile_depth = _load("compile_depth")
-  out = tmp_path / "compile_depth.json"
-  returned = compile_depth.main(["--quick", "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
-  assert [row["num_layers"] for row in results["rows"]] == list(compile_depth.QUICK_DEPTHS)
+  results = _run_quick("compile_depth", tmp_path)
+  assert [row["num_layers"] for row in results["rows"]] == list(_load("compile_depth").QUICK_DEPTHS)
   for row in results["rows"]:
     for layout in ("unrolled", "scanned"):
       assert row[layout]["total_s"] >= row[layout]["compile_s"] > 0
     assert row["ratio"] == row["scanned"]["total_s"] / row["unrolled"]["total_s"]
   assert results["met_target"] is None  # --quick does not judge the target.
+
+
+def test_data_writes_its_record_with_the_header(tmp_path):
+  out = tmp_path / "data.json"
+  returned = _load("data").main(["--batches", "20", "--steps", "10", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results == json.loads(json.dumps(returned))
+  assert results["benchmark"] == "data" and results["device"].startswith("cpu")
+  assert results["numpy_batches_per_s"] > 0 and len(results["pipeline"]) == 4
+  assert all(row["batches_per_s"] > 0 for row in results["pipeline"])
+  assert isinstance(results["target_wait_fraction_below_2_percent"], bool)
 
 
 def test_startup_rejects_output_without_a_start_up_line():
@@ -185,11 +192,7 @@ def test_startup_rejects_output_without_a_start_up_line():
 
 
 def test_quant_quick_reports_every_scheme_smaller_than_float(tmp_path):
-  quant = _load("quant")
-  out = tmp_path / "quant.json"
-  returned = quant.main(["--quick", "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
+  results = _run_quick("quant", tmp_path)
   variants = results["variants"]
   assert list(variants) == ["float", "w8", "w8a8", "w4"]
   assert variants["float"]["loss_delta"] == 0 and variants["float"]["bytes_vs_float"] == 1
@@ -200,11 +203,7 @@ def test_quant_quick_reports_every_scheme_smaller_than_float(tmp_path):
 
 
 def test_lora_quick_reports_fewer_trainable_parameters_than_full(tmp_path):
-  lora = _load("lora")
-  out = tmp_path / "lora.json"
-  returned = lora.main(["--quick", "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
+  results = _run_quick("lora", tmp_path)
   size = results["sizes"]["quick"]
   variants = size["variants"]
   assert list(variants) == ["full", "lora", "qlora"]
@@ -218,7 +217,7 @@ def test_lora_quick_reports_fewer_trainable_parameters_than_full(tmp_path):
 
 
 def test_train_step_torch_needs_torch(train_step, capsys, monkeypatch):
-  monkeypatch.setattr(train_step, "load_torch_llama", lambda: None)
+  monkeypatch.setattr(train_step, "has_torch", lambda: False)
   with pytest.raises(SystemExit) as exit_info:
     train_step.parse_args(["--torch"])
   assert exit_info.value.code == 2
@@ -233,7 +232,7 @@ def test_train_step_does_not_compare_bits_of_other_numerics(train_step):
 
 def test_torch_llama_computes_the_recipe_s_loss(train_step):
   pytest.importorskip("torch")
-  torch_llama = train_step.load_torch_llama()
+  torch_llama = _load("torch_llama")
   size = train_step.SIZES["quick"]
   for config in (size.model, size.model.tiny(**{**_fields(size.model), "tie_embeddings": False})):
     model = train_step._init_fn(config)()
@@ -248,13 +247,14 @@ def _fields(config) -> dict:
                                           "mlp_dim", "max_seq_len")}
 
 
-@pytest.mark.slow  # torch.compile of two models and four parts: minutes on 2 cores.
+@pytest.mark.slow  # torch.compile of two models and four parts: ~25 s on 2 cores.
 def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
   pytest.importorskip("torch")
   results = train_step.main(["--quick", "--torch", "--out", str(tmp_path / "t.json")])
   size = results["sizes"]["quick"]
   assert set(train_step.TORCH_VARIANTS) | {"recipe_bf16"} <= set(size["variants"])
   assert size["first_loss"]["abs_diff"] < 1e-5, size["first_loss"]
+  assert results["torch"] == size["torch_process"]["torch"] and size["torch_process"]["threads"] >= 1
   assert size["bitwise_identical"]  # recipe_bf16 and torch are left out of the comparison.
   for key in ("ratio_recipe_vs_torch_compile", "ratio_recipe_vs_torch_eager", "ratio_bf16_vs_f32"):
     assert size[key] > 0, key
@@ -263,3 +263,56 @@ def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
     row = size["components_ms"][framework]
     assert parts | {"step"} == set(row)
     assert all(row[p] > 0 for p in parts - {"everything else"}), row
+
+
+def test_torch_process_runs_steps_and_reports_a_failed_request(train_step):
+  pytest.importorskip("torch")
+  size = train_step.SIZES["quick"]
+  model = train_step._init_fn(size.model)()
+  batch = train_step.make_batch(size)
+  spec = {**train_step.torch_spec(size, threads=1), "variants": {"torch_eager": [False, False]}}
+  params = train_step._flat(train_step.nnx.state(model, train_step.nnx.Param))
+  with train_step.torch_process.TorchProcess(spec, params, batch) as process:
+    assert process.info["threads"] == 1
+    with pytest.raises(RuntimeError, match="unknown op 'nope'"):
+      process.call(op="nope")
+    # Still serving after the error: the same first loss as JAX's, then a step.
+    jax_loss = float(train_step.lm_loss(model, batch)[0])
+    assert process.call(op="first_loss")["loss"] == pytest.approx(jax_loss, abs=1e-5)
+    ran = process.call(op="run", variant="torch_eager", steps=2)
+    assert ran["seconds"] > 0 and np.isfinite(ran["loss"])
+
+
+def test_torch_process_says_when_the_child_dies_and_cleans_up(train_step, tmp_path, monkeypatch):
+  monkeypatch.setattr(train_step.torch_process.tempfile, "tempdir", str(tmp_path))
+  with pytest.raises(RuntimeError, match="the PyTorch process exited"):
+    train_step.torch_process.TorchProcess({"no": "spec"}, {"w": np.zeros(2)}, {})
+  assert list(tmp_path.iterdir()) == []  # The parameters' directory is removed.
+
+
+def test_common_header_and_write(tmp_path, capsys):
+  common = _load("common")
+  assert set(common.header("x", device=False)) == {"benchmark", "python"}
+  header = common.header("x")
+  assert header["device"].startswith("cpu") and header["jax"]
+  out = tmp_path / "new" / "x.json"
+  common.write({**header, "figure": 1.5}, out)
+  assert json.loads(out.read_text()) == {**header, "figure": 1.5}
+  assert capsys.readouterr().out == f"wrote {out}\n"
+
+
+def test_step_profile_quick_splits_the_step_s_op_time_by_kind(tmp_path):
+  # Its own process: the per-op trace flag must be set before JAX starts.
+  import subprocess
+
+  out = tmp_path / "step_profile.json"
+  done = subprocess.run([sys.executable, str(BENCHMARKS / "step_profile.py"), "--quick",
+                         "--out", str(out)], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  record = json.loads(out.read_text())
+  assert record["benchmark"] == "step_profile" and record["ops_timed"] > 10
+  kinds = record["kinds"]
+  assert kinds["matmul"]["ms"] > 0 and kinds["elementwise"]["ms"] > 0
+  assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0)
+  assert record["outside_matmuls_share"] == pytest.approx(1 - kinds["matmul"]["share"])
+  assert any("dot_general" in op["source"] for op in record["top_ops"]["matmul"])

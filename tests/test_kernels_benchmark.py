@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import runpy
+import sys
 
 import pytest
 
@@ -13,6 +14,8 @@ BENCHMARK = pathlib.Path(__file__).parents[1] / "benchmarks" / "attention.py"
 
 @pytest.fixture(scope="module")
 def benchmark_main():
+  if str(BENCHMARK.parent) not in sys.path:  # As `python benchmarks/attention.py` puts it,
+    sys.path.append(str(BENCHMARK.parent))  # for its `import common`.
   return runpy.run_path(str(BENCHMARK), run_name="attention_benchmark")["main"]
 
 
@@ -20,7 +23,7 @@ def benchmark_main():
 def test_benchmark_times_every_eligible_kernel_against_the_reference(benchmark_main, tmp_path, capsys):
   output = tmp_path / "attention.json"
   results = benchmark_main(["--shape", "1,32,2,1,8", "--segment-ids", "--iterations", "1",
-                            "--rounds", "1", "--output", str(output)])
+                            "--rounds", "1", "--out", str(output)])
   assert json.loads(output.read_text()) == json.loads(json.dumps(results))
   # xla_blocked too: "auto" passes it over at T 32, but its rule is measured here.
   assert set(results["times_ms"]) == {
@@ -49,7 +52,7 @@ def test_benchmark_times_block_sizes_and_auto_picks_the_blocked_kernel_at_t256(
     benchmark_main, tmp_path, capsys):
   results = benchmark_main(["--shape", "1,256,2,1,8", "--block-sizes", "64,256", "--no-torch",
                             "--iterations", "1", "--rounds", "1",
-                            "--output", str(tmp_path / "a.json")])
+                            "--out", str(tmp_path / "a.json")])
   assert results["chosen"] == "xla_blocked"
   assert {"xla_blocked@64", "xla_blocked@256", "xla_blocked"} <= set(results["times_ms"])
   assert all(ms > 0 for ms in results["times_ms"].values())
@@ -61,7 +64,7 @@ def test_benchmark_times_block_sizes_and_auto_picks_the_blocked_kernel_at_t256(
 def test_benchmark_times_torch_sdpa_in_the_same_rounds(benchmark_main, tmp_path, capsys):
   pytest.importorskip("torch")
   results = benchmark_main(["--shape", "1,256,2,1,8", "--iterations", "1", "--rounds", "2",
-                            "--output", str(tmp_path / "a.json")])
+                            "--out", str(tmp_path / "a.json")])
   assert results["torch_sdpa"] == "timed" and results["times_ms"]["torch_sdpa"] > 0
   assert results["auto_over_torch_sdpa"] == pytest.approx(
       min(results["times_ms"]["auto"], results["times_ms"]["xla_blocked"])

@@ -1,0 +1,74 @@
+"""What every benchmark script shares: the header of its record, --out, the JSON write.
+
+The scripts run as `python benchmarks/<name>.py`, which puts this folder on
+`sys.path`, so they `import common`; tests/test_benchmarks.py puts the folder
+there too before it loads a script.
+
+Example:
+  >>> header("demo", device=False)["benchmark"]
+  'demo'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+from typing import Any
+
+RESULTS_DIR = pathlib.Path(__file__).parent / "results"
+"""Where each benchmark writes `<name>.json` by default (gitignored)."""
+
+
+def header(name: str, *, device: bool = True) -> dict[str, Any]:
+  """The first keys of every record: which benchmark, on what, with which versions.
+
+  Args:
+    name: the benchmark's name, also its default file name.
+    device: whether to name JAX's first device and version (imports jax and
+      starts its backend); False for benchmarks that leave JAX to subprocesses.
+  """
+  record = {"benchmark": name, "python": platform.python_version()}
+  if device:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    first = jax.devices()[0]
+    record.update(device=f"{first.platform}: {first.device_kind}", jax=jax.__version__)
+  return record
+
+
+def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
+  """`--out PATH`, by default results/<name>.json."""
+  default = RESULTS_DIR / f"{name}.json"
+  parser.add_argument("--out", type=pathlib.Path, default=default,
+                      help=f"where to write the JSON (default: {default})")
+
+
+def write(results: dict[str, Any], out: pathlib.Path) -> None:
+  """Writes the record as indented JSON, making the folder if needed, and says where."""
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=2) + "\n")
+  print(f"wrote {out}")
+
+
+def positive_int(text: str) -> int:
+  """argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+  return value
+
+
+def non_negative_float(text: str) -> float:
+  """argparse type: a number >= 0 (NaN refused)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value >= 0:
+    raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+  return value
