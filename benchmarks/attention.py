@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
   if timer:
     ratio = results["auto_over_torch_sdpa"]
     print(f"auto / torch SDPA (is_causal={args.causal}): {ratio:.2f}x"
-          f" ({'at or below' if ratio <= 1 else 'ABOVE'} torch's time)")
+          f" (target <= 1: {common.verdict(ratio, 1.0)})")
   else:
     print(f"torch SDPA not timed: {torch_note}")
   common.write(results, args.out)

@@ -7,6 +7,8 @@ there too before it loads a script.
 Example:
   >>> header("demo", device=False)["benchmark"]
   'demo'
+  >>> verdict(1.82, 1.0)
+  'MISSED by 82%'
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ def header(name: str, *, device: bool = True) -> dict[str, Any]:
     first = jax.devices()[0]
     record.update(device=f"{first.platform}: {first.device_kind}", jax=jax.__version__)
   return record
+
+
+def target(value: float, limit: float) -> dict[str, Any]:
+  """A figure judged against its target (lower is better): the record's form of it.
+
+  "missed_by" is how far over the limit the figure is, as a fraction of the limit
+  (0.82: 82% over), so that a missed target says by how much.
+  """
+  return {"value": value, "target": limit, "met": value <= limit,
+          "missed_by": max(value / limit - 1, 0.0)}
+
+
+def verdict(value: float, limit: float) -> str:
+  """'met' if value <= limit, else how far over it: 'MISSED by 82%'."""
+  judged = target(value, limit)
+  return "met" if judged["met"] else f"MISSED by {judged['missed_by']:.0%}"
 
 
 def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:

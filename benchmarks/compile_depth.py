@@ -92,7 +92,7 @@ def print_table(results: dict[str, Any]) -> None:
   if results["met_target"] is None:
     print(f"(--quick: the target, <= {TARGET_RATIO} at 32 layers, is not judged)")
   else:
-    verdict = "met" if results["met_target"] else "MISSED"
+    verdict = common.verdict(results["deepest_ratio"], TARGET_RATIO)
     print(f"scanned / unrolled lower + compile time at {deepest} layers = "
           f"{results['deepest_ratio']:.2f} (target <= {TARGET_RATIO}: {verdict})")
 

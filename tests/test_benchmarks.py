@@ -263,6 +263,11 @@ def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
     row = size["components_ms"][framework]
     assert parts | {"step"} == set(row)
     assert all(row[p] > 0 for p in parts - {"everything else"}), row
+  judged = size["torch_targets"]["recipe / torch.compile"]
+  assert judged["value"] == size["ratio_recipe_vs_torch_compile"] and judged["target"] == 1.0
+  share = size["torch_targets"]["everything else / recipe step"]["value"]
+  assert share == size["components_ms"]["recipe"]["everything else"] / size["variants"]["recipe"][
+      "ms_per_step"]
 
 
 def test_torch_process_runs_steps_and_reports_a_failed_request(train_step):
@@ -288,6 +293,15 @@ def test_torch_process_says_when_the_child_dies_and_cleans_up(train_step, tmp_pa
   with pytest.raises(RuntimeError, match="the PyTorch process exited"):
     train_step.torch_process.TorchProcess({"no": "spec"}, {"w": np.zeros(2)}, {})
   assert list(tmp_path.iterdir()) == []  # The parameters' directory is removed.
+
+
+def test_common_target_says_by_how_much_a_figure_missed():
+  common = _load("common")
+  assert common.target(0.5, 0.5) == {"value": 0.5, "target": 0.5, "met": True, "missed_by": 0.0}
+  missed = common.target(1.82, 1.0)
+  assert not missed["met"] and missed["missed_by"] == pytest.approx(0.82)
+  assert common.verdict(1.82, 1.0) == "MISSED by 82%"
+  assert common.verdict(0.2, 0.25) == "met"
 
 
 def test_common_header_and_write(tmp_path, capsys):
