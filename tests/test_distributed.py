@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -96,9 +97,9 @@ def test_two_processes_train_like_one_process_with_the_same_devices(reference, t
     assert (workdir / name).is_file()
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwise(
-    tmp_path, two_processes):
-  workdir = tmp_path / "preempted"
+def _signal_one_process_after_step_3(workdir: pathlib.Path, signum: int) -> int:
+  """Starts the job, sends `signum` to process 1 after step 3, checks that both
+  processes stopped after the same step and saved it; returns that step."""
   job = _start_job(workdir)
   deadline = time.monotonic() + 180
   while not (workdir / "metrics.jsonl").exists() or len(_losses(workdir)) < 3:
@@ -106,13 +107,15 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwis
       pytest.fail("the job ended or hung before step 3: "
                   + "\n".join(output for _, output in _finish(job)))
     time.sleep(0.02)
-  job[1].send_signal(15)  # SIGTERM to one process, as a cluster preempting one host.
-  results = _finish(job)
+  job[1].send_signal(signum)
   stopped = set()
-  for code, output in results:
-    assert code == 75, output  # Preempted: run again to resume.
+  for process_id, (code, output) in enumerate(_finish(job)):
     [line] = [line for line in output.splitlines() if line.startswith("stopped at step")]
-    stopped.add(line)
+    stopped.add(line.split(" (")[0])
+    if signum == signal.SIGINT and process_id == 1:
+      assert code == 130 and "(SIGINT)" in line, output
+    else:
+      assert code == 75 and "(preemption)" in line, output  # Run again to resume.
   assert len(stopped) == 1, stopped  # Both saved the same step.
   step = int(next(iter(stopped)).split()[3])
   assert 3 <= step < STEPS
@@ -120,6 +123,20 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwis
                                      read_only=True)
   assert manager.latest_step() == step
   manager.close()
+  return step
+
+
+def test_sigint_to_one_process_stops_both_at_the_same_step_not_a_hang(tmp_path):
+  """Ctrl-C in one host's terminal: that process alone must not stop (the other
+  would wait for it in the next collective forever)."""
+  _signal_one_process_after_step_3(tmp_path / "interrupted", signal.SIGINT)
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwise(
+    tmp_path, two_processes):
+  workdir = tmp_path / "preempted"
+  # SIGTERM to one process, as a cluster preempting one host.
+  step = _signal_one_process_after_step_3(workdir, signal.SIGTERM)
 
   for code, output in _finish(_start_job(workdir)):  # Both processes again: they resume.
     assert code == 0, output

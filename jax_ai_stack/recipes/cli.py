@@ -37,8 +37,9 @@ process 0 writes metrics, plot and sample; all write the checkpoint together.
 Exit status: 0 trained (or already finished); 2 bad input (one line says what);
 130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, after saving a checkpoint
 (run the same command again to resume); 75 stopped by a preemption (SIGTERM
-to a process of a multi-process job: every process saves the same step) or
-by request; 1 a training failure (a non-finite loss) or a bug (with its
+to a process of a multi-process job: every process saves the same step; a
+SIGINT to one process stops them all alike, that one exiting 130) or by
+request; 1 a training failure (a non-finite loss) or a bug (with its
 traceback).
 """
 

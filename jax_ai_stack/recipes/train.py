@@ -178,14 +178,18 @@ def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
 class _StopSignal:
   """Records SIGTERM/SIGINT so the loop can finish its step, save and stop.
 
-  With several processes SIGTERM is left to JAX's preemption notifier (which
-  `jax.distributed` installs), so that Orbax's `reached_preemption` makes
-  every process stop and save at the same step.
+  With several processes (`shared=True`) one process must not stop alone: the
+  others would wait for it in the next collective (or the save) forever. So
+  SIGTERM is left to JAX's preemption notifier (which `jax.distributed`
+  installs), and a SIGINT is passed on to it as a SIGTERM to this process:
+  Orbax's `reached_preemption` then makes every process stop and save at the
+  same step, the one that got the signal reporting it by name.
   """
 
-  def __init__(self, *, sigterm: bool = True):
+  def __init__(self, *, shared: bool = False):
     self.received: str | None = None
-    self._signals = (signal.SIGTERM, signal.SIGINT) if sigterm else (signal.SIGINT,)
+    self._shared = shared
+    self._signals = (signal.SIGINT,) if shared else (signal.SIGTERM, signal.SIGINT)
     self._previous = {}
 
   def __enter__(self):
@@ -197,6 +201,8 @@ class _StopSignal:
   def _handle(self, signum, frame):
     del frame
     self.received = signal.Signals(signum).name
+    if self._shared:
+      os.kill(os.getpid(), signal.SIGTERM)  # To the preemption notifier: every process stops.
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -432,6 +438,12 @@ class Trainer:
     """Whether every host agreed to stop at this step (Orbax; multi-host only)."""
     return jax.process_count() > 1 and self.manager.reached_preemption(self.step)
 
+  def _stop_reason(self, stop: _StopSignal) -> str | None:
+    """The signal that stops the run now, "preemption" for another process's, or None."""
+    if jax.process_count() == 1:
+      return stop.received
+    return (stop.received or "preemption") if self.preempted() else None
+
   def fit(self, *, stop_after: int | None = None,
           on_first_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """Trains from `self.step` to `train.steps`; returns the last metrics.
@@ -449,7 +461,7 @@ class Trainer:
     last: dict[str, float] = {}
     try:
       # Saves in the background; leaving the block waits until they are on disk.
-      with (_StopSignal(sigterm=jax.process_count() == 1) as stop, self._kernel_configs(),
+      with (_StopSignal(shared=jax.process_count() > 1) as stop, self._kernel_configs(),
             self.manager.async_saves()):
         while self.step < total:
           metrics = self.run_step()
@@ -469,8 +481,7 @@ class Trainer:
             last.update(eval_metrics)
             _print(progress, f"step {self.step}: " + _format(eval_metrics))
           reached = stop_after is not None and self.step >= stop_after
-          stopping = stop.received or (f"stop_after={stop_after}" if reached else None) or (
-              "preemption" if self.preempted() else None)
+          stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
           if self.save(force=bool(stopping) or self.step == total):
             metrics_log.flush()
           if stopping:
