@@ -26,6 +26,7 @@ adds time.
     python benchmarks/attention.py                 # B8 T512 N8 K8 H64 f32 (issue #15's layer)
     python benchmarks/attention.py --shape 4,1024,8,8,64 --dtype bf16 --segment-ids
     python benchmarks/attention.py --block-sizes 64,128,256 --no-torch
+    python benchmarks/attention.py --quick         # a tiny shape, one round: a smoke test
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from jax_ai_stack.kernels.cli import parse_shape
 
 NOISE_FLOOR = 0.05
 """Ratios within 5%, or within the noise measured in the run if larger, count as equal."""
+QUICK_SHAPE = "2,64,2,1,16"
+"""B,T,N,K,H of --quick: grouped heads, compiles in seconds."""
 
 
 def reference_attention(q, k, v, ids, lengths, *, causal, local_window):
@@ -122,8 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
                       help="also time xla_blocked with these query block sizes")
   parser.add_argument("--no-torch", dest="torch", action="store_false",
                       help="leave out torch's SDPA even where torch is importable")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"shape {QUICK_SHAPE}, one run of one round: a smoke test")
   common.add_out_argument(parser, "attention")
   args = parser.parse_args(argv)
+  if args.quick:
+    args.shape, args.iterations, args.rounds = QUICK_SHAPE, 1, 1
   try:
     block_sizes = [int(n) for n in args.block_sizes.split(",") if n.strip()]
     if any(n < 1 for n in block_sizes):

@@ -143,8 +143,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--width", type=int, default=32, help="tiny model width")
+  parser.add_argument("--quick", action="store_true",
+                      help="20 batches, 10 steps: a smoke test (the timings mean nothing)")
   common.add_out_argument(parser, "data")
   args = parser.parse_args(argv)
+  if args.quick:
+    args.batches, args.steps = 20, 10
 
   base = data.DataConfig(**_CORPUS, batch_size=args.batch_size)
   tokens = data.load_corpus(base)["train"].tokens

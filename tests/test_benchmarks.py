@@ -170,12 +170,9 @@ def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
   assert results["met_target"] is None  # --quick does not judge the target.
 
 
-def test_data_writes_its_record_with_the_header(tmp_path):
-  out = tmp_path / "data.json"
-  returned = _load("data").main(["--batches", "20", "--steps", "10", "--out", str(out)])
-  results = json.loads(out.read_text())
-  assert results == json.loads(json.dumps(returned))
-  assert results["benchmark"] == "data" and results["device"].startswith("cpu")
+def test_data_quick_writes_its_record_with_the_header(tmp_path):
+  results = _run_quick("data", tmp_path)
+  assert results["device"].startswith("cpu") and results["numpy_batches_per_s"] > 0
   assert results["numpy_batches_per_s"] > 0 and len(results["pipeline"]) == 4
   assert all(row["batches_per_s"] > 0 for row in results["pipeline"])
   assert isinstance(results["target_wait_fraction_below_2_percent"], bool)
@@ -293,6 +290,14 @@ def test_torch_process_says_when_the_child_dies_and_cleans_up(train_step, tmp_pa
   with pytest.raises(RuntimeError, match="the PyTorch process exited"):
     train_step.torch_process.TorchProcess({"no": "spec"}, {"w": np.zeros(2)}, {})
   assert list(tmp_path.iterdir()) == []  # The parameters' directory is removed.
+
+
+def test_attention_quick_times_every_variant_and_names_auto_s_choice(tmp_path):
+  results = _run_quick("attention", tmp_path, "--no-torch")
+  times = results["times_ms"]
+  assert {"reference", "auto", results["chosen"], results["fastest_eligible"]} <= set(times)
+  assert all(ms > 0 for ms in times.values()), times
+  assert results["request"]["causal"] and results["torch_sdpa"] == "--no-torch"
 
 
 def test_common_target_says_by_how_much_a_figure_missed():
