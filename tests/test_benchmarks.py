@@ -172,7 +172,7 @@ def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
 
 def test_data_quick_writes_its_record_with_the_header(tmp_path):
   results = _run_quick("data", tmp_path)
-  assert results["device"].startswith("cpu") and results["numpy_batches_per_s"] > 0
+  assert results["device"].startswith("cpu")
   assert results["numpy_batches_per_s"] > 0 and len(results["pipeline"]) == 4
   assert all(row["batches_per_s"] > 0 for row in results["pipeline"])
   assert isinstance(results["target_wait_fraction_below_2_percent"], bool)
