@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -237,6 +237,19 @@ class Attention(nnx.Module):
     return self.o_proj(out), (keys, values)
 
 
+def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+  """`layer(x)` applied to x [..., D] as one [tokens, D] matrix, reshaped back.
+
+  The same numbers, but a dense layer's weight gradient becomes one plain
+  matmul: on a 3-D input XLA:CPU contracts the batch and sequence axes with
+  layout copies around the dot (the tiny Llama's MLP forward+backward took 17 ms
+  3-D, 10 ms flattened; the whole step 15-20% less). A reshape of the leading
+  axes costs nothing, on a mesh too (the batch axis stays the sharded one).
+  """
+  y = layer(x.reshape(-1, x.shape[-1]))
+  return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -258,7 +271,7 @@ class MLP(nnx.Module):
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+    return on_tokens(lambda x: self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x)), x)
 
 
 def _rms_norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -440,7 +453,7 @@ class Llama(nnx.Module):
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    logits = on_tokens(self.embed.attend if self.lm_head is None else self.lm_head, x)
     return logits.astype(jnp.float32)
 
 
