@@ -8,7 +8,7 @@ Example:
   >>> header("demo", device=False)["benchmark"]
   'demo'
   >>> verdict(1.82, 1.0)
-  'MISSED by 82%'
+  'MISSED by 82.0%'
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def target(value: float, limit: float) -> dict[str, Any]:
 
 
 def verdict(value: float, limit: float) -> str:
-  """'met' if value <= limit, else how far over it: 'MISSED by 82%'."""
+  """'met' if value <= limit, else how far over it: 'MISSED by 82.0%'."""
   judged = target(value, limit)
-  return "met" if judged["met"] else f"MISSED by {judged['missed_by']:.0%}"
+  return "met" if judged["met"] else f"MISSED by {judged['missed_by']:.1%}"
 
 
 def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:

@@ -305,7 +305,8 @@ def test_common_target_says_by_how_much_a_figure_missed():
   assert common.target(0.5, 0.5) == {"value": 0.5, "target": 0.5, "met": True, "missed_by": 0.0}
   missed = common.target(1.82, 1.0)
   assert not missed["met"] and missed["missed_by"] == pytest.approx(0.82)
-  assert common.verdict(1.82, 1.0) == "MISSED by 82%"
+  assert common.verdict(1.82, 1.0) == "MISSED by 82.0%"
+  assert common.verdict(1.032, 1.03) == "MISSED by 0.2%"
   assert common.verdict(0.2, 0.25) == "met"
 
 

@@ -92,9 +92,10 @@ class LlamaConfig:
   """Compute logits with the embedding matrix instead of a separate head."""
   dtype: DType = "float32"
   """Compute dtype of activations and matmuls; logits are always float32. bfloat16
-  pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts
-  (tiny Llama on 2 busy cores, jax 0.10.2: bf16 / f32 step time 0.7-1.0, within the
-  noise: benchmarks/train_step.py --bf16)."""
+  pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts,
+  so it saves memory, not time (tiny Llama, 2 quiet cores, jax 0.10.2: bf16 / f32
+  step time 0.98, within the noise; torch.compile gains no more from bf16 autocast
+  there: benchmarks/train_step.py --bf16 --torch)."""
   param_dtype: DType = "float32"
   """Storage dtype of the parameters."""
   remat: RematPolicy = "none"
