@@ -240,11 +240,12 @@ class Attention(nnx.Module):
 def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
   """`layer(x)` applied to x [..., D] as one [tokens, D] matrix, reshaped back.
 
-  The same numbers, but a dense layer's weight gradient becomes one plain
-  matmul: on a 3-D input XLA:CPU contracts the batch and sequence axes with
+  The same forward values, but a dense layer's weight gradient becomes one
+  plain matmul: on a 3-D input XLA:CPU contracts the batch and sequence axes with
   layout copies around the dot (the tiny Llama's MLP forward+backward took 17 ms
-  3-D, 10 ms flattened; the whole step 15-20% less). A reshape of the leading
-  axes costs nothing, on a mesh too (the batch axis stays the sharded one).
+  3-D, 10 ms flattened; the whole step 15-20% less; the gradients sum in another
+  order, so their last bits differ). A reshape of the leading axes costs nothing,
+  on a mesh too (the batch axis stays the sharded one).
   """
   y = layer(x.reshape(-1, x.shape[-1]))
   return y.reshape(*x.shape[:-1], y.shape[-1])
