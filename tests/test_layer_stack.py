@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -201,3 +202,22 @@ def test_match_layout_of_shapes_keeps_the_shardings_and_refuses_blocks_that_diff
   other = {"w": jax.ShapeDtypeStruct((5, 2), np.float32)}
   with pytest.raises(ValueError, match="blocks differ"):
     layer_stack.match_layout({"layers": {0: block, 1: other}}, {"layers": {"w": 0}})
+
+
+def test_match_layout_consuming_moves_one_parameter_at_a_time_onto_the_target(pair):
+  """As a restore after `scan_layers` flipped does it: the same bits, on the target's
+  shardings, and the arrays it read are deleted (no second copy of the state stays)."""
+  unrolled, scanned = pair
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  for source, target in ((unrolled, scanned), (scanned, unrolled)):
+    # Copies: the conversion deletes what it reads.
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(source)))
+    read = jax.tree.leaves(params["layers"])
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                        nnx.to_pure_dict(nnx.state(target)))
+    out, layout = layer_stack.match_layout(params, like, consume=True)
+    assert layout is target.config.scan_layers
+    assert checkpoint.tree_equal(out, nnx.to_pure_dict(nnx.state(target)))
+    assert all(x.sharding == replicated for x in jax.tree.leaves(out["layers"]))
+    assert all(x.is_deleted() for x in read)

@@ -472,13 +472,15 @@ def _nested(tree: Any) -> dict:
 
 
 def _to_target_layout(items: dict, abstract_state: nnx.State) -> dict:
-  """A step read in its own layer layout, copied into `abstract_state`'s (and its shardings)."""
+  """A step read in its own layer layout, moved into `abstract_state`'s (and its shardings).
+
+  Parameter by parameter, freeing what was read (`match_layout(consume=True)`):
+  a whole state copied at once would need twice its memory. Only copies (stacking,
+  indexing): the bits stay the saved ones. `items` is unusable afterwards.
+  """
   target = _abstract_savable(abstract_state)
-  # One compiled program of copies (stacking, indexing): the bits stay the saved ones.
-  converted = jax.jit(lambda tree: layer_stack.match_layout(tree, target)[0])(items)
-  return jax.tree.map(
-      lambda x, t: x if getattr(t, "sharding", None) is None else jax.device_put(x, t.sharding),
-      converted, target)
+  converted, _ = layer_stack.match_layout(items, target, consume=True)
+  return jax.tree.map(layer_stack.place, converted, target)
 
 
 def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -79,11 +79,49 @@ def _take(x, i: int):
   return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
 
+def place(x: jax.Array, like: Any) -> jax.Array:
+  """`x` on the sharding of `like` (a `jax.ShapeDtypeStruct`), if it names one."""
+  sharding = getattr(like, "sharding", None)
+  return x if sharding is None else jax.device_put(x, sharding)
+
+
+def _delete(*arrays: Any) -> None:
+  for x in arrays:
+    if isinstance(x, jax.Array):
+      x.delete()
+
+
+def _stack_moving(layers: Mapping[Any, Any], like: Mapping[str, Any]) -> dict:
+  """`stack_layers` of `layers` (blocks by index), one parameter at a time (see match_layout)."""
+  blocks = [layers[i] for i in sorted(layers, key=int)]
+
+  def stack(target, *xs):
+    stacked = place(jnp.stack(xs), target)
+    _delete(*xs)
+    return stacked
+
+  return jax.tree.map(stack, dict(like), *blocks)
+
+
+def _unstack_moving(stacked: Mapping[str, Any], like: Mapping[Any, Any]) -> dict:
+  """`unstack_layers` of `stacked`, one parameter at a time (see match_layout)."""
+  leaves, treedef = jax.tree.flatten(dict(stacked))
+  keys = sorted(like, key=int)
+  targets = [treedef.flatten_up_to(dict(like[key])) for key in keys]
+  columns = []
+  for j, x in enumerate(leaves):
+    columns.append([place(x[i], targets[i][j]) for i in range(len(keys))])
+    _delete(x)
+  return {key: treedef.unflatten([column[i] for column in columns])
+          for i, key in enumerate(keys)}
+
+
 def layout_name(scanned: bool) -> str:
   return "scanned" if scanned else "unrolled"
 
 
-def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any]) -> tuple[dict, bool | None]:
+def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any], *,
+                 consume: bool = False) -> tuple[dict, bool | None]:
   """`tree` with each `layers` subtree in the layout of the same subtree of `like`.
 
   Walks `tree`'s nested dicts; `like` may name integer keys as strings (as
@@ -91,6 +129,13 @@ def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any]) -> tuple[dict
   its keys are read). A subtree that already has `like`'s layout, or that
   `like` lacks, is left as it is. The arrays are only copied, so converting
   back gives bitwise the same tree.
+
+  With `consume`, for a tree of arrays and a `like` of `jax.ShapeDtypeStruct`s
+  with the same keys (a model's abstract state): each parameter is converted on
+  its own, placed on `like`'s sharding, and the arrays it came from are
+  deleted, so converting a whole training state (a restore after
+  `scan_layers` flipped) needs room for one parameter of every layer more, not
+  for a second state. `tree`'s converted arrays are unusable afterwards.
 
   Returns:
     The tree, and the layout it was converted to (True: scanned, False:
@@ -115,7 +160,10 @@ def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any]) -> tuple[dict
       if (key == "layers" and isinstance(child, Mapping) and isinstance(counterpart, Mapping)
           and child and counterpart and is_scanned(node) != is_scanned({key: counterpart})):
         scanned = is_scanned({key: counterpart})
-        child = (stack_layers if scanned else unstack_layers)({key: child})[key]
+        if consume:
+          child = (_stack_moving if scanned else _unstack_moving)(child, counterpart)
+        else:
+          child = (stack_layers if scanned else unstack_layers)({key: child})[key]
         converted.append(scanned)
       else:
         child = walk(child, counterpart)
