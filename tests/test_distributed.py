@@ -46,9 +46,9 @@ def _train(workdir: pathlib.Path, *flags: str, devices: int) -> subprocess.Popen
                           env=env)
 
 
-def _start_job(workdir: pathlib.Path, processes: int = 2) -> list[subprocess.Popen]:
+def _start_job(workdir: pathlib.Path, *flags: str, processes: int = 2) -> list[subprocess.Popen]:
   address = f"127.0.0.1:{_free_port()}"
-  return [_train(workdir, "--coordinator", address, "--num-processes", str(processes),
+  return [_train(workdir, *flags, "--coordinator", address, "--num-processes", str(processes),
                  "--process-id", str(i), devices=2) for i in range(processes)]
 
 
@@ -151,6 +151,22 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwis
     resumed.close()
     expected.close()
   assert _losses(workdir) == _losses(uninterrupted)
+
+
+def test_a_job_resumed_with_the_other_layer_layout_converts_on_every_process(tmp_path):
+  """The step is read as saved (unrolled, sharded over both processes' devices) and
+  moved, parameter by parameter, into the stacked layout on the same mesh."""
+  workdir = tmp_path / "layout"
+  short = ("optim.schedule=constant", "checkpoint.save_every=2", "train.eval_every=0")
+  for code, output in _finish(_start_job(workdir, *short, "train.steps=4")):
+    assert code == 0, output
+  for code, output in _finish(_start_job(workdir, *short, "train.steps=6",
+                                         "model.scan_layers=true")):
+    assert code == 0, output
+    assert "resumed from step 4" in output and "done: step 6" in output
+    assert "checkpoint step 4 has the unrolled layout; converted to scanned" in output, output
+  losses = _losses(workdir)
+  assert len(losses) == 6 and np.all(np.isfinite(losses))
 
 
 def test_two_processes_train_from_a_token_cache_as_from_memory(tmp_path, two_processes):
