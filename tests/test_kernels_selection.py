@@ -162,12 +162,23 @@ def test_nondeterminism_is_reported():
   choice = kernels.select(req(dtype="bfloat16"), "cudnn", backend=H100)
   assert not choice.deterministic
   assert "NONDETERMINISTIC" in choice.report() and "xla_gpu_deterministic_ops" in choice.report()
-  assert kernels.select(req(dtype="bfloat16"), backend=H100).deterministic
 
 
 def test_deterministic_xla_flag_makes_cudnn_deterministic(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
   assert kernels.select(req(dtype="bfloat16"), "cudnn", backend=H100).deterministic
+
+
+def test_deterministic_is_said_of_the_whole_step_on_a_gpu(monkeypatch):
+  """A deterministic kernel in a step whose XLA ops are not is no deterministic step."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  choice = kernels.select(req(dtype="bfloat16"), backend=H100)
+  assert choice.name != "cudnn" and not choice.deterministic
+  assert "scatters and reductions" in choice.report().splitlines()[-1]
+  assert not choice.to_dict()["deterministic"]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+  assert kernels.select(req(dtype="bfloat16"), backend=H100).deterministic
+  assert kernels.select(req(), backend=kernels.Backend("cpu")).deterministic
 
 
 def test_report_lists_every_implementation_and_serializes():

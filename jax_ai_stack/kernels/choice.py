@@ -9,8 +9,8 @@ metadata).
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from jax_ai_stack import determinism
 from jax_ai_stack.kernels import table
 from jax_ai_stack.kernels.request import Backend, Request
 
@@ -29,7 +29,7 @@ class Verdict:
 def nondeterminism(name: str) -> str | None:
   """Why `name`'s gradients are not bitwise reproducible here, or None."""
   # XLA makes cuDNN use its deterministic backward under this flag.
-  if name == "cudnn" and "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
+  if name == "cudnn" and determinism.gpu_flag_set():
     return None
   return table.IMPLEMENTATIONS[name].nondeterministic
 
@@ -83,7 +83,15 @@ class Choice:
 
   @property
   def deterministic(self) -> bool:
-    return self.name is not None and nondeterminism(self.name) is None
+    """Whether a train step running this kernel is bitwise reproducible: the kernel
+    and XLA's own ops on this backend (`determinism.step_nondeterminism`)."""
+    return self.nondeterminism() is None
+
+  def nondeterminism(self) -> str | None:
+    """Why a train step with this kernel is not bitwise reproducible, or None."""
+    if self.name is None:
+      return "no implementation chosen"
+    return nondeterminism(self.name) or determinism.step_nondeterminism(self.backend.platform)
 
   @property
   def reasons(self) -> tuple[str, ...]:
@@ -123,8 +131,8 @@ class Choice:
     if self.name is None:
       lines.append("Chosen: none fits")
     else:
-      determinism = "deterministic" if self.deterministic else (
-          f"NONDETERMINISTIC: {nondeterminism(self.name)}")
+      why = self.nondeterminism()
+      verdict = "deterministic" if why is None else f"NONDETERMINISTIC: {why}"
       how = " in Pallas interpret mode" if self.interpret else ""
-      lines.append(f"Chosen: {self.name}{how} ({determinism})")
+      lines.append(f"Chosen: {self.name}{how} ({verdict})")
     return "\n".join(lines)

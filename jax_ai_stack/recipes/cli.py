@@ -124,6 +124,7 @@ def load_config(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+  from jax_ai_stack import determinism
   from jax_ai_stack.recipes import config as recipe_config
   from jax_ai_stack.recipes import compile_cache, configlib, distributed
 
@@ -143,6 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import train  # jax and the libraries: only to train.
   import_s = time.perf_counter() - import_started
 
+  determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
   distributed.initialize(launch)  # Before anything touches a device.
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:

@@ -46,7 +46,7 @@ import grain
 import jax
 from flax import nnx
 
-from jax_ai_stack import kernels
+from jax_ai_stack import determinism, kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, configlib, distributed, optim,
@@ -139,7 +139,7 @@ def keep_trained_kernel(task: tasks.Task, manager, plan: kernels.AttentionPlan |
   return trained, trained_choice
 
 
-_NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"))
+_NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"), ("train", "log_every"))
 """Config fields a resume may change without changing a single bit of the run."""
 
 
@@ -253,6 +253,7 @@ class Trainer:
         their shardings), returns it filled (e.g. by `models.hf.load_params`).
     """
     ensure_absl_flags_parsed()
+    determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
     workdir = pathlib.Path(workdir)
     task = task or tasks.for_config(config)
     prepare_workdir(workdir, read_only=False)
@@ -600,6 +601,7 @@ def run(
 
   try:
     print(trainer.describe(), flush=True)
+    print(determinism.describe(config.train.deterministic, jax.default_backend()), flush=True)
     if trainer.attention_choice is not None:
       log.info("%s", trainer.attention_choice.report())
       choice = trainer.attention_choice
