@@ -100,6 +100,41 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
              if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
+def test_a_nan_found_at_a_later_fetch_names_its_own_step_and_nothing_after_it_is_saved(tmp_path):
+  diverging = ["optim.name=sgd", "optim.learning_rate=1e30", "optim.grad_clip_norm=null",
+               "optim.warmup_steps=0", "optim.schedule=constant", "train.eval_every=0"]
+  with pytest.raises(train.TrainingError) as every_step:
+    train.run(tiny_config(*diverging, "train.log_every=1", "checkpoint.save_every=1"),
+              tmp_path / "each")
+  with pytest.raises(train.TrainingError) as deferred:
+    train.run(tiny_config(*diverging, "train.log_every=25", "checkpoint.save_every=25"),
+              tmp_path / "deferred")
+  bad_step = int(str(every_step.value).split()[1].rstrip(":"))
+  assert str(deferred.value).startswith(f"step {bad_step}: ")
+  step, state = final_state(tmp_path / "deferred")
+  assert step < bad_step
+  import jax
+  import numpy as np
+
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)
+             if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def test_metrics_are_fetched_once_per_log_interval_and_every_step_is_logged(tmp_path, monkeypatch):
+  fetched = []
+  fetch = train.Trainer.fetch
+  monkeypatch.setattr(train.Trainer, "fetch", lambda self, pending, elapsed: (
+      fetched.append([n for n, _ in pending]), fetch(self, pending, elapsed))[1])
+  train.run(tiny_config("train.steps=12", "train.log_every=5", "train.eval_every=6",
+                        "train.sample_tokens=0", "checkpoint.save_every=100"), tmp_path)
+  # The first step (start-up line), every 5th, before the evaluations at 6 and 12.
+  assert fetched == [[1], [2, 3, 4, 5], [6], [7, 8, 9, 10], [11, 12]]
+  records = [r for r in train.read_metrics(tmp_path) if r["split"] == "train"]
+  assert [r["step"] for r in records] == list(range(1, 13))
+  assert all(r["step_time"] > 0 and r["throughput"] > 0 for r in records)
+  assert records[1]["step_time"] == records[4]["step_time"]  # Shared out over the interval.
+
+
 def test_checkpoint_that_does_not_fit_names_the_parameter_and_changes_nothing(reference, tmp_path):
   ref_dir, _ = reference
   ckpt = ref_dir / train.CHECKPOINT_DIR

@@ -371,23 +371,39 @@ class Trainer:
 
   # ---- the pieces of the loop ------------------------------------------------
 
-  def run_step(self) -> dict[str, float]:
-    """One optimizer step on the next batch; raises TrainingError on a non-finite loss."""
+  def run_step(self) -> dict[str, jax.Array]:
+    """One optimizer step on the next batch; its metrics stay on the devices.
+
+    Nothing waits for the step: JAX dispatches it and returns, so the caller
+    places the next batch on the devices while this one runs. `fetch` brings
+    the metrics of several steps back at once.
+    """
     batch = self.placement.batch(next(self.train_batches))
-    started = time.perf_counter()
     self.state, device_metrics = self.train_step(self.state, batch)
-    metrics = step.host_metrics(device_metrics)
-    elapsed = time.perf_counter() - started
     self.step += 1
-    if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
-      raise TrainingError(
-          f"step {self.step}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']} "
-          f"is not finite; training stopped. The last good checkpoint "
-          f"(step {self.manager.latest_step()}) is kept in {self.manager.directory}"
-      )
-    metrics.pop("tokens", None)
-    return {**metrics, "step_time": elapsed,
-            "throughput": self.task.items_per_step / max(elapsed, 1e-9)}
+    return device_metrics
+
+  def fetch(self, pending: list[tuple[int, dict]], elapsed: float) -> list[tuple[int, dict]]:
+    """(step, metrics as floats) of the `pending` steps, fetched in one transfer.
+
+    `elapsed` (the wall time the steps took together) is shared out evenly as
+    each one's `step_time`. Raises TrainingError at the first non-finite loss:
+    callers fetch before every save, so no such state is ever saved.
+    """
+    step_time = elapsed / len(pending)
+    records = []
+    for number, fetched in zip([n for n, _ in pending], jax.device_get([m for _, m in pending])):
+      metrics = {k: float(v) for k, v in fetched.items()}
+      if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
+        raise TrainingError(
+            f"step {number}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']} "
+            f"is not finite; training stopped. The last good checkpoint "
+            f"(step {self.manager.latest_step()}) is kept in {self.manager.directory}"
+        )
+      metrics.pop("tokens", None)
+      records.append((number, {**metrics, "step_time": step_time,
+                               "throughput": self.task.items_per_step / max(step_time, 1e-9)}))
+    return records
 
   def evaluate(self) -> dict[str, float]:
     """Mean metrics over the first `train.eval_batches` validation batches."""
@@ -460,34 +476,44 @@ class Trainer:
     progress = _progress_bar(self.config, self.step)
     stopped_by = None
     last: dict[str, float] = {}
+    pending: list[tuple[int, dict]] = []  # Steps dispatched, metrics not yet fetched.
     try:
       # Saves in the background; leaving the block waits until they are on disk.
       with (_StopSignal(shared=jax.process_count() > 1) as stop, self._kernel_configs(),
             self.manager.async_saves()):
+        since = time.perf_counter()
         while self.step < total:
-          metrics = self.run_step()
-          if on_first_step is not None:
-            on_first_step()
-            on_first_step = None
-          updates = (self.step - 1) // self.config.optim.accumulate_steps
-          last = {**metrics, "lr": float(schedule(updates))}
-          metrics_log.write(self.step, "train", last)
-          if progress is not None:
-            progress.update(1)
-            progress.set_postfix_str(f"loss {metrics['loss']:.3f}  "
-                                     f"{metrics['throughput']:,.0f} {self.task.throughput_unit}/s")
-          if self.eval_due():
+          pending.append((self.step + 1, self.run_step()))
+          reached = stop_after is not None and self.step >= stop_after
+          stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
+          saving = bool(stopping) or self.step == total or self.manager.should_save(self.step)
+          evaluating = self.eval_due()
+          if (saving or evaluating or on_first_step is not None
+              or self.step % self.config.train.log_every == 0):
+            for number, metrics in self.fetch(pending, time.perf_counter() - since):
+              updates = (number - 1) // self.config.optim.accumulate_steps
+              last = {**metrics, "lr": float(schedule(updates))}
+              metrics_log.write(number, "train", last)
+            if progress is not None:
+              progress.update(len(pending))
+              progress.set_postfix_str(f"loss {last['loss']:.3f}  "
+                                       f"{last['throughput']:,.0f} {self.task.throughput_unit}/s")
+            pending = []
+            if on_first_step is not None:
+              on_first_step()
+              on_first_step = None
+          if evaluating:
             eval_metrics = self.evaluate()
             metrics_log.write(self.step, "eval", eval_metrics)
             last.update(eval_metrics)
             _print(progress, f"step {self.step}: " + _format(eval_metrics))
-          reached = stop_after is not None and self.step >= stop_after
-          stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
           if self.save(force=bool(stopping) or self.step == total):
             metrics_log.flush()
           if stopping:
             stopped_by = stopping
             break
+          if saving or evaluating:
+            since = time.perf_counter()  # Step times leave out evaluations and saves.
     finally:
       if progress is not None:
         progress.close()
