@@ -39,3 +39,14 @@ def fresh_kernel_selection(monkeypatch):
   kernels.clear_cache()
   yield
   kernels.clear_cache()
+
+
+def pytest_runtest_setup(item):
+  """`@pytest.mark.cpu_backend` tests skip, saying why, where JAX runs on an accelerator."""
+  if item.get_closest_marker("cpu_backend") is None:
+    return
+  import jax
+
+  if jax.default_backend() != "cpu":
+    pytest.skip(f"assumes JAX's CPU backend, and this process runs on {jax.default_backend()}: "
+                "run it with JAX_PLATFORMS=cpu")

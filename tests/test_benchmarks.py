@@ -245,6 +245,7 @@ def _fields(config) -> dict:
 
 
 @pytest.mark.slow  # torch.compile of two models and four parts: ~25 s on 2 cores.
+@pytest.mark.cpu_backend
 def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
   pytest.importorskip("torch")
   results = train_step.main(["--quick", "--torch", "--out", str(tmp_path / "t.json")])

@@ -218,6 +218,7 @@ def test_pallas_kernels_refuse_masks_they_lack(name, masks):
     kernels.select(kernels.Request.from_shapes((1, 128, 2, 8), (1, 128, 2, 8), "float32", **masks), name)
 
 
+@pytest.mark.cpu_backend
 def test_tokamax_mosaic_tpu_kernel_in_tpu_interpret_mode(monkeypatch):
   """tokamax's TPU kernel, via our adapter, on CPU: tokamax has no interpret
   switch, but its op objects can skip their device check, and Pallas TPU

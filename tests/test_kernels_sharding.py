@@ -23,6 +23,7 @@ from multidevice import run_on_devices
 TOLERANCE = 5e-6
 
 
+@pytest.mark.cpu_backend
 def test_sharded_attention_equals_one_device_and_opaque_kernels_run_per_shard():
   results = run_on_devices("""
       import json
