@@ -3,8 +3,13 @@
 Each subcommand lives beside the code it drives and registers itself here through
 a `register(subparsers)` function that sets `func` on its parser; `func(args)`
 returns the exit code. A `UserError` (bad input: `jax_ai_stack.errors`) prints
-one line naming what is wrong and exits 2; any other exception is a bug and
+one line naming what is wrong and exits 2; Ctrl-C outside a training loop (which
+saves first) prints one line and exits 130; any other exception is a bug and
 keeps its traceback (exit 1).
+
+Log records go where `logs` says, for the whole command: the libraries'
+warnings to the workdir's log file (a command names it with
+`args.log_routes.keep_in(...)`), not the console, unless `--verbose`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import argparse
 import importlib
 import sys
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import UserError
+
+INTERRUPTED_EXIT_CODE = 130  # As shells report SIGINT.
 
 # Modules that register subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
@@ -53,11 +61,19 @@ def main(argv: list[str] | None = None) -> int:
   if not getattr(args, "func", None):
     parser.print_help()
     return 2
-  try:
-    return args.func(args)
-  except UserError as e:
-    print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
-    return 2
+  with logs.routed(None, verbose=getattr(args, "verbose", False)) as routes:
+    args.log_routes = routes
+    try:
+      code = args.func(args)
+    except UserError as e:
+      print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
+      code = 2
+    except KeyboardInterrupt:
+      print(f"jax-ai-stack {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+      code = INTERRUPTED_EXIT_CODE
+    if routes.summary():
+      print(routes.summary(), file=sys.stderr)
+  return code
 
 
 if __name__ == "__main__":
