@@ -380,12 +380,36 @@ def test_sampling_is_seeded_top_k_1_is_greedy_and_compiles_once(model):
   np.testing.assert_array_equal(sample(3, temperature=1.5, top_k=1), greedy)
 
 
+def test_generate_compiles_once_for_any_number_of_new_tokens(model):
+  prompt = random_tokens((1, 4))
+  greedy = lambda n: generate(model, prompt, n, temperature=0.0, rng=jax.random.key(0))
+  longest = greedy(20)
+  compiled_before = llama._generate._cache_size()
+  for n in (1, 5, 13):  # The cache is always max_seq_len long; the count is traced.
+    np.testing.assert_array_equal(greedy(n), longest[:, :4 + n])
+  assert llama._generate._cache_size() == compiled_before
+
+
+def test_top_p_keeps_the_likeliest_tokens_whose_mass_reaches_p(model):
+  prompt = random_tokens((2, 4))
+  sample = lambda seed, **kw: generate(model, prompt, 8, rng=jax.random.key(seed), **kw)
+  greedy = sample(0, temperature=0.0)
+  np.testing.assert_array_equal(sample(5, temperature=2.0, top_p=1e-6), greedy)  # One token.
+  wide = [sample(seed, temperature=2.0, top_p=1.0) for seed in range(3)]
+  assert any(not np.array_equal(w, greedy) for w in wide)
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  drawn = {int(llama._sample(logits, jax.random.key(i), jnp.float32(1.0), None, 0.7)[0])
+           for i in range(200)}
+  assert drawn == {0, 1}  # 0.5 alone is short of 0.7; 0.5 + 0.3 reaches it.
+
+
 @pytest.mark.parametrize(
     "prompt_shape, kwargs, message",
     [
         ((2, 4), dict(max_new_tokens=40), "exceeds max_seq_len=32"),
         ((2, 4), dict(max_new_tokens=2, top_k=0), r"top_k must be in \[1, vocab_size=64\]"),
         ((2, 4), dict(max_new_tokens=2, temperature=-1.0), "temperature must be >= 0"),
+        ((2, 4), dict(max_new_tokens=2, top_p=0.0), r"top_p must be in \(0, 1\]"),
         ((2, 4), dict(max_new_tokens=-1), "max_new_tokens must be >= 0"),
         ((4,), dict(max_new_tokens=2), "tokens must be an int array"),
         ((2, 0), dict(max_new_tokens=2), "at least one token"),

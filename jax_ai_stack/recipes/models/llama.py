@@ -479,13 +479,17 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     rng: jax.Array,
 ) -> jax.Array:
   """Samples `max_new_tokens` after each prompt row, with a KV cache.
 
-  The whole loop (prefill, then one cached step per token) is one jitted call,
-  compiled once per (model structure, prompt shape, max_new_tokens, top_k);
-  temperature and rng are traced, so changing them does not recompile.
+  The whole loop (prefill, then one cached step per token) is one jitted call
+  over a cache of the model's full `max_seq_len`, so it compiles once per
+  (model structure, prompt shape, top_k, top_p): the number of new tokens,
+  the temperature and rng are traced, and changing them does not recompile
+  (nor re-tune a kernel). The price: each decoding step attends over the
+  whole cache, masked past the tokens written so far.
 
   Args:
     model: the decoder; it is not modified.
@@ -493,6 +497,8 @@ def generate(
     max_new_tokens: tokens to add; P + max_new_tokens <= config.max_seq_len.
     temperature: softmax temperature; 0 picks the most likely token (greedy).
     top_k: sample among the k most likely tokens only; None: all of them.
+    top_p: sample among the most likely tokens whose probabilities add up to
+      `top_p` (nucleus sampling, 0 < top_p <= 1); None: all of them.
     rng: a PRNG key; the same key gives the same tokens.
 
   Returns:
@@ -515,44 +521,55 @@ def generate(
     raise ValueError(f"temperature must be >= 0; got {temperature}")
   if top_k is not None and not 1 <= top_k <= config.vocab_size:
     raise ValueError(f"top_k must be in [1, vocab_size={config.vocab_size}]; got {top_k}")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
   prompt_tokens = prompt_tokens.astype(jnp.int32)
   if max_new_tokens == 0:
     return prompt_tokens
   graphdef, state = nnx.split(model)
-  return _generate(
-      graphdef, state, prompt_tokens, rng, jnp.float32(temperature),
-      max_new_tokens=max_new_tokens, top_k=top_k,
+  new_tokens = _generate(
+      graphdef, state, prompt_tokens, rng, jnp.float32(temperature), jnp.int32(max_new_tokens),
+      top_k=top_k, top_p=top_p,
   )
+  return jnp.concatenate([prompt_tokens, new_tokens[:, :max_new_tokens]], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k"))
-def _generate(graphdef, state, prompt, rng, temperature, *, max_new_tokens, top_k):
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"))
+def _generate(graphdef, state, prompt, rng, temperature, max_new_tokens, *, top_k, top_p):
+  """New tokens [B, max_seq_len - P]; those past `max_new_tokens` (traced) stay 0."""
   model = nnx.merge(graphdef, state)
   batch, prompt_len = prompt.shape
-  cache = model.init_cache(batch, prompt_len + max_new_tokens)
+  cache = model.init_cache(batch, model.config.max_seq_len)
   logits, cache = model.decode(prompt, cache)
-  first = _sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
-  new_tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+  first = _sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
+  room = model.config.max_seq_len - prompt_len
+  new_tokens = jnp.zeros((batch, room), jnp.int32).at[:, 0].set(first)
 
   def step(i, carry):
     # The state rides in the carry, so the loop body builds its own module:
     # nnx.scan (scan_layers) refuses Variables made at an outer trace level.
     new_tokens, cache, state = carry
     logits, cache = nnx.merge(graphdef, state).decode(new_tokens[:, i - 1, None], cache)
-    token = _sample(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k)
+    token = _sample(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k, top_p)
     return new_tokens.at[:, i].set(token), cache, state
 
   new_tokens, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (new_tokens, cache, state))
-  return jnp.concatenate([prompt, new_tokens], axis=1)
+  return new_tokens
 
 
-def _sample(logits, key, temperature, top_k):
+def _sample(logits, key, temperature, top_k, top_p):
   """One token per row from float32 logits [B, V]; greedy when temperature == 0."""
   if top_k is not None:
     kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
   greedy = jnp.argmax(logits, axis=-1)
   scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+  if top_p is not None:  # Keep the smallest set of likeliest tokens whose mass reaches top_p.
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    mass_before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
+        ordered, axis=-1)
+    kept = jnp.where(mass_before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
+    scaled = jnp.where(scaled < kept, -jnp.inf, scaled)
   sampled = jax.random.categorical(key, scaled, axis=-1)
   return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 

@@ -123,7 +123,8 @@ class Task(abc.ABC):
     return []
 
   def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int,
-               temperature: float, seed: int) -> str:
+               temperature: float, seed: int, *, top_k: int | None = None,
+               top_p: float | None = None) -> str:
     """Text continued from `prompt`; only families that generate text override it."""
-    del model, prompt, max_new_tokens, temperature, seed
+    del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
     raise UsageError(f"a {self.model_config.__name__} model does not generate text")

@@ -138,7 +138,7 @@ class LanguageModel(Task):
     return [f"sample:\n{text}\n"]
 
   def generate(self, model, prompt: str, max_new_tokens: int, temperature: float,
-               seed: int) -> str:
+               seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
     """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
     `max_seq_len` is reached first: a warning says so)."""
     tokenizer = self.tokenizer()
@@ -156,5 +156,6 @@ class LanguageModel(Task):
             f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
             f"{self.config.model.max_seq_len}", file=sys.stderr)
     tokens = generate(model, prompt_ids[None, :], min(max_new_tokens, room),
-                      temperature=temperature, rng=jax.random.key(seed))
+                      temperature=temperature, top_k=top_k, top_p=top_p,
+                      rng=jax.random.key(seed))
     return tokenizer.decode(np.asarray(tokens[0]))
