@@ -75,7 +75,17 @@ def _mode_for(path: pathlib.Path) -> int:
   try:
     return path.stat().st_mode & 0o7777
   except FileNotFoundError:
-    return _NEW_FILE_MODE & ~_umask()
+    return new_file_mode()
+
+
+def new_file_mode() -> int:
+  """The bits `open()` gives a new file (0o644 under the usual umask), not mkstemp's 0o600."""
+  return _NEW_FILE_MODE & ~_umask()
+
+
+def new_directory_mode() -> int:
+  """The bits `mkdir` gives a new directory (0o755 under the usual umask), not mkdtemp's 0o700."""
+  return 0o777 & ~_umask()
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from Hugging Face's code, bitwise round trips, every refused field and bad file,
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
@@ -198,6 +199,10 @@ def test_export_then_import_is_bitwise(tmp_path, param_dtype):
   shards = [f for f in files if f.endswith(".safetensors")]
   assert "model.safetensors.index.json" in files and len(shards) > 1
   assert shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+  umask = os.umask(0o22)
+  os.umask(umask)
+  assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # Not mkdtemp's 0700.
+  assert {(tmp_path / "out" / f).stat().st_mode & 0o777 for f in files} == {0o666 & ~umask}
   for shard in shards:  # Each within the limit, or one tensor alone.
     tensors = load_file(str(tmp_path / "out" / shard)).values()
     assert sum(t.nbytes for t in tensors) <= 4000 or len(tensors) == 1

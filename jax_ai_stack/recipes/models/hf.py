@@ -52,6 +52,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jax_ai_stack import atomic
 from jax_ai_stack.errors import ConfigError, MissingExtraError, ModelFileError, UsageError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import LlamaConfig
@@ -537,6 +538,9 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
         json.dumps(hf_config(config, **dict(token_ids or {})), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None:
       shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
+    for file in staging.iterdir():  # Shareable as a directory made by hand would be.
+      os.chmod(file, atomic.new_file_mode())
+    os.chmod(staging, atomic.new_directory_mode())
     if out.exists():
       out.rmdir()
     staging.rename(out)
