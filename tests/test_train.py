@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import json
+import shutil
 import signal
 import sys
 
+import jax
 import pytest
 
 from jax_ai_stack import cli
@@ -144,7 +146,7 @@ def test_checkpoint_that_does_not_fit_names_the_parameter_and_changes_nothing(re
   assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_keeps_good_ones(tmp_path, caplog):
+def test_corrupt_newest_checkpoint_falls_back_and_keeps_good_ones(tmp_path, capsys):
   train.run(tiny_config("train.steps=10", "train.sample_tokens=0"), tmp_path)
   ckpt = tmp_path / train.CHECKPOINT_DIR
   steps_before = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
@@ -155,7 +157,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_keeps_good_ones(tmp_path, capl
   trainer = train.Trainer.open(tiny_config("train.steps=10"), tmp_path)
   trainer.close()
   assert trainer.step == 5
-  assert "checkpoint step 10 is unreadable" in caplog.text
+  assert "checkpoint step 10 is unreadable" in capsys.readouterr().err  # Printed: one clean line.
   assert (ckpt / "10.corrupt").is_dir()  # Moved aside, not deleted.
   assert (ckpt / "5").is_dir()
 
@@ -301,3 +303,82 @@ def test_a_resumed_run_keeps_the_kernel_it_was_trained_with_unless_one_is_named(
     assert named.attention_choice.name == fresh.attention_choice.name
   finally:
     named.close()
+
+
+# ---- restore fails closed -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory):
+  """A finished 10-step run: checkpoints at steps 1, 5 and 10."""
+  workdir = tmp_path_factory.mktemp("ten-steps")
+  train.run(tiny_config("train.steps=10", "train.sample_tokens=0"), workdir)
+  return workdir
+
+
+def _copy_run(source, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  return workdir
+
+
+def _steps_and_metrics(workdir):
+  return (sorted(p.name for p in (workdir / train.CHECKPOINT_DIR).iterdir()),
+          (workdir / train.METRICS_FILE).read_bytes())
+
+
+def _garble_metadata(workdir, step):
+  (workdir / train.CHECKPOINT_DIR / str(step) / "meta" / "metadata").write_text('{"step": 1')
+
+
+def test_out_of_memory_while_restoring_stops_the_run_and_changes_nothing(
+    ten_steps, tmp_path, monkeypatch):
+  workdir = _copy_run(ten_steps, tmp_path)
+  before = _steps_and_metrics(workdir)
+  real = checkpoint.Manager.restore
+
+  def out_of_memory(self, step, *args, **kwargs):
+    if "state" in kwargs.get("args", {}).keys():
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 68719476736 bytes.")
+    return real(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint.Manager, "restore", out_of_memory)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+    train.run(tiny_config("train.steps=12", "train.sample_tokens=0"), workdir)
+  assert _steps_and_metrics(workdir) == before  # No step moved aside, no metrics cut.
+
+
+def test_no_readable_step_is_exit_2_naming_each_and_changes_nothing(ten_steps, tmp_path, capsys):
+  workdir = _copy_run(ten_steps, tmp_path)
+  for step in (1, 5, 10):
+    _garble_metadata(workdir, step)
+  before = _steps_and_metrics(workdir)
+  code = cli.main(["train", "lm-tiny", "--workdir", str(workdir), *TINY, "train.steps=12",
+                   "train.sample_tokens=0"])
+  assert code == 2
+  [line] = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+  assert ("is readable (step 10: meta/metadata: not valid JSON; step 5: meta/metadata: not valid "
+          "JSON; step 1: meta/metadata: not valid JSON); nothing was moved") in line
+  assert cli.main(["eval", "--workdir", str(workdir)]) == 2
+  assert _steps_and_metrics(workdir) == before
+
+
+def test_read_only_commands_skip_a_garbled_newest_step_and_move_nothing(
+    ten_steps, tmp_path, capsys):
+  workdir = _copy_run(ten_steps, tmp_path)
+  _garble_metadata(workdir, 10)
+  before = _steps_and_metrics(workdir)
+  warning = ("warning: checkpoint step 10 is unreadable (meta/metadata: not valid JSON); "
+             "skipped, using step 5")
+  for command in (["eval"], ["generate", "--max-new-tokens", "4"], ["quantize", "--scheme", "w8"],
+                  ["export-hf", str(tmp_path / "hf")]):
+    assert cli.main([*command, "--workdir", str(workdir)]) == 0, command
+    err = capsys.readouterr().err
+    assert err.count(warning) == 1 and "Traceback" not in err, (command, err)
+    assert _steps_and_metrics(workdir) == before, command
+  trainer = train.Trainer.open(tiny_config("train.steps=10"), workdir)  # Writable: moved aside.
+  trainer.close()
+  assert trainer.step == 5
+  assert ("warning: checkpoint step 10 is unreadable (meta/metadata: not valid JSON); moved aside "
+          "to 10.corrupt, resuming from step 5") in capsys.readouterr().err
+  assert _steps_and_metrics(workdir)[0] == ["1", "10.corrupt", "5"]

@@ -325,11 +325,12 @@ def _read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
     try:
       weights = checkpoint.restore_subset(manager, step, target,
                                           what=f"the base run finetune.base={origin!r}")
-    except checkpoint.CheckpointMismatchError:
-      raise
-    except Exception as e:  # noqa: BLE001 - any read failure: the base is unusable.
-      raise BaseCheckpointError(f"the base run {directory} step {step} is unreadable: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    except Exception as e:
+      damage = checkpoint.corruption(e)  # Out of memory, I/O errors, bugs: as they are.
+      if damage is None:
+        raise
+      raise BaseCheckpointError(f"the base run {directory} step {step} is unreadable "
+                                f"({damage}; finetune.base={origin!r})") from None
     return weights, step
   finally:
     manager.close()
