@@ -143,10 +143,15 @@ def parse_overrides(args: list[str]) -> list[str]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-  """A copy of `data` with each `dotted.name=value` set; values parse as YAML."""
+  """A copy of `data` with each `dotted.name=value` set; values parse as YAML.
+
+  Overrides are the last layer of a config: a mesh axis they set to -1 (the
+  rest) wins over another axis's -1 from `data` (`sharding_config.prefer_explicit_rest`).
+  """
   import copy
 
   data = copy.deepcopy(data)
+  mesh_set: set[str] = set()
   for item in overrides:
     key, sep, raw = item.partition("=")
     if not sep or not key:
@@ -163,4 +168,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         raise ConfigError(f"override {item!r}: {part!r} is not a group of fields")
       node = child
     node[parts[-1]] = value
+    if len(parts) == 2 and parts[0] == "mesh":
+      mesh_set.add(parts[1])
+  if mesh_set and isinstance(data.get("mesh"), dict):
+    from jax_ai_stack.recipes import sharding_config  # It imports this module.
+
+    data["mesh"] = sharding_config.prefer_explicit_rest(data["mesh"], mesh_set)
   return data

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -78,8 +79,11 @@ def quantized_dir(workdir: str | pathlib.Path, scheme: str) -> pathlib.Path:
   return pathlib.Path(workdir) / QUANTIZED_DIR / quant.check_scheme(scheme)
 
 
-def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None) -> Report:
+def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
+                 overrides: Sequence[str] = ()) -> Report:
   """Quantizes the run in `workdir` with `scheme` (default: its `quant.qat`), evaluates, saves.
+
+  `overrides` (dotted data fields) apply over the run's saved config for the evaluation.
 
   Raises:
     SchemeError: an unknown scheme (before anything is opened).
@@ -89,7 +93,7 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None) -> Repo
   if scheme is not None:
     quant.check_scheme(scheme)
   workdir = pathlib.Path(workdir)
-  trainer = Trainer.open_finished(workdir, validation=True)
+  trainer = Trainer.open_finished(workdir, validation=True, overrides=overrides)
   try:
     config = trainer.config
     qat = config.quant.qat
@@ -113,14 +117,14 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None) -> Repo
 
 
 def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool = False,
-                   method: str = "__call__") -> Trainer:
+                   method: str = "__call__", overrides: Sequence[str] = ()) -> Trainer:
   """The finished run in `workdir`, read-only, with its saved `scheme` parameters.
 
   `method`: what the model runs quantized ("__call__": evaluation; "decode":
   `generate`). Raises WorkdirError when `quantize` has not saved `scheme` there.
   """
   directory = quantized_dir(workdir, scheme)
-  trainer = Trainer.open_finished(workdir, validation=validation)
+  trainer = Trainer.open_finished(workdir, validation=validation, overrides=overrides)
   try:
     if not directory.is_dir():
       raise WorkdirError(f"no {scheme} parameters in {directory.parent}: run `jax-ai-stack "

@@ -2,6 +2,7 @@
 
     jax-ai-stack quantize --workdir DIR --scheme w8      (w8, w8a8 or w4)
     jax-ai-stack quantize --workdir DIR                  (a QAT run: its own scheme)
+    jax-ai-stack quantize --workdir DIR --scheme w8 data.validation_fraction=0.2
     jax-ai-stack eval --workdir DIR --quantized w8
     jax-ai-stack generate --workdir DIR --quantized w8
 """
@@ -9,7 +10,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, too_small_hint
 from jax_ai_stack.recipes.quant_config import SCHEMES, describe_schemes
 
 _EPILOG = f"""\
@@ -22,6 +26,7 @@ model, their deltas and the parameter bytes before and after (int4 counted
 packed), and saves the quantized parameters in DIR/quantized/SCHEME/STEP/,
 which `eval --quantized SCHEME` and `generate --quantized SCHEME` use.
 
+{EVAL_OVERRIDES_EPILOG}
 Exit status: 0 quantized; 2 bad input (an unknown scheme, a workdir without
 a checkpoint: nothing is written).
 """
@@ -31,12 +36,13 @@ def register(subparsers) -> None:
   parser = subparsers.add_parser(
       "quantize", help="quantize a trained workdir (Qwix PTQ) and compare it with float",
       description="Quantize the newest checkpoint in --workdir with Qwix (post-training "
-      "quantization), evaluate float vs quantized, and save the quantized parameters.",
+      "quantization), evaluate float vs quantized, and save the quantized parameters. Extra "
+      "arguments are dotted data overrides for the evaluation, as `eval` takes them.",
       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   parser.add_argument("--scheme", metavar="SCHEME",
                       help=f"one of {', '.join(SCHEMES)} (default: the run's quant.qat)")
-  parser.set_defaults(func=run_quantize)
+  parser.set_defaults(func=run_quantize, accepts_overrides=True)
 
 
 def run_quantize(args: argparse.Namespace) -> int:
@@ -44,7 +50,12 @@ def run_quantize(args: argparse.Namespace) -> int:
 
   if args.scheme is not None:
     quant_config.check_scheme(args.scheme)  # Before jax and the libraries load.
-  report = ptq.quantize_run(args.workdir, args.scheme)
+  overrides = eval_overrides(args)
+  print(f"quantizing {args.workdir} ...", file=sys.stderr, flush=True)  # Before jax loads.
+  try:
+    report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides)
+  except DataError as e:
+    raise DataError(f"{e}\n{too_small_hint(args)}") from None
   if report.trained.startswith("qat") and report.trained != f"qat {report.scheme}":
     print(f"note: the run trained for {report.trained}; quantized to {report.scheme}, which "
           "QAT did not prepare it for")
