@@ -15,8 +15,12 @@ warnings to the workdir's log file (a command names it with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import threading
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import UserError
@@ -51,6 +55,34 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+@contextlib.contextmanager
+def _ctrl_c_exits(command: str):
+  """Ctrl-C ends the command at once: one line, exit 130.
+
+  A KeyboardInterrupt would land wherever Python happens to be, and JAX's
+  garbage-collection callback swallows it ("Exception ignored ..."), so the
+  command would go on; other places print a long traceback. Ending at once
+  loses nothing saved: Orbax steps and `atomic` files are renamed into place
+  whole, `data prepare` resumes, and the training loop installs its own
+  handler, which saves first.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def stop(signum, frame):
+    del signum, frame
+    print(f"jax-ai-stack {command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access
+
+  previous = signal.signal(signal.SIGINT, stop)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args, extra = parser.parse_known_args(argv)
@@ -61,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
   if not getattr(args, "func", None):
     parser.print_help()
     return 2
-  with logs.routed(None, verbose=getattr(args, "verbose", False)) as routes:
+  with logs.routed(None, verbose=getattr(args, "verbose", False)) as routes, \
+      _ctrl_c_exits(args.command):
     args.log_routes = routes
     try:
       code = args.func(args)

@@ -8,10 +8,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from jax_ai_stack.recipes import train
+from jax_ai_stack.recipes import config, train
 
 from training_helpers import STEPS, TINY, start_training, wait_for_step
 
@@ -138,3 +139,44 @@ def test_a_finished_run_always_has_its_artefacts(reference, tmp_path):
   assert "nothing to do" in result.stdout
   assert (killed / train.PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
   assert (killed / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
+
+
+def test_generate_seed_repeats_a_sample_and_no_seed_draws_a_new_one(reference):
+  workdir, _ = reference
+  generate = lambda *args: jax_ai_stack("generate", "--workdir", str(workdir), "--prompt", "im",
+                                        "--max-new-tokens", "20", "--temperature", "1.5", *args)
+  seeded = [generate("--seed", "7", "--top-k", "40", "--top-p", "0.95") for _ in range(2)]
+  assert all(r.returncode == 0 for r in seeded), seeded[0].stderr
+  assert seeded[0].stdout == seeded[1].stdout
+  unseeded = generate()
+  assert unseeded.returncode == 0, unseeded.stderr
+  seed = int(unseeded.stderr.split("with seed ")[1].split()[0])  # Printed, to repeat it.
+  assert generate("--seed", str(seed)).stdout == unseeded.stdout
+  assert one_line_error(generate("--top-p", "1.5")).endswith("--top-p must be in (0, 1]; got 1.5")
+
+
+def test_train_list_describes_each_preset():
+  result = jax_ai_stack("train", "--list")
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert len(lines) == len(config.list_presets())
+  default = next(line for line in lines if line.startswith("lm-tiny (default)"))
+  assert "byte-level Llama" in default
+  assert all(len(line.split(None, 1)) == 2 for line in lines)  # A name, then its description.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.5, 1.5, 3.0])
+def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_path, after_s):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  process = subprocess.Popen(
+      [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", *TINY, "--workdir",
+       str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    time.sleep(after_s)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == 130, out + err
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -133,6 +133,12 @@ def list_presets() -> list[str]:
   return sorted(p.stem for p in _presets_dir().glob("*.yaml"))
 
 
+def preset_description(preset: str) -> str:
+  """The preset's own one-line summary: its file's first comment, `# NAME: what it is`."""
+  first = (_presets_dir() / f"{preset}.yaml").read_text().splitlines()[0]
+  return first.lstrip("# ").removeprefix(f"{preset}:").strip()
+
+
 def _merge(base: dict, update: dict) -> dict:
   out = dict(base)
   for key, value in update.items():

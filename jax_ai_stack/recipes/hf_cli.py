@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import shutil
+import sys
 
 from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
 
@@ -76,6 +77,7 @@ def import_config(args: argparse.Namespace, model_fields: dict, tokenizer: pathl
 
 
 def run_import(args: argparse.Namespace) -> int:
+  print(f"importing {args.directory} into {args.workdir} ...", file=sys.stderr, flush=True)
   from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
@@ -145,6 +147,7 @@ def _check_tokenizer(tokenizer, vocab_size: int, file: pathlib.Path | None,
 
 
 def run_export(args: argparse.Namespace) -> int:
+  print(f"exporting {args.workdir} to {args.out} ...", file=sys.stderr, flush=True)
   from jax_ai_stack.recipes import memory
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.llama import Llama

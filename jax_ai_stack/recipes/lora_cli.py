@@ -10,6 +10,7 @@ lm-tiny-lora` (a recipe with a `finetune.lora` section).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jax_ai_stack.errors import UsageError
 
@@ -35,6 +36,7 @@ def _missing_action(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
+  print(f"merging the adapters of {args.workdir} ...", file=sys.stderr, flush=True)
   from jax_ai_stack.recipes import lora
 
   out = lora.merge(args.workdir, args.out)
