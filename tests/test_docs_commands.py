@@ -144,8 +144,12 @@ def _in_process(argv: list[str], cwd: pathlib.Path, env: dict[str, str]):
 
 
 def ok(result: tuple[int, str, str]) -> str:
+  """The output of a command that succeeded without a warning (a documented command
+  used as documented has nothing to warn about)."""
   code, out, err = result
   assert code == 0, f"exit {code}\n{out}\n{err}"
+  warnings = [line for line in (out + err).splitlines() if "warning" in line.lower()]
+  assert not warnings, f"a documented command warned:\n{out}\n{err}"
   return out + err
 
 
