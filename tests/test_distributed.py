@@ -187,6 +187,84 @@ def test_two_processes_train_from_a_token_cache_as_from_memory(tmp_path, two_pro
   assert _losses(workdir) == _losses(in_memory)
 
 
+# ---- a process dies: the others stop within the heartbeat timeout ---------------
+
+
+def _sigkill_one_process_while_training(workdir: pathlib.Path, victim: int
+                                        ) -> tuple[int, float, str]:
+  """Starts a long job, SIGKILLs process `victim` once a checkpoint is on disk;
+  returns the survivor's exit code, seconds from the kill to its exit, output."""
+  # Still training when killed; a checkpoint every 2 steps.
+  job = _start_job(workdir, "train.steps=100000", "checkpoint.save_every=2")
+  try:
+    deadline = time.monotonic() + 50
+    while distributed.latest_saved_step(workdir / train.CHECKPOINT_DIR) is None:
+      if any(p.poll() is not None for p in job) or time.monotonic() > deadline:
+        pytest.fail("the job ended or hung before its first checkpoint")
+      time.sleep(0.05)
+    job[victim].kill()
+    killed = time.monotonic()
+    survivor = job[1 - victim]
+    output, _ = survivor.communicate(timeout=40)
+    return survivor.returncode, time.monotonic() - killed, output
+  except subprocess.TimeoutExpired:
+    pytest.fail("the survivor did not stop within 40 s of its peer's death")
+  finally:
+    for p in job:
+      p.kill()
+      p.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, named", [
+    (1, "process 1 of 2 stopped answering (heartbeat timeout 10 s)"),
+    (0, "process 0 of 2 (the coordinator, 127.0.0.1:"),
+], ids=["process-1-killed", "coordinator-killed"])
+def test_a_killed_process_stops_the_other_within_15_s_naming_it(tmp_path, victim, named):
+  """SIGKILL (or a lost host) saves nothing; the survivor must not wait JAX's 100 s
+  heartbeat timeout, nor die of the runtime's abort: one line, exit status 69."""
+  workdir = tmp_path / "killed"
+  code, seconds, output = _sigkill_one_process_while_training(workdir, victim)
+  assert code == distributed.PEER_LOST_EXIT_CODE == 69, output
+  assert seconds < 15, (seconds, output)
+  last = output.strip().splitlines()[-1]
+  assert last.startswith(f"jax-ai-stack train: error: {named}"), output
+  step = distributed.latest_saved_step(workdir / train.CHECKPOINT_DIR)
+  assert f"the last checkpoint (step {step}) is kept in {workdir}" in last, last
+  assert last.endswith("start every process again to resume"), last
+
+
+@pytest.mark.parametrize("process_id, coordinator_answers, processes, message", [
+    (0, True, 2, "process 1 of 2 stopped answering (heartbeat timeout 7 s)"),
+    (1, False, 2, "process 0 of 2 (the coordinator, h:1) stopped answering"),
+    (2, False, 4, "process 0 of 4 (the coordinator, h:1) stopped answering"),
+    (1, True, 2, "the coordinator reported this process (1 of 2) lost"),
+    (0, True, 3, "a process of 3 stopped answering (heartbeat timeout 7 s; process 0's log"),
+])
+def test_the_line_for_a_lost_process_names_it(tmp_path, process_id, coordinator_answers,
+                                              processes, message):
+  lost = distributed.PeerLost(process_id, processes, "h:1", 7, tmp_path / "checkpoints")
+  assert lost.message(coordinator_answers=coordinator_answers).startswith(message)
+  assert "no checkpoint was saved yet in" in lost.message(coordinator_answers=True)
+  for step in ("2", "10", "12.orbax-checkpoint-tmp-5"):  # The last: a step being written.
+    (tmp_path / "checkpoints" / step).mkdir(parents=True)
+  assert distributed.latest_saved_step(tmp_path / "checkpoints") == 10
+  assert (f"the last checkpoint (step 10) is kept in {tmp_path / 'checkpoints'}; start every "
+          "process again to resume") in lost.message(coordinator_answers=True)
+
+
+def test_the_pinned_jax_takes_the_heartbeat_timeout():
+  """`initialize` passes these by name: a jax that renames them fails here, not on a cluster."""
+  import inspect
+
+  import jax
+
+  parameters = inspect.signature(jax.distributed.initialize).parameters
+  assert {"initialization_timeout", "heartbeat_timeout_seconds"} <= parameters.keys()
+  launch = distributed.Launch.from_flags("auto")
+  assert (launch.timeout_s, launch.heartbeat_timeout_s) == (120, 10)  # The documented defaults.
+
+
 # ---- joining the job: bad input ------------------------------------------------
 
 
@@ -229,6 +307,7 @@ def test_distributed_auto_without_a_cluster_says_what_to_give(tmp_path):
     (dict(distributed="auto", process_id=0), "--process-id given with --distributed auto"),
     (dict(distributed="cluster"), "must be off, auto or explicit"),
     (dict(distributed="auto", timeout_s=0), "--distributed-timeout must be >= 1"),
+    (dict(distributed="auto", heartbeat_timeout_s=1), "--heartbeat-timeout must be >= 2"),
 ])
 def test_flags_that_do_not_fit_together_are_usage_errors(flags, message):
   with pytest.raises(UsageError) as error:
