@@ -6,7 +6,7 @@
     jax-ai-stack train ... --dry-run [--device-memory 16GiB]   (the memory plan; trains nothing)
     jax-ai-stack train --list
     jax-ai-stack generate --workdir DIR --prompt TEXT [--quantized SCHEME]
-    jax-ai-stack eval --workdir DIR [--quantized SCHEME]
+    jax-ai-stack eval --workdir DIR [--quantized SCHEME] [data.* overrides]
 
 Overrides take either form: `model.num_layers=6` or `--model.num_layers 6`.
 """
@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
+import sys
 import time
 
-from jax_ai_stack.errors import UsageError
+from jax_ai_stack import logs
+from jax_ai_stack.errors import DataError, UsageError
 
 # Exit codes of a run stopped early (after saving), as shells report a signal.
 STOPPED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
@@ -33,18 +36,37 @@ command plus --distributed auto (TPU pod slices, SLURM, Open MPI, Kubernetes:
 JAX reads the cluster from the environment) or the explicit --coordinator,
 --num-processes and --process-id. The mesh spans every process's devices;
 process 0 writes metrics, plot and sample; all write the checkpoint together.
+A process waits --distributed-timeout (default 120 s) for the others at start;
+once running, a process silent for --heartbeat-timeout (default 10 s: killed,
+or its host lost) stops the others, each printing one line that names it.
 
 Exit status: 0 trained (or already finished); 2 bad input (one line says what);
 130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, after saving a checkpoint
 (run the same command again to resume); 75 stopped by a preemption (SIGTERM
 to a process of a multi-process job: every process saves the same step; a
 SIGINT to one process stops them all alike, that one exiting 130) or by
-request; 1 a training failure (a non-finite loss) or a bug (with its
-traceback).
+request; 69 another process of a multi-process job stopped answering (the
+last checkpoint is kept: start every process again to resume); 1 a training
+failure (a non-finite loss) or a bug (with its traceback).
 """
 
 
+EVAL_OVERRIDES_EPILOG = """\
+Overrides: data.* fields and train.eval_batches, over the run's saved config
+(the model and its checkpoint stay the run's). A validation split too small
+for one batch (a run trained on a few KB) is refused, naming the numbers:
+lower data.batch_size, or raise data.validation_fraction; the split is chosen
+by hash below the fraction, so a larger one also holds text the run trained
+on (said on stderr).
+"""
+"""How `eval` and `quantize` take overrides (their --help's epilog)."""
+
+_EVAL_OVERRIDE_FIELDS = ("data.", "train.eval_batches")
+
+
 def register(subparsers) -> None:
+  from jax_ai_stack.recipes import distributed  # Standard library only: cheap.
+
   train = subparsers.add_parser(
       "train",
       help="train a recipe (default: lm-tiny); run again to resume",
@@ -67,7 +89,8 @@ def register(subparsers) -> None:
                      "(default: what the device reports)")
   train.add_argument("--verbose", action="store_true",
                      help="after the first step, print where the start-up went: import, init, "
-                     "trace and compile seconds, compilation-cache hits")
+                     "trace and compile seconds, compilation-cache hits; and show the "
+                     "libraries' log lines (kept in WORKDIR/jax-ai-stack.log otherwise)")
   launch = train.add_argument_group("several processes (hosts)")
   launch.add_argument("--distributed", choices=("off", "auto", "explicit"),
                       help="auto: join the cluster JAX detects; explicit: implied by the next "
@@ -76,7 +99,12 @@ def register(subparsers) -> None:
   launch.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
   launch.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
   launch.add_argument("--distributed-timeout", type=int, metavar="SECONDS",
-                      help="how long to wait for the other processes (default 120)")
+                      help="how long to wait for the other processes at start (default "
+                      f"{distributed.DEFAULT_TIMEOUT_S})")
+  launch.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS",
+                      help="a process silent this long counts as dead: the others stop with "
+                      f"exit status {distributed.PEER_LOST_EXIT_CODE} (default "
+                      f"{distributed.DEFAULT_HEARTBEAT_TIMEOUT_S})")
   train.set_defaults(func=run_train, accepts_overrides=True)
 
   generate = subparsers.add_parser(
@@ -89,6 +117,16 @@ def register(subparsers) -> None:
                         help="tokens to add; fewer if the model's max_seq_len is reached (default 128)")
   generate.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 picks the most likely token (default 0.8)")
+  generate.add_argument("--seed", type=int,
+                        help="the sampling seed: the same seed gives the same text (default: a "
+                        "new one each call, printed so that it can be repeated)")
+  generate.add_argument("--top-k", type=int, metavar="K",
+                        help="sample among the K most likely tokens only (default: all)")
+  generate.add_argument("--top-p", type=float, metavar="P",
+                        help="sample among the likeliest tokens whose probabilities add up to P "
+                        "(nucleus sampling, 0 < P <= 1; default: all)")
+  generate.add_argument("--verbose", action="store_true",
+                        help="show the libraries' log lines on the console too")
   generate.add_argument("--quantized", metavar="SCHEME",
                         help="run the parameters `quantize --scheme SCHEME` saved in --workdir")
   generate.set_defaults(func=run_generate)
@@ -96,11 +134,14 @@ def register(subparsers) -> None:
   evaluate = subparsers.add_parser(
       "eval", help="evaluate a trained workdir on its validation split",
       description="Evaluate the newest checkpoint in --workdir on the run's validation split "
-      "(read-only); prints JSON.")
+      "(read-only); prints JSON. Extra arguments are dotted data overrides applied over the "
+      "run's saved config, as `train` takes them (data.validation_fraction=0.2, "
+      "data.batch_size=4, train.eval_batches=2).",
+      epilog=EVAL_OVERRIDES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   evaluate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   evaluate.add_argument("--quantized", metavar="SCHEME",
                         help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
-  evaluate.set_defaults(func=run_eval)
+  evaluate.set_defaults(func=run_eval, accepts_overrides=True)
 
 
 def _split_preset(extra: list[str]) -> tuple[str | None, list[str]]:
@@ -129,13 +170,16 @@ def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import compile_cache, configlib, distributed
 
   if args.list:
-    for name in recipe_config.list_presets():
+    names = recipe_config.list_presets()
+    width = max(len(name) for name in names) + len(" (default)")
+    for name in names:
       marker = " (default)" if name == recipe_config.DEFAULT_PRESET else ""
-      print(f"{name}{marker}")
+      print(f"{name + marker:<{width}}  {recipe_config.preset_description(name)}")
     return 0
   launch = distributed.Launch.from_flags(
       args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
-      process_id=args.process_id, timeout_s=args.distributed_timeout)
+      process_id=args.process_id, timeout_s=args.distributed_timeout,
+      heartbeat_timeout_s=args.heartbeat_timeout)
   config = load_config(args)
   if args.print_config:
     print(configlib.to_yaml(config), end="")
@@ -145,15 +189,19 @@ def run_train(args: argparse.Namespace) -> int:
   import_s = time.perf_counter() - import_started
 
   determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
-  distributed.initialize(launch)  # Before anything touches a device.
+  distributed.initialize(  # Before anything touches a device.
+      launch, checkpoints=train.default_workdir(config, args.workdir) / train.CHECKPOINT_DIR)
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
+  workdir = train.default_workdir(config, args.workdir)
+  if not args.dry_run:
+    args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)))
   if args.dry_run:
     from jax_ai_stack.recipes import memory
 
     print(memory.dry_run(config, device_memory_text=args.device_memory))
     return 0
   try:
-    result = train.run(config, args.workdir, resume=args.resume, verbose=args.verbose,
+    result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
                        import_s=import_s)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
@@ -162,20 +210,61 @@ def run_train(args: argparse.Namespace) -> int:
   return STOPPED_EXIT_CODES.get(stopped_by, _OTHER_STOP_EXIT_CODE) if stopped_by else 0
 
 
+def _process_index(launch) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return 0 if launch.mode == "off" else jax.process_index()
+
+
 def run_generate(args: argparse.Namespace) -> int:
+  if args.top_p is not None and not 0 < args.top_p <= 1:
+    raise UsageError(f"--top-p must be in (0, 1]; got {args.top_p}")
+  if args.top_k is not None and args.top_k < 1:
+    raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
+  seed, seeded = args.seed, ""
+  if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
+    seed = secrets.randbelow(2**31)
+    seeded = f" with seed {seed} (--seed {seed} gives this text again)"
+  print(f"generating from {args.workdir}{seeded} ...", file=sys.stderr, flush=True)
   from jax_ai_stack.recipes import compile_cache
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
   trainer = _open_finished(args, validation=False, method="decode")
   try:
-    print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature))
+    print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, seed=seed,
+                           top_k=args.top_k, top_p=args.top_p))
   finally:
     trainer.close()
   return 0
 
 
+def eval_overrides(args: argparse.Namespace) -> list[str]:
+  """`args.overrides` as `data.x=v` strings, for `eval` and `quantize`.
+
+  Only data fields and `train.eval_batches` may change: the model is the
+  checkpoint's. Says on stderr when the override moves the validation split.
+
+  Raises:
+    UsageError: another field, or a value-less override.
+  """
+  from jax_ai_stack.recipes import configlib
+
+  overrides = configlib.parse_overrides(list(getattr(args, "overrides", None) or []))
+  for item in overrides:
+    key = item.partition("=")[0]
+    if not (key.startswith(_EVAL_OVERRIDE_FIELDS[0]) or key in _EVAL_OVERRIDE_FIELDS[1:]):
+      raise UsageError(f"{key}: {args.command} takes data.* overrides and train.eval_batches "
+                       "over the run's saved config; the rest is the trained run's")
+    if key in ("data.validation_fraction", "data.split_chunk_tokens"):
+      print(f"note: {item} over the run's saved config: the validation split is chosen by hash "
+            "below the fraction, so it may now hold text the run trained on",
+            file=sys.stderr, flush=True)
+  return overrides
+
+
 def run_eval(args: argparse.Namespace) -> int:
+  print(f"evaluating {args.workdir} ...", file=sys.stderr, flush=True)  # Before the imports.
   from jax_ai_stack.recipes import compile_cache
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
@@ -193,9 +282,20 @@ def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   """The trained run, or with --quantized its quantized parameters (`ptq.open_quantized`)."""
   from jax_ai_stack.recipes.train import Trainer
 
-  if not getattr(args, "quantized", None):
-    return Trainer.open_finished(args.workdir, validation=validation)
-  from jax_ai_stack.recipes import ptq, quant_config
+  overrides = eval_overrides(args) if validation else []
+  try:
+    if not getattr(args, "quantized", None):
+      return Trainer.open_finished(args.workdir, validation=validation, overrides=overrides)
+    from jax_ai_stack.recipes import ptq, quant_config
 
-  quant_config.check_scheme(args.quantized)
-  return ptq.open_quantized(args.workdir, args.quantized, validation=validation, method=method)
+    quant_config.check_scheme(args.quantized)
+    return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
+                              method=method, overrides=overrides)
+  except DataError as e:
+    raise DataError(f"{e}\n{too_small_hint(args)}") from None
+
+
+def too_small_hint(args: argparse.Namespace) -> str:
+  """How to give `eval` or `quantize` a validation split that holds a batch."""
+  return (f"the data fields are overrides here too, e.g. jax-ai-stack {args.command} --workdir "
+          f"{args.workdir} data.validation_fraction=0.2 data.split_chunk_tokens=128")

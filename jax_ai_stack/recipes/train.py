@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -48,7 +48,7 @@ from flax import nnx
 
 from jax_ai_stack import determinism, kernels
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
-from jax_ai_stack.errors import ConfigError, WorkdirError
+from jax_ai_stack.errors import ConfigError, DataError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, configlib, distributed, optim,
                                   sharding, step, tasks)
 from jax_ai_stack.recipes import lora, quant
@@ -125,7 +125,7 @@ def keep_trained_kernel(task: tasks.Task, manager, plan: kernels.AttentionPlan |
     return plan, choice
   try:
     saved = checkpoint.read_metadata(manager).get("attention") or {}
-  except Exception:  # An unreadable newest step: the restore falls back to an older one.
+  except WorkdirError:  # No step's metadata reads: the restore says so, naming each.
     return plan, choice
   if "plan" not in saved or saved.get("implementation") in (None, choice.name):
     return plan, choice
@@ -265,7 +265,13 @@ class Trainer:
           f"host to write {workdir / kernels.AUTOTUNE_FILENAME}, then launch every process")
     plan, choice = resolve_attention(task, workdir, autotune=autotune, saved=None)
     train_data = task.dataset("train", config.train.seed)
-    validation = task.dataset("validation", config.train.seed) if config.train.eval_every else None
+    validation = None
+    if config.train.eval_every:
+      try:
+        validation = task.dataset("validation", config.train.seed)
+      except DataError as e:  # The train split loaded: the held-out one is too small.
+        config = _without_evaluation(config)
+        print(f"note: evaluation is off for this run (train.eval_every=0): {e}", flush=True)
     manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
     try:
       latest = manager.latest_step()
@@ -283,11 +289,13 @@ class Trainer:
       raise
 
   @classmethod
-  def open_finished(cls, workdir: str | pathlib.Path, *, validation: bool = False) -> Trainer:
+  def open_finished(cls, workdir: str | pathlib.Path, *, validation: bool = False,
+                    overrides: Sequence[str] = ()) -> Trainer:
     """A trained run, read-only, with its saved config and attention plan.
 
     What `eval` and `generate` use: no train data is built and nothing in the
     workdir is written, so an archived run on a read-only disk works.
+    `overrides` (dotted, `data.validation_fraction=0.2`) apply over the saved config.
     """
     ensure_absl_flags_parsed()
     workdir = pathlib.Path(workdir)
@@ -299,6 +307,10 @@ class Trainer:
         raise WorkdirError(f"no checkpoints in {workdir / CHECKPOINT_DIR}: train there first")
       metadata = checkpoint.read_metadata(manager)
       config = from_json(metadata["config"])
+      if overrides:
+        config = configlib.from_dict(
+            RecipeConfig, configlib.apply_overrides(configlib.to_dict(config), list(overrides)),
+            source=f"{workdir}'s config + overrides {' '.join(overrides)}")
       task = tasks.for_config(config)
       plan, choice = resolve_attention(task, workdir, autotune=False,
                                        saved=metadata.get("attention"))
@@ -342,7 +354,7 @@ class Trainer:
       restored = checkpoint.restore(manager, finetune.saved(abstract), train_batches)
       if restored is None and train_data is None:
         raise WorkdirError(f"no readable checkpoint in {manager.directory}")
-    if restored is None:  # A fresh run, or every step was corrupt (moved aside).
+    if restored is None:  # A fresh run (restore raises when steps exist and none reads).
       train_batches = iter(train_data)
       # One compiled program that writes each array straight to its devices
       # (eagerly, each initialiser would also compile on its own).
@@ -361,7 +373,8 @@ class Trainer:
     else:
       state = jax.device_put(restored.state, finetune.saved(state_sharding))
       start = restored.step
-      _warn_changes(restored.metadata, configlib.to_dict(config), choice)
+      if start:  # Step 0 (import-hf's) has trained under no config: nothing to keep bitwise.
+        _warn_changes(restored.metadata, configlib.to_dict(config), choice)
     state = finetune.with_base(state, abstract, state_sharding,
                                restored.metadata if restored else None, model=model)
     step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
@@ -383,16 +396,19 @@ class Trainer:
     self.step += 1
     return device_metrics
 
-  def fetch(self, pending: list[tuple[int, dict]], elapsed: float) -> list[tuple[int, dict]]:
+  def fetch(self, pending: list[tuple[int, dict]], since: float) -> list[tuple[int, dict]]:
     """(step, metrics as floats) of the `pending` steps, fetched in one transfer.
 
-    `elapsed` (the wall time the steps took together) is shared out evenly as
-    each one's `step_time`. Raises TrainingError at the first non-finite loss:
-    callers fetch before every save, so no such state is ever saved.
+    The wall time from `since` (`time.perf_counter()` before the first of them)
+    to the end of the transfer, which waits for the last step, is shared out
+    evenly as each one's `step_time`. Raises TrainingError at the first
+    non-finite loss: callers fetch before every save, so no such state is ever
+    saved.
     """
-    step_time = elapsed / len(pending)
+    fetched_metrics = jax.device_get([m for _, m in pending])
+    step_time = (time.perf_counter() - since) / len(pending)
     records = []
-    for number, fetched in zip([n for n, _ in pending], jax.device_get([m for _, m in pending])):
+    for number, fetched in zip([n for n, _ in pending], fetched_metrics):
       metrics = {k: float(v) for k, v in fetched.items()}
       if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
         raise TrainingError(
@@ -490,7 +506,7 @@ class Trainer:
           evaluating = self.eval_due()
           if (saving or evaluating or on_first_step is not None
               or self.step % self.config.train.log_every == 0):
-            for number, metrics in self.fetch(pending, time.perf_counter() - since):
+            for number, metrics in self.fetch(pending, since):
               updates = (number - 1) // self.config.optim.accumulate_steps
               last = {**metrics, "lr": float(schedule(updates))}
               metrics_log.write(number, "train", last)
@@ -499,6 +515,7 @@ class Trainer:
               progress.set_postfix_str(f"loss {last['loss']:.3f}  "
                                        f"{last['throughput']:,.0f} {self.task.throughput_unit}/s")
             pending = []
+            since = time.perf_counter()
             if on_first_step is not None:
               on_first_step()
               on_first_step = None
@@ -537,10 +554,14 @@ class Trainer:
     names = [PLOT_FILE, *self.task.artefacts()]
     return [name for name in names if not (self.workdir / name).exists()]
 
-  def generate(self, prompt: str, max_new_tokens: int, temperature: float) -> str:
+  def generate(self, prompt: str, max_new_tokens: int, temperature: float, *,
+               seed: int | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> str:
+    """`prompt` continued; `seed` None: the run's `train.seed`."""
+    seed = self.config.train.seed if seed is None else seed
     with self._kernel_configs():
       return self.task.generate(self.inference_model(), prompt, max_new_tokens, temperature,
-                                self.config.train.seed)
+                                seed, top_k=top_k, top_p=top_p)
 
   def inference_model(self) -> nnx.Module:
     """The model that decodes: a LoRA run's base and adapters merged (Qwix adds
@@ -570,12 +591,45 @@ class Trainer:
 
 
 def _progress_bar(config: RecipeConfig, start: int):
+  """tqdm's bar on a terminal; elsewhere (CI, SLURM, a pipe) one plain line per log interval."""
   if not config.train.progress:
     return None
+  if not sys.stderr.isatty():
+    return LogLines(config.train.steps, start)
   from tqdm import tqdm
 
   return tqdm(total=config.train.steps, initial=start, desc="train", unit="step",
               file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+
+class LogLines:
+  """The progress bar's stand-in where stderr is no terminal: a bar redrawn there is
+  kilobytes of carriage returns; this writes `step N/TOTAL: loss ..., ETA ...` lines."""
+
+  def __init__(self, total: int, initial: int):
+    self.n, self.total, self._initial = initial, total, initial
+    self._started = time.perf_counter()
+
+  def update(self, steps: int) -> None:
+    self.n += steps
+
+  def set_postfix_str(self, text: str) -> None:
+    done, elapsed = self.n - self._initial, time.perf_counter() - self._started
+    eta = elapsed / done * (self.total - self.n) if done else 0.0
+    print(f"step {self.n}/{self.total}: {text}, ETA {_duration(eta)}", file=sys.stderr,
+          flush=True)
+
+  @staticmethod
+  def write(text: str, file=None) -> None:
+    print(text, file=file, flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+def _duration(seconds: float) -> str:
+  minutes, seconds = divmod(round(seconds), 60)
+  return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _print(progress, text: str) -> None:
@@ -587,6 +641,16 @@ def _print(progress, text: str) -> None:
 
 def _format(metrics: dict[str, float]) -> str:
   return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+
+
+def _without_evaluation(config):
+  """`config` with `train.eval_every=0`: a run whose validation split has no full batch."""
+  return dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=0))
+
+
+def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) -> pathlib.Path:
+  """`workdir`, or runs/<recipe name> when it is None."""
+  return pathlib.Path(workdir or pathlib.Path("runs") / config.name)
 
 
 def run(
@@ -608,7 +672,7 @@ def run(
   `verbose` prints one start-up line after the first step: `import_s` (the
   caller's import of the libraries), init, trace and compile seconds, cache hits.
   """
-  workdir = pathlib.Path(workdir or pathlib.Path("runs") / config.name)
+  workdir = default_workdir(config, workdir)
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
   started = time.perf_counter()
   compile_times = compile_cache.CompileTimes().start()
@@ -622,8 +686,10 @@ def run(
   def report_startup():
     compile_times.stop()
     if verbose:
-      print(_startup_line(compile_times, import_s, init_s, time.perf_counter() - started),
-            flush=True)
+      from tqdm import tqdm  # Above the bar, not on its line.
+
+      tqdm.write(_startup_line(compile_times, import_s, init_s, time.perf_counter() - started),
+                 file=sys.stdout)
 
   try:
     print(trainer.describe(), flush=True)
