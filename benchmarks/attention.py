@@ -9,8 +9,10 @@ In one process, at one shape, from the same inputs, this times
               rule can be checked)
   xla_blocked@<n>   with --block-sizes: the blocked kernel with n-row blocks
   torch_sdpa  when torch is importable (and the masks are at most causal):
-              torch's scaled_dot_product_attention forward+backward, the CPU
-              baseline of issue #15, in the same rounds
+              torch's scaled_dot_product_attention forward+backward on the
+              device JAX runs on (CUDA when JAX runs on a GPU, the CPU when on
+              the CPU; none otherwise: a kernel on one device against torch
+              on another compares nothing), in the same rounds
 
 and reports milliseconds, the ratio to the reference, the implementation "auto"
 chose (marked *) and whether "auto" is within noise of the fastest eligible
@@ -72,11 +74,29 @@ def reference_attention(q, k, v, ids, lengths, *, causal, local_window):
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
 
 
-def torch_sdpa_timer(request, inputs):
+def torch_device(torch, platform: str) -> tuple[str | None, str | None]:
+  """(torch's device on JAX's `platform`, None), or (None, why there is none).
+
+  The comparison is only meaningful on one device: torch on "cuda" when JAX
+  runs on a GPU (and torch sees one), on "cpu" when JAX runs on the CPU.
+  """
+  if platform == "cpu":
+    return "cpu", None
+  if platform == "gpu":
+    if torch.cuda.is_available():
+      return "cuda", None
+    return None, ("JAX runs on a GPU but torch sees no CUDA device: torch on the CPU is no "
+                  "comparison")
+  return None, f"torch does not run on {platform}: no comparison on the same device"
+
+
+def torch_sdpa_timer(request, inputs, platform: str | None = None):
   """(timer of torch's SDPA forward+backward on `inputs`, None), or (None, why not).
 
   The timer takes a number of runs and returns their milliseconds. torch gets
-  the same values in its own [B, N, T, H] layout and a fixed cotangent.
+  the same values in its own [B, N, T, H] layout and a fixed cotangent, on the
+  device JAX runs on (`platform`, default JAX's backend; see `torch_device`).
+  The timer's `.device` names it.
   """
   try:
     import torch
@@ -85,13 +105,17 @@ def torch_sdpa_timer(request, inputs):
   if request.segment_ids or request.local_window is not None or request.kv_seq_lengths:
     return None, "torch SDPA is compared only with causal or no mask"
   if request.dtype not in ("float32", "bfloat16"):
-    return None, f"torch SDPA on CPU is compared in float32 and bfloat16, not {request.dtype}"
+    return None, f"torch SDPA is compared in float32 and bfloat16, not {request.dtype}"
+  device, why_not = torch_device(torch, platform or jax.default_backend())
+  if device is None:
+    return None, why_not
   dtype = getattr(torch, request.dtype)
   q, k, v = (
-      torch.from_numpy(np.array(x, np.float32)).to(dtype).transpose(1, 2).contiguous()
+      torch.from_numpy(np.array(x, np.float32)).to(device, dtype).transpose(1, 2).contiguous()
       .requires_grad_() for x in inputs[:3])
-  cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+  cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
   gqa = request.num_heads != request.num_kv_heads
+  synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
   def forward_backward():
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -101,10 +125,14 @@ def torch_sdpa_timer(request, inputs):
   def timer(iterations: int) -> list[float]:
     times = []
     for _ in range(iterations):
+      synchronize()
       start = time.perf_counter()
       forward_backward()
+      synchronize()  # GPU kernels run asynchronously: the time is theirs, not the launch's.
       times.append((time.perf_counter() - start) * 1e3)
     return times
+
+  timer.device = device
 
   forward_backward()  # Warm-up, as the JAX variants are compiled first.
   return timer, None
@@ -201,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
       "auto_over_fastest": auto_ms / times[fastest],
       "auto_within_noise": auto_ms <= times[fastest] * (1 + tolerance),
       "torch_sdpa": torch_note or "timed",
+      "torch_device": timer.device if timer else None,
       "auto_over_torch_sdpa": auto_ms / times["torch_sdpa"] if timer else None,
   }
 
@@ -215,8 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         f" fastest eligible ({fastest}): {verdict} it (tolerance {tolerance:.0%}).")
   if timer:
     ratio = results["auto_over_torch_sdpa"]
-    print(f"auto / torch SDPA (is_causal={args.causal}): {ratio:.2f}x"
-          f" (target <= 1: {common.verdict(ratio, 1.0)})")
+    print(f"auto / torch SDPA (is_causal={args.causal}, torch on {timer.device}, the device JAX"
+          f" runs on): {ratio:.2f}x (target <= 1: {common.verdict(ratio, 1.0)})")
   else:
     print(f"torch SDPA not timed: {torch_note}")
   common.write(results, args.out)

@@ -9,11 +9,14 @@ Example:
   'demo'
   >>> verdict(1.82, 1.0)
   'MISSED by 82.0%'
+  >>> verdict(0.45, 0.9, at_least=True)
+  'MISSED by 50.0%'
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import pathlib
 import platform
@@ -40,20 +43,46 @@ def header(name: str, *, device: bool = True) -> dict[str, Any]:
   return record
 
 
-def target(value: float, limit: float) -> dict[str, Any]:
-  """A figure judged against its target (lower is better): the record's form of it.
+def target(value: float, limit: float, *, at_least: bool = False) -> dict[str, Any]:
+  """A figure judged against its target: the record's form of it.
 
-  "missed_by" is how far over the limit the figure is, as a fraction of the limit
-  (0.82: 82% over), so that a missed target says by how much.
+  Lower is better, unless `at_least` (a throughput or an MFU, which must reach
+  the limit). "missed_by" is how far the figure is on the wrong side of the
+  limit, as a fraction of the limit (0.82: 82% over; 0.5: half of it short),
+  so that a missed target says by how much.
   """
+  if at_least:
+    return {"value": value, "target": limit, "at_least": True, "met": value >= limit,
+            "missed_by": max(1 - value / limit, 0.0)}
   return {"value": value, "target": limit, "met": value <= limit,
           "missed_by": max(value / limit - 1, 0.0)}
 
 
-def verdict(value: float, limit: float) -> str:
-  """'met' if value <= limit, else how far over it: 'MISSED by 82.0%'."""
-  judged = target(value, limit)
+def verdict(value: float, limit: float, *, at_least: bool = False) -> str:
+  """'met' if value is on the right side of limit, else by how much not: 'MISSED by 82.0%'."""
+  judged = target(value, limit, at_least=at_least)
   return "met" if judged["met"] else f"MISSED by {judged['missed_by']:.1%}"
+
+
+def versions() -> dict[str, Any]:
+  """jaxlib, JAX's accelerator plugins and torch, as installed (nothing is imported).
+
+  Plugins are the `jax-cuda*` / `jax-rocm*` / `libtpu` distributions; torch is
+  None where it is not installed.
+  """
+  def version(name: str) -> str | None:
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return None
+
+  plugins = {}
+  for dist in importlib.metadata.distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
+      plugins[name] = dist.version
+  return {"jaxlib": version("jaxlib"), "jax_plugins": dict(sorted(plugins.items())),
+          "torch": version("torch")}
 
 
 def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:

@@ -14,7 +14,8 @@ with the same formulas.
 
 Variants: eager or `torch.compile` (the model; the optimizer runs eagerly in
 both), float32 or bfloat16 autocast (`torch.autocast("cpu")`, parameters
-float32, as JAX's `model.dtype=bfloat16` with `param_dtype=float32`).
+float32, as JAX's `model.dtype=bfloat16` with `param_dtype=float32`), on the
+CPU or (`device="cuda"`, for benchmarks/accelerator.py) on a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class RMSNorm(nn.Module):
 def rope(x, positions, theta: float):
   """x [B, T, N, H], positions [T]: rotates pairs (i, i + H/2), angles in float32."""
   half = x.shape[-1] // 2
-  inv_freq = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / x.shape[-1])
+  arange = torch.arange(0, half, dtype=torch.float32, device=x.device)
+  inv_freq = 1.0 / theta ** (arange * 2 / x.shape[-1])
   angles = positions.float()[:, None, None] * inv_freq  # [T, 1, H/2]
   sin, cos = torch.sin(angles), torch.cos(angles)
   x1, x2 = x.float().chunk(2, dim=-1)
@@ -116,7 +118,7 @@ class Llama(nn.Module):
     self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
 
   def forward(self, tokens):
-    positions = torch.arange(tokens.shape[1])
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
     x = self.embed(tokens)
     for block in self.layers:
       x = block(x, positions)
@@ -190,23 +192,25 @@ def build_optimizer(model: Llama, optim_config, total_steps: int):
 
 
 class Trainer:
-  """One variant: a model, its optimizer, and `run(n)` steps on one batch."""
+  """One variant: a model, its optimizer, and `run(n)` steps on one batch, on `device`."""
 
   def __init__(self, config, params, batch, optim_config, total_steps: int, *,
-               compiled: bool, bf16: bool):
+               compiled: bool, bf16: bool, device: str = "cpu"):
     torch.manual_seed(0)
+    self.device = torch.device(device)
     self.model = Llama(config)
     load_jax_params(self.model, params, config)
+    self.model.to(self.device)  # Before the optimizer takes the parameters.
     self.optimizer, self.scheduler = build_optimizer(self.model, optim_config, total_steps)
     self.forward = torch.compile(self.model) if compiled else self.model
     self.clip = optim_config.grad_clip_norm
     self.bf16 = bf16
-    self.inputs = torch.from_numpy(np.asarray(batch["inputs"], np.int64))
-    self.targets = torch.from_numpy(np.asarray(batch["targets"], np.int64))
+    self.inputs = torch.from_numpy(np.asarray(batch["inputs"], np.int64)).to(self.device)
+    self.targets = torch.from_numpy(np.asarray(batch["targets"], np.int64)).to(self.device)
 
   def loss(self):
     if self.bf16:
-      with torch.autocast("cpu", dtype=torch.bfloat16):
+      with torch.autocast(self.device.type, dtype=torch.bfloat16):
         return lm_loss(self.forward, self.inputs, self.targets)
     return lm_loss(self.forward, self.inputs, self.targets)
 
@@ -223,7 +227,7 @@ class Trainer:
   def run(self, n: int) -> Any:
     for _ in range(n):
       loss = self.step()
-    return float(loss)
+    return float(loss)  # Waits for the device (the last step's kernels) on a GPU.
 
 
 def first_loss(config, params, batch) -> float:

@@ -10,13 +10,14 @@ rounds stay interleaved with the JAX variants and the two runtimes never
 compute at the same time.
 
 The parent writes `params.npz` (the JAX parameters, {'a/b/c': array}),
-`batch.npz` and `spec.json` (model and optimizer fields, the variants, and
-"threads" for `torch.set_num_threads`, or null) to a directory and runs
+`batch.npz` and `spec.json` (model and optimizer fields, the variants,
+"threads" for `torch.set_num_threads`, or null, and optionally "device":
+"cpu", the default, or "cuda") to a directory and runs
 `python torch_process.py DIR`. Then one JSON object per line: requests on the
 child's stdin, replies on a private copy of its stdout (fd 1 itself goes to
 stderr, so that prints and warnings from torch cannot break the stream):
 
-  (on start)                                  -> {"torch": version, "threads": n}
+  (on start)                                  -> {"torch": version, "threads": n, "device": d}
   {"op": "run", "variant": v, "steps": n}     -> {"seconds": s, "loss": l}
   {"op": "first_loss"}                        -> {"loss": l}  (float32 eager, no step)
   {"op": "parts", "variant": v}               -> {"parts": [names]}  (builds, warms up)
@@ -100,13 +101,17 @@ def serve(directory: pathlib.Path) -> None:
   spec = json.loads((directory / "spec.json").read_text())
   if spec.get("threads"):
     torch.set_num_threads(spec["threads"])
+  device = spec.get("device", "cpu")
+  if device == "cuda" and not torch.cuda.is_available():
+    replies.write(json.dumps({"error": f"torch {torch.__version__} has no CUDA device"}) + "\n")
+    return
   config = types.SimpleNamespace(**spec["model"])
   optim_config = types.SimpleNamespace(**spec["optim"])
   params = dict(np.load(directory / "params.npz"))
   batch = dict(np.load(directory / "batch.npz"))
   trainers = {
       name: torch_llama.Trainer(config, params, batch, optim_config, spec["total_steps"],
-                                compiled=compiled, bf16=bf16)
+                                compiled=compiled, bf16=bf16, device=device)
       for name, (compiled, bf16) in spec["variants"].items()
   }
   shape = types.SimpleNamespace(batch_size=batch["inputs"].shape[0],
@@ -123,6 +128,8 @@ def serve(directory: pathlib.Path) -> None:
     if op == "run":
       start = time.perf_counter()
       loss = trainers[variant].run(request["steps"])
+      if device == "cuda":
+        torch.cuda.synchronize()  # run() already waited for the loss; this, for the rest.
       return {"seconds": time.perf_counter() - start, "loss": loss}
     if op == "first_loss":
       return {"loss": torch_llama.first_loss(config, params, batch)}
@@ -135,7 +142,8 @@ def serve(directory: pathlib.Path) -> None:
       return {"seconds": timed(parts[variant][request["part"]])}
     raise ValueError(f"unknown op {op!r}")
 
-  replies.write(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()}) + "\n")
+  replies.write(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "device": device}) + "\n")
   for line in sys.stdin:
     try:
       reply = handle(json.loads(line))

@@ -215,19 +215,23 @@ def torch_spec(size: Size, threads: int | None = None) -> dict[str, Any]:
   }
 
 
-def start_torch(size: Size, batch: dict[str, jax.Array],
-                threads: int | None) -> torch_process.TorchProcess:
-  """The PyTorch process, its trainers built from the recipe's initial parameters."""
+def start_torch(size: Size, batch: dict[str, jax.Array], threads: int | None, *,
+                spec: dict[str, Any] | None = None) -> torch_process.TorchProcess:
+  """The PyTorch process, its trainers built from the recipe's initial parameters.
+
+  `spec`: what it builds (default `torch_spec(size, threads)`).
+  """
   params = _flat(nnx.state(_init_fn(size.model)(), nnx.Param))
-  return torch_process.TorchProcess(torch_spec(size, threads), params, batch)
+  return torch_process.TorchProcess(spec or torch_spec(size, threads), params, batch)
 
 
-def torch_variants(process: torch_process.TorchProcess) -> list[Variant]:
-  """The PyTorch variants, each step timed in its process."""
+def torch_variants(process: torch_process.TorchProcess,
+                   names: Sequence[str] = tuple(TORCH_VARIANTS)) -> list[Variant]:
+  """The PyTorch variants `names` (built in `process`), each step timed in its process."""
   def seconds(name: str, steps: int) -> float:
     return process.call(op="run", variant=name, steps=steps)["seconds"]
 
-  return [Variant(name, None, None, functools.partial(seconds, name)) for name in TORCH_VARIANTS]
+  return [Variant(name, None, None, functools.partial(seconds, name)) for name in names]
 
 
 def hand_written_variant(size: Size, batch: dict[str, jax.Array]) -> Variant:
@@ -395,14 +399,14 @@ def time_components(timers: dict[str, dict[str, Callable[[], float]]], step_ms: 
   return table
 
 
-def measure_matmul_peak(n: int, repeats: int = 5) -> float:
-  """FLOP/s of an [n, n] @ [n, n] float32 jnp.dot on the default device.
+def measure_matmul_peak(n: int, repeats: int = 5, dtype: Any = jnp.float32) -> float:
+  """FLOP/s of an [n, n] @ [n, n] jnp.dot (float32 unless `dtype`) on the default device.
 
   The reachable peak for this device and precision, measured rather than
   looked up, so that MFU means the same thing on a laptop CPU and on a GPU.
   """
-  a = jnp.ones((n, n), jnp.float32)  # Dense matmul speed does not depend on the values.
-  b = jnp.ones((n, n), jnp.float32)
+  a = jnp.ones((n, n), dtype)  # Dense matmul speed does not depend on the values.
+  b = jnp.ones((n, n), dtype)
   dot = jax.jit(jnp.dot)
   dot(a, b).block_until_ready()
   times = []
@@ -455,6 +459,26 @@ def _seconds(variant: Variant, steps: int) -> float:
   return time.perf_counter() - start
 
 
+def time_variants(variants: Sequence[Variant], rounds: int,
+                  min_chunk_seconds: float) -> tuple[dict[str, list[float]], int]:
+  """({name: seconds per step in each round}, steps per chunk), rounds interleaved.
+
+  Each variant first runs `WARMUP_STEPS` untimed (compiles); a chunk is as many
+  steps as fill `min_chunk_seconds` at the fastest variant's speed; in each
+  round every variant runs one chunk, taking turns to go first.
+  """
+  for variant in variants:
+    _seconds(variant, WARMUP_STEPS)  # Compiles, and lets PyTorch settle.
+  fastest_step = min(_seconds(variant, 1) for variant in variants)
+  steps = max(1, math.ceil(min_chunk_seconds / fastest_step))
+  seconds = {v.name: [] for v in variants}
+  for round_index in range(rounds):
+    turn = round_index % len(variants)  # Each variant goes first in some round.
+    for variant in variants[turn:] + variants[:turn]:
+      seconds[variant.name].append(_seconds(variant, steps) / steps)
+  return seconds, steps
+
+
 def bench_size(
     size: Size, rounds: int, peak_flops: float, min_chunk_seconds: float, *,
     bf16: bool = False, with_torch: bool = False, torch_threads: int | None = None,
@@ -476,15 +500,7 @@ def _bench_size(
   variants = build_variants(size, batch, bf16=bf16)
   if torch is not None:
     variants += torch_variants(torch)
-  for variant in variants:
-    _seconds(variant, WARMUP_STEPS)  # Compiles, and lets PyTorch settle.
-  fastest_step = min(_seconds(variant, 1) for variant in variants)
-  steps = max(1, math.ceil(min_chunk_seconds / fastest_step))
-  seconds = {v.name: [] for v in variants}
-  for round_index in range(rounds):
-    turn = round_index % len(variants)  # Each variant goes first in some round.
-    for variant in variants[turn:] + variants[:turn]:
-      seconds[variant.name].append(_seconds(variant, steps) / steps)
+  seconds, steps = time_variants(variants, rounds, min_chunk_seconds)
 
   flops_per_step = size.model.flops_per_token(size.seq_len) * size.tokens_per_step
   timings = {}

@@ -309,6 +309,9 @@ def test_common_target_says_by_how_much_a_figure_missed():
   assert common.verdict(1.82, 1.0) == "MISSED by 82.0%"
   assert common.verdict(1.032, 1.03) == "MISSED by 0.2%"
   assert common.verdict(0.2, 0.25) == "met"
+  short = common.target(0.45, 0.9, at_least=True)  # A throughput or an MFU: at least the limit.
+  assert not short["met"] and short["missed_by"] == pytest.approx(0.5) and short["at_least"]
+  assert common.verdict(0.95, 0.9, at_least=True) == "met"
 
 
 def test_common_header_and_write(tmp_path, capsys):
@@ -337,3 +340,95 @@ def test_step_profile_quick_splits_the_step_s_op_time_by_kind(tmp_path):
   assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0)
   assert record["outside_matmuls_share"] == pytest.approx(1 - kinds["matmul"]["share"])
   assert any("dot_general" in op["source"] for op in record["top_ops"]["matmul"])
+
+
+@pytest.mark.slow  # Five `jax-ai-stack train` children and the step's timings: ~40 s on 2 cores.
+@pytest.mark.cpu_backend
+def test_accelerator_quick_reports_every_section(tmp_path):
+  # Its own process: it sets XLA_FLAGS and the allocator before JAX starts.
+  import subprocess
+
+  out = tmp_path / "accelerator.json"
+  done = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--quick",
+                         "--out", str(out)], capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  record = json.loads(out.read_text())
+  assert record["benchmark"] == "accelerator" and record["device"].startswith("cpu")
+  assert record["jaxlib"] and "jax_plugins" in record and "torch" in record
+  for section in ("kernels", "attention", "model_step", "startup", "determinism", "resume",
+                  "targets"):
+    assert section in record, section
+  assert record["kernels"]["chosen"] in record["kernels"]["fallbacks"]
+  assert record["kernels"]["deterministic"] is True
+  assert record["attention"]["times_ms"]["auto"] > 0
+  step = record["model_step"]
+  assert step["recipe_ms"] > 0 and step["mfu_measured"] > 0 and step["mfu_datasheet"] is None
+  assert record["trainer_step_ms"] > 0
+  assert record["startup"]["cold_first_step_s"] > 0 and record["startup"]["cached"]["cache_hits"] > 0
+  determinism, resume = record["determinism"], record["resume"]
+  assert determinism["identical_runs_bitwise"] is True, determinism
+  assert determinism["steps_compared"] == 40 and determinism["throughput_ratio"] > 0
+  assert resume["resumed_bitwise"] is True and resume["interrupted_exit_code"] == 143, resume
+  assert 10 <= resume["stopped_at_step"] < 40
+  targets = record["targets"]
+  assert targets["two identical runs bitwise"]["met"] and targets["SIGTERM + resume bitwise"]["met"]
+  assert targets["MFU / datasheet peak"] is None  # No datasheet peak for a CPU.
+  assert targets["Trainer step / bare step"]["target"] == 1.05
+  markdown = out.with_suffix(".md").read_text()
+  assert markdown.startswith("cpu") and "| target | SIGTERM + resume bitwise | True |" in markdown
+
+
+def test_accelerator_knows_datasheet_peaks_only_of_named_devices():
+  accelerator = _load("accelerator")
+  assert accelerator.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.0
+  assert accelerator.datasheet_peak("NVIDIA H200") == 989.0
+  assert accelerator.datasheet_peak("NVIDIA A100-SXM4-40GB") == 312.0
+  assert accelerator.datasheet_peak("NVIDIA H100 PCIe") is None  # 756, not 989: unknown.
+  assert accelerator.datasheet_peak("cpu") is None
+
+
+def test_accelerator_steady_step_leaves_out_compile_and_first_save():
+  accelerator = _load("accelerator")
+  # Step 1 (compile) at t=10, step 5 after the first save's copy, then 0.1 s a step.
+  fetches = [[1, 10.0], [5, 12.0], [10, 12.5], [15, 13.0], [20, 13.6]]
+  assert accelerator.steady_step_seconds(fetches) == pytest.approx(0.1)
+  assert accelerator.steady_step_seconds(fetches[:2]) is None
+
+
+def test_accelerator_children_get_no_deterministic_flag_from_the_parent():
+  accelerator = _load("accelerator")
+  environ = {"XLA_FLAGS": "--a=1 --xla_gpu_deterministic_ops=true --b", "HOME": "/h"}
+  assert accelerator.without_deterministic_flag(environ) == {"XLA_FLAGS": "--a=1 --b", "HOME": "/h"}
+
+
+def test_accelerator_bitwise_checks_need_equal_state_and_a_real_interruption():
+  accelerator = _load("accelerator")
+  run = {"losses": [[1, 5.0, 1.0]], "digest": "a", "steady_step_s": 0.1, "first_step_s": 3.0,
+         "exit_code": 0}
+  runs = {"cold": run, "cached": run, "nondeterministic": run}
+  judged = accelerator.judge_runs(runs, {**run, "exit_code": 143, "digest": None}, run, 1)
+  assert judged["determinism"]["identical_runs_bitwise"] and judged["resume"]["resumed_bitwise"]
+  other = accelerator.judge_runs({**runs, "cached": {**run, "digest": "b"}},
+                                 {**run, "exit_code": 0}, run, 1)
+  assert not other["determinism"]["identical_runs_bitwise"]
+  assert other["determinism"]["losses_bitwise"]  # Same losses, another state: not bitwise.
+  assert not other["resume"]["resumed_bitwise"]  # The SIGTERM did not stop the run.
+
+
+def test_attention_compares_torch_only_on_the_device_jax_runs_on(monkeypatch):
+  import types
+
+  attention = _load("attention")
+  no_cuda = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+  with_cuda = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+  assert attention.torch_device(no_cuda, "cpu") == ("cpu", None)
+  assert attention.torch_device(with_cuda, "gpu") == ("cuda", None)
+  device, why = attention.torch_device(no_cuda, "gpu")
+  assert device is None and "no CUDA device" in why
+  device, why = attention.torch_device(with_cuda, "tpu")
+  assert device is None and "does not run on tpu" in why
+  # The timer itself: JAX on a GPU, torch without CUDA: no timer, and why.
+  monkeypatch.setitem(sys.modules, "torch", no_cuda)
+  request = attention.kernels.Request.from_shapes((1, 8, 2, 4), (1, 8, 2, 4), "float32")
+  timer, why = attention.torch_sdpa_timer(request, None, platform="gpu")
+  assert timer is None and "no CUDA device" in why
