@@ -10,6 +10,20 @@ keeps its traceback (exit 1).
 Log records go where `logs` says, for the whole command: the libraries'
 warnings to the workdir's log file (a command names it with
 `args.log_routes.keep_in(...)`), not the console, unless `--verbose`.
+
+Example:
+  >>> args = build_parser().parse_args(["constraints", "--python", "3.12"])
+  >>> args.command, args.python, args.func.__name__
+  ('constraints', '3.12', 'run_constraints')
+  >>> main(["constraints", "--python", "3.12", "--accelerator", "tpu"])  # doctest: +ELLIPSIS
+  # jax-ai-stack ...: tested set py3.12-tpu (Python 3.12, tpu)
+  # Use: pip install -c constraints.txt <your packages>
+  ...
+  jax==...
+  ...
+  0
+  >>> main(["constraints", "--accelerator", "xpu"])  # One line on stderr names the problem.
+  2
 """
 
 from __future__ import annotations

@@ -2,6 +2,24 @@
 
 doctor answers "is what I have installed a set that was tested together?";
 constraints answers "how do I pin that set in my own project?".
+
+Example:
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args = parser.parse_args(["constraints", "--python", "3.12", "--accelerator", "cpu"])
+  >>> args.func(args)  # doctest: +ELLIPSIS
+  # jax-ai-stack ...: tested set py3.12-cpu (Python 3.12, cpu)
+  # Use: pip install -c constraints.txt <your packages>
+  ...
+  numpy==...
+  ...
+  0
+  >>> args = parser.parse_args(["doctor", "--json"])
+  >>> args.func.__name__, args.json, args.strict
+  ('run_doctor', True, False)
+  >>> sorted(jax_backend())
+  ['backend', 'devices']
 """
 
 from __future__ import annotations

@@ -1,4 +1,16 @@
-"""Reading YAML files with errors that name the file and line."""
+"""Reading YAML files with errors that name the file and line.
+
+Example:
+  >>> _ = open("run.yaml", "w").write("model: {num_layers: 2}")
+  >>> read_yaml("run.yaml")
+  {'model': {'num_layers': 2}}
+  >>> _ = open("bad.yaml", "w").write("model: [1, 2")
+  >>> read_yaml("bad.yaml")
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.yamlio.YamlFileError: bad.yaml:1:13: not valid YAML: expected ',' or ']', but
+  got '<stream end>'
+"""
 
 from __future__ import annotations
 

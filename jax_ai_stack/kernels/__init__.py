@@ -26,6 +26,15 @@ Modules, one job each:
   autotune_file    the autotune file, read into a plan
   autotuning       `autotune`: measuring the choice
   cli              `jax-ai-stack kernels`
+
+Example:
+  >>> from jax_ai_stack import kernels
+  >>> request = kernels.Request.from_shapes((1, 16, 2, 8), (1, 16, 2, 8), "float32")
+  >>> choice = kernels.select(request, "cudnn,xla", backend=kernels.Backend("cpu"))
+  >>> choice.name, choice.reasons[0]
+  ('xla', 'cudnn: rejected (runs on gpu, not cpu)')
+  >>> kernels.resolve_plan("xla") == kernels.AttentionPlan(("xla",), "argument implementation")
+  True
 """
 
 from jax_ai_stack.lazy import lazy_attributes

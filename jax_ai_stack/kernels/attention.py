@@ -6,6 +6,18 @@ inside `jit`, `grad` or `remat` costs one lookup per trace and prints nothing),
 then calls it; if the kernel still raises `NotImplementedError`, the next
 eligible one runs. Under a mesh the caller passes an `AttentionSharding`, and a
 kernel XLA cannot partition runs on each device's shard (`sharded`).
+
+Example: the kernel chosen here computes causal softmax attention.
+  >>> import jax, jax.numpy as jnp
+  >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 4, 2, 8))  # [B, T, N, H] each
+  >>> out = attention(q, k, v, causal=True)
+  >>> out.shape, out.dtype
+  ((1, 4, 2, 8), dtype('float32'))
+  >>> logits = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(8.0)
+  >>> logits = jnp.where(jnp.tril(jnp.ones((4, 4), bool)), logits, -jnp.inf)
+  >>> expected = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
+  >>> bool(jnp.allclose(out, expected, atol=1e-5))
+  True
 """
 
 from __future__ import annotations

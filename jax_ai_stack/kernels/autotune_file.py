@@ -12,6 +12,21 @@ Layout:
    "entries": [{"request": Request.to_dict(), "implementation": name,
                 "times_ms": {name: ms}}],
    "tokamax": tokamax AutotuningResult JSON, or null}
+
+Example: a file that pins one request to "xla", read into a plan.
+  >>> from jax_ai_stack.kernels.request import Backend, Request
+  >>> request = Request.from_shapes((1, 128, 4, 64), (1, 128, 4, 64), "float32")
+  >>> path = write(AUTOTUNE_FILENAME, {
+  ...     "format": FORMAT, "platform": "cpu", "device_kind": "cpu", "tokamax": None,
+  ...     "entries": [{"request": request.to_dict(), "implementation": "xla"}]})
+  >>> plan = load_plan(path, backend=Backend("cpu", "cpu"))
+  >>> plan.source, plan.select(request, backend=Backend("cpu", "cpu")).name
+  ('autotune file attention_autotune.json', 'xla')
+  >>> load_plan(path, backend=Backend("gpu", "NVIDIA H100 80GB HBM3"))
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.kernels.autotune_file.AutotuneError: attention_autotune.json: tuned on cpu
+  (cpu), but this is gpu (NVIDIA H100 80GB HBM3); rerun `jax-ai-stack kernels --autotune` here
 """
 
 from __future__ import annotations

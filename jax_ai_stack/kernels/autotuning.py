@@ -14,6 +14,19 @@ Typical use (the trainer):
   plan = resolve_plan(config.attention_impl, autotune_file=path)
   with plan.kernel_configs():
     ...  # trace and run the train step with `plan`
+
+Example: the inputs every candidate is timed on, and one candidate's forward.
+  >>> request = Request.from_shapes((1, 16, 4, 8), (1, 16, 2, 8), "float32", segment_ids=True)
+  >>> q, k, v, ids, lengths = inputs(request)
+  >>> q.shape, k.shape, lengths
+  ((1, 16, 4, 8), (1, 16, 2, 8), None)
+  >>> ids.tolist()
+  [[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]]
+  >>> forward_fn("xla", request)(q, k, v, ids, lengths).shape
+  (1, 16, 4, 8)
+  >>> reason = autotune_unsupported_reason()  # None where `autotune` can run.
+  >>> reason is None or "tokamax" in reason
+  True
 """
 
 from __future__ import annotations

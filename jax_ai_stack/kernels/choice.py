@@ -4,6 +4,28 @@ A `Choice` keeps one `Verdict` per registered implementation, so that the
 chosen kernel, the fallbacks and every rejection with its reason can be shown
 as a table (`report`) or stored as JSON (`to_dict`, e.g. in checkpoint
 metadata).
+
+Example:
+  >>> from jax_ai_stack.kernels.plan import AttentionPlan
+  >>> from jax_ai_stack.kernels.request import Backend, Request
+  >>> request = Request.from_shapes((1, 16, 2, 8), (1, 16, 2, 8), "float32")
+  >>> choice = AttentionPlan(("cudnn", "xla"), "example").select(request, backend=Backend("cpu"))
+  >>> choice.name, choice.fallbacks, choice.deterministic
+  ('xla', (('xla', False),), True)
+  >>> choice.reasons[:2]
+  ('cudnn: rejected (runs on gpu, not cpu)', 'xla: chosen')
+  >>> choice.to_dict()["verdicts"][0]["status"]
+  'rejected'
+  >>> print(choice.report())  # doctest: +ELLIPSIS
+  Attention on cpu: q [1,16,2,8] k/v [1,16,2,8] float32, causal
+  Order tried (example): cudnn, xla
+  (capability checks only: candidates were not traced)
+  <BLANKLINE>
+    implementation       eligible  why not / notes
+    cudnn                no        runs on gpu, not cpu
+  * xla                  yes
+  ...
+  Chosen: xla (deterministic)
 """
 
 from __future__ import annotations

@@ -4,6 +4,25 @@ Prints, for the current backend (or a simulated one with --platform), every
 attention implementation, whether it is eligible for the given shape and
 dtype, why not, and the one chosen. With --autotune, tunes and pins the choice
 in `<workdir>/attention_autotune.json` for training and resume to load.
+
+Example: what would run on a TPU (simulated here) for a small shape.
+  >>> parse_shape("2,128,8,2,64")
+  ((2, 128, 8, 64), (2, 128, 2, 64))
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args = parser.parse_args(
+  ...     ["kernels", "--shape", "1,16,2,2,8", "--platform", "tpu", "--implementation", "xla"])
+  >>> args.func(args)  # doctest: +ELLIPSIS
+  Attention on tpu: q [1,16,2,8] k/v [1,16,2,8] bfloat16, causal
+  Order tried (--implementation): xla
+  (capability checks only: candidates were not traced)
+  <BLANKLINE>
+    implementation       eligible  why not / notes
+  * xla                  yes
+  ...
+  Chosen: xla (...)
+  0
 """
 
 from __future__ import annotations

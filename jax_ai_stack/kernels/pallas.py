@@ -5,6 +5,17 @@ kernels lack GQA (K/V heads are repeated) and some masks (folded into segment
 ids where possible); each raises `NotImplementedError` for what it cannot do.
 With `interpret=True` they run in Pallas interpret mode, which is how the
 tests check them on CPU.
+
+Example: the Triton kernel, interpreted on CPU, against `jax.nn`'s attention.
+  >>> import jax.numpy as jnp
+  >>> from jax_ai_stack.kernels import implementations
+  >>> from jax_ai_stack.kernels.request import Request
+  >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+  >>> request = Request.from_shapes(q.shape, k.shape, q.dtype, causal=True)
+  >>> out = implementations.call(pallas_gpu, request, q, k, v, interpret=True)
+  >>> expected = implementations.call(implementations.jax_nn, request, q, k, v)
+  >>> out.shape, bool(jnp.allclose(out, expected, atol=1e-5))
+  ((1, 8, 2, 4), True)
 """
 
 from __future__ import annotations

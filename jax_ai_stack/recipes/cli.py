@@ -9,6 +9,19 @@
     jax-ai-stack eval --workdir DIR [--quantized SCHEME] [data.* overrides]
 
 Overrides take either form: `model.num_layers=6` or `--model.num_layers 6`.
+
+Example: the config a `train` command line resolves to (nothing is trained).
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args, args.overrides = parser.parse_known_args(
+  ...     ["train", "digits-cnn", "--workdir", "runs/x", "train.steps=20",
+  ...      "--data.batch_size", "16"])
+  >>> config = load_config(args)
+  >>> config.name, config.train.steps, config.data.batch_size, args.workdir
+  ('digits-cnn', 20, 16, 'runs/x')
+  >>> eval_overrides(argparse.Namespace(command="eval", overrides=["--data.batch_size", "4"]))
+  ['data.batch_size=4']
 """
 
 from __future__ import annotations

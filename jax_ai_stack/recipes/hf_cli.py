@@ -18,6 +18,21 @@ Nothing is written when the input is bad: config.json, the tensors' names and
 shapes and the tokenizer are checked before W is created, and W is removed
 again if anything fails later. `export-hf` writes OUT beside itself and
 renames it into place.
+
+Example: the recipe `import-hf` builds from a config.json and the command line.
+  >>> import argparse, json, os
+  >>> from jax_ai_stack.recipes.models import hf
+  >>> os.mkdir("tiny-llama")
+  >>> _ = open("tiny-llama/config.json", "w").write(json.dumps({
+  ...     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+  ...     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args, args.overrides = parser.parse_known_args(
+  ...     ["import-hf", "tiny-llama", "--workdir", "w", "train.steps=10"])
+  >>> config = import_config(args, hf.read_config("tiny-llama"), tokenizer=None)
+  >>> config.name, config.model.num_layers, config.model.d_model, config.train.steps
+  ('hf-tiny-llama', 2, 64, 10)
 """
 
 from __future__ import annotations

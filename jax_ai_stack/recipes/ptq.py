@@ -19,6 +19,8 @@ bits.
 Example:
   >>> report = quantize_run("runs/lm-tiny", "w8")  # doctest: +SKIP
   >>> print(report.table())  # doctest: +SKIP
+  >>> quantized_dir("runs/lm-tiny", "w8")  # Where the quantized parameters go.
+  PosixPath('runs/lm-tiny/quantized/w8')
 """
 
 from __future__ import annotations

@@ -4,6 +4,19 @@ Every source but one is a token corpus (documents -> tokens -> windows or
 packed rows); `digits` is a labelled image set. `DataConfig.is_token_source`
 is the one place that says which, and `require_token_source` the one error
 for asking an image set for tokens.
+
+Example:
+  >>> config = DataConfig(source="text", paths=("corpus/*.txt",), seq_len=64)
+  >>> config.is_token_source, config.holdout_fraction
+  (True, 0.05)
+  >>> digits = DataConfig(source="digits")
+  >>> digits.is_token_source, digits.holdout_fraction
+  (False, 0.2)
+  >>> require_token_source(digits, "vocabulary")
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.errors.ConfigError: data.source='digits' is a labelled image set, not text or
+  tokens: it has no vocabulary; use one of stdlib, text, npy, arrayrecord, parquet
 """
 
 from __future__ import annotations

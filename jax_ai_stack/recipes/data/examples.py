@@ -23,6 +23,20 @@ LM batches are `{"inputs", "targets", "segment_ids", "positions"}` int32
   same document, so `loss_mask == (segment_ids > 0)`; attending only within a
   segment never crosses a document. Trade-off: rows are fixed once (documents
   in corpus order) and only the row order is reshuffled each epoch.
+
+Example: two documents (BOS 256, EOS 257) as windows and packed (PAD 258).
+  >>> corpus = TokenCorpus(np.array([256, 10, 11, 12, 257, 256, 20, 21, 257]),
+  ...                      doc_starts=np.array([0, 5, 9]), description="two documents")
+  >>> windows = LMWindows(corpus, seq_len=4)
+  >>> batch = windows(np.arange(windows.num_examples))
+  >>> batch["inputs"].tolist(), batch["targets"].tolist()
+  ([[256, 10, 11, 12], [257, 256, 20, 21]], [[10, 11, 12, 257], [256, 20, 21, 257]])
+  >>> packed = LMPacked(corpus, seq_len=4, pad_id=258)
+  >>> batch = packed(np.arange(packed.num_examples))
+  >>> batch["inputs"].tolist(), batch["targets"].tolist()
+  ([[256, 10, 11, 12], [256, 20, 21, 258]], [[10, 11, 12, 257], [20, 21, 257, 258]])
+  >>> batch["segment_ids"].tolist(), batch["loss_mask"].tolist()
+  ([[1, 1, 1, 1], [1, 1, 1, 0]], [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
 """
 
 from __future__ import annotations

@@ -35,6 +35,18 @@ single process, and at most 2N shards are in flight, so memory stays bounded.
 `location` is a directory or a TensorStore kvstore URL (`file://`,
 `memory://`, ...). Local files are replaced with `atomic.write_atomically`;
 other kvstores write each key atomically themselves.
+
+Example: two text files tokenized (byte tokenizer: BOS 256, EOS 257) into a cache.
+  >>> _ = open("a.txt", "w").write("abc"), open("b.txt", "w").write("hello")
+  >>> config = DataConfig(source="text", paths=("*.txt",))
+  >>> prepare(config, "cache", progress=False).num_tokens
+  12
+  >>> cache = TokenCache.open("cache", config)
+  >>> cache.doc_offsets().tolist(), cache.read(0, 5).tolist()
+  ([0, 5, 12], [256, 97, 98, 99, 257])
+  >>> corpora = load_cached_corpus(dataclasses.replace(config, cache="cache"))
+  >>> corpora["train"].num_tokens + corpora["validation"].num_tokens
+  12
 """
 
 from __future__ import annotations

@@ -10,6 +10,16 @@ a preset; nothing else changes.
 
 A Task is built from a recipe config (any config dataclass with the fields the
 Task reads); it holds no arrays and no state, so building one is free.
+
+Example: what the trainer asks the language-model Task of the lm-tiny preset.
+  >>> from jax_ai_stack.recipes import config, tasks
+  >>> task = tasks.for_config(config.load("lm-tiny"))
+  >>> isinstance(task, Task), task.throughput_unit, task.items_per_step
+  (True, 'tokens', 1024)
+  >>> task.batch_axes()["inputs"], task.attention_request().describe()
+  (('batch', 'length'), 'q [8,128,4,32] k/v [8,128,2,32] float32, causal, segment_ids')
+  >>> task.evaluation({"eval_loss": 2.0})["eval_perplexity"]
+  7.38905609893065
 """
 
 from __future__ import annotations
