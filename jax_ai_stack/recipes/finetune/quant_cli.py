@@ -14,7 +14,7 @@ import sys
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, too_small_hint
-from jax_ai_stack.recipes.quant_config import SCHEMES, describe_schemes
+from jax_ai_stack.recipes.finetune.quant_config import SCHEMES, describe_schemes
 
 _EPILOG = f"""\
 Schemes: {describe_schemes()}.
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes import ptq, quant_config
+  from jax_ai_stack.recipes.finetune import ptq, quant_config
 
   if args.scheme is not None:
     quant_config.check_scheme(args.scheme)  # Before jax and the libraries load.

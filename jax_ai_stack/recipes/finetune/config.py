@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 
 from jax_ai_stack.recipes.configlib import config_dataclass
-from jax_ai_stack.recipes.quant_config import check_scheme
+from jax_ai_stack.recipes.finetune.quant_config import check_scheme
 
 WEIGHT_ONLY = ("w8", "w4")
-"""The schemes of `recipes.quant` that quantize weights only: what a QLoRA base may use."""
+"""The schemes of `finetune.quant` that quantize weights only: what a QLoRA base may use."""
 
 DEFAULT_MODULES = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 """The attention and MLP projections of the Llama model."""
@@ -36,7 +36,7 @@ class LoraConfig:
   """Layers that get adapters: a regex matching a module's whole path ('layers/0/mlp/up_proj')
   or its last name ('up_proj'); the default is every attention and MLP projection."""
   quantize_base: str | None = None
-  """QLoRA: quantize the frozen base with this scheme of `recipes.quant` (e.g. w8, w4); None: float."""
+  """QLoRA: quantize the frozen base with this scheme of `finetune.quant` (w8 or w4); None: float."""
 
   def __post_init__(self):
     if self.rank < 1:
