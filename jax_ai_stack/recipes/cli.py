@@ -286,9 +286,10 @@ def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   try:
     if not getattr(args, "quantized", None):
       return Trainer.open_finished(args.workdir, validation=validation, overrides=overrides)
-    from jax_ai_stack.recipes.finetune import ptq, quant_config
+    from jax_ai_stack.recipes.finetune import ptq
+    from jax_ai_stack.recipes.finetune.config import check_scheme
 
-    quant_config.check_scheme(args.quantized)
+    check_scheme(args.quantized)
     return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
                               method=method, overrides=overrides)
   except DataError as e:

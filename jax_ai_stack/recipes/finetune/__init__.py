@@ -6,7 +6,7 @@ section trains through Qwix's fake quantization (QAT); `jax-ai-stack quantize`
 converts a finished run (PTQ).
 
 Modules:
-  config      `FinetuneConfig`, `LoraConfig`, `QuantConfig` and the scheme names (no jax)
+  config      the `finetune` and `quant` sections and the scheme names (no jax)
   quant       Qwix rules of each scheme for the recipe models; `qat` and `ptq` of a model
   lora        adapters on a frozen base, their checkpoints, `merge`
   ptq         quantize a finished run, compare it with float, save it, serve it
@@ -23,14 +23,14 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config", "lora", "lora_cli", "ptq", "quant", "quant_cli", "quant_config")
+_SUBMODULES = ("config", "lora", "lora_cli", "ptq", "quant", "quant_cli")
 _EXPORTS = {
     "FinetuneConfig": "config",
     "LoraConfig": "config",
-    "QuantConfig": "quant_config",
-    "SCHEMES": "quant_config",
-    "SchemeError": "quant_config",
-    "check_scheme": "quant_config",
+    "QuantConfig": "config",
+    "SCHEMES": "config",
+    "SchemeError": "config",
+    "check_scheme": "config",
     "BaseCheckpointError": "lora",
     "Finetune": "lora",
     "merged_model": "lora",
