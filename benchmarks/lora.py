@@ -40,8 +40,9 @@ from flax import nnx
 
 import common
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
-from jax_ai_stack.recipes import lora, optim, step
-from jax_ai_stack.recipes.finetune_config import LoraConfig
+from jax_ai_stack.recipes import optim, step
+from jax_ai_stack.recipes.finetune import lora
+from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 

@@ -4,7 +4,7 @@ In one process, from the same Llama and on the same batch, it runs the jitted
 forward pass (logits and next-token loss) of
 
   float   the model as built (or as trained, with --workdir)
-  w8      int8 weights (`recipes.quant.ptq(model, "w8", ...)`)
+  w8      int8 weights (`recipes.finetune.quant.ptq(model, "w8", ...)`)
   w8a8    int8 weights and activations
   w4      int4 MLP weights, int8 elsewhere
 
@@ -42,7 +42,7 @@ from flax import nnx
 
 import common
 from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
-from jax_ai_stack.recipes import quant
+from jax_ai_stack.recipes.finetune import quant
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 

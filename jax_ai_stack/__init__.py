@@ -8,7 +8,10 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("cli", "compat", "errors", "kernels", "recipes")
+_SUBMODULES = (
+    "absl_flags", "atomic", "cli", "compat", "determinism", "doctor", "errors", "kernels", "lazy",
+    "logs", "recipes", "yamlio",
+)
 __all__ = ["__version__", *_SUBMODULES]
 
 

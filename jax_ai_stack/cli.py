@@ -47,8 +47,8 @@ _COMMAND_MODULES = (
     "jax_ai_stack.recipes.cli",
     "jax_ai_stack.recipes.hf_cli",
     "jax_ai_stack.recipes.data.cli",
-    "jax_ai_stack.recipes.lora_cli",
-    "jax_ai_stack.recipes.quant_cli",
+    "jax_ai_stack.recipes.finetune.lora_cli",
+    "jax_ai_stack.recipes.finetune.quant_cli",
     "jax_ai_stack.kernels.cli",
 )
 

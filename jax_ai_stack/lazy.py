@@ -14,12 +14,14 @@ Example:
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
 def lazy_attributes(
-    package: str, submodules: Iterable[str], exports: Mapping[str, str] | None = None
+    package: str, submodules: Iterable[str], exports: Mapping[str, str] | None = None,
+    moved: Mapping[str, str] | None = None,
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
   """`__getattr__` and `__dir__` for `package`.
 
@@ -27,14 +29,22 @@ def lazy_attributes(
     package: the package's `__name__`.
     submodules: names that import `package.<name>`.
     exports: name -> the submodule that defines it.
+    moved: old name -> the dotted path, below `package`, of the submodule that
+      took its place. The old name still loads that module, with a
+      `DeprecationWarning` naming the new path; `__dir__` leaves it out.
   """
-  submodules, exports = frozenset(submodules), dict(exports or {})
+  submodules, exports, moved = frozenset(submodules), dict(exports or {}), dict(moved or {})
 
   def __getattr__(name: str) -> Any:
     if name in submodules:
       return importlib.import_module(f"{package}.{name}")
     if name in exports:
       return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+    if name in moved:
+      new = f"{package}.{moved[name]}"
+      warnings.warn(f"{package}.{name} moved to {new}; import it from there",
+                    DeprecationWarning, stacklevel=2)
+      return importlib.import_module(new)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
   def __dir__() -> list[str]:

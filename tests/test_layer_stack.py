@@ -14,8 +14,9 @@ from flax import nnx
 
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import checkpoint, lora, quant, sharding, train
-from jax_ai_stack.recipes.finetune_config import LoraConfig
+from jax_ai_stack.recipes import checkpoint, sharding, train
+from jax_ai_stack.recipes.finetune import lora, quant
+from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models import hf, layer_stack
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
 from jax_ai_stack.recipes.sharding_config import MeshConfig

@@ -20,3 +20,11 @@ def test_an_unknown_name_is_an_attribute_error_naming_the_package():
   getattr_, _ = lazy_attributes("email", ["quoprimime"])
   with pytest.raises(AttributeError, match="module 'email' has no attribute 'nope'"):
     getattr_("nope")
+
+
+def test_a_moved_name_loads_its_new_module_with_a_deprecation_warning():
+  getattr_, dir_ = lazy_attributes("email", ["charset"], moved={"qp": "quoprimime"})
+  with pytest.warns(DeprecationWarning, match="email.qp moved to email.quoprimime"):
+    module = getattr_("qp")
+  assert module.__name__ == "email.quoprimime"
+  assert dir_() == ["charset"]

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack import cli
-from jax_ai_stack.recipes import checkpoint, config, lora, train
+from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes.finetune import lora
 
 from multidevice import run_on_devices
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step

@@ -1,6 +1,7 @@
-"""The package's lazy namespaces: every advertised submodule loads on first use."""
+"""The package's lazy namespaces: every submodule is reachable from its parent, on first use."""
 
 import importlib
+import json
 import subprocess
 import sys
 
@@ -32,3 +33,69 @@ def test_kernels_attention_is_the_function_even_after_its_module_loads():
           "print(type(kernels.attention).__name__, type(kernels.Request).__name__)")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert result.stdout.split() == ["function", "type"]
+
+
+HEAVY_MODULES = ("jax", "jaxlib", "flax", "optax", "grain", "orbax", "tensorstore", "tokamax",
+                 "qwix")
+
+# In a fresh process: import each package of jax_ai_stack top-down, noting what
+# its own `__init__` defined before any of its children loaded (a child import
+# sets the child as an attribute of its parent, which would hide a missing lazy
+# name); then ask each package for every public module that `pkgutil` finds in it.
+_WALK = """
+import importlib, json, pkgutil, sys
+
+packages, found = {}, []
+def walk(name):
+  package = importlib.import_module(name)
+  packages[name] = (package, set(vars(package)), set(dir(package)))
+  for info in pkgutil.iter_modules(package.__path__):
+    if not info.name.startswith("_"):
+      found.append((name, info.name))
+      if info.ispkg:
+        walk(f"{name}.{info.name}")
+walk("jax_ai_stack")
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(%r))
+
+unreachable = []
+for parent, child in found:
+  package, eager, listed = packages[parent]
+  module = importlib.import_module(f"{parent}.{child}")
+  try:
+    value = getattr(package, child) if child in eager else package.__getattr__(child)
+  except AttributeError:
+    value = None
+  # `kernels.attention` is the function that its module of the same name defines.
+  if child not in listed or (value is not module and getattr(value, "__module__", None)
+                             != module.__name__):
+    unreachable.append(f"{parent}.{child}")
+print(json.dumps({"heavy": heavy, "modules": len(found), "unreachable": unreachable}))
+""" % (HEAVY_MODULES,)
+
+
+def test_every_public_module_is_an_attribute_of_its_package_and_packages_import_cheaply():
+  """`recipes.finetune.lora`, `kernels.table`, ...: each module that `pkgutil` finds
+  in a package (a name without a leading underscore) is in the package's `dir()`
+  and loads when asked for as an attribute, with no `import` of its own; and
+  importing the packages themselves loads no jax or other heavy library."""
+  result = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True,
+                          check=True)
+  walk = json.loads(result.stdout.splitlines()[-1])
+  assert walk["heavy"] == [], f"importing the packages imported {walk['heavy']}"
+  assert walk["modules"] > 50
+  assert walk["unreachable"] == [], "not attributes of their package: add them to _SUBMODULES"
+
+
+def test_import_recipes_imports_no_heavy_library():
+  code = ("import sys\nimport jax_ai_stack.recipes\nfrom jax_ai_stack.recipes import finetune\n"
+          "print(' '.join({name.split('.')[0] for name in sys.modules}))")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  imported = set(result.stdout.split()) & set(HEAVY_MODULES)
+  assert not imported, f"import jax_ai_stack.recipes imported {sorted(imported)}"
+
+
+def test_a_moved_module_still_loads_from_its_old_name_with_a_warning():
+  with pytest.warns(DeprecationWarning, match="moved to jax_ai_stack.recipes.finetune.lora"):
+    from jax_ai_stack.recipes import lora
+  assert lora is importlib.import_module("jax_ai_stack.recipes.finetune.lora")
+  assert "lora" not in dir(recipes)

@@ -15,7 +15,8 @@ from flax import nnx, traverse_util
 
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import checkpoint, config, ptq, quant, train
+from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes.finetune import ptq, quant
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
 from jax_ai_stack.recipes.models.llama import Llama
 

@@ -2,14 +2,19 @@
 `optax.GradientTransformation`, a Grain dataset, an Orbax `CheckpointManager`).
 
 Submodules load on first use, so `from jax_ai_stack import recipes` stays cheap.
+Fine-tuning and quantization (LoRA, QLoRA, QAT, PTQ) live in `finetune`.
 """
 
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = (
-    "checkpoint", "checkpoint_config", "cli", "config", "configlib", "data", "distributed",
-    "memory", "metrics", "models", "optim", "optim_config", "sharding", "sharding_config",
-    "step", "tasks", "train",
+    "checkpoint", "checkpoint_config", "cli", "compile_cache", "config", "configlib", "data",
+    "distributed", "finetune", "hf_cli", "memory", "metrics", "models", "optim", "optim_config",
+    "sharding", "sharding_config", "step", "tasks", "train",
 )
+# Top-level modules until fine-tuning became a package (0.1.x): notebooks written
+# then (`from jax_ai_stack.recipes import lora`) still run, with a DeprecationWarning.
+# Remove at 0.2.
+_MOVED = {"lora": "finetune.lora", "ptq": "finetune.ptq", "quant": "finetune.quant"}
 __all__ = list(_SUBMODULES)
-__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, moved=_MOVED)

@@ -234,6 +234,7 @@ def run_generate(args: argparse.Namespace) -> int:
     raise UsageError(f"--top-p must be in (0, 1]; got {args.top_p}")
   if args.top_k is not None and args.top_k < 1:
     raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
+  _check_quantized(args)
   seed, seeded = args.seed, ""
   if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
     seed = secrets.randbelow(2**31)
@@ -277,6 +278,7 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+  _check_quantized(args)
   print(f"evaluating {args.workdir} ...", file=sys.stderr, flush=True)  # Before the imports.
   from jax_ai_stack.recipes import compile_cache
 
@@ -291,6 +293,14 @@ def run_eval(args: argparse.Namespace) -> int:
   return 0
 
 
+def _check_quantized(args: argparse.Namespace) -> None:
+  """A `--quantized` that names no scheme stops before anything is printed or loaded."""
+  if getattr(args, "quantized", None):
+    from jax_ai_stack.recipes.finetune.config import check_scheme
+
+    check_scheme(args.quantized)
+
+
 def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   """The trained run, or with --quantized its quantized parameters (`ptq.open_quantized`)."""
   from jax_ai_stack.recipes.train import Trainer
@@ -299,9 +309,8 @@ def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   try:
     if not getattr(args, "quantized", None):
       return Trainer.open_finished(args.workdir, validation=validation, overrides=overrides)
-    from jax_ai_stack.recipes import ptq, quant_config
+    from jax_ai_stack.recipes.finetune import ptq
 
-    quant_config.check_scheme(args.quantized)
     return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
                               method=method, overrides=overrides)
   except DataError as e:

@@ -27,9 +27,8 @@ from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
 from jax_ai_stack.recipes.compile_cache import Setting as CompileCacheSetting
 from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
 from jax_ai_stack.recipes.data.config import DataConfig
-from jax_ai_stack.recipes.finetune_config import FinetuneConfig
+from jax_ai_stack.recipes.finetune.config import FinetuneConfig, QuantConfig
 from jax_ai_stack.recipes.optim_config import OptimConfig
-from jax_ai_stack.recipes.quant_config import QuantConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 from jax_ai_stack.recipes.tasks import families
 

@@ -51,8 +51,8 @@ from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.errors import ConfigError, DataError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, configlib, distributed, optim,
                                   sharding, step, tasks)
-from jax_ai_stack.recipes import lora, quant
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
+from jax_ai_stack.recipes.finetune import lora, quant
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 

@@ -1,26 +1,71 @@
-"""`FinetuneConfig`: the `finetune` section of a recipe (start from a trained run).
+"""The `finetune` and `quant` sections of a recipe, and the names of the quantization schemes.
 
-Kept out of `lora` (which imports jax, flax and qwix) so that a recipe config
-loads and prints without them.
+Kept out of `lora`, `quant` and `ptq` (which import jax, Flax and Qwix) so
+that a recipe config loads and prints without them, and so that any module
+can check a scheme name cheaply; `quant` re-exports the scheme names.
 
 `finetune.base` alone fine-tunes every parameter from the base run's weights;
 with `finetune.lora` only low-rank adapters train (Qwix LoRA) and the base
-stays frozen, optionally quantized (QLoRA).
+stays frozen, optionally quantized (QLoRA). `quant.qat` trains through the
+fake quantization of a scheme (QAT).
 
 Example:
   >>> FinetuneConfig(base="runs/lm-tiny", lora=LoraConfig(rank=4)).lora.alpha
   8.0
+  >>> QuantConfig(qat="w8a8").qat
+  'w8a8'
+  >>> try:
+  ...   check_scheme("int3")
+  ... except SchemeError as e:
+  ...   print(str(e)[:60])
+  unknown quantization scheme 'int3'; schemes: w8 (int8 weight
 """
 
 from __future__ import annotations
 
 import re
 
+from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
-from jax_ai_stack.recipes.quant_config import check_scheme
+
+SCHEMES: dict[str, str] = {
+    "w8": "int8 weights",
+    "w8a8": "int8 weights and activations",
+    "w4": "int4 MLP weights, int8 elsewhere",
+}
+"""Every quantization scheme, by name, with what it quantizes (`quant.rules` builds them)."""
+
+
+class SchemeError(ConfigError):
+  """A quantization scheme name that is not in `SCHEMES`; the message lists them."""
+
+
+def describe_schemes() -> str:
+  return ", ".join(f"{name} ({what})" for name, what in SCHEMES.items())
+
+
+def check_scheme(name: str) -> str:
+  """`name` if it is a scheme; else `SchemeError` listing the schemes."""
+  if name not in SCHEMES:
+    raise SchemeError(f"unknown quantization scheme {name!r}; schemes: {describe_schemes()}")
+  return name
+
+
+@config_dataclass
+class QuantConfig:
+  """Quantization-aware training (the `quant` section)."""
+
+  qat: str | None = None
+  """Train through Qwix's fake quantization for this scheme (w8, w8a8, w4), so that
+  `jax-ai-stack quantize` loses less; None: train in float."""
+
+  def __post_init__(self):
+    if self.qat is not None:
+      check_scheme(self.qat)
+
 
 WEIGHT_ONLY = ("w8", "w4")
-"""The schemes of `recipes.quant` that quantize weights only: what a QLoRA base may use."""
+"""The schemes of `finetune.quant` that quantize weights only: what a QLoRA base may use."""
 
 DEFAULT_MODULES = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 """The attention and MLP projections of the Llama model."""
@@ -36,7 +81,7 @@ class LoraConfig:
   """Layers that get adapters: a regex matching a module's whole path ('layers/0/mlp/up_proj')
   or its last name ('up_proj'); the default is every attention and MLP projection."""
   quantize_base: str | None = None
-  """QLoRA: quantize the frozen base with this scheme of `recipes.quant` (e.g. w8, w4); None: float."""
+  """QLoRA: quantize the frozen base with this scheme of `finetune.quant` (w8 or w4); None: float."""
 
   def __post_init__(self):
     if self.rank < 1:

@@ -6,7 +6,7 @@ from its weights and trains everything (a fresh optimizer). With it, Qwix's
 (A [in, r], B [r, out], B zero at first, so step 0 is the base model), and only
 they train: the optimizer is built `wrt=nnx.LoRAParam` and the gradient is
 taken of them alone. The base stays frozen, float or (QLoRA) quantized by a
-scheme of `recipes.quant`.
+scheme of `finetune.quant`.
 
 Checkpoints of a LoRA run hold what changes (adapters, optimizer state, data
 position) and, in the metadata, a pointer to the base: its checkpoint
@@ -39,7 +39,7 @@ from flax import nnx
 
 from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import checkpoint, tasks
-from jax_ai_stack.recipes.finetune_config import FinetuneConfig, LoraConfig
+from jax_ai_stack.recipes.finetune.config import FinetuneConfig, LoraConfig
 
 __all__ = ["BaseCheckpointError", "Finetune", "FinetuneConfig", "LoraConfig", "merged_model"]
 
@@ -65,7 +65,7 @@ def resolve_base(base: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
 
 
 def lora_rules(config: LoraConfig, model_kind: str) -> list:
-  """Qwix rules: adapters on `config.modules`; for QLoRA also `recipes.quant`'s weight scheme.
+  """Qwix rules: adapters on `config.modules`; for QLoRA also `finetune.quant`'s weight scheme.
 
   QLoRA's rules, in Qwix's order of precedence: adapters over each quantized
   layer that `modules` names, the scheme's quantization alone on its other
@@ -77,7 +77,7 @@ def lora_rules(config: LoraConfig, model_kind: str) -> list:
   adapters = dict(rank=config.rank, alpha=config.alpha)
   if config.quantize_base is None:
     return [qwix.LoraRule(module_path=adapted, **adapters)]
-  from jax_ai_stack.recipes import quant
+  from jax_ai_stack.recipes.finetune import quant
 
   scheme = quant.rules(config.quantize_base, model_kind)  # Weight-only (LoraConfig checks).
   both = [qwix.LoraRule(module_path=f"(?={adapted}$)(?:{rule.module_path})",

@@ -14,7 +14,7 @@ import sys
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, too_small_hint
-from jax_ai_stack.recipes.quant_config import SCHEMES, describe_schemes
+from jax_ai_stack.recipes.finetune.config import SCHEMES, check_scheme, describe_schemes
 
 _EPILOG = f"""\
 Schemes: {describe_schemes()}.
@@ -46,12 +46,12 @@ def register(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-  from jax_ai_stack.recipes import ptq, quant_config
-
   if args.scheme is not None:
-    quant_config.check_scheme(args.scheme)  # Before jax and the libraries load.
+    check_scheme(args.scheme)  # Before jax and the libraries load.
   overrides = eval_overrides(args)
   print(f"quantizing {args.workdir} ...", file=sys.stderr, flush=True)  # Before jax loads.
+  from jax_ai_stack.recipes.finetune import ptq
+
   try:
     report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides)
   except DataError as e:

@@ -36,7 +36,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jax_ai_stack.errors import UsageError, WorkdirError
-from jax_ai_stack.recipes import checkpoint, quant
+from jax_ai_stack.recipes import checkpoint
+from jax_ai_stack.recipes.finetune import quant
 from jax_ai_stack.recipes.train import Trainer, prepare_workdir
 
 QUANTIZED_DIR = "quantized"

@@ -37,7 +37,7 @@ def _missing_action(args: argparse.Namespace) -> int:
 
 def run_merge(args: argparse.Namespace) -> int:
   print(f"merging the adapters of {args.workdir} ...", file=sys.stderr, flush=True)
-  from jax_ai_stack.recipes import lora
+  from jax_ai_stack.recipes.finetune import lora
 
   out = lora.merge(args.workdir, args.out)
   print(f"merged weights written to {out} (eval: jax-ai-stack eval --workdir {out})")

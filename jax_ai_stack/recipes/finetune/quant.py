@@ -41,7 +41,7 @@ from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import tasks
-from jax_ai_stack.recipes.quant_config import (
+from jax_ai_stack.recipes.finetune.config import (
     SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
 
 __all__ = [
