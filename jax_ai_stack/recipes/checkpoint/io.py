@@ -19,7 +19,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jax_ai_stack.errors import CheckpointMismatchError
 from jax_ai_stack.recipes.checkpoint.manager import Manager, _empty_trash
@@ -166,14 +166,10 @@ def _read_target(manager, step: int, abstract_state: nnx.State, *, subset: bool 
 
 def _nested(tree: Any) -> dict:
   """A checkpoint's metadata tree as nested dicts with string keys (leaves: None)."""
-  out: dict = {}
-  for path, _ in jax.tree_util.tree_leaves_with_path(tree):
-    keys = jax.tree_util.keystr(path, simple=True, separator="/").split("/")
-    node = out
-    for key in keys[:-1]:
-      node = node.setdefault(key, {})
-    node[keys[-1]] = None
-  return out
+  return traverse_util.unflatten_dict({
+      jax.tree_util.keystr(path, simple=True, separator="/"): None
+      for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+  }, sep="/")
 
 
 def _to_target_layout(items: dict, abstract_state: nnx.State) -> dict:
