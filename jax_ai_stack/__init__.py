@@ -4,7 +4,7 @@ Importing this package is cheap: JAX and the libraries load only when a
 subpackage (``compat``, ``recipes``, ``kernels``) is first touched.
 """
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -13,13 +13,8 @@ _SUBMODULES = (
     "logs", "recipes", "yamlio",
 )
 __all__ = ["__version__", *_SUBMODULES]
+__getattr__ = lazy_attributes(__name__, _SUBMODULES)[0]
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
+def __dir__():  # Also __version__, which is no lazy attribute.
   return sorted(__all__)

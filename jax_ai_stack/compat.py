@@ -19,9 +19,12 @@ import dataclasses
 import importlib.metadata
 import importlib.resources
 import pathlib
-import re
 import sys
 from typing import Literal
+
+from packaging.specifiers import InvalidSpecifier, Specifier
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from jax_ai_stack import yamlio
 
@@ -86,15 +89,16 @@ class PackageStatus:
   def status(self) -> Status:
     if self.installed is None:
       return "absent" if self.optional else "missing"
-    installed = self.installed
-    if "+" not in self.pinned:  # PEP 440: ==2.13.0 accepts the local build 2.13.0+cpu.
-      installed = installed.split("+")[0]
-    return "ok" if installed == self.pinned else "different"
+    try:  # PEP 440's ==, as pip reads the pin: 2.13.0 accepts the local build 2.13.0+cpu.
+      same = Specifier(f"=={self.pinned}").contains(self.installed, prereleases=True)
+    except (InvalidSpecifier, InvalidVersion):  # Not PEP 440: only the very same string.
+      same = self.installed == self.pinned
+    return "ok" if same else "different"
 
 
 def canonical_name(name: str) -> str:
   """PEP 503 normalised project name (`Orbax_Checkpoint` -> `orbax-checkpoint`)."""
-  return re.sub(r"[-_.]+", "-", name).lower()
+  return canonicalize_name(name)
 
 
 def default_matrix_path() -> pathlib.Path:
@@ -144,7 +148,7 @@ def _parse_row(path: pathlib.Path, index: int, raw: object) -> Row:
     raise MatrixError(f"{where}: 'packages' must map package names to versions")
   packages = {}
   for name, version in raw["packages"].items():
-    if not isinstance(version, str) or not re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version):
+    if not isinstance(version, str) or not _is_version(version):
       raise MatrixError(
           f"{where}: package {name!r} needs an exact version as a quoted string, got {version!r}"
       )
@@ -160,6 +164,15 @@ def _parse_row(path: pathlib.Path, index: int, raw: object) -> Row:
       reason=str(raw.get("reason", "")),
       limitations=tuple(raw.get("limitations") or ()),
   )
+
+
+def _is_version(text: str) -> bool:
+  """A PEP 440 version, as `name==text` needs: no wildcard, no range."""
+  try:
+    Version(text)
+  except InvalidVersion:
+    return False
+  return True
 
 
 def running_python() -> str:

@@ -105,6 +105,8 @@ def test_constraints_pin_every_package(matrix):
          "accelerator 'gpu'"),
         ("rows:\n  - {name: a, python: '3.11', accelerator: cpu, ci: true, packages: {jax: 0.1}}\n",
          "package 'jax' needs an exact version"),
+        ("rows:\n  - {name: a, python: '3.11', accelerator: cpu, ci: true, packages: {jax: '0.4.*'}}\n",
+         "package 'jax' needs an exact version"),
         ("rows:\n  - {name: a, python: '3.11', accelerator: cpu, ci: false, packages: {jax: '1'}}\n",
          "must say why"),
         ("rows:\n  - {name: a, python: '3.11', packages: {jax: '1'}}\n", "missing field"),
@@ -140,6 +142,13 @@ def test_a_local_build_matches_a_pin_without_a_local_label():
   assert status("2.13.0", "2.13.0+cpu") == "ok"  # What pip's ==2.13.0 accepts too.
   assert status("2.13.0+cpu", "2.13.0") == "different"
   assert status("2.13.0", "2.13.1+cpu") == "different"
+  assert status("2.13", "2.13.0") == "ok" and status("1.0rc1", "1.0.0rc1") == "ok"  # As pip reads ==.
+  assert status("1.0", "1.0rc1") == "different" and status("not-pep440", "not-pep440") == "ok"
+
+
+def test_names_are_pep_503_normalised():
+  assert compat.canonical_name("Orbax_Checkpoint") == "orbax-checkpoint"
+  assert compat.canonical_name("jax.CUDA12__plugin") == "jax-cuda12-plugin"
 
 
 def test_torch_is_only_in_the_bench_extra_of_the_benchmark_row(matrix):

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes.checkpoint import io as checkpoint_io
 from jax_ai_stack.recipes.finetune import lora
 
 from multidevice import run_on_devices
@@ -59,7 +60,7 @@ def checkpoint_paths(workdir) -> list[str]:
   manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR,
                                      checkpoint.CheckpointConfig(), read_only=True)
   try:
-    return list(checkpoint._shapes_by_path(manager.item_metadata(manager.latest_step())["state"]))
+    return list(checkpoint_io._shapes_by_path(manager.item_metadata(manager.latest_step())["state"]))
   finally:
     manager.close()
 

@@ -123,8 +123,11 @@ def test_sizes_parse_and_print():
   assert memory.parse_bytes("16GiB") == 16 * 2**30
   assert memory.parse_bytes("80GB") == 80 * 10**9 and memory.parse_bytes("512 MiB") == 2**29
   assert memory.parse_bytes("1024") == 1024
-  with pytest.raises(UsageError, match="not a size"):
-    memory.parse_bytes("lots")
+  assert memory.parse_bytes("16Gi") == memory.parse_bytes(" 16 gib ") == 16 * 2**30
+  assert memory.parse_bytes("1.5k") == 1500 and memory.parse_bytes("0.5KiB") == 512
+  for text in ["lots", "1,5GB", "16GB!", "-5", "1e3", "1PB", "9" * 400]:  # pydantic alone takes some.
+    with pytest.raises(UsageError, match=r"--device-memory .* is not a size"):
+      memory.parse_bytes(text)
   assert memory.format_bytes(3 * 2**29) == "1.50 GiB" and memory.format_bytes(12) == "12 B"
 
 

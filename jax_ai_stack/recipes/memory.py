@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import pydantic
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
@@ -55,8 +56,10 @@ from jax_ai_stack import kernels
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import optim, sharding, step, tasks
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+"""What `parse_bytes` accepts: stricter than `pydantic.ByteSize` alone, which reads
+"1,5GB" as 1 byte and ignores what follows a unit ("16GB!")."""
+_BYTE_SIZE = pydantic.TypeAdapter(pydantic.ByteSize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +274,13 @@ def parse_bytes(text: str) -> int:
   Raises:
     UsageError: not a size.
   """
-  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
-  if not match:
-    raise UsageError(f"--device-memory {text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB")
-  return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+  match = _SIZE.fullmatch(text)
+  try:
+    if match:  # "16Gi" too, which ByteSize reads only as "16GiB".
+      return int(_BYTE_SIZE.validate_python(f"{match[1]}{match[2] or ''}B"))
+  except pydantic.ValidationError:  # Too large for a float.
+    pass
+  raise UsageError(f"--device-memory {text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB")
 
 
 def format_bytes(n: int) -> str:

@@ -178,7 +178,7 @@ def _manager(directory: pathlib.Path, *, read_only: bool = False) -> ocp.Checkpo
   else:
     options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True, cleanup_tmp_directories=True,
                                            enable_async_checkpointing=False)
-  with checkpoint._without_absl_warning("Given directory is read only"):  # noqa: SLF001
+  with checkpoint.manager._without_absl_warning("Given directory is read only"):  # noqa: SLF001
     return ocp.CheckpointManager(directory.absolute(), options=options)
 
 

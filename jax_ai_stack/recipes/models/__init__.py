@@ -9,7 +9,7 @@ the unrolled and the scanned (`scan_layers`) layouts.
 
 from __future__ import annotations
 
-import importlib
+from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("llama", "cnn", "configs", "hf", "layer_stack")
 _EXPORTS = {
@@ -41,14 +41,8 @@ def eager_sharding_scope():
   return nnx.use_eager_sharding(nnx.using_eager_sharding() and mesh_active)
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
-  if name in _EXPORTS:
-    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-    return getattr(module, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)[0]
 
 
-def __dir__():
+def __dir__():  # Also eager_sharding_scope, which is no lazy attribute.
   return sorted(__all__)

@@ -50,7 +50,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jax_ai_stack import atomic
 from jax_ai_stack.errors import ConfigError, MissingExtraError, ModelFileError, UsageError
@@ -316,15 +316,8 @@ def _model_shapes(config: LlamaConfig) -> dict[tuple, tuple[int, ...]]:
   from jax_ai_stack.recipes.models.llama import Llama
 
   model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  return {path: tuple(leaf.shape) for path, leaf in _flat(nnx.to_pure_dict(nnx.state(model)))}
-
-
-def _flat(tree: Mapping, prefix: tuple = ()):
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      yield from _flat(value, (*prefix, key))
-    else:
-      yield (*prefix, key), value
+  flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model)))
+  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
 # ---- reading ----------------------------------------------------------------------
@@ -424,7 +417,7 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
   """
   st = _safetensors()
   stored = check_weights(directory, config)
-  leaves = dict(_flat(nnx.to_pure_dict(target)))
+  leaves = traverse_util.flatten_dict(nnx.to_pure_dict(target))
   needed = tensors(config)
   if set(leaves) != {t.path for t in needed}:
     raise ValueError(f"target is not the parameter state of Llama(config): {sorted(leaves)}")
@@ -449,7 +442,7 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
       del array  # One tensor on the host at a time.
       progress.update(math.prod(entry.shape) * _itemsize(entry.dtype))
   filled = jax.tree.map(lambda x: x, target)
-  nnx.replace_by_pure_dict(filled, _nest(values))
+  nnx.replace_by_pure_dict(filled, traverse_util.unflatten_dict(values))
   return filled
 
 
@@ -461,16 +454,6 @@ def _place(array: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arr
 
 def _itemsize(dtype: str) -> int:
   return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
-
-
-def _nest(flat: Mapping[tuple, Any]) -> dict:
-  out: dict = {}
-  for path, value in flat.items():
-    node = out
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return out
 
 
 def load_model(directory: str | os.PathLike, **overrides: Any):
@@ -516,7 +499,7 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
   if out.exists() and not (out.is_dir() and not any(out.iterdir())):
     raise UsageError(f"{out} already exists and is not an empty directory; choose a new one")
   config = model.config
-  params = dict(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   shards = _plan_shards(tensors(config), params, max_shard_bytes)
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +42,7 @@ class Family:
 
   def task_class(self) -> type[Task]:
     """The family's `Task` subclass (imports its module: jax, flax, ...)."""
-    module, _, name = self.task.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return pkgutil.resolve_name(self.task)
 
 
 def _check_language_model(config: Any) -> None:
