@@ -14,13 +14,7 @@ MODULES = sorted(
     info.name for info in pkgutil.walk_packages(jax_ai_stack.__path__, "jax_ai_stack.")
 )
 
-_MOVING = "moving to recipes/finetune in #25; examples added there"
-NO_EXAMPLE = {
-    "jax_ai_stack.recipes": _MOVING,
-    "jax_ai_stack.recipes.models": _MOVING,
-    "jax_ai_stack.recipes.lora_cli": _MOVING,
-    "jax_ai_stack.recipes.quant_cli": _MOVING,
-}
+NO_EXAMPLE: dict[str, str] = {}
 """Modules allowed to have no example, each with the reason; keep it short."""
 
 

@@ -3,6 +3,11 @@
 
 Submodules load on first use, so `from jax_ai_stack import recipes` stays cheap.
 Fine-tuning and quantization (LoRA, QLoRA, QAT, PTQ) live in `finetune`.
+
+Example:
+  >>> from jax_ai_stack import recipes
+  >>> recipes.config.DEFAULT_PRESET, recipes.finetune.config.SCHEMES["w8"]
+  ('lm-tiny', 'int8 weights')
 """
 
 from jax_ai_stack.lazy import lazy_attributes

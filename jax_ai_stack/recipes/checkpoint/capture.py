@@ -2,6 +2,13 @@
 
 What a corrupt step makes Orbax, absl, asyncio and TensorStore's threads print
 (thousands of lines) goes to the error log instead of the terminal.
+
+Example:
+  >>> import os
+  >>> with stderr_captured() as captured:
+  ...   _ = os.write(2, b"thousands of lines")
+  >>> captured.text
+  'thousands of lines'
 """
 
 from __future__ import annotations

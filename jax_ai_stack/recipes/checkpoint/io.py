@@ -6,6 +6,11 @@ the parameter and both shapes, and touches nothing) and converts a step saved
 with the other Llama layer layout (`model.scan_layers` flipped: `layers/N/...`
 vs stacked `layers/...`, parameters and optimizer moments alike; see
 `models.layer_stack`) after reading it as saved.
+
+Example:
+  >>> import numpy as np
+  >>> tree_equal({"w": np.zeros(3)}, {"w": np.zeros(3)}), tree_equal({"w": np.zeros(3)}, {"w": np.ones(3)})
+  (True, False)
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ only after the new step is complete, in two moves that a kill cannot split:
 Orbax renames the step into `<checkpoint dir>/todelete/` and this module then
 removes it. Opening a manager finishes both, and applies the retention rule to
 what is on disk (a run killed right after its last save has one step too many).
+
+Example:
+  >>> from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
+  >>> manager = build_manager("checkpoints", CheckpointConfig(save_every=10))
+  >>> manager.latest_step(), manager.directory.name, manager.directory.is_dir()
+  (None, 'checkpoints', True)
+  >>> manager.close()
 """
 
 from __future__ import annotations

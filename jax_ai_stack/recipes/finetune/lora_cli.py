@@ -5,6 +5,14 @@
 The output is a normal run workdir (`eval`, `generate` and `train` read it)
 that no longer needs the base run. Training a LoRA run is `jax-ai-stack train
 lm-tiny-lora` (a recipe with a `finetune.lora` section).
+
+Example:
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args = parser.parse_args(["lora", "merge", "--workdir", "runs/lm-tiny-lora"])
+  >>> args.workdir, args.out, args.func.__name__
+  ('runs/lm-tiny-lora', None, 'run_merge')
 """
 
 from __future__ import annotations

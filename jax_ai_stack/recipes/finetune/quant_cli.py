@@ -5,6 +5,14 @@
     jax-ai-stack quantize --workdir DIR --scheme w8 data.validation_fraction=0.2
     jax-ai-stack eval --workdir DIR --quantized w8
     jax-ai-stack generate --workdir DIR --quantized w8
+
+Example:
+  >>> import argparse
+  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
+  >>> register(parser.add_subparsers(dest="command"))
+  >>> args = parser.parse_args(["quantize", "--workdir", "runs/lm-tiny", "--scheme", "w4"])
+  >>> args.workdir, args.scheme, args.func.__name__
+  ('runs/lm-tiny', 'w4', 'run_quantize')
 """
 
 from __future__ import annotations

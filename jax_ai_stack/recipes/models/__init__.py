@@ -5,6 +5,12 @@ The model classes and configs are re-exported here and load on first use, e.g.
 in `configs`, which imports no jax; `hf` reads and writes Hugging Face Llama
 directories (config.json + safetensors); `layer_stack` converts a Llama between
 the unrolled and the scanned (`scan_layers`) layouts.
+
+Example:
+  >>> from jax_ai_stack.recipes import models
+  >>> config = models.LlamaConfig.tiny()
+  >>> config.num_layers, models.Llama.__module__, "Llama" in dir(models)
+  (4, 'jax_ai_stack.recipes.models.llama', True)
 """
 
 from __future__ import annotations
