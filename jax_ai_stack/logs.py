@@ -158,3 +158,14 @@ def log_path(workdir: pathlib.Path, process_index: int = 0) -> pathlib.Path:
   """The workdir's log file; each process of a multi-process job has its own."""
   name = LOG_FILE if process_index == 0 else f"jax-ai-stack.process-{process_index}.log"
   return pathlib.Path(workdir) / name
+
+
+def status(text: str, stream=None) -> None:
+  """`text` on stderr for a person watching a terminal, at once (before slow imports).
+
+  Where stderr is a file or a pipe (CI, SLURM, a script), nothing: there a
+  failing command's output stays its one error line.
+  """
+  stream = stream if stream is not None else sys.stderr
+  if stream.isatty():
+    print(text, file=stream, flush=True)

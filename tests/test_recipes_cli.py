@@ -150,7 +150,7 @@ def test_generate_seed_repeats_a_sample_and_no_seed_draws_a_new_one(reference):
   assert seeded[0].stdout == seeded[1].stdout
   unseeded = generate()
   assert unseeded.returncode == 0, unseeded.stderr
-  seed = int(unseeded.stderr.split("with seed ")[1].split()[0])  # Printed, to repeat it.
+  seed = int(unseeded.stderr.split("(seed ")[1].split(":")[0])  # Printed, to repeat it.
   assert generate("--seed", str(seed)).stdout == unseeded.stdout
   assert one_line_error(generate("--top-p", "1.5")).endswith("--top-p must be in (0, 1]; got 1.5")
 
@@ -180,3 +180,32 @@ def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_pa
     process.kill()
   assert process.returncode == 130, out + err
   assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("command, first", [
+    (["eval"], "evaluating"), (["generate"], "generating"),
+    (["quantize", "--scheme", "w8"], "quantizing"), (["export-hf", "OUT"], "exporting"),
+    (["lora", "merge"], "merging")])
+def test_on_a_terminal_each_command_says_what_it_does_at_once(reference, tmp_path, command,
+                                                                first):
+  import pty
+  import select
+
+  workdir, _ = reference
+  argv = [w.replace("OUT", str(tmp_path / "out")) for w in command] + ["--workdir", str(workdir)]
+  terminal, stderr = pty.openpty()
+  started = time.monotonic()
+  process = subprocess.Popen([sys.executable, "-m", "jax_ai_stack.cli", *argv],
+                             stdout=subprocess.DEVNULL, stderr=stderr,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    ready, _, _ = select.select([terminal], [], [], 10)
+    waited = time.monotonic() - started
+    line = os.read(terminal, 1000).decode() if ready else ""
+  finally:
+    process.kill()
+    process.wait()
+    os.close(terminal)
+    os.close(stderr)
+  assert line.startswith(first), line
+  assert waited < 3, f"{waited:.1f} s before the first line (1 s on a quiet machine)"

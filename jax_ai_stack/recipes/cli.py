@@ -235,11 +235,10 @@ def run_generate(args: argparse.Namespace) -> int:
   if args.top_k is not None and args.top_k < 1:
     raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
   _check_quantized(args)
-  seed, seeded = args.seed, ""
+  seed = args.seed
   if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
     seed = secrets.randbelow(2**31)
-    seeded = f" with seed {seed} (--seed {seed} gives this text again)"
-  print(f"generating from {args.workdir}{seeded} ...", file=sys.stderr, flush=True)
+  logs.status(f"generating from {args.workdir} ...")
   from jax_ai_stack.recipes import compile_cache
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
@@ -250,6 +249,8 @@ def run_generate(args: argparse.Namespace) -> int:
                            top_k=args.top_k, top_p=args.top_p))
   finally:
     trainer.close()
+  if args.seed is None and seed is not None:
+    print(f"(seed {seed}: --seed {seed} gives this text again)", file=sys.stderr)
   return 0
 
 
@@ -279,7 +280,7 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 
 def run_eval(args: argparse.Namespace) -> int:
   _check_quantized(args)
-  print(f"evaluating {args.workdir} ...", file=sys.stderr, flush=True)  # Before the imports.
+  logs.status(f"evaluating {args.workdir} ...")  # Before the imports.
   from jax_ai_stack.recipes import compile_cache
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.

@@ -42,6 +42,7 @@ import pathlib
 import shutil
 import sys
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
 
 CONFIG_YAML = "config.yaml"
@@ -92,7 +93,7 @@ def import_config(args: argparse.Namespace, model_fields: dict, tokenizer: pathl
 
 
 def run_import(args: argparse.Namespace) -> int:
-  print(f"importing {args.directory} into {args.workdir} ...", file=sys.stderr, flush=True)
+  logs.status(f"importing {args.directory} into {args.workdir} ...")
   from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
@@ -162,7 +163,7 @@ def _check_tokenizer(tokenizer, vocab_size: int, file: pathlib.Path | None,
 
 
 def run_export(args: argparse.Namespace) -> int:
-  print(f"exporting {args.workdir} to {args.out} ...", file=sys.stderr, flush=True)
+  logs.status(f"exporting {args.workdir} to {args.out} ...")
   from jax_ai_stack.recipes import memory
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.llama import Llama

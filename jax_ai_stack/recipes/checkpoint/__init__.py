@@ -11,29 +11,36 @@ One job per module: `manager` (building the manager, background saves that are
 never lost at exit, retention), `io` (the state as saved, `save`, shape checks,
 layer-layout conversion, partial reads), `recovery` (`restore` and
 `read_metadata` past corrupt steps, the error log) and `capture` (stderr while
-a corrupt step is read). The names below are re-exported from them.
+a corrupt step is read). The names below load from them on first use, so a
+jax-free caller of the package (a config) pays for no Orbax.
 
 Example:
   >>> import grain
   >>> from flax import nnx
+  >>> from jax_ai_stack.recipes import checkpoint
   >>> state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
   >>> data = iter(grain.MapDataset.range(4).to_iter_dataset())
-  >>> with build_manager("checkpoints", CheckpointConfig()) as manager:
-  ...   save(manager, 1, state, data, {"step": 1}, force=True)  # In the background.
-  ...   restored = restore(manager, nnx.eval_shape(lambda: state), data)  # Waits for it.
+  >>> with checkpoint.build_manager("checkpoints", CheckpointConfig()) as manager:
+  ...   checkpoint.save(manager, 1, state, data, {"step": 1}, force=True)  # In the background.
+  ...   restored = checkpoint.restore(manager, nnx.eval_shape(lambda: state), data)  # Waits.
   True
-  >>> restored.step, tree_equal(restored.state, state)
+  >>> restored.step, checkpoint.tree_equal(restored.state, state)
   (1, True)
 """
 
 from jax_ai_stack.errors import CheckpointMismatchError
-from jax_ai_stack.recipes.checkpoint.io import restore_subset, save, tree_equal
-from jax_ai_stack.recipes.checkpoint.manager import TRASH_DIR, Manager, build_manager
-from jax_ai_stack.recipes.checkpoint.recovery import ERROR_LOG, corruption, read_metadata, restore
+from jax_ai_stack.lazy import lazy_attributes
 from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
 
-__all__ = [
-    "ERROR_LOG", "TRASH_DIR", "CheckpointConfig", "CheckpointMismatchError", "Manager",
-    "build_manager", "corruption", "read_metadata", "restore", "restore_subset", "save",
-    "tree_equal",
-]
+_SUBMODULES = ("capture", "io", "manager", "recovery")
+_EXPORTS = {
+    "ERROR_LOG": "recovery", "TRASH_DIR": "manager", "Manager": "manager",
+    "build_manager": "manager", "corruption": "recovery", "read_metadata": "recovery",
+    "restore": "recovery", "restore_subset": "io", "save": "io", "tree_equal": "io",
+}
+__all__ = ["CheckpointConfig", "CheckpointMismatchError", *_SUBMODULES, *_EXPORTS]
+__getattr__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)[0]
+
+
+def __dir__():  # The lazy names and the two that load nothing heavy.
+  return sorted(__all__)

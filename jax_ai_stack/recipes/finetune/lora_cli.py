@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import UsageError
 
 
@@ -44,7 +45,7 @@ def _missing_action(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-  print(f"merging the adapters of {args.workdir} ...", file=sys.stderr, flush=True)
+  logs.status(f"merging the adapters of {args.workdir} ...")
   from jax_ai_stack.recipes.finetune import lora
 
   out = lora.merge(args.workdir, args.out)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, too_small_hint
 from jax_ai_stack.recipes.finetune.config import SCHEMES, check_scheme, describe_schemes
@@ -57,7 +58,7 @@ def run_quantize(args: argparse.Namespace) -> int:
   if args.scheme is not None:
     check_scheme(args.scheme)  # Before jax and the libraries load.
   overrides = eval_overrides(args)
-  print(f"quantizing {args.workdir} ...", file=sys.stderr, flush=True)  # Before jax loads.
+  logs.status(f"quantizing {args.workdir} ...")  # Before jax loads.
   from jax_ai_stack.recipes.finetune import ptq
 
   try:
