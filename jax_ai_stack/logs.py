@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import logging.handlers
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -94,14 +95,34 @@ class Routes:
 
   def __init__(self, console: _Console):
     self._console, self._file = console, None
+    self._held: logging.handlers.MemoryHandler | None = None
 
-  def keep_in(self, path: pathlib.Path) -> None:
+  def keep_in(self, path: pathlib.Path, *, held: bool = False) -> None:
     """From now on every record also goes to `path` (created with its folder at the first
-    record): a command calls it once it knows its workdir."""
+    record): a command calls it once it knows its workdir.
+
+    `held`: the records wait in memory until `release()`; a command that fails
+    before it releases them (bad input) writes nothing into the workdir.
+    """
     if self._file is not None:
       raise ValueError(f"the log already goes to {self._file.baseFilename}")
     self._file = _WorkdirFile(pathlib.Path(path))
-    logging.getLogger().addHandler(self._file)
+    if held:  # No target yet: MemoryHandler keeps every record until it gets one.
+      self._held = logging.handlers.MemoryHandler(
+          capacity=1, flushLevel=logging.CRITICAL + 1, target=None, flushOnClose=False)
+    logging.getLogger().addHandler(self._held or self._file)
+
+  def release(self) -> None:
+    """The held records go to the file now, and every record after them."""
+    if self._held is None:
+      return
+    root = logging.getLogger()
+    self._held.setTarget(self._file)
+    self._held.flush()
+    root.removeHandler(self._held)
+    self._held.close()
+    self._held = None
+    root.addHandler(self._file)
 
   @property
   def hidden(self) -> int:
@@ -109,7 +130,7 @@ class Routes:
 
   @property
   def path(self) -> pathlib.Path | None:
-    if self._file is None or self._file.failed:
+    if self._file is None or self._file.failed or self._held is not None:
       return None
     return pathlib.Path(self._file.baseFilename)
 
@@ -125,6 +146,9 @@ class Routes:
   def _close(self) -> None:
     root = logging.getLogger()
     root.removeHandler(self._console)
+    if self._held is not None:  # Never released: the held records are dropped.
+      root.removeHandler(self._held)
+      self._held.close()
     if self._file is not None:
       root.removeHandler(self._file)
       self._file.close()

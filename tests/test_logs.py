@@ -55,8 +55,9 @@ def test_each_process_has_its_own_log_file(tmp_path):
 def test_train_keeps_library_warnings_in_the_workdir_log(tmp_path, monkeypatch, capsys):
   from jax_ai_stack.recipes import train
 
-  def noisy_run(config, workdir, **kwargs):
+  def noisy_run(config, workdir, *, on_open, **kwargs):
     del config, kwargs
+    on_open()  # The run opened: its log goes to the workdir from here.
     for _ in range(5):
       logging.getLogger("absl").warning("Autotuning cache miss for attention")
     return {"step": 1, "stopped_by": None, "workdir": workdir}
@@ -83,3 +84,17 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(tmp_path, mon
   monkeypatch.chdir(tmp_path)
   assert cli.main(["train", "train.compile_cache=off"]) == 130
   assert capsys.readouterr().err.strip() == "jax-ai-stack train: interrupted (Ctrl-C)"
+
+
+def test_held_records_reach_the_file_only_once_released(tmp_path):
+  released, dropped = tmp_path / "released" / logs.LOG_FILE, tmp_path / "dropped" / logs.LOG_FILE
+  for path, release in ((released, True), (dropped, False)):
+    with logs.routed(None, verbose=False, stream=io.StringIO()) as routes:
+      routes.keep_in(path, held=True)
+      logging.getLogger("orbax").info("before the run opened")
+      assert not path.exists() and routes.path is None
+      if release:
+        routes.release()
+        logging.getLogger("orbax").info("after")
+  assert released.read_text().count("before the run opened") == 1 and "after" in released.read_text()
+  assert not dropped.parent.exists()  # A command that failed early wrote nothing there.

@@ -207,7 +207,7 @@ def run_train(args: argparse.Namespace) -> int:
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   workdir = train.default_workdir(config, args.workdir)
   if not args.dry_run:
-    args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)))
+    args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
   if args.dry_run:
     from jax_ai_stack.recipes import memory
 
@@ -215,7 +215,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
   try:
     result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
-                       import_s=import_s)
+                       import_s=import_s, on_open=args.log_routes.release)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1

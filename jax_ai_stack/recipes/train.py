@@ -662,6 +662,7 @@ def run(
     stop_after: int | None = None,
     verbose: bool = False,
     import_s: float | None = None,
+    on_open: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
   """Trains `config` in `workdir` (default runs/<name>); returns the final metrics.
 
@@ -671,6 +672,7 @@ def run(
   the run early ("SIGTERM", "SIGINT", "stop_after=N", "preemption") or is None.
   `verbose` prints one start-up line after the first step: `import_s` (the
   caller's import of the libraries), init, trace and compile seconds, cache hits.
+  `on_open` is called once the workdir is open (bad input refused, checkpoint read).
   """
   workdir = default_workdir(config, workdir)
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
@@ -681,6 +683,8 @@ def run(
   except BaseException:
     compile_times.stop()
     raise
+  if on_open is not None:
+    on_open()
   init_s = time.perf_counter() - started
 
   def report_startup():
