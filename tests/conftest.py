@@ -5,7 +5,9 @@ new jit), so caching compiled programs on disk keeps the suite fast on 2 cores.
 Subprocesses started by tests inherit the cache through the environment.
 """
 
+import json
 import os
+import pathlib
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,6 +19,30 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import pytest  # noqa: E402
+
+DURATIONS_FILE = pathlib.Path(__file__).with_name("durations.json")
+"""Each test's seconds (setup + call + teardown) in a whole-suite run on a CI-sized machine
+(2 cores, pytest-xdist on both), written by `pytest --record-durations tests/durations.json`."""
+SLOW_S = 10.0
+"""A test that takes longer is marked `slow` (test_markers.py checks it against DURATIONS_FILE)."""
+
+_durations: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+  parser.addoption("--record-durations", metavar="PATH",
+                   help="write each test's seconds (setup + call + teardown) to PATH as JSON")
+
+
+def pytest_runtest_logreport(report):
+  _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+  path = session.config.getoption("--record-durations")
+  if path and not hasattr(session.config, "workerinput"):  # The controller sees every report.
+    recorded = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(_durations.items())}
+    pathlib.Path(path).write_text(json.dumps(recorded, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -150,6 +150,7 @@ def test_token_cache_quick_writes_positive_figures(tmp_path):
   assert list(workdir.iterdir()) == []  # the work is removed
 
 
+@pytest.mark.slow
 def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
   results = _run_quick("startup", tmp_path)
   (round_,) = results["rounds"]

@@ -125,6 +125,7 @@ def _params(workdir: pathlib.Path) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
+@pytest.mark.slow
 def test_a_second_run_loads_its_programs_from_the_cache_with_the_same_bits(tmp_path):
   env = _clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg"))
   cache = tmp_path / "xdg" / "jax-ai-stack" / "xla"

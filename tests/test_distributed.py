@@ -84,6 +84,7 @@ def two_processes(tmp_path_factory) -> tuple[pathlib.Path, list[tuple[int, str]]
   return workdir, _finish(_start_job(workdir))
 
 
+@pytest.mark.every_row
 def test_two_processes_train_like_one_process_with_the_same_devices(reference, two_processes):
   """Same global mesh, batch and program; the all-reduce crosses processes (Gloo)
   and may sum in another order, so float32 losses may differ in the last bits."""
@@ -126,12 +127,14 @@ def _signal_one_process_after_step_3(workdir: pathlib.Path, signum: int) -> int:
   return step
 
 
+@pytest.mark.every_row
 def test_sigint_to_one_process_stops_both_at_the_same_step_not_a_hang(tmp_path):
   """Ctrl-C in one host's terminal: that process alone must not stop (the other
   would wait for it in the next collective forever)."""
   _signal_one_process_after_step_3(tmp_path / "interrupted", signal.SIGINT)
 
 
+@pytest.mark.every_row
 def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwise(
     tmp_path, two_processes):
   workdir = tmp_path / "preempted"
@@ -153,6 +156,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_is_bitwis
   assert _losses(workdir) == _losses(uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_job_resumed_with_the_other_layer_layout_converts_on_every_process(tmp_path):
   """The step is read as saved (unrolled, sharded over both processes' devices) and
   moved, parameter by parameter, into the stacked layout on the same mesh."""
@@ -169,6 +173,7 @@ def test_a_job_resumed_with_the_other_layer_layout_converts_on_every_process(tmp
   assert len(losses) == 6 and np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_two_processes_train_from_a_token_cache_as_from_memory(tmp_path, two_processes):
   """Each process reads only its rows from the cache: the same batches, the same losses."""
   cache = tmp_path / "tokens"
@@ -215,7 +220,7 @@ def _sigkill_one_process_while_training(workdir: pathlib.Path, victim: int
       p.communicate()
 
 
-@pytest.mark.slow
+@pytest.mark.every_row
 @pytest.mark.parametrize("victim, named", [
     (1, "process 1 of 2 stopped answering (heartbeat timeout 10 s)"),
     (0, "process 0 of 2 (the coordinator, 127.0.0.1:"),

@@ -145,6 +145,7 @@ def test_lora_on_an_fsdp_mesh_of_4_devices_trains_like_one_device(base, lora_run
   np.testing.assert_allclose(list(losses.values()), list(expected.values()), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise(base, lora_run, tmp_path):
   ref_dir, _ = lora_run
   extra = lora_overrides(base, "checkpoint.save_every=1")

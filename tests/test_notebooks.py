@@ -17,6 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("*.md"))
+SLOW_NOTEBOOKS = {"quantize_and_finetune"}  # Over conftest.SLOW_S (tests/durations.json).
 CELL_TIMEOUT_S = 300
 
 
@@ -37,7 +38,9 @@ def test_there_are_notebooks():
           "scaling.md", "quantize_and_finetune.md"} <= names
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_NOTEBOOKS else p for p in NOTEBOOKS
+], ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path):
   try:
     notebook = execute(path, tmp_path)

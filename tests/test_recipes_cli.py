@@ -141,6 +141,7 @@ def test_a_finished_run_always_has_its_artefacts(reference, tmp_path):
   assert (killed / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
 
 
+@pytest.mark.slow
 def test_generate_seed_repeats_a_sample_and_no_seed_draws_a_new_one(reference):
   workdir, _ = reference
   generate = lambda *args: jax_ai_stack("generate", "--workdir", str(workdir), "--prompt", "im",

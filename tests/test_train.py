@@ -363,6 +363,7 @@ def test_no_readable_step_is_exit_2_naming_each_and_changes_nothing(ten_steps, t
   assert _steps_and_metrics(workdir) == before
 
 
+@pytest.mark.slow
 def test_read_only_commands_skip_a_garbled_newest_step_and_move_nothing(
     ten_steps, tmp_path, capsys):
   workdir = _copy_run(ten_steps, tmp_path)
