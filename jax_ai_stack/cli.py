@@ -86,7 +86,9 @@ def _ctrl_c_exits(command: str):
 
   def stop(signum, frame):
     del signum, frame
-    print(f"jax-ai-stack {command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    below_a_bar = "\n" if sys.stderr.isatty() else ""  # A progress bar ends in no newline.
+    print(f"{below_a_bar}jax-ai-stack {command}: interrupted (Ctrl-C)", file=sys.stderr,
+          flush=True)
     sys.stdout.flush()
     os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access
 

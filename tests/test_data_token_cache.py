@@ -157,6 +157,38 @@ def test_sigkill_then_rerun_with_workers_is_byte_identical(corpus_dir, tmp_path)
   assert _tree(cache) == _tree(tmp_path / "reference")
 
 
+_INTERRUPTED_PREPARE = """
+import os, signal, sys
+from jax_ai_stack import cli
+from jax_ai_stack.recipes.data import token_cache
+
+real_prepare = token_cache.prepare
+
+def prepare(*args, **kwargs):
+  def on_shard(shard, stage):
+    if (shard, stage) == (1, "written"):  # Ctrl-C: the terminal signals the whole group.
+      os.killpg(0, signal.SIGINT)
+  return real_prepare(*args, **{{**kwargs, "on_shard": on_shard, "shard_documents": 5}})
+
+token_cache.prepare = prepare
+if __name__ == "__main__":  # spawned workers import this script again
+  sys.exit(cli.main(["data", "prepare", "lm-tiny", "data.source=text",
+                     "data.paths=[{pattern}]", "--cache", {cache!r}, "--workers", "2"]))
+"""
+
+
+def test_ctrl_c_during_prepare_with_workers_is_one_line_and_exit_130(corpus_dir, tmp_path):
+  script = tmp_path / "interrupted.py"
+  script.write_text(_INTERRUPTED_PREPARE.format(pattern=corpus_dir / "*.txt",
+                                                cache=str(tmp_path / "cache")))
+  interrupted = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                               timeout=120, start_new_session=True)
+  assert interrupted.returncode == 130, interrupted.stderr
+  assert interrupted.stderr.strip().splitlines()[-1].endswith(  # After the bar, if any.
+      "jax-ai-stack data: interrupted (Ctrl-C)")
+  assert "Traceback" not in interrupted.stderr, interrupted.stderr
+
+
 def test_another_tokenizer_is_refused_naming_it(corpus_dir, tmp_path):
   pytest.importorskip("tokenizers")
   from test_data_tokenizers import _hf_file  # pylint: disable=g-import-not-at-top

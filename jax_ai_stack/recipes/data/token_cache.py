@@ -60,11 +60,13 @@ import json
 import multiprocessing
 import os
 import pathlib
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import resource_tracker
 
 import numpy as np
 import tensorstore as ts
@@ -407,6 +409,38 @@ def _pack(documents: list[tuple[bytes, np.ndarray]], dtype: np.dtype) -> _Shard:
 _worker_tokenizer: Tokenizer | None = None
 
 
+@contextlib.contextmanager
+def _deaf_to_ctrl_c():
+  """Processes started in the block never see SIGINT; here it waits until the block ends.
+
+  Ctrl-C reaches the terminal's whole process group: the parent answers it (one
+  line, exit 130) and its workers end with it (`_exit_without`), but a worker
+  interrupted, even while still importing, would print its own traceback. A
+  blocked signal mask is inherited through fork and exec; Python's handler in
+  this process runs once the block ends.
+  """
+  previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_quiet_resource_tracker() -> None:
+  """multiprocessing's resource tracker, without its warning after a Ctrl-C.
+
+  It outlives a prepare stopped by Ctrl-C by a moment and warns about the pool's
+  semaphores, which it then removes itself; its flags come from
+  `sys.warnoptions` when it starts. Nothing happens if it is already running.
+  """
+  saved = sys.warnoptions[:]
+  sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+  try:
+    resource_tracker.ensure_running()
+  finally:
+    sys.warnoptions[:] = saved
+
+
 def _start_worker(config: DataConfig, parent: int) -> None:
   global _worker_tokenizer
   _worker_tokenizer = build_tokenizer(config)
@@ -439,14 +473,17 @@ def _shards(config: DataConfig, tokenizer: Tokenizer, *, skip: int, shard_docume
       yield _pack(batch, dtype)
     return
   texts = corpus_lib.document_texts(config, skip=skip)
-  pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker, initargs=(config, os.getpid()))
+  with _deaf_to_ctrl_c():
+    _start_quiet_resource_tracker()
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(config, os.getpid()))
   pending = collections.deque()
   try:
     while True:
       while len(pending) < 2 * workers and (batch := list(itertools.islice(texts,
                                                                            shard_documents))):
-        pending.append(pool.submit(_tokenize_shard, batch, dtype))
+        with _deaf_to_ctrl_c():  # The pool starts its workers here.
+          pending.append(pool.submit(_tokenize_shard, batch, dtype))
       if not pending:
         return
       yield pending.popleft().result()
