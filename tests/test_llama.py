@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models import llama
+from jax_ai_stack.recipes.models import decoding, llama
 from jax_ai_stack.recipes.models.llama import (
     KVCache, Llama, LlamaConfig, RopeScaling, apply_rope, generate)
 
@@ -365,7 +365,7 @@ def test_greedy_generate_matches_recomputing_the_whole_sequence(model):
 def test_sampling_is_seeded_top_k_1_is_greedy_and_compiles_once(model):
   prompt = random_tokens((2, 4))
   sample = lambda seed, **kw: generate(model, prompt, 8, rng=jax.random.key(seed), **kw)
-  compiled_before = llama._generate._cache_size()
+  compiled_before = decoding._generate._cache_size()
   first = sample(0, temperature=1.0)
   np.testing.assert_array_equal(first[:, :4], prompt)
   assert int(first.min()) >= 0 and int(first.max()) < 64
@@ -376,7 +376,7 @@ def test_sampling_is_seeded_top_k_1_is_greedy_and_compiles_once(model):
   np.testing.assert_array_equal(sample(2, temperature=1e-4), greedy)  # cold: near greedy
   # rng and temperature are traced: at most one compile for all these calls
   # (none if another model of the same structure compiled it already).
-  assert llama._generate._cache_size() - compiled_before <= 1
+  assert decoding._generate._cache_size() - compiled_before <= 1
   np.testing.assert_array_equal(sample(3, temperature=1.5, top_k=1), greedy)
 
 
@@ -384,10 +384,10 @@ def test_generate_compiles_once_for_any_number_of_new_tokens(model):
   prompt = random_tokens((1, 4))
   greedy = lambda n: generate(model, prompt, n, temperature=0.0, rng=jax.random.key(0))
   longest = greedy(20)
-  compiled_before = llama._generate._cache_size()
+  compiled_before = decoding._generate._cache_size()
   for n in (1, 5, 13):  # The cache is always max_seq_len long; the count is traced.
     np.testing.assert_array_equal(greedy(n), longest[:, :4 + n])
-  assert llama._generate._cache_size() == compiled_before
+  assert decoding._generate._cache_size() == compiled_before
 
 
 def test_top_p_keeps_the_likeliest_tokens_whose_mass_reaches_p(model):
@@ -398,7 +398,7 @@ def test_top_p_keeps_the_likeliest_tokens_whose_mass_reaches_p(model):
   wide = [sample(seed, temperature=2.0, top_p=1.0) for seed in range(3)]
   assert any(not np.array_equal(w, greedy) for w in wide)
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  drawn = {int(llama._sample(logits, jax.random.key(i), jnp.float32(1.0), None, 0.7)[0])
+  drawn = {int(decoding._sample(logits, jax.random.key(i), jnp.float32(1.0), None, 0.7)[0])
            for i in range(200)}
   assert drawn == {0, 1}  # 0.5 alone is short of 0.7; 0.5 + 0.3 reaches it.
 

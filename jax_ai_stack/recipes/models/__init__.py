@@ -2,7 +2,9 @@
 
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
-in `configs`, which imports no jax; `hf` reads and writes Hugging Face Llama
+in `configs`, which imports no jax; `rope` holds the rotary embeddings,
+`decoding` sampling with the KV cache (`generate`), `activation_memory` what a
+Llama keeps for the backward pass; `hf` reads and writes Hugging Face Llama
 directories (config.json + safetensors); `layer_stack` converts a Llama between
 the unrolled and the scanned (`scan_layers`) layouts.
 
@@ -17,14 +19,15 @@ from __future__ import annotations
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("llama", "cnn", "configs", "hf", "layer_stack")
+_SUBMODULES = ("llama", "activation_memory", "cnn", "configs", "decoding", "hf", "layer_stack",
+               "rope")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",
     "RopeScaling": "configs",
     "KVCache": "llama",
-    "generate": "llama",
-    "apply_rope": "llama",
+    "generate": "decoding",
+    "apply_rope": "rope",
     "CNN": "cnn",
     "CNNConfig": "configs",
 }

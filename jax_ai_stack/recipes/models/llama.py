@@ -1,4 +1,4 @@
-"""A Llama-style decoder LM in Flax NNX, with KV-cache decoding.
+"""A Llama-style decoder LM in Flax NNX, with a KV cache for decoding.
 
 Token embedding -> `num_layers` x [RMSNorm -> grouped-query attention with RoPE
 -> residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output head (its
@@ -8,9 +8,8 @@ Attention goes through `jax_ai_stack.kernels.attention`, so the choice of kernel
 (XLA, cuDNN, Pallas, ...) lives in one place. Which kernels may run is an
 explicit `kernels.AttentionPlan` given to the model (the trainer resolves one
 per run from the config, the environment and an autotune file); without one,
-the plan is `config.attention_impl` alone. RoPE is written here once (flax 0.12.8 has no `nnx.RoPE`); it
-uses the same "rotate half" convention as `nnx.RoPE` of later versions, and
-Llama 3.1's frequency scaling when `config.rope_scaling` is set.
+the plan is `config.attention_impl` alone. RoPE (with Llama 3.1's frequency
+scaling when `config.rope_scaling` is set) lives in `rope`.
 
 Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
 for the sharding recipe to map onto mesh axes:
@@ -42,6 +41,10 @@ Parameter paths keep to names that a weight-decay mask can match: the token
 embedding sits under `embed`, norms are attributes whose names contain `norm`
 (their parameter is `scale`), and there are no biases.
 
+Beside the model: `decoding.generate` samples with the KV cache and
+`activation_memory.activation_bytes` estimates what training keeps for the
+backward pass; both, and the RoPE functions, are importable from here too.
+
 Example:
   >>> from flax import nnx
   >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
@@ -51,21 +54,23 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
+# Re-exported: the memory estimate and RoPE were defined here before they had modules.
+from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
+    MATERIALIZING_ATTENTION, activation_bytes)
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
 from jax_ai_stack.recipes.models.configs import (  # noqa: F401
     DType, LlamaConfig, RematPolicy, RopeScaling)
+from jax_ai_stack.recipes.models.rope import (  # noqa: F401
+    RopeTables, apply_rope, rope_inv_freq, rope_tables, rotate)
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.sharding import Layout
@@ -87,63 +92,6 @@ _REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-
-class RopeTables(NamedTuple):
-  """sin and cos of every position's RoPE angles, float32 [B, T, 1, head_dim / 2].
-
-  Computed once per forward pass and shared by every layer: the angles depend
-  only on the positions. (Unrolled, XLA merges the layers' copies anyway; a
-  scanned stack would compute them again in every iteration of its loop.)
-  """
-
-  sin: jax.Array
-  cos: jax.Array
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-  """The head_dim / 2 RoPE frequencies 1 / theta^(2i / head_dim), float32.
-
-  With `scaling`, Llama 3.1's rescaling of them, written as transformers'
-  `_compute_llama3_parameters` (5.23.0) computes it, in float32.
-  """
-  half = head_dim // 2
-  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim)
-  if scaling is None:
-    return inv_freq
-  old_context = scaling.original_max_position_embeddings
-  low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
-  wavelen = 2 * math.pi / inv_freq
-  # Long wavelengths are divided by `factor`, short ones kept, those between blended.
-  scaled = jnp.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-  smooth = (old_context / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-  return jnp.where(medium, smoothed, scaled)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                scaling: RopeScaling | None = None) -> RopeTables:
-  """The RoPE tables of `positions` [B, T] for heads of `head_dim` features."""
-  inv_freq = rope_inv_freq(head_dim, theta, scaling)
-  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,T,1,H/2]
-  return RopeTables(jnp.sin(angles), jnp.cos(angles))
-
-
-def rotate(x: jax.Array, rope: RopeTables) -> jax.Array:
-  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by the `rope` angles.
-
-  The rotation runs in float32 whatever the dtype of `x`, so bfloat16 runs see
-  the same rotation as float32 ones; the result has the dtype of `x`.
-  """
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  sin, cos = rope
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotates feature pairs (i, i + H/2) of `x` [B, T, N, H] by position [B, T]."""
-  return rotate(x, rope_tables(positions, x.shape[-1], theta))
 
 
 class KVCache(NamedTuple):
@@ -472,158 +420,12 @@ def _check_tokens(tokens, **same_shape) -> None:
       )
 
 
-def generate(
-    model: Llama,
-    prompt_tokens: jax.Array,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    rng: jax.Array,
-) -> jax.Array:
-  """Samples `max_new_tokens` after each prompt row, with a KV cache.
-
-  The whole loop (prefill, then one cached step per token) is one jitted call
-  over a cache of the model's full `max_seq_len`, so it compiles once per
-  (model structure, prompt shape, top_k, top_p): the number of new tokens,
-  the temperature and rng are traced, and changing them does not recompile
-  (nor re-tune a kernel). The price: each decoding step attends over the
-  whole cache, masked past the tokens written so far.
-
-  Args:
-    model: the decoder; it is not modified.
-    prompt_tokens: int [B, P], P >= 1; every row has the same length.
-    max_new_tokens: tokens to add; P + max_new_tokens <= config.max_seq_len.
-    temperature: softmax temperature; 0 picks the most likely token (greedy).
-    top_k: sample among the k most likely tokens only; None: all of them.
-    top_p: sample among the most likely tokens whose probabilities add up to
-      `top_p` (nucleus sampling, 0 < top_p <= 1); None: all of them.
-    rng: a PRNG key; the same key gives the same tokens.
-
-  Returns:
-    int32 [B, P + max_new_tokens]: the prompt followed by the new tokens.
-  """
-  prompt_tokens = jnp.asarray(prompt_tokens)
-  _check_tokens(prompt_tokens)
-  config = model.config
-  batch, prompt_len = prompt_tokens.shape
-  if prompt_len < 1:
-    raise ValueError("prompt_tokens must hold at least one token per row")
-  if max_new_tokens < 0:
-    raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
-  if prompt_len + max_new_tokens > config.max_seq_len:
-    raise ValueError(
-        f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds "
-        f"max_seq_len={config.max_seq_len} of the model config"
-    )
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0; got {temperature}")
-  if top_k is not None and not 1 <= top_k <= config.vocab_size:
-    raise ValueError(f"top_k must be in [1, vocab_size={config.vocab_size}]; got {top_k}")
-  if top_p is not None and not 0 < top_p <= 1:
-    raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-  prompt_tokens = prompt_tokens.astype(jnp.int32)
-  if max_new_tokens == 0:
-    return prompt_tokens
-  graphdef, state = nnx.split(model)
-  new_tokens = _generate(
-      graphdef, state, prompt_tokens, rng, jnp.float32(temperature), jnp.int32(max_new_tokens),
-      top_k=top_k, top_p=top_p,
-  )
-  return jnp.concatenate([prompt_tokens, new_tokens[:, :max_new_tokens]], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"))
-def _generate(graphdef, state, prompt, rng, temperature, max_new_tokens, *, top_k, top_p):
-  """New tokens [B, max_seq_len - P]; those past `max_new_tokens` (traced) stay 0."""
-  model = nnx.merge(graphdef, state)
-  batch, prompt_len = prompt.shape
-  cache = model.init_cache(batch, model.config.max_seq_len)
-  logits, cache = model.decode(prompt, cache)
-  first = _sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
-  room = model.config.max_seq_len - prompt_len
-  new_tokens = jnp.zeros((batch, room), jnp.int32).at[:, 0].set(first)
+def __getattr__(name: str) -> Any:
+  """`generate`, which `decoding` defines (it imports this module), on first use."""
+  if name == "generate":
+    from jax_ai_stack.recipes.models.decoding import generate  # pylint: disable=g-import-not-at-top
 
-  def step(i, carry):
-    # The state rides in the carry, so the loop body builds its own module:
-    # nnx.scan (scan_layers) refuses Variables made at an outer trace level.
-    new_tokens, cache, state = carry
-    logits, cache = nnx.merge(graphdef, state).decode(new_tokens[:, i - 1, None], cache)
-    token = _sample(logits[:, -1], jax.random.fold_in(rng, i), temperature, top_k, top_p)
-    return new_tokens.at[:, i].set(token), cache, state
-
-  new_tokens, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (new_tokens, cache, state))
-  return new_tokens
-
-
-def _sample(logits, key, temperature, top_k, top_p):
-  """One token per row from float32 logits [B, V]; greedy when temperature == 0."""
-  if top_k is not None:
-    kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-  greedy = jnp.argmax(logits, axis=-1)
-  scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-  if top_p is not None:  # Keep the smallest set of likeliest tokens whose mass reaches top_p.
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    mass_before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
-        ordered, axis=-1)
-    kept = jnp.where(mass_before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < kept, -jnp.inf, scaled)
-  sampled = jax.random.categorical(key, scaled, axis=-1)
-  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-
-
-MATERIALIZING_ATTENTION = frozenset({"xla", "tokamax_xla", "tokamax_xla_chunked"})
-"""Attention kernels that keep every head's T x T scores for the backward pass.
-
-The others (cuDNN, tokamax's Triton and Mosaic kernels, Pallas flash and
-splash) are flash kernels: they keep the output and a log-sum-exp per query.
-"""
-
-
-def activation_bytes(model: LlamaConfig, seq_len: int, ways: Mapping[str, int],
-                     attention: str) -> int:
-  """Bytes one row of `seq_len` tokens keeps for the backward pass, on one device.
-
-  Per token and block, in the compute dtype (`model.dtype`): the residual
-  stream and the norms (6 x d_model: block input, the two norms' inputs and
-  outputs, the residual after attention), q, k and v after RoPE and the
-  attention output ((2 x heads + 2 x kv_heads) x head_dim), and the SwiGLU
-  MLP's gate, up, sigmoid(gate), silu(gate) and product (5 x mlp_dim). A
-  materializing kernel (`MATERIALIZING_ATTENTION`) adds each head's float32
-  scores and probabilities over the T keys, and the boolean segment mask (T
-  bytes); a flash kernel keeps a float32 log-sum-exp per head instead. After
-  the blocks: the final norm (2 x d_model) and the float32 logits with their
-  gradient (8 bytes x vocab).
-
-  `model.remat` keeps less: "full" keeps each block's input and recomputes
-  one block at a time in the backward pass; "save_dots" keeps the outputs of
-  the weight matmuls (q, k, v, the attention's output projection, gate, up,
-  down) and the block input, and recomputes the rest, one block at a time.
-
-  Sharding: heads, kv_heads, mlp and vocab dimensions are divided by the
-  mesh axes the rules map them to (`ways`, e.g. `tensor` under `fsdp_tp`);
-  the residual stream is replicated over `tensor` (no sequence parallelism).
-  On CPU, XLA's compiled train step of a 2-layer lm-tiny on 8 devices
-  measures within 15% of this plus the gradients and gathered weights, under
-  each rule set (tests/test_memory.py). The remat variants cannot be checked
-  there: XLA's CPU scheduler recomputes early and keeps as much as without.
-  """
-  a, t = np.dtype(model.dtype).itemsize, seq_len
-  d, h = model.d_model, model.resolved_head_dim
-  share = lambda size, name: size // ways.get(name, 1)  # noqa: E731 - this device's part.
-  heads, kv_heads = share(model.num_heads, "heads"), share(model.num_kv_heads, "kv_heads")
-  mlp, vocab = share(model.mlp_dim, "mlp"), share(model.vocab_size, "vocab")
-  if attention in MATERIALIZING_ATTENTION:
-    scores = 2 * 4 * heads * t + t
-  else:
-    scores = 4 * heads
-  block = a * (6 * d + (2 * heads + 2 * kv_heads) * h + 5 * mlp) + scores
-  if model.remat == "full":
-    kept = model.num_layers * a * d + block
-  elif model.remat == "save_dots":
-    kept = model.num_layers * a * (3 * d + (heads + 2 * kv_heads) * h + 2 * mlp) + block
-  else:
-    kept = model.num_layers * block
-  return t * (kept + 2 * a * d + 8 * vocab)
+    return generate
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
