@@ -1,0 +1,194 @@
+"""Reading a Hugging Face Llama directory: the safetensors headers checked, the weights loaded.
+
+Loading is lazy: one tensor at a time is read from disk (`safe_open`), cast to
+the parameter dtype and placed straight onto its sharding, so no full host
+copy of the model ever exists.
+
+Example:
+  >>> from flax import nnx
+  >>> from jax_ai_stack.recipes.models import hf
+  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+  >>> _ = hf.save(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), "tiny")
+  >>> read_index("tiny")["model.norm.weight"].shape
+  (128,)
+  >>> model = load_model("tiny")
+  >>> model.config.num_layers, model.final_norm.scale.shape
+  (4, (128,))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx, traverse_util
+
+from jax_ai_stack.errors import ModelFileError
+from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.hf.config_json import read_config
+from jax_ai_stack.recipes.models.hf.layout import (
+    INDEX_FILE, WEIGHTS_FILE, _model_shapes, _safetensors, tensors)
+
+PROGRESS_MIN_BYTES = 2**30
+"""Checkpoints at least this large show a progress bar while loading."""
+
+_FLOAT_FORMATS = {"F64", "F32", "F16", "BF16"}
+_IGNORED = ("rotary_emb.inv_freq",)
+"""Tensors some older checkpoints carry that are recomputed, not learned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+  """Where a tensor is and what its header says."""
+
+  file: pathlib.Path
+  shape: tuple[int, ...]
+  dtype: str
+
+
+def read_index(directory: str | os.PathLike) -> dict[str, Stored]:
+  """{tensor name: Stored} of a directory's safetensors, from the headers alone.
+
+  Raises:
+    ModelFileError: no weights, a broken index, a shard it names missing or
+      without the tensor, or a header that does not parse (naming the file).
+  """
+  st = _safetensors()
+  directory = pathlib.Path(directory)
+  index_path, single = directory / INDEX_FILE, directory / WEIGHTS_FILE
+  if index_path.is_file():
+    try:
+      weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+      files = {name: directory / file for name, file in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ModelFileError(f"{index_path}: not a safetensors index (no weight_map): {e}") from None
+  elif single.is_file():
+    files = None
+  else:
+    others = sorted(p.name for pattern in ("*.bin", "*.safetensors") for p in directory.glob(pattern))
+    found = (f"; found {', '.join(others)} (only {WEIGHTS_FILE} or a sharded {INDEX_FILE} "
+             "are read)") if others else ""
+    raise ModelFileError(f"{directory}: no {WEIGHTS_FILE} and no {INDEX_FILE}{found}")
+  stored: dict[str, Stored] = {}
+  for path in sorted(set(files.values())) if files is not None else [single]:
+    if not path.is_file():
+      raise ModelFileError(f"{index_path}: names {path.name}, which does not exist")
+    try:
+      with st.safe_open(str(path), framework="numpy") as f:
+        for name in f.keys():
+          header = f.get_slice(name)
+          stored[name] = Stored(path, tuple(header.get_shape()), header.get_dtype())
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError.
+      raise ModelFileError(f"{path}: not a readable safetensors file: {e}") from None
+  if files is not None:
+    for name, path in files.items():
+      if name not in stored or stored[name].file != path:
+        raise ModelFileError(f"{index_path}: tensor {name!r} is not in {path.name}")
+    stored = {name: stored[name] for name in files}
+  return stored
+
+
+def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str, Stored]:
+  """`read_index`, checked against the tensors a `Llama(config)` needs.
+
+  Raises:
+    ModelFileError: naming a missing or unexpected tensor, a shape mismatch
+      (expected and found), or a tensor that is not floating point.
+  """
+  stored = read_index(directory)
+  shapes = _model_shapes(config)
+  needed = tensors(config)
+  for tensor in needed:
+    if tensor.name not in stored:
+      raise ModelFileError(f"{directory}: tensor {tensor.name!r} is missing")
+    found, expected = stored[tensor.name], tensor.hf_shape(shapes[tensor.path])
+    if found.shape != expected:
+      raise ModelFileError(f"{found.file}: tensor {tensor.name!r} has shape {found.shape}, "
+                           f"expected {expected} from the model config")
+    if found.dtype not in _FLOAT_FORMATS:
+      raise ModelFileError(f"{found.file}: tensor {tensor.name!r} has dtype {found.dtype}; "
+                           f"expected one of {', '.join(sorted(_FLOAT_FORMATS))}")
+  known = {t.name for t in needed}
+  if config.tie_embeddings:
+    known.add("lm_head.weight")  # Some tied checkpoints store the copy; it is the embedding.
+  extra = sorted(name for name in stored if name not in known and not name.endswith(_IGNORED))
+  if extra:
+    shown = ", ".join(repr(n) for n in extra[:5])
+    shown += f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+    raise ModelFileError(f"{directory}: unexpected tensor(s) {shown}: the config.json does not "
+                         "describe these weights")
+  return stored
+
+
+def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.State) -> nnx.State:
+  """The parameters of `Llama(config)` read from `directory`, laid out as `target`.
+
+  `target`: the model's (abstract) parameter state, e.g.
+  `nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))`. A
+  leaf that carries a `sharding` (a `jax.ShapeDtypeStruct(..., sharding=s)`)
+  is placed on it, each device receiving only its part; others go to the
+  default device. Each tensor is cast to the leaf's dtype.
+  """
+  st = _safetensors()
+  stored = check_weights(directory, config)
+  leaves = traverse_util.flatten_dict(nnx.to_pure_dict(target))
+  needed = tensors(config)
+  if set(leaves) != {t.path for t in needed}:
+    raise ValueError(f"target is not the parameter state of Llama(config): {sorted(leaves)}")
+  total = sum(math.prod(stored[t.name].shape) * _itemsize(stored[t.name].dtype) for t in needed)
+  values: dict[tuple, jax.Array] = {}
+  handles: dict[pathlib.Path, Any] = {}
+  from tqdm import tqdm
+
+  with contextlib.ExitStack() as files, tqdm(
+      total=total, unit="B", unit_scale=True, desc="load", dynamic_ncols=True,
+      disable=total < PROGRESS_MIN_BYTES) as progress:
+    for tensor in needed:
+      entry, leaf = stored[tensor.name], leaves[tensor.path]
+      if entry.file not in handles:
+        handles[entry.file] = files.enter_context(st.safe_open(str(entry.file), framework="numpy"))
+      try:
+        array = handles[entry.file].get_tensor(tensor.name)
+      except Exception as e:  # noqa: BLE001 - SafetensorError: truncated data, say.
+        raise ModelFileError(f"{entry.file}: tensor {tensor.name!r} is not readable: {e}") from None
+      array = tensor.to_model(array, tuple(leaf.shape)).astype(leaf.dtype, copy=False)
+      values[tensor.path] = _place(array, getattr(leaf, "sharding", None))
+      del array  # One tensor on the host at a time.
+      progress.update(math.prod(entry.shape) * _itemsize(entry.dtype))
+  filled = jax.tree.map(lambda x: x, target)
+  nnx.replace_by_pure_dict(filled, traverse_util.unflatten_dict(values))
+  return filled
+
+
+def _place(array: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+  if sharding is None:
+    return jax.device_put(array)
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _itemsize(dtype: str) -> int:
+  return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
+
+
+def load_model(directory: str | os.PathLike, **overrides: Any):
+  """A `Llama` with the config and weights of a Hugging Face directory (one device).
+
+  `overrides`: `LlamaConfig` fields to change, e.g. `attention_impl="xla"` or
+  `param_dtype="float32"`.
+  """
+  from jax_ai_stack.recipes.models.llama import Llama
+
+  from jax_ai_stack.recipes.models import layer_stack
+
+  config = LlamaConfig(**{**read_config(directory), **overrides})
+  unrolled = dataclasses.replace(config, scan_layers=False)  # The files name each layer.
+  model = nnx.eval_shape(lambda: Llama(unrolled, rngs=nnx.Rngs(0)))
+  nnx.update(model, load_params(directory, unrolled, nnx.state(model)))
+  return layer_stack.convert(model, scan_layers=config.scan_layers)
