@@ -133,16 +133,20 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 
 
 def plot(workdir: str | pathlib.Path) -> pathlib.Path:
-  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl."""
-  import matplotlib
+  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl.
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  Drawn on a figure of its own with the Agg canvas, not through pyplot: the
+  process's matplotlib backend and pyplot's figures are left as they are.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
   records = read_metrics(workdir)
   train_points = [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
   eval_points = [(r["step"], r["eval_loss"]) for r in records if r["split"] == "eval"]
-  figure, axes = plt.subplots(figsize=(7, 4))
+  figure = Figure(figsize=(7, 4))
+  FigureCanvasAgg(figure)
+  axes = figure.subplots()
   if train_points:
     steps, losses = zip(*train_points)
     axes.plot(steps, losses, label="train", alpha=0.4, linewidth=0.8)
@@ -160,7 +164,6 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   figure.tight_layout()
   png = io.BytesIO()
   figure.savefig(png, format="png", dpi=100)
-  plt.close(figure)
   path = pathlib.Path(workdir) / PLOT_FILE
   write_atomically(path, png.getvalue())
   return path
