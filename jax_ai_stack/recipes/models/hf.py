@@ -476,6 +476,14 @@ def load_model(directory: str | os.PathLike, **overrides: Any):
 # ---- writing ----------------------------------------------------------------------
 
 
+def writes(model: nnx.Module) -> bool:
+  """Whether `save` can write `model`: a `Llama` (the one model Hugging Face's Llama
+  layout holds; `export-hf` refuses the others)."""
+  from jax_ai_stack.recipes.models.llama import Llama
+
+  return isinstance(model, Llama)
+
+
 def save(model: nnx.Module, out: str | os.PathLike, *,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
          tokenizer: str | os.PathLike | None = None,
