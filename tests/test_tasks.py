@@ -139,6 +139,30 @@ def test_the_config_validates_through_the_family():
     config.load("digits-cnn", overrides=["data.source=stdlib"])
 
 
+@pytest.mark.parametrize("preset", ["lm-tiny", "digits-cnn"])
+def test_each_family_answers_the_hooks_of_the_generic_modules(preset):
+  from jax_ai_stack.recipes.finetune import quant
+  from jax_ai_stack.recipes.models import hf
+
+  recipe = config.load(preset)
+  task = tasks.for_config(recipe)
+  model = nnx.eval_shape(lambda: task.build_model(0))
+  assert all(callable(getattr(model, method, None)) for method in task.methods)
+  assert hf.writes(model) == (recipe.model.kind == "llama")
+  paths = [rule.module_path for rule in quant.rules("w8a8", recipe.model.kind)]
+  assert paths[:2] == [task.quant_layers.mlp, task.quant_layers.other]
+
+
+def test_a_family_without_quant_layers_is_not_quantized():
+  from jax_ai_stack.recipes.finetune import quant
+  from jax_ai_stack.recipes.finetune.config import DEFAULT_MODULES
+
+  assert Regression.quant_layers is None and Regression.methods == ("__call__",)
+  with pytest.raises(Exception, match="no rules for model.kind='mlp'; kinds: llama, cnn"):
+    quant.rules("w8", "mlp")
+  assert DEFAULT_MODULES == tasks.FAMILIES[0].lora_modules
+
+
 def _family_knowledge() -> dict[str, set[str]]:
   """What names a model family, from the registry: its kinds, its model and model config
   classes, and the modules of its Task and its model."""
