@@ -280,10 +280,12 @@ def test_the_kind_switch_detector_finds_each_kind(tmp_path):
       "from jax_ai_stack.recipes.models.cnn import CNN\n"
       "LAYERS = {'llama': 1, 'cnn': 2}\n"
       "OTHER = dict(cnn=3)\n"
-      "if isinstance(m, LlamaConfig) or m.kind == 'cnn' or isinstance(trainer.model, llama.Llama):\n"
+      "if (isinstance(m, LlamaConfig) or m.kind == 'cnn'\n"
+      "    or isinstance(trainer.model, llama.Llama)):\n"
       "  pass\n"
       "if hasattr(trainer.model, 'decode') and not hasattr(iterator, 'close'):\n"
       "  pass\n")
   found = [s.split(" ", 1)[1].split(" {")[0].split(" (")[0] for s in _kind_switches(bad)]
-  assert sorted(found) == sorted(["imports"] * 3 + ["dict keyed by kind"] * 2
-                                 + ["isinstance with"] * 2 + ["compares with kind", "hasattr on a model"])
+  expected = (["imports"] * 3 + ["dict keyed by kind"] * 2 + ["isinstance with"] * 2
+              + ["compares with kind", "hasattr on a model"])
+  assert sorted(found) == sorted(expected)

@@ -48,6 +48,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 __all__ = [
-    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "QuantLayers", "Task",
+    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "QuantLayers",
+    "Task",
     "classification_loss", "example_inputs", "family", "for_config", "lm_loss",
 ]
