@@ -13,6 +13,7 @@ import time
 import pytest
 
 from jax_ai_stack.recipes import config, train
+from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 from training_helpers import STEPS, TINY, start_training, wait_for_step
 
@@ -133,12 +134,12 @@ def test_a_finished_run_always_has_its_artefacts(reference, tmp_path):
   killed = tmp_path / "killed-after-the-last-save"
   shutil.copytree(workdir, killed)
   (killed / train.PLOT_FILE).unlink()
-  (killed / train.SAMPLE_FILE).unlink()
+  (killed / SAMPLE_FILE).unlink()
   result = jax_ai_stack("train", "lm-tiny", *TINY, f"train.steps={STEPS}", "--workdir", str(killed))
   assert result.returncode == 0, result.stderr
   assert "nothing to do" in result.stdout
   assert (killed / train.PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
-  assert (killed / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
+  assert (killed / SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
 
@@ -34,7 +35,7 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
   assert [r["step"] for r in evals] == [10, 20, 30]
   assert all(r["eval_perplexity"] > 1 for r in evals)
   assert (workdir / train.PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
-  assert (workdir / train.SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
+  assert (workdir / SAMPLE_FILE).read_text(encoding="utf-8").startswith("def ")
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig())
   assert manager.latest_step() == STEPS

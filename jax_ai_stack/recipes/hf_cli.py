@@ -166,7 +166,6 @@ def run_export(args: argparse.Namespace) -> int:
   logs.status(f"exporting {args.workdir} to {args.out} ...")
   from jax_ai_stack.recipes import memory
   from jax_ai_stack.recipes.models import hf
-  from jax_ai_stack.recipes.models.llama import Llama
   from jax_ai_stack.recipes.train import Trainer
 
   try:
@@ -178,7 +177,7 @@ def run_export(args: argparse.Namespace) -> int:
   _empty_or_missing(out, "output directory")
   trainer = Trainer.open_finished(args.workdir)
   try:
-    if not isinstance(trainer.model, Llama):
+    if not hf.writes(trainer.model):
       raise UsageError(f"{args.workdir} trained a {trainer.config.model.kind} model; "
                        "export-hf writes Llama models only")
     data = trainer.config.data

@@ -54,13 +54,12 @@ from jax_ai_stack.recipes import (checkpoint, compile_cache, configlib, distribu
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.finetune import lora, quant
 from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
-from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 __all__ = [
-    "CHECKPOINT_DIR", "METRICS_FILE", "PLOT_FILE", "SAMPLE_FILE", "Trainer", "TrainingError",
+    "CHECKPOINT_DIR", "METRICS_FILE", "PLOT_FILE", "Trainer", "TrainingError",
     "WorkdirError", "read_metrics", "run",
 ]
 

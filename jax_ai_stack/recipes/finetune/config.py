@@ -27,6 +27,7 @@ import re
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.tasks.families import FAMILIES
 
 SCHEMES: dict[str, str] = {
     "w8": "int8 weights",
@@ -67,8 +68,9 @@ class QuantConfig:
 WEIGHT_ONLY = ("w8", "w4")
 """The schemes of `finetune.quant` that quantize weights only: what a QLoRA base may use."""
 
-DEFAULT_MODULES = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
-"""The attention and MLP projections of the Llama model."""
+DEFAULT_MODULES: str = FAMILIES[0].lora_modules
+"""The layers the default model family adapts (`tasks.Family.lora_modules`; for the
+Llama model: its attention and MLP projections)."""
 
 
 @config_dataclass

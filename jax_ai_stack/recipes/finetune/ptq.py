@@ -133,7 +133,7 @@ def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool
       raise WorkdirError(f"no {scheme} parameters in {directory.parent}: run `jax-ai-stack "
                          f"quantize --workdir {workdir} --scheme {scheme}` first")
     trainer.model.eval()
-    method = method if hasattr(trainer.model, method) else "__call__"  # A CNN has no decode.
+    method = method if method in trainer.task.methods else "__call__"  # E.g. no decode.
     model = nnx.eval_shape(lambda: quant.ptq(trainer.model, scheme, trainer.config.model,
                                              method=method))
     with _manager(directory, read_only=True) as manager:

@@ -8,15 +8,17 @@ quantization (`ptq`: Qwix's `PtqProvider` replaces each matched weight by an
 int8 or int4 `QArray` with a float32 scale per output channel), so a model
 trained for a scheme converts to exactly that scheme for serving.
 
-What stays float, and why:
+Which layers each model family quantizes is its Task's `quant_layers` (the
+feed-forward weights, the other matmul weights, and convolutions, which only
+w8a8 quantizes: Qwix's PTQ convolution needs quantized activations too,
+`act_qtype == weight_qtype`). What stays float, and why:
 
-- the Llama token embedding, which is also the output head
-  (`tie_embeddings`): the lookup (`jnp.take`) cannot read a quantized table,
-  and under tracing Qwix would quantize the table when `Embed.attend` uses it.
-  An untied `lm_head` stays float too, so both layouts quantize alike;
+- a token embedding that is also the output head (`tie_embeddings`): the
+  lookup (`jnp.take`) cannot read a quantized table, and under tracing Qwix
+  would quantize the table when `Embed.attend` uses it. An untied `lm_head`
+  stays float too, so both layouts quantize alike;
 - norms and biases (no matmul);
-- CNN convolutions in the weight-only schemes: Qwix's PTQ convolution needs
-  quantized activations too (`act_qtype == weight_qtype`); w8a8 quantizes them.
+- convolutions in the weight-only schemes.
 
 Activations (w8a8) are quantized per token at run time (dynamic range), so
 no calibration data is needed and nothing is added to the model state: a QAT
@@ -51,25 +53,6 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layers:
-  """Module-path regexes (Qwix matches them in full) of one model family."""
-
-  mlp: str
-  """The feed-forward weights (int4 in w4)."""
-  other: str
-  """The other matmul weights that are quantized."""
-  convs: str | None = None
-  """Convolutions: quantized only with their activations (w8a8)."""
-
-
-_LAYERS = {
-    "llama": _Layers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
-                     other=r"layers/\d+/attention/(q|k|v|o)_proj"),
-    "cnn": _Layers(mlp="hidden", other="classifier", convs=r"convs/\d+"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
 class _Scheme:
   mlp_weights: Any
   other_weights: Any
@@ -84,18 +67,31 @@ _SCHEMES = {
 assert _SCHEMES.keys() == SCHEMES.keys()
 
 
+def _layers() -> dict[str, tasks.QuantLayers]:
+  """{model kind: where Qwix quantizes it} of every family whose Task says (`quant_layers`)."""
+  found = {}
+  for family in tasks.FAMILIES:
+    layers = family.task_class().quant_layers
+    if layers is not None:
+      found[family.kind] = layers
+  return found
+
+
 def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
-  """The Qwix rules of `scheme` for a model of `model_kind` ("llama" or "cnn").
+  """The Qwix rules of `scheme` for a model of `model_kind` (a family's `model.kind`).
+
+  The module paths are the family's (`Task.quant_layers`).
 
   Raises:
     SchemeError: `scheme` is not one of `SCHEMES` (the message lists them).
-    ConfigError: no rules are written for `model_kind`.
+    ConfigError: the family of `model_kind` names no layers to quantize.
   """
   spec = _SCHEMES[check_scheme(scheme)]
-  if model_kind not in _LAYERS:
+  known = _layers()
+  if model_kind not in known:
     raise ConfigError(f"quantization has no rules for model.kind={model_kind!r}; "
-                      f"kinds: {', '.join(_LAYERS)}")
-  layers = _LAYERS[model_kind]
+                      f"kinds: {', '.join(known)}")
+  layers = known[model_kind]
   out = [
       qwix.QuantizationRule(module_path=layers.mlp, weight_qtype=spec.mlp_weights,
                             act_qtype=spec.activations),

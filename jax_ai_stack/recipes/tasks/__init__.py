@@ -25,6 +25,7 @@ _SUBMODULES = ("base", "classification", "families", "lm")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",
+    "QuantLayers": "base",
     "Task": "base",
     "ImageClassification": "classification",
     "classification_loss": "classification",
@@ -47,6 +48,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 __all__ = [
-    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "Task",
+    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "QuantLayers",
+    "Task",
     "classification_loss", "example_inputs", "family", "for_config", "lm_loss",
 ]

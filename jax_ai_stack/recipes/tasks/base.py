@@ -25,6 +25,7 @@ Example: what the trainer asks the language-model Task of the lm-tiny preset.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import pathlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -38,7 +39,22 @@ from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import sharding
 from jax_ai_stack.recipes.step import Batch, LossFn
 
-__all__ = ["Batch", "LossFn", "Task"]
+__all__ = ["Batch", "LossFn", "QuantLayers", "Task"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayers:
+  """Module-path regexes (Qwix matches them in full) of one family's quantized layers.
+
+  What `finetune.quant` builds a scheme's Qwix rules from (`Task.quant_layers`).
+  """
+
+  mlp: str
+  """The feed-forward weights (int4 in w4)."""
+  other: str
+  """The other matmul weights that are quantized."""
+  convs: str | None = None
+  """Convolutions: quantized only with their activations (w8a8)."""
 
 
 class Task(abc.ABC):
@@ -53,6 +69,12 @@ class Task(abc.ABC):
   """The model config dataclass this family trains (tagged by its `kind`)."""
   throughput_unit: ClassVar[str] = "examples"
   """What `items_per_step` counts, for the progress bar and logs."""
+  quant_layers: ClassVar[QuantLayers | None] = None
+  """Where Qwix quantizes this family's models (`finetune.quant.rules`); None: nowhere,
+  the family cannot be quantized."""
+  methods: ClassVar[tuple[str, ...]] = ("__call__",)
+  """The model's methods that quantization can intercept ("decode": it generates
+  token by token); a quantized model that lacks the one asked for runs `__call__`."""
 
   def __init__(self, config: Any):
     self.config = config

@@ -20,7 +20,7 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
-from jax_ai_stack.recipes.tasks.base import Batch, Task
+from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
 
 
 def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -36,6 +36,8 @@ class ImageClassification(Task):
 
   model_config = CNNConfig
   throughput_unit = "examples"
+  # Convolutions only in w8a8: Qwix's PTQ convolution needs quantized activations too.
+  quant_layers = QuantLayers(mlp="hidden", other="classifier", convs=r"convs/\d+")
 
   @staticmethod
   def example_inputs(model_config: CNNConfig, method: str = "__call__") -> tuple:

@@ -39,6 +39,14 @@ class Family:
   """"module:Class" of its Task, imported by `task_class`."""
   check: Callable[[Any], None] = _no_check
   """Raises ValueError when the rest of a recipe config does not fit this family."""
+  lora_modules: str | None = None
+  """The layers LoRA adapts by default (`finetune.lora.modules`): a regex of module
+  names; None: the family names none (a recipe must say which)."""
+
+  @property
+  def kind(self) -> str:
+    """The `model.kind` that tags this family's model config in a recipe."""
+    return self.model_config().kind
 
   def task_class(self) -> type[Task]:
     """The family's `Task` subclass (imports its module: jax, flax, ...)."""
@@ -65,8 +73,12 @@ def _check_image_classification(config: Any) -> None:
     )
 
 
+LLAMA_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+"""The attention and MLP projections of the Llama model."""
+
 FAMILIES: tuple[Family, ...] = (
-    Family(LlamaConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model),
+    Family(LlamaConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model,
+           lora_modules=LLAMA_PROJECTIONS),
     Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
            _check_image_classification),
 )

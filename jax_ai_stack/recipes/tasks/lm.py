@@ -29,7 +29,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models import llama
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
-from jax_ai_stack.recipes.tasks.base import Batch, Task
+from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
 
 SAMPLE_FILE = "sample.txt"
 
@@ -60,6 +60,11 @@ class LanguageModel(Task):
 
   model_config = LlamaConfig
   throughput_unit = "tokens"
+  # The token embedding (also the output head when tied) and an untied lm_head
+  # stay float: `jnp.take` cannot read a quantized table.
+  quant_layers = QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
+                             other=r"layers/\d+/attention/(q|k|v|o)_proj")
+  methods = ("__call__", "decode")  # `decode`: one step of `llama.generate`, with a KV cache.
 
   @staticmethod
   def example_inputs(model_config: LlamaConfig, method: str = "__call__") -> tuple:

@@ -36,6 +36,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
 
 
+def writes(model: nnx.Module) -> bool:
+  """Whether `save` can write `model`: a `Llama` (the one model Hugging Face's Llama
+  layout holds; `export-hf` refuses the others)."""
+  from jax_ai_stack.recipes.models.llama import Llama
+
+  return isinstance(model, Llama)
+
+
 def save(model: nnx.Module, out: str | os.PathLike, *,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
          tokenizer: str | os.PathLike | None = None,
