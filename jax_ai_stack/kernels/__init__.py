@@ -20,7 +20,8 @@ Modules, one job each:
   selection        parsing names, probing, deciding
   choice           `Choice` (and `Verdict`): the outcome, its report and JSON
   plan             `AttentionPlan`
-  resolve          `resolve_plan`, and `select` / `report` shortcuts
+  resolve          `resolve_plan` and `plan_for_run`: the one precedence of the settings;
+                   `select` / `report` shortcuts
   sharded          `AttentionSharding`: opaque kernels per shard under a mesh
   attention        `attention`
   autotune_file    the autotune file, read into a plan
@@ -66,9 +67,11 @@ _EXPORTS = {
     "clear_cache": "plan",
     "load_plan": "autotune_file",
     "parse_implementation": "selection",
+    "plan_for_run": "resolve",
     "report": "resolve",
     "resolve_plan": "resolve",
     "select": "resolve",
+    "workdir_autotune_file": "resolve",
 }
 _SUBMODULES = (
     "autotune_file", "autotuning", "blocked", "choice", "cli", "implementations", "names",

@@ -153,7 +153,8 @@ def abstract_mesh(config: sharding.MeshConfig, device_count: int) -> AbstractMes
 
 
 def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
-                    attention: str | None = None) -> MemoryPlan:
+                    attention: str | None = None, environ: Mapping[str, str] | None = None,
+                    autotune_file: str | os.PathLike | None = None) -> MemoryPlan:
   """The per-device memory plan of one training step of `config`.
 
   Args:
@@ -162,7 +163,11 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
       devices, simulated) or a mesh.
     attention: the attention kernel the llama estimate assumes (a name of
       `kernels.IMPLEMENTATIONS`); None: the one the config selects on this
-      backend, as the trainer would.
+      backend, as the trainer would (`kernels.plan_for_run` of the config,
+      `environ` and `autotune_file`).
+    environ: the environment the caller read (`JAX_AI_STACK_ATTENTION`);
+      None: the process's, now.
+    autotune_file: the workdir's autotune file, or None.
 
   Raises:
     ConfigError: the mesh does not fit the device count, or an array or the
@@ -185,7 +190,7 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   params = nnx.state(model, nnx.Param)
   gathered = _gathered_bytes(params, mesh, rules)
   if attention is None and task.attention_request() is not None:
-    attention = _selected_attention(task)
+    attention = _selected_attention(task, environ, autotune_file)
   analytic = task.activation_bytes(ways, attention)
   if analytic is None:
     per_row, source = _measured_activation_bytes(task, model, optimizer,
@@ -231,11 +236,12 @@ def _gathered_bytes(params: Any, mesh: Mesh | AbstractMesh,
   return {path: n for path, n in gathered.items() if n != split[path]}
 
 
-def _selected_attention(task: tasks.Task) -> str:
-  """The kernel the trainer would run here (config, environment; no autotune file)."""
-  plan = kernels.resolve_plan(task.attention_implementation(), origin="model.attention_impl",
-                              environ=os.environ)
-  return plan.select(task.attention_request()).name
+def _selected_attention(task: tasks.Task, environ: Mapping[str, str] | None,
+                        autotune_file: str | os.PathLike | None) -> str:
+  """The kernel a fresh run would train with here (`kernels.plan_for_run`'s precedence)."""
+  _, choice = kernels.plan_for_run(task.attention_request(), task.attention_implementation(),
+                                   environ=environ, autotune_file=autotune_file)
+  return choice.name
 
 
 def _measured_activation_bytes(task: tasks.Task, model: nnx.Module, optimizer: nnx.Optimizer,
@@ -291,13 +297,16 @@ def format_bytes(n: int) -> str:
   return f"{n} B"
 
 
-def dry_run(config: Any, *, device_memory_text: str | None = None) -> str:
+def dry_run(config: Any, *, device_memory_text: str | None = None,
+            environ: Mapping[str, str] | None = None,
+            autotune_file: str | os.PathLike | None = None) -> str:
   """What `jax-ai-stack train --dry-run` prints: the plan on this host's devices.
 
   The device memory is `device_memory_text` if given, else what the device
-  reports. Nothing is trained, allocated, or written.
+  reports; the attention kernel the one `environ` and `autotune_file` select,
+  as for training. Nothing is trained, allocated, or written.
   """
   memory = parse_bytes(device_memory_text) if device_memory_text else device_memory()
-  plan = estimate_memory(config, jax.device_count())
+  plan = estimate_memory(config, jax.device_count(), environ=environ, autotune_file=autotune_file)
   return f"recipe {config.name} on {jax.device_count()} {jax.default_backend()} device(s)\n" + (
       plan.describe(memory))

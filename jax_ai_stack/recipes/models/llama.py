@@ -7,9 +7,10 @@ own matrix, or the embedding transposed when `tie_embeddings`).
 Attention goes through `jax_ai_stack.kernels.attention`, so the choice of kernel
 (XLA, cuDNN, Pallas, ...) lives in one place. Which kernels may run is an
 explicit `kernels.AttentionPlan` given to the model (the trainer resolves one
-per run from the config, the environment and an autotune file); without one,
-the plan is `config.attention_impl` alone. RoPE (with Llama 3.1's frequency
-scaling when `config.rope_scaling` is set) lives in `rope`.
+per run from the config, the environment and an autotune file, through
+`kernels.plan_for_run`); without one, the plan is `config.attention_impl` alone:
+the model reads no environment. RoPE (with Llama 3.1's frequency scaling when
+`config.rope_scaling` is set) lives in `rope`.
 
 Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
 for the sharding recipe to map onto mesh axes:
@@ -308,7 +309,8 @@ class Llama(nnx.Module):
                attention: kernels.AttentionPlan | None = None, layout: Layout | None = None):
     self.config = config
     self.layout = layout
-    attention = attention or kernels.resolve_plan(config.attention_impl, origin="model.attention_impl")
+    attention = attention or kernels.resolve_plan(  # The config alone: no environment.
+        config.attention_impl, origin="model.attention_impl", environ={})
     with eager_sharding_scope():
       self.embed = nnx.Embed(
           config.vocab_size, config.d_model, rngs=rngs,
