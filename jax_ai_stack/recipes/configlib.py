@@ -28,6 +28,7 @@ from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
 from jax_ai_stack import yamlio
 from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes.mesh_axes import prefer_explicit_rest
 
 T = TypeVar("T")
 
@@ -146,7 +147,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
   """A copy of `data` with each `dotted.name=value` set; values parse as YAML.
 
   Overrides are the last layer of a config: a mesh axis they set to -1 (the
-  rest) wins over another axis's -1 from `data` (`sharding_config.prefer_explicit_rest`).
+  rest) wins over another axis's -1 from `data` (`mesh_axes.prefer_explicit_rest`).
   """
   import copy
 
@@ -171,7 +172,5 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     if len(parts) == 2 and parts[0] == "mesh":
       mesh_set.add(parts[1])
   if mesh_set and isinstance(data.get("mesh"), dict):
-    from jax_ai_stack.recipes import sharding_config  # It imports this module.
-
-    data["mesh"] = sharding_config.prefer_explicit_rest(data["mesh"], mesh_set)
+    data["mesh"] = prefer_explicit_rest(data["mesh"], mesh_set)
   return data
