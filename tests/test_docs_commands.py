@@ -402,17 +402,17 @@ def test_minimum_corpus_size_as_documented(tmp_path):
   """README's numbers: lm-tiny's validation split needs 8 x 128 + 1 tokens; 3 KB of notes
   have too few at the default fraction and enough with the documented small-corpus form."""
   from jax_ai_stack.recipes import config
-  from jax_ai_stack.recipes.data import corpus
+  from jax_ai_stack.recipes.data import corpora
 
   readme = DOCS[0].read_text()
   assert "batch_size x seq_len + 1" in readme
   notes = write_text_corpus(tmp_path / "notes.txt", 3)
   small = ["data.source=text", f"data.paths=[{notes}]"]
-  default = corpus.load_corpus(config.load("lm-tiny", overrides=small).data)
+  default = corpora.load_corpus(config.load("lm-tiny", overrides=small).data)
   assert default["validation"].num_tokens < 8 * 128 + 1
   form = re.search(r"`(data\.validation_fraction=\S+ data\.split_chunk_tokens=\S+)`", readme)
   fitted = config.load("lm-tiny", overrides=[*small, *form.group(1).split()])
-  assert corpus.load_corpus(fitted.data)["validation"].num_tokens >= 8 * 128 + 1
+  assert corpora.load_corpus(fitted.data)["validation"].num_tokens >= 8 * 128 + 1
 
 
 # ---- the mesh's -1 -------------------------------------------------------------------

@@ -15,6 +15,7 @@ Modules, in the order data flows:
   permutation the stateless per-epoch order: a Feistel permutation per index
   pipeline    order (seed, epoch, index), per-process shards, workers, state
   token_cache the corpus tokenized once into TensorStore, read per batch (`data.cache`)
+  corpora     `load_corpus`: from memory (corpus) or the token cache
   cli         `jax-ai-stack data prepare`
 
 With `num_workers > 0` Grain starts worker processes with `spawn`: a script
@@ -35,12 +36,12 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("cli", "config", "corpus", "examples", "permutation", "pipeline", "sources",
-               "token_cache", "tokenizers")
+_SUBMODULES = ("cli", "config", "corpora", "corpus", "examples", "permutation", "pipeline",
+               "sources", "token_cache", "tokenizers")
 _EXPORTS = {
     "DataConfig": "config",
     "TokenCorpus": "corpus",
-    "load_corpus": "corpus",
+    "load_corpus": "corpora",
     "DigitsExamples": "examples",
     "LMPacked": "examples",
     "LMWindows": "examples",

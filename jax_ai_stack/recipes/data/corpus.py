@@ -244,25 +244,19 @@ def _cache_key(config: DataConfig) -> tuple:
   )
 
 
-def load_corpus(config: DataConfig) -> dict[Split, TokenCorpus]:
-  """`{"train": TokenCorpus, "validation": TokenCorpus}` for a token source.
+def load_in_memory(config: DataConfig) -> dict[Split, TokenCorpus]:
+  """`{"train": TokenCorpus, "validation": TokenCorpus}` for a token source, held in memory.
 
-  With `data.cache` set, the tokens are read from that TensorStore cache
-  (prepared first when it does not exist) instead of held in memory.
+  What `corpora.load_corpus` gives when `data.cache` is unset (with it, the
+  tokens are read from that TensorStore cache instead, `token_cache`).
 
   Raises:
-    DataError: the corpus is empty, or a file holds bad data (names the file),
-      or `data.cache` does not fit the config (names what differs);
+    DataError: the corpus is empty, or a file holds bad data (names the file);
       a path, glob or tokenizer file that matches nothing is also a
       FileNotFoundError.
     ConfigError: the source is an image set.
   """
   require_token_source(config, "token corpus")
-  if config.cache:
-    # The on-disk cache: tokens stay there and are read per batch.
-    from jax_ai_stack.recipes.data import token_cache  # pylint: disable=g-import-not-at-top
-
-    return token_cache.load_cached_corpus(config)
   key = _cache_key(config)
   if key not in _cache:
     corpus = _build(config)

@@ -83,6 +83,7 @@ from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
 from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.corpora import load_corpus
 from jax_ai_stack.recipes.data.permutation import hash_uniform, permute
 from jax_ai_stack.recipes.data.tokenizers import build_tokenizer
 
@@ -172,7 +173,7 @@ def _lm_too_small(config: DataConfig, split: Split, corpus: corpus_lib.TokenCorp
 
 
 def _lm_examples(config: DataConfig, split: Split):
-  corpus = corpus_lib.load_corpus(config)[split]
+  corpus = load_corpus(config)[split]
   needed = config.batch_size if split == "validation" else 1  # train wraps around epochs
   examples = None
   if corpus.num_tokens >= config.seq_len + 1:

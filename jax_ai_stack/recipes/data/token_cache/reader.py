@@ -181,7 +181,7 @@ class CachedTokens:
 
 
 def split_corpora(cache: TokenCache, config: DataConfig) -> dict[str, corpus_lib.TokenCorpus]:
-  """The train/validation `TokenCorpus` pair `corpus.load_corpus` would build, read from `cache`."""
+  """The train/validation `TokenCorpus` pair `corpus.load_in_memory` would build, read from `cache`."""
   num_docs = cache.num_documents
   if config.max_documents is not None:
     num_docs = min(num_docs, config.max_documents)
@@ -206,7 +206,7 @@ def split_corpora(cache: TokenCache, config: DataConfig) -> dict[str, corpus_lib
 
 
 def load_cached_corpus(config: DataConfig) -> dict[str, corpus_lib.TokenCorpus]:
-  """`load_corpus` for `data.cache`: prepares the cache if it has no manifest, then reads it.
+  """`corpora.load_corpus` for `data.cache`: prepares the cache if it has no manifest, then reads it.
 
   With several processes nobody prepares it (they would all write the same
   files at once): it must be prepared first, once.
