@@ -18,7 +18,8 @@ from jax_ai_stack.recipes import checkpoint, sharding, train
 from jax_ai_stack.recipes.finetune import lora, quant
 from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models import hf, layer_stack
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 
 from multidevice import run_on_devices

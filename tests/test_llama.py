@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models import decoding, llama
-from jax_ai_stack.recipes.models.llama import (
-    KVCache, Llama, LlamaConfig, RopeScaling, apply_rope, generate)
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import KVCache, Llama, LlamaConfig, RopeScaling, apply_rope
 
 # Smaller than `tiny` so that every test compiles in about a second.
 MICRO = dict(
@@ -485,7 +485,8 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       from flax import nnx
       from jax.sharding import NamedSharding, PartitionSpec as P
       from jax_ai_stack.recipes import sharding
-      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+      from jax_ai_stack.recipes.models.decoding import generate
+      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 
       config = LlamaConfig(**{MICRO!r})
       placement = sharding.Placement.build(

@@ -125,7 +125,7 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
 
   `model` (float, or a QAT model) is not changed. Only `method` of the copy
   runs quantized ops (Qwix intercepts one method): "__call__" to evaluate,
-  "decode" for `llama.generate`. A model that is already quantized keeps its
+  "decode" for `decoding.generate`. A model that is already quantized keeps its
   quantized weights, so the same PTQ model can be given another `method`.
   """
   _refuse_scanned(model_config, "post-training quantization")

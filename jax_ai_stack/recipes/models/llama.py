@@ -44,7 +44,8 @@ embedding sits under `embed`, norms are attributes whose names contain `norm`
 
 Beside the model: `decoding.generate` samples with the KV cache and
 `activation_memory.activation_bytes` estimates what training keeps for the
-backward pass; both, and the RoPE functions, are importable from here too.
+backward pass; the RoPE functions and `activation_bytes` are importable from
+here too (`generate` from `decoding`, which builds on this module).
 
 Example:
   >>> from flax import nnx
@@ -56,7 +57,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -420,14 +421,3 @@ def _check_tokens(tokens, **same_shape) -> None:
           f"{name} must have the shape of tokens {tuple(tokens.shape)}; "
           f"got {tuple(value.shape)}"
       )
-
-
-
-
-def __getattr__(name: str) -> Any:
-  """`generate`, which `decoding` defines (it imports this module), on first use."""
-  if name == "generate":
-    from jax_ai_stack.recipes.models.decoding import generate  # pylint: disable=g-import-not-at-top
-
-    return generate
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,8 @@ from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models import llama
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, generate
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
 
 SAMPLE_FILE = "sample.txt"
@@ -64,7 +65,7 @@ class LanguageModel(Task):
   # stay float: `jnp.take` cannot read a quantized table.
   quant_layers = QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
                              other=r"layers/\d+/attention/(q|k|v|o)_proj")
-  methods = ("__call__", "decode")  # `decode`: one step of `llama.generate`, with a KV cache.
+  methods = ("__call__", "decode")  # `decode`: one step of `decoding.generate`, with a KV cache.
 
   @staticmethod
   def example_inputs(model_config: LlamaConfig, method: str = "__call__") -> tuple:
