@@ -18,6 +18,7 @@ from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import compile_cache, train
+from jax_ai_stack.recipes import run as run_lib
 
 from training_helpers import TINY
 
@@ -165,9 +166,9 @@ def test_an_unusable_cache_path_is_one_line_exit_2_and_nothing_written(tmp_path)
 def test_resuming_with_another_cache_setting_warns_of_nothing(caplog):
   saved = {"config": {"train": {"steps": 3, "compile_cache": "auto", "progress": True}}}
   with caplog.at_level(logging.WARNING):
-    train._warn_changes(saved, {"train": {"steps": 3, "compile_cache": "off", "progress": False}},
+    run_lib._warn_changes(saved, {"train": {"steps": 3, "compile_cache": "off", "progress": False}},
                         None)
     assert not caplog.records  # Neither changes a bit of the run.
-    train._warn_changes(saved, {"train": {"steps": 4, "compile_cache": "off"}}, None)
+    run_lib._warn_changes(saved, {"train": {"steps": 4, "compile_cache": "off"}}, None)
   assert "config train.steps changed since the checkpoint: 3 -> 4" in caplog.text
   assert "compile_cache" not in caplog.text

@@ -18,7 +18,7 @@ from flax import nnx
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
 from jax_ai_stack.recipes.checkpoint import io as checkpoint_io
-from jax_ai_stack.recipes.finetune import lora
+from jax_ai_stack.recipes.finetune import lora, lora_merge
 
 from multidevice import run_on_devices
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
@@ -215,7 +215,7 @@ def test_qlora_trains_adapters_over_an_int8_base(base, tmp_path):
   params = flat(nnx.state(tuned.model, nnx.Param))
   assert params["layers/0/mlp/up_proj/kernel/array/qvalue"].dtype == np.int8
   assert not [p for p in checkpoint_paths(tmp_path / "run") if "qvalue" in p]  # Base not saved.
-  out = lora.merge(tmp_path / "run", tmp_path / "merged")
+  out = lora_merge.merge(tmp_path / "run", tmp_path / "merged")
   tokens = jnp.arange(16, dtype=jnp.int32)[None] % 256
   np.testing.assert_allclose(logits(opened(out).model, tokens), logits(tuned.model, tokens),
                              atol=MERGE_TOLERANCE, rtol=MERGE_TOLERANCE)

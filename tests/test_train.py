@@ -14,6 +14,7 @@ import pytest
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes import run as run_lib
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
@@ -276,9 +277,9 @@ def test_eval_and_generate_run_the_kernel_the_training_run_used(tmp_path, monkey
 def test_a_section_newer_than_the_checkpoint_is_no_config_change_warning(caplog):
   saved = {"config": {"train": {"steps": 3}}}  # written before `quant` and `finetune` existed
   with caplog.at_level(logging.WARNING):
-    train._warn_changes(saved, {"train": {"steps": 3}, "quant": {"qat": None}}, None)
+    run_lib._warn_changes(saved, {"train": {"steps": 3}, "quant": {"qat": None}}, None)
     assert not caplog.records
-    train._warn_changes(saved, {"train": {"steps": 4}}, None)
+    run_lib._warn_changes(saved, {"train": {"steps": 4}}, None)
   assert "config train.steps changed since the checkpoint: 3 -> 4" in caplog.text
 
 

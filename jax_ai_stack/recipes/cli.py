@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import sys
 import time
@@ -209,13 +210,15 @@ def run_train(args: argparse.Namespace) -> int:
   if not args.dry_run:
     args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
   if args.dry_run:
+    from jax_ai_stack import kernels
     from jax_ai_stack.recipes import memory
 
-    print(memory.dry_run(config, device_memory_text=args.device_memory))
+    print(memory.dry_run(config, device_memory_text=args.device_memory, environ=os.environ,
+                         autotune_file=kernels.workdir_autotune_file(workdir)))
     return 0
   try:
     result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
-                       import_s=import_s, on_open=args.log_routes.release)
+                       import_s=import_s, on_open=args.log_routes.release, environ=os.environ)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
@@ -304,16 +307,17 @@ def _check_quantized(args: argparse.Namespace) -> None:
 
 def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   """The trained run, or with --quantized its quantized parameters (`ptq.open_quantized`)."""
-  from jax_ai_stack.recipes.train import Trainer
+  from jax_ai_stack.recipes.run import build_run
 
   overrides = eval_overrides(args) if validation else []
   try:
     if not getattr(args, "quantized", None):
-      return Trainer.open_finished(args.workdir, validation=validation, overrides=overrides)
+      return build_run(None, args.workdir, mode="read", validation=validation,
+                       overrides=overrides, environ=os.environ)
     from jax_ai_stack.recipes.finetune import ptq
 
     return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
-                              method=method, overrides=overrides)
+                              method=method, overrides=overrides, environ=os.environ)
   except DataError as e:
     raise DataError(f"{e}\n{too_small_hint(args)}") from None
 

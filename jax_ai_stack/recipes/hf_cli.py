@@ -38,6 +38,7 @@ Example: the recipe `import-hf` builds from a config.json and the command line.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shutil
 import sys
@@ -97,7 +98,7 @@ def run_import(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
-  from jax_ai_stack.recipes.train import Trainer
+  from jax_ai_stack.recipes.run import build_run
 
   source = pathlib.Path(args.directory)
   workdir = pathlib.Path(args.workdir).absolute()
@@ -122,12 +123,12 @@ def run_import(args: argparse.Namespace) -> int:
       shutil.copyfile(tokenizer, workdir / hf.TOKENIZER_FILE)
     (workdir / CONFIG_YAML).write_text(
         "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
-    trainer = Trainer.open(config, workdir, resume="never", initial_params=lambda target: (
-        hf.load_params(source, config.model, target)))
+    run = build_run(config, workdir, mode="train", resume="never", environ=os.environ,
+                    initial_params=lambda target: hf.load_params(source, config.model, target))
     try:
-      trainer.save(force=True)
+      run.save(force=True)
     finally:
-      trainer.close()
+      run.close()
   except BaseException:
     if created:
       shutil.rmtree(workdir, ignore_errors=True)
@@ -166,7 +167,7 @@ def run_export(args: argparse.Namespace) -> int:
   logs.status(f"exporting {args.workdir} to {args.out} ...")
   from jax_ai_stack.recipes import memory
   from jax_ai_stack.recipes.models import hf
-  from jax_ai_stack.recipes.train import Trainer
+  from jax_ai_stack.recipes.run import build_run
 
   try:
     max_bytes = memory.parse_bytes(args.max_shard_size)
@@ -175,7 +176,7 @@ def run_export(args: argparse.Namespace) -> int:
                      "write e.g. 5GB or 500MiB") from None
   out = pathlib.Path(args.out)
   _empty_or_missing(out, "output directory")
-  trainer = Trainer.open_finished(args.workdir)
+  trainer = build_run(None, args.workdir, mode="read", environ=os.environ)
   try:
     if not hf.writes(trainer.model):
       raise UsageError(f"{args.workdir} trained a {trainer.config.model.kind} model; "

@@ -8,7 +8,8 @@ converts a finished run (PTQ).
 Modules:
   config      the `finetune` and `quant` sections and the scheme names (no jax)
   quant       Qwix rules of each scheme for the recipe models; `qat` and `ptq` of a model
-  lora        adapters on a frozen base, their checkpoints, `merge`
+  lora        adapters on a frozen base, their checkpoints (what a run builds with)
+  lora_merge  `merge`: a LoRA run's adapters folded into a plain run
   ptq         quantize a finished run, compare it with float, save it, serve it
   lora_cli    `jax-ai-stack lora merge`
   quant_cli   `jax-ai-stack quantize`
@@ -23,7 +24,7 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config", "lora", "lora_cli", "ptq", "quant", "quant_cli")
+_SUBMODULES = ("config", "lora", "lora_cli", "lora_merge", "ptq", "quant", "quant_cli")
 _EXPORTS = {
     "FinetuneConfig": "config",
     "LoraConfig": "config",

@@ -15,7 +15,8 @@ from there, so a run stays small on disk; a base that vanished or changed
 (another checksum) is a `BaseCheckpointError`, never a silent mix.
 
 Qwix adds the adapters inside the model's `__call__` only, so what decodes
-(generation, `merge`) uses `merged_model`: W + (alpha / r) A B in a plain model.
+(generation, `finetune.merge`) uses `merged_model`: W + (alpha / r) A B in a
+plain model.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -368,46 +369,3 @@ def eval_change(workdir: str | pathlib.Path) -> str | None:
   first, last = evals[0], evals[-1]
   return (f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
           f"{last['eval_loss']:.4f} at step {last['step']}")
-
-
-def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
-  """Writes a LoRA run's merged weights (base + adapters) as a plain run in `out`.
-
-  `out` (default `<workdir>-merged`) is a normal workdir: one checkpoint at the
-  LoRA run's step, its config without `finetune`, a fresh optimizer state, so
-  `eval` and `generate` (and further training) work on it without the base.
-  An `out` that already has checkpoints is refused; nothing there changes.
-  """
-  from jax_ai_stack.errors import UsageError
-  from jax_ai_stack.recipes import configlib, optim, tasks, train
-
-  workdir = pathlib.Path(workdir)
-  out = pathlib.Path(out) if out is not None else workdir.with_name(workdir.name + "-merged")
-  if out.absolute() == workdir.absolute():
-    raise UsageError(f"--out {out} is the LoRA run's own workdir: choose another directory")
-  if (out / train.CHECKPOINT_DIR).is_dir() and any((out / train.CHECKPOINT_DIR).iterdir()):
-    raise WorkdirError(f"{out} already has checkpoints: choose another --out (nothing was changed)")
-  trainer = train.Trainer.open_finished(workdir)
-  try:
-    if trainer.finetune is None or trainer.finetune.lora is None:
-      raise WorkdirError(f"{workdir} is not a LoRA run (no finetune.lora): its checkpoint "
-                         "already holds full weights")
-    config = dataclasses.replace(trainer.config, finetune=FinetuneConfig())
-    model = trainer.inference_model()
-    optimizer = optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
-    metadata = {"step": trainer.step, "config": configlib.to_dict(config),
-                "merged_from": {"workdir": str(workdir.absolute()), **trainer.finetune.base}}
-    if trainer.attention_choice is not None:
-      metadata["attention"] = {**trainer.attention_choice.to_dict(),
-                               "plan": trainer.attention.to_dict()}
-    step = trainer.step
-  finally:
-    trainer.close()
-  train.prepare_workdir(out, read_only=False)
-  data = iter(tasks.for_config(config).dataset("train", config.train.seed))
-  manager = checkpoint.build_manager(out / train.CHECKPOINT_DIR, config.checkpoint)
-  try:
-    checkpoint.save(manager, step, nnx.state((model, optimizer)), data, metadata, force=True)
-  finally:
-    manager.close()
-  return out

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jax_ai_stack import logs
@@ -46,8 +47,8 @@ def _missing_action(args: argparse.Namespace) -> int:
 
 def run_merge(args: argparse.Namespace) -> int:
   logs.status(f"merging the adapters of {args.workdir} ...")
-  from jax_ai_stack.recipes.finetune import lora
+  from jax_ai_stack.recipes.finetune import lora_merge
 
-  out = lora.merge(args.workdir, args.out)
+  out = lora_merge.merge(args.workdir, args.out, environ=os.environ)
   print(f"merged weights written to {out} (eval: jax-ai-stack eval --workdir {out})")
   return 0

@@ -4,7 +4,7 @@
 Qwix's PTQ model of it (`quant.ptq`), evaluates both on the run's validation
 batches, and saves the quantized parameters (int8/int4 values and their
 scales) under `<workdir>/quantized/<scheme>/<step>/`. `open_quantized` gives
-back a read-only `Trainer` whose model is that quantized one, which is what
+back a read-only `Run` whose model is that quantized one, which is what
 `eval --quantized` and `generate --quantized` run.
 
 A run trained with `quant.qat` quantizes to its own scheme by default: QAT
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +38,7 @@ from flax import nnx
 from jax_ai_stack.errors import UsageError, WorkdirError
 from jax_ai_stack.recipes import checkpoint
 from jax_ai_stack.recipes.finetune import quant
-from jax_ai_stack.recipes.train import Trainer, prepare_workdir
+from jax_ai_stack.recipes.run import Run, build_run, prepare_workdir
 
 QUANTIZED_DIR = "quantized"
 """In the workdir: one directory per scheme, holding the newest quantized step."""
@@ -83,10 +83,12 @@ def quantized_dir(workdir: str | pathlib.Path, scheme: str) -> pathlib.Path:
 
 
 def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
-                 overrides: Sequence[str] = ()) -> Report:
+                 overrides: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> Report:
   """Quantizes the run in `workdir` with `scheme` (default: its `quant.qat`), evaluates, saves.
 
-  `overrides` (dotted data fields) apply over the run's saved config for the evaluation.
+  `overrides` (dotted data fields) apply over the run's saved config for the evaluation;
+  `environ` is `build_run`'s.
 
   Raises:
     SchemeError: an unknown scheme (before anything is opened).
@@ -96,7 +98,8 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
   if scheme is not None:
     quant.check_scheme(scheme)
   workdir = pathlib.Path(workdir)
-  trainer = Trainer.open_finished(workdir, validation=True, overrides=overrides)
+  trainer = build_run(None, workdir, mode="read", validation=True, overrides=overrides,
+                      environ=environ)
   try:
     config = trainer.config
     qat = config.quant.qat
@@ -120,14 +123,16 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
 
 
 def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool = False,
-                   method: str = "__call__", overrides: Sequence[str] = ()) -> Trainer:
+                   method: str = "__call__", overrides: Sequence[str] = (),
+                   environ: Mapping[str, str] | None = None) -> Run:
   """The finished run in `workdir`, read-only, with its saved `scheme` parameters.
 
   `method`: what the model runs quantized ("__call__": evaluation; "decode":
   `generate`). Raises WorkdirError when `quantize` has not saved `scheme` there.
   """
   directory = quantized_dir(workdir, scheme)
-  trainer = Trainer.open_finished(workdir, validation=validation, overrides=overrides)
+  trainer = build_run(None, workdir, mode="read", validation=validation, overrides=overrides,
+                      environ=environ)
   try:
     if not directory.is_dir():
       raise WorkdirError(f"no {scheme} parameters in {directory.parent}: run `jax-ai-stack "
@@ -156,7 +161,7 @@ def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool
     raise
 
 
-def _with_model(trainer: Trainer, model: nnx.Module) -> Trainer:
+def _with_model(trainer: Run, model: nnx.Module) -> Run:
   """`trainer` evaluating and generating with `model` (no optimizer: it does not train)."""
   graphdef, state = nnx.split(model)
   loss = trainer.task.loss

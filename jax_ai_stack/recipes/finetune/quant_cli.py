@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jax_ai_stack import logs
@@ -62,7 +63,7 @@ def run_quantize(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes.finetune import ptq
 
   try:
-    report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides)
+    report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides, environ=os.environ)
   except DataError as e:
     raise DataError(f"{e}\n{too_small_hint(args)}") from None
   if report.trained.startswith("qat") and report.trained != f"qat {report.scheme}":

@@ -1,0 +1,445 @@
+"""`build_run`: a workdir and a recipe in, a `Run` out (restored, or fresh from the seed).
+
+The one way into a workdir. `train` opens one to train (`mode="train"`: train
+data, writable, resumed from the newest checkpoint or initialised); `eval`,
+`generate`, `quantize`, `lora merge` and `export-hf` open a finished one
+read-only (`mode="read"`: the saved config and attention plan, no train data,
+nothing written); `import-hf` opens a fresh one with given parameters. Each
+caller passes what it knows as keywords; the environment comes in once, as a
+mapping, from the command line (or the process's, for a notebook).
+
+The attention plan is `kernels.plan_for_run`'s (one precedence: config,
+environment, the workdir's autotune file, the checkpoint's plan, the backend's
+preference); the model is built with it and reads nothing else.
+
+A `Run` holds the pieces (Task, model, optimizer, jitted steps, state, step,
+placement, checkpoints) and what works on them without a training loop:
+`evaluate`, `generate`, `save`, `inference_model`. `train.Trainer` adds the loop.
+
+Example:
+  >>> from jax_ai_stack.recipes import config
+  >>> cfg = config.load("lm-tiny", overrides=["train.steps=2", "model.num_layers=1"])
+  >>> run = build_run(cfg, "/tmp/doctest-run", resume="never")  # doctest: +SKIP
+  >>> build_run(None, "no-run-here", mode="read")
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.errors.WorkdirError: no checkpoints in no-run-here: train there first
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import grain
+import jax
+from flax import nnx
+
+from jax_ai_stack import determinism, kernels
+from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.errors import ConfigError, DataError, WorkdirError
+from jax_ai_stack.recipes import (checkpoint, configlib, optim, sharding, step, tasks)
+from jax_ai_stack.recipes.config import RecipeConfig, from_json
+from jax_ai_stack.recipes.finetune import lora, quant
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+"""The workdir's subdirectory of Orbax steps."""
+
+Mode = Literal["train", "read"]
+__all__ = ["CHECKPOINT_DIR", "Run", "build_run", "prepare_workdir"]
+
+
+def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
+  """Checks (and for training creates) the workdir; WorkdirError says what is wrong."""
+  if workdir.exists() and not workdir.is_dir():
+    raise WorkdirError(f"workdir {workdir} is a file, not a directory")
+  if read_only:
+    if not (workdir / CHECKPOINT_DIR).is_dir():
+      raise WorkdirError(f"no checkpoints in {workdir}: train there first")
+    return
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / f".write-test-{os.getpid()}"  # Other hosts may probe it too.
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+
+
+_NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"), ("train", "log_every"))
+"""Config fields a resume may change without changing a single bit of the run."""
+
+
+def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -> None:
+  """Warns about what differs from the checkpoint's run (config, attention kernel).
+
+  A new `mesh` is no warning: the checkpoint is restored onto it bitwise
+  (Orbax reshards), so only where the arrays live changed; the steps after it
+  sum in another order, as on any other mesh. It is logged at info level.
+  """
+  saved_config = dict(metadata.get("config", {}))
+  for section, field in _NOT_NUMERICS:  # Settings that change no bits: no warning.
+    saved_config[section] = {k: v for k, v in saved_config.get(section, {}).items() if k != field}
+    config = {**config, section: {k: v for k, v in config.get(section, {}).items() if k != field}}
+  if "mesh" in saved_config and saved_config.pop("mesh") != config.get("mesh"):
+    log.info("restored onto a new mesh (config mesh changed since the checkpoint)")
+  _warn_config_changes(saved_config, {k: v for k, v in config.items() if k != "mesh"})
+  saved = metadata.get("attention", {}).get("implementation")
+  if choice is not None and saved and saved != choice.name:
+    log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
+                "run will not be bitwise identical to one that never stopped", saved, choice.name)
+
+
+def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
+  """Says which settings differ from the checkpoint's: resuming with them breaks bit-exactness."""
+  for key in sorted(saved.keys() | current.keys()):
+    a, b = saved.get(key), current.get(key)
+    if key not in saved:  # A setting newer than the checkpoint (e.g. a new section).
+      log.info("config %s%s is not in the checkpoint (written by an older version)", prefix, key)
+    elif isinstance(a, dict) and isinstance(b, dict):
+      _warn_config_changes(a, b, f"{prefix}{key}.")
+    elif a != b:
+      log.warning("config %s%s changed since the checkpoint: %r -> %r", prefix, key, a, b)
+
+
+@dataclasses.dataclass
+class Run:
+  """A run opened in a workdir: its Task, model, steps, state and checkpoints."""
+
+  config: RecipeConfig
+  task: tasks.Task
+  workdir: pathlib.Path
+  manager: checkpoint.Manager
+  model: nnx.Module
+  optimizer: nnx.Optimizer
+  train_step: Callable[[nnx.State, tasks.Batch], tuple[nnx.State, dict]]
+  eval_step: Callable[[nnx.State, tasks.Batch], dict]
+  state: nnx.State
+  step: int
+  attention: kernels.AttentionPlan | None
+  attention_choice: kernels.Choice | None
+  placement: sharding.Placement
+  """The mesh and the rules that lay out the state and each batch."""
+  train_batches: Iterator[tasks.Batch] | None
+  """The train iterator (Grain's, checkpointed with the state); None when read-only."""
+  validation: grain.IterDataset | None
+  """None when evaluation is off (`train.eval_every=0`) and for generation."""
+  finetune: lora.Finetune | None = None
+  """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
+  converted: str | None = None
+  """What the restore converted (a step of the other `model.scan_layers` layout), else None."""
+
+  def evaluate(self) -> dict[str, float]:
+    """Mean metrics over the first `train.eval_batches` validation batches."""
+    if self.validation is None:
+      raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
+    totals: dict[str, float] = {}
+    batches = 0
+    iterator = iter(self.validation)
+    try:
+      for batch in iterator:
+        if batches == self.config.train.eval_batches:
+          break
+        metrics = self.eval_step(self.state, self.placement.batch(batch))
+        for k, v in step.host_metrics(metrics).items():
+          totals[k] = totals.get(k, 0.0) + v
+        batches += 1
+    finally:
+      if hasattr(iterator, "close"):
+        iterator.close()  # Stops its prefetch thread now, not at garbage collection.
+    if batches == 0:
+      raise ConfigError(
+          "the validation split has no full batch: lower data.batch_size, raise "
+          "data.validation_fraction, or turn evaluation off with train.eval_every=0"
+      )
+    return self.task.evaluation({f"eval_{k}": v / batches for k, v in totals.items() if k != "tokens"})
+
+  def checkpoint_metadata(self) -> dict[str, Any]:
+    """What a checkpoint of this run records beside the arrays: step, config, plan, base."""
+    metadata = {"step": self.step, "config": configlib.to_dict(self.config)}
+    if self.attention_choice is not None:
+      metadata["attention"] = {**self.attention_choice.to_dict(), "plan": self.attention.to_dict()}
+    if self.finetune is not None and self.finetune.metadata():
+      metadata["finetune"] = self.finetune.metadata()  # The base, which LoRA checkpoints lack.
+    return metadata
+
+  def save(self, *, force: bool) -> bool:
+    """Saves state, data position and metadata as one step (see `checkpoint.save`).
+
+    Inside `Trainer.fit` the write goes on in the background; called alone, it
+    returns when the step is on disk.
+    """
+    # Orbax copies the arrays to host memory before save() returns, so the next
+    # step may donate (reuse) their buffers; the resume tests check the bits.
+    saved = self.finetune.saved(self.state) if self.finetune is not None else self.state
+    return checkpoint.save(self.manager, self.step, saved, self.train_batches,
+                           self.checkpoint_metadata(), force=force)
+
+  def generate(self, prompt: str, max_new_tokens: int, temperature: float, *,
+               seed: int | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> str:
+    """`prompt` continued; `seed` None: the run's `train.seed`."""
+    seed = self.config.train.seed if seed is None else seed
+    with self.kernel_configs():
+      return self.task.generate(self.inference_model(), prompt, max_new_tokens, temperature,
+                                seed, top_k=top_k, top_p=top_p)
+
+  def inference_model(self) -> nnx.Module:
+    """The model that decodes: a LoRA run's base and adapters merged (Qwix adds
+    the adapters only inside `__call__`, not in `decode`)."""
+    if self.finetune is None or self.finetune.lora is None:
+      return self.model
+    return lora.merged_model(self.model, lambda: self.task.build_model(
+        self.config.train.seed, self.attention, self.placement.layout()), self.finetune.scale)
+
+  def close(self) -> None:
+    self.manager.close()
+
+  def kernel_configs(self):
+    """tokamax's tuned kernel configs (from an autotune file) while steps trace."""
+    return self.attention.kernel_configs() if self.attention else contextlib.nullcontext()
+
+  def describe(self) -> str:
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+    if self.finetune is not None and self.finetune.lora is not None:
+      trained = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.LoRAParam)))
+      n_params = f"{n_params:,} parameters ({trained:,} in LoRA adapters, the rest frozen)"
+    else:
+      n_params = f"{n_params:,} parameters"
+    return (f"recipe {self.config.name}: {n_params} on {jax.default_backend()} "
+            f"({jax.device_count()} device(s), {self.placement.describe()}); "
+            f"workdir {self.workdir}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+  """What opening a workdir settled, before the model and state exist."""
+
+  config: RecipeConfig
+  task: tasks.Task
+  workdir: pathlib.Path
+  manager: checkpoint.Manager
+  plan: kernels.AttentionPlan | None
+  choice: kernels.Choice | None
+  train_data: grain.IterDataset | None
+  """None: read-only (no data position to restore, nothing to train)."""
+  validation: grain.IterDataset | None
+  restore: bool
+  """Whether the manager has a step to restore."""
+
+
+def build_run(
+    config: RecipeConfig | None,
+    workdir: str | pathlib.Path,
+    *,
+    mode: Mode = "train",
+    environ: Mapping[str, str] | None = None,
+    resume: str = "auto",
+    initial_params: Callable[[nnx.State], nnx.State] | None = None,
+    overrides: Sequence[str] = (),
+    task: tasks.Task | None = None,
+    validation: bool | None = None,
+) -> Run:
+  """Opens `workdir` into a `Run`: restored from its newest checkpoint, else initialised.
+
+  Either way the state is created already laid out on the run's mesh (never
+  a full copy on one device first).
+
+  Args:
+    config: the recipe to train (`mode="train"`; any config with `train`,
+      `optim`, `checkpoint` sections that `task` understands). None for
+      `mode="read"`: the run's saved config.
+    workdir: `mode="train"`: created if missing; must be writable. `mode="read"`:
+      a workdir with checkpoints; nothing in it is written.
+    mode: "train" or "read" (a finished run: no train data, its saved attention plan).
+    environ: where `JAX_AI_STACK_ATTENTION` is read, once, here; None: the
+      process's environment (the command line passes it).
+    resume: "auto" continues a run; "never" refuses a workdir with checkpoints.
+    initial_params: a fresh run's parameters instead of the seed's initialisation:
+      called with the model's abstract parameter state (ShapeDtypeStructs with
+      their shardings), returns it filled (e.g. by `models.hf.load_params`).
+    overrides: `mode="read"`: dotted settings over the saved config
+      (`data.validation_fraction=0.2`).
+    task: the model family; default `tasks.for_config(config)`.
+    validation: build the validation split; default: when `train.eval_every`
+      asks for it (train), never (read).
+
+  Raises:
+    WorkdirError: the workdir is unusable, has no checkpoint (read), or has
+      checkpoints and `resume` is "never".
+    ConfigError, DataError: as the Task and the builders raise them, before
+      anything in the workdir is written.
+  """
+  ensure_absl_flags_parsed()
+  environ = os.environ if environ is None else environ  # The one read of the environment.
+  workdir = pathlib.Path(workdir)
+  if mode == "read":
+    opened = _open_finished(workdir, environ=environ, overrides=overrides,
+                            validation=bool(validation))
+  elif mode == "train":
+    opened = _open_to_train(config, workdir, environ=environ, resume=resume, task=task,
+                            validation=validation)
+  else:
+    raise ValueError(f"mode must be 'train' or 'read', not {mode!r}")
+  try:
+    return _assemble(opened, initial_params=initial_params)
+  except BaseException:
+    opened.manager.close()
+    raise
+
+
+def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapping[str, str],
+                   resume: str, task: tasks.Task | None, validation: bool | None) -> _Opened:
+  """Checks, data, attention plan and checkpoint manager of a run to train."""
+  determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
+  task = task or tasks.for_config(config)
+  prepare_workdir(workdir, read_only=False)
+  task.check_data()  # Bad input is refused before anything in the workdir is opened.
+  autotune_path = workdir / kernels.AUTOTUNE_FILENAME
+  if config.train.autotune_attention and not autotune_path.exists():
+    if jax.process_count() > 1:
+      raise ConfigError(  # Each process would time the kernels and might choose another one.
+          "train.autotune_attention=true tunes in one process only: run the recipe once on one "
+          f"host to write {autotune_path}, then launch every process")
+    if task.attention_request() is not None:
+      kernels.autotune([task.attention_request()], autotune_path)
+  settings = dict(implementation=task.attention_implementation(), environ=environ,
+                  autotune_file=kernels.workdir_autotune_file(workdir))
+  plan, choice = kernels.plan_for_run(task.attention_request(), **settings)  # Bad names: now.
+  train_data = task.dataset("train", config.train.seed)
+  validation_data = None
+  if config.train.eval_every if validation is None else validation:
+    try:
+      validation_data = task.dataset("validation", config.train.seed)
+    except DataError as e:  # The train split loaded: the held-out one is too small.
+      config = _without_evaluation(config)
+      print(f"note: evaluation is off for this run (train.eval_every=0): {e}", flush=True)
+  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
+  try:
+    latest = manager.latest_step()
+    if latest is not None and resume == "never":
+      raise WorkdirError(
+          f"workdir {workdir} already has checkpoints (newest step {latest}) and resume is "
+          "'never': choose another --workdir, or resume with --resume auto"
+      )
+    if latest is not None:  # The kernel it trained with, unless one is named.
+      plan, choice = kernels.plan_for_run(task.attention_request(), **settings,
+                                          saved=_saved_attention(manager))
+  except BaseException:
+    manager.close()
+    raise
+  return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
+                 choice=choice, train_data=train_data, validation=validation_data,
+                 restore=latest is not None)
+
+
+def _saved_attention(manager: checkpoint.Manager) -> dict | None:
+  """The newest checkpoint's `attention` metadata; None when no step's metadata reads
+  (the restore says so, naming each)."""
+  try:
+    return checkpoint.read_metadata(manager).get("attention")
+  except WorkdirError:
+    return None
+
+
+def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
+                   overrides: Sequence[str], validation: bool) -> _Opened:
+  """A trained run, read-only, with its saved config and attention plan.
+
+  No train data is built and nothing in the workdir is written, so an
+  archived run on a read-only disk works.
+  """
+  prepare_workdir(workdir, read_only=True)
+  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                     read_only=True)
+  try:
+    if manager.latest_step() is None:
+      raise WorkdirError(f"no checkpoints in {workdir / CHECKPOINT_DIR}: train there first")
+    metadata = checkpoint.read_metadata(manager)
+    config = from_json(metadata["config"])
+    if overrides:
+      config = configlib.from_dict(
+          RecipeConfig, configlib.apply_overrides(configlib.to_dict(config), list(overrides)),
+          source=f"{workdir}'s config + overrides {' '.join(overrides)}")
+    task = tasks.for_config(config)
+    plan, choice = kernels.plan_for_run(
+        task.attention_request(), task.attention_implementation(), environ=environ,
+        autotune_file=kernels.workdir_autotune_file(workdir), saved=metadata.get("attention"),
+        read_only=True)
+    data = task.dataset("validation", config.train.seed) if validation else None
+  except BaseException:
+    manager.close()
+    raise
+  return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
+                 choice=choice, train_data=None, validation=data, restore=True)
+
+
+def _assemble(opened: _Opened, *, initial_params=None) -> Run:
+  """Model, optimizer and steps, restored into (no initialisation) or initialised."""
+  config, task, plan = opened.config, opened.task, opened.plan
+  finetune = lora.Finetune.of(config)
+
+  def create(params=None):
+    model = task.build_model(config.train.seed, plan, placement.layout())
+    if params is not None:  # Given parameters: the initialisers become dead code.
+      nnx.update(model, params)
+    model = quant.qat(model, config)  # Fake quantization (quant.qat); else unchanged.
+    model = finetune.apply(model)  # LoRA adapters (finetune.lora); else unchanged.
+    return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
+                                        wrt=finetune.wrt)
+
+  placement = sharding.Placement.build(config.mesh, task.batch_axes())
+  model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
+  state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
+  train_step, eval_step, abstract = step.make_steps(model, optimizer, task.loss,
+                                                    state_sharding=state_sharding)
+  train_data = opened.train_data
+  train_batches = iter(train_data) if train_data is not None else None
+  restored = None
+  if opened.restore:  # Into shapes only: no initialisation when a checkpoint exists.
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
+    restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches)
+    if restored is None and train_data is None:
+      raise WorkdirError(f"no readable checkpoint in {opened.manager.directory}")
+  if restored is None:  # A fresh run (restore raises when steps exist and none reads).
+    train_batches = iter(train_data)
+    # One compiled program that writes each array straight to its devices
+    # (eagerly, each initialiser would also compile on its own).
+    if initial_params is None:
+      state = jax.jit(lambda: finetune.saved(nnx.state(create())),  # No frozen base init.
+                      out_shardings=finetune.saved(state_sharding))()
+    else:  # Placed by `initial_params`, then donated: one copy on the devices.
+      bare = nnx.state(nnx.eval_shape(  # The Task's model, before QAT or adapters.
+          lambda: task.build_model(config.train.seed, plan, placement.layout())))
+      params = initial_params(jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+          bare, placement.state_shardings(bare)))
+      state = jax.jit(lambda p: finetune.saved(nnx.state(create(p))),
+                      out_shardings=finetune.saved(state_sharding), donate_argnums=0)(params)
+    start = 0
+  else:
+    state = jax.device_put(restored.state, finetune.saved(state_sharding))
+    start = restored.step
+    if start:  # Step 0 (import-hf's) has trained under no config: nothing to keep bitwise.
+      _warn_changes(restored.metadata, configlib.to_dict(config), opened.choice)
+  state = finetune.with_base(state, abstract, state_sharding,
+                             restored.metadata if restored else None, model=model)
+  step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
+  return Run(config=config, task=task, workdir=opened.workdir, manager=opened.manager,
+             model=model, optimizer=optimizer, train_step=train_step, eval_step=eval_step,
+             state=state, step=start, attention=plan, attention_choice=opened.choice,
+             placement=placement, train_batches=train_batches, validation=opened.validation,
+             finetune=finetune, converted=restored.converted if restored else None)
+
+
+def _without_evaluation(config):
+  """`config` with `train.eval_every=0`: a run whose validation split has no full batch."""
+  return dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=0))

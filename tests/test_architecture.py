@@ -1,0 +1,190 @@
+"""The import graph of `jax_ai_stack`: a DAG, and no module imports one of a layer above it.
+
+The graph is read statically (`ast`, nothing imported): every `import` and
+`from ... import` of every module, at module level and inside functions,
+relative ones resolved, `from package import name` counted as the submodule
+when `name` is one. Imports under `if TYPE_CHECKING:` never run (annotations
+only) and are left out. A package's `__init__` runs before any of its
+modules, so it may sit no higher than they do.
+
+A cycle is fixed by moving the shared piece down into a module both sides may
+import, not by hiding an import inside a function: those count here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_ai_stack"
+
+LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("foundations", "the standard library and each other only; a package facade loads its "
+     "modules on first use, so importing it costs nothing", (
+         "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "absl_flags",
+         "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
+         "recipes.finetune")),
+    ("environment and kernels", "what is installed, and which attention kernel runs where: "
+     "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
+    ("recipe configs", "the config tree (and the family table it names) loads, validates and "
+     "prints without jax", (
+         "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
+         "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
+         "recipes.models.configs", "recipes.tasks", "recipes.tasks.families")),
+    ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
+     "checkpoint manager, Task) from a config; none opens a workdir as a run", (
+         "recipes.data.*", "recipes.models.*", "recipes.tasks.*", "recipes.sharding",
+         "recipes.optim", "recipes.step", "recipes.metrics", "recipes.checkpoint",
+         "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
+         "recipes.finetune.lora", "recipes.finetune.quant")),
+    ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
+     "finished one (quantize, merge) builds on it", (
+         "recipes.run", "recipes.train", "recipes.finetune.ptq", "recipes.finetune.lora_merge")),
+    ("command lines", "parse flags, read the environment once, call one function below, "
+     "print; nothing but another command line imports them", ("cli", "*.cli", "*_cli")),
+]
+"""(name, why, module patterns without the `jax_ai_stack.` prefix), bottom up.
+
+A module belongs to the first layer that names it exactly, else to the first
+whose pattern matches it, looking from the top down (so `kernels.cli` is a
+command line, `recipes.data.config` a config).
+"""
+
+
+def modules() -> dict[str, tuple[pathlib.Path, bool]]:
+  """{'jax_ai_stack.recipes.run': (path, is_package)} of every module of the package."""
+  found = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+  return found
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+  """ids of the import nodes under `if TYPE_CHECKING:` (never executed)."""
+  skipped = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      for child in node.body:
+        skipped.update(id(n) for n in ast.walk(child))
+  return skipped
+
+
+def _owner(name: str, known: dict) -> str | None:
+  """`name` or its nearest enclosing module of the package (None: another library)."""
+  while name and name not in known:
+    name = name.rpartition(".")[0]
+  return name or None
+
+
+def imports(name: str, path: pathlib.Path, is_package: bool, known: dict) -> set[str]:
+  """The package's modules `name` imports (module level and inside functions)."""
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  skipped = _type_checking_only(tree)
+  found = set()
+  for node in ast.walk(tree):
+    if id(node) in skipped:
+      continue
+    if isinstance(node, ast.Import):
+      found.update(_owner(alias.name, known) for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        here = here[:len(here) - (node.level - 1)]
+        base = ".".join(here + ([base] if base else []))
+      for alias in node.names:
+        submodule = f"{base}.{alias.name}"
+        found.add(submodule if submodule in known else _owner(base, known))
+  return {m for m in found if m is not None and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+  known = modules()
+  return {name: imports(name, path, is_package, known)
+          for name, (path, is_package) in known.items()}
+
+
+def layer_of(name: str) -> int:
+  short = name.removeprefix("jax_ai_stack.") if name != "jax_ai_stack" else name
+  for index, (_, _, patterns) in enumerate(LAYERS):
+    if short in patterns:
+      return index
+  for index in reversed(range(len(LAYERS))):
+    if any(fnmatch.fnmatchcase(short, p) for p in LAYERS[index][2] if "*" in p):
+      return index
+  raise LookupError(f"{name} is in no layer: add it to LAYERS in {__file__}")
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of `edges` as [a, b, ..., a], or None."""
+  state: dict[str, int] = {}  # 1: on the path, 2: done.
+  path: list[str] = []
+
+  def visit(node: str) -> list[str] | None:
+    state[node] = 1
+    path.append(node)
+    for target in sorted(edges.get(node, ())):
+      if state.get(target) == 1:
+        return path[path.index(target):] + [target]
+      if target not in state and (cycle := visit(target)):
+        return cycle
+    path.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(edges):
+    if node not in state and (cycle := visit(node)):
+      return cycle
+  return None
+
+
+def test_the_reader_resolves_relative_and_submodule_imports(tmp_path):
+  known = {"p": None, "p.a": None, "p.b": None, "p.b.c": None}
+  source = tmp_path / "a.py"
+  source.write_text("from . import b\nfrom .b import c, thing\nimport os\n"
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  import p.b.c\n"
+                    "def f():\n  from p.b import c\n")
+  assert imports("p.a", source, False, known) == {"p.b", "p.b.c"}
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_import_graph_has_no_cycle():
+  cycle = find_cycle(graph())
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_is_in_a_layer():
+  for name in modules():
+    layer_of(name)  # Raises, naming the module, if none.
+
+
+def test_no_module_imports_a_layer_above_its_own():
+  edges = graph()
+  for name in modules():  # A package's __init__ runs before each of its modules.
+    parent = name.rpartition(".")[0]
+    if parent:
+      edges[name] = edges[name] | {parent}
+  wrong = []
+  for source, targets in sorted(edges.items()):
+    for target in sorted(targets):
+      if layer_of(target) > layer_of(source):
+        wrong.append(f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
+                     f"({LAYERS[layer_of(target)][0]})")
+  assert not wrong, "imports up the layers (move the shared piece down):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name, layer", [
+    ("jax_ai_stack.kernels.cli", "command lines"),
+    ("jax_ai_stack.recipes.data.config", "recipe configs"),
+    ("jax_ai_stack.recipes.data.pipeline", "builders"),
+    ("jax_ai_stack.recipes.finetune.lora_cli", "command lines"),
+    ("jax_ai_stack.recipes.run", "the run"),
+])
+def test_layers_are_assigned_most_specific_first(name, layer):
+  assert LAYERS[layer_of(name)][0] == layer
