@@ -68,7 +68,8 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
   """ids of the import nodes under `if TYPE_CHECKING:` (never executed)."""
   skipped = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+    if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                               "typing.TYPE_CHECKING"):
       for child in node.body:
         skipped.update(id(n) for n in ast.walk(child))
   return skipped
