@@ -284,6 +284,8 @@ def build_run(
     opened = _open_finished(workdir, environ=environ, overrides=overrides,
                             validation=bool(validation))
   elif mode == "train":
+    if config is None:
+      raise ValueError("build_run(mode='train') needs the recipe config to train")
     opened = _open_to_train(config, workdir, environ=environ, resume=resume, task=task,
                             validation=validation)
   else:
