@@ -171,6 +171,7 @@ def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
   assert results["met_target"] is None  # --quick does not judge the target.
 
 
+@pytest.mark.slow
 def test_data_quick_writes_its_record_with_the_header(tmp_path):
   results = _run_quick("data", tmp_path)
   assert results["device"].startswith("cpu")
