@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _interrupted(command: str) -> str:
+  return f"jax-ai-stack {command}: interrupted (Ctrl-C)"
+
+
 @contextlib.contextmanager
 def _ctrl_c_exits(command: str):
   """Ctrl-C ends the command at once: one line, exit 130.
@@ -87,8 +91,7 @@ def _ctrl_c_exits(command: str):
   def stop(signum, frame):
     del signum, frame
     below_a_bar = "\n" if sys.stderr.isatty() else ""  # A progress bar ends in no newline.
-    print(f"{below_a_bar}jax-ai-stack {command}: interrupted (Ctrl-C)", file=sys.stderr,
-          flush=True)
+    print(below_a_bar + _interrupted(command), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access
 
@@ -117,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
       print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
       code = 2
-    except KeyboardInterrupt:
-      print(f"jax-ai-stack {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+    except KeyboardInterrupt:  # Raised by code, or where `_ctrl_c_exits` cannot listen.
+      print(_interrupted(args.command), file=sys.stderr)
       code = INTERRUPTED_EXIT_CODE
-    if routes.summary():
-      print(routes.summary(), file=sys.stderr)
+    summary = routes.summary()
+    if summary:
+      print(summary, file=sys.stderr)
   return code
 
 

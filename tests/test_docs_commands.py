@@ -274,7 +274,7 @@ def test_hugging_face_on_a_small_file(tmp_path):
   assert (tmp_path / "exported" / "config.json").exists()
 
   code, _, err = run(EVAL.replace("runs/lm-tiny", "runs/llama"), cwd=tmp_path)
-  assert code == 2, err
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
   assert "jax-ai-stack eval --workdir runs/llama data.validation_fraction=" in err
   code, out, err = run(EVAL.replace("runs/lm-tiny", "runs/llama"), "data.validation_fraction=0.4",
                        "data.split_chunk_tokens=128", "data.batch_size=2", cwd=tmp_path)

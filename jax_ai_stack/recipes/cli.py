@@ -202,13 +202,10 @@ def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import train  # jax and the libraries: only to train.
   import_s = time.perf_counter() - import_started
 
-  determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
-  distributed.initialize(  # Before anything touches a device.
-      launch, checkpoints=train.default_workdir(config, args.workdir) / train.CHECKPOINT_DIR)
-  compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   workdir = train.default_workdir(config, args.workdir)
-  if not args.dry_run:
-    args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
+  determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
+  distributed.initialize(launch, checkpoints=workdir / train.CHECKPOINT_DIR)  # Before any device.
+  compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:
     from jax_ai_stack import kernels
     from jax_ai_stack.recipes import memory
@@ -216,6 +213,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(memory.dry_run(config, device_memory_text=args.device_memory, environ=os.environ,
                          autotune_file=kernels.workdir_autotune_file(workdir)))
     return 0
+  args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
   try:
     result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
                        import_s=import_s, on_open=args.log_routes.release, environ=os.environ)
@@ -319,10 +317,12 @@ def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
     return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
                               method=method, overrides=overrides, environ=os.environ)
   except DataError as e:
-    raise DataError(f"{e}\n{too_small_hint(args)}") from None
+    raise with_split_hint(e, args) from None
 
 
-def too_small_hint(args: argparse.Namespace) -> str:
-  """How to give `eval` or `quantize` a validation split that holds a batch."""
-  return (f"the data fields are overrides here too, e.g. jax-ai-stack {args.command} --workdir "
-          f"{args.workdir} data.validation_fraction=0.2 data.split_chunk_tokens=128")
+def with_split_hint(error: DataError, args: argparse.Namespace) -> DataError:
+  """`error` (a validation split too small for a batch, say) with how `eval` or `quantize`
+  gets another split, on the same line."""
+  return DataError(f"{error}; the data fields are overrides here too, e.g. jax-ai-stack "
+                   f"{args.command} --workdir {args.workdir} data.validation_fraction=0.2 "
+                   "data.split_chunk_tokens=128")

@@ -105,13 +105,6 @@ def save(
   return saved
 
 
-def check_fits(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State) -> None:
-  """Raises `CheckpointMismatchError` naming every parameter whose shape differs."""
-  manager.wait_until_finished()
-  stored = manager.item_metadata(step)["state"]
-  _raise_if_unfit(manager, step, _mismatches(stored, _abstract_savable(abstract_state)))
-
-
 def _mismatches(stored: Any, target: dict, *, subset: bool = False) -> list[str]:
   """What differs between the checkpoint's tree and `target`'s (`subset`: target's leaves only)."""
   stored, expected = _shapes_by_path(stored), _shapes_by_path(target)

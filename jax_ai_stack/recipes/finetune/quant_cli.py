@@ -23,7 +23,7 @@ import sys
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, too_small_hint
+from jax_ai_stack.recipes.cli import EVAL_OVERRIDES_EPILOG, eval_overrides, with_split_hint
 from jax_ai_stack.recipes.finetune.config import SCHEMES, check_scheme, describe_schemes
 
 _EPILOG = f"""\
@@ -65,7 +65,7 @@ def run_quantize(args: argparse.Namespace) -> int:
   try:
     report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides, environ=os.environ)
   except DataError as e:
-    raise DataError(f"{e}\n{too_small_hint(args)}") from None
+    raise with_split_hint(e, args) from None
   if report.trained.startswith("qat") and report.trained != f"qat {report.scheme}":
     print(f"note: the run trained for {report.trained}; quantized to {report.scheme}, which "
           "QAT did not prepare it for")
