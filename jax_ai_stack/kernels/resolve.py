@@ -60,7 +60,6 @@ def resolve_plan(
     origin: str = "argument implementation",
     environ: Mapping[str, str] | None = None,
     autotune_file: str | os.PathLike | None = None,
-    saved: AttentionPlan | None = None,
     backend: Backend | None = None,
 ) -> AttentionPlan:
   """The plan the settings ask for (see the module docstring for precedence).
@@ -71,7 +70,6 @@ def resolve_plan(
       "model.attention_impl".
     environ: where to read `JAX_AI_STACK_ATTENTION`; None: `os.environ`, now.
     autotune_file: a file `autotune` wrote, or None.
-    saved: the plan a checkpoint of the run saved, or None.
     backend: the backend an autotune file must have been tuned on; default:
       the current one.
 
@@ -88,8 +86,6 @@ def resolve_plan(
     return AttentionPlan(parse_implementation(env, origin=origin), origin)
   if autotune_file is not None:
     return load_plan(autotune_file, backend=backend)
-  if saved is not None:
-    return saved
   return AttentionPlan((AUTO,), AUTO_SOURCE)
 
 
@@ -142,12 +138,10 @@ def plan_for_run(
         raise
   if read_only and trained is not None:
     return trained, trained.select(request, backend=backend)
-  settings = dict(implementation=implementation, origin=origin, environ=environ,
-                  autotune_file=autotune_file, backend=backend)
-  plan = resolve_plan(**settings, saved=trained)
-  if trained is not None and plan is trained:  # Nothing named: keep it if it runs here.
-    plan = resolve_plan(**settings)
-    choice = plan.select(request, backend=backend)
+  plan = resolve_plan(implementation, origin=origin, environ=environ,
+                      autotune_file=autotune_file, backend=backend)
+  choice = plan.select(request, backend=backend)
+  if trained is not None and plan.source == AUTO_SOURCE:  # Nothing named: keep it if it runs.
     try:
       kept = trained.select(request, backend=backend)
     except (ValueError, NoImplementationError):  # Trained on another backend, say.
@@ -156,8 +150,6 @@ def plan_for_run(
       log.info("attention: keeping %s, the kernel this run was trained with (auto now prefers "
                "%s; set model.attention_impl to change it)", kept.name, choice.name)
       return trained, kept
-  else:
-    choice = plan.select(request, backend=backend)
   return plan.pin(choice), choice
 
 
