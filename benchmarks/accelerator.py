@@ -480,9 +480,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   determinism.configure(True)  # As the Trainer's default: both steps run the same XLA ops.
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
-  from jax_ai_stack import absl_flags  # pylint: disable=g-import-not-at-top
 
-  absl_flags.ensure_absl_flags_parsed()  # tokamax (attention kernels) would parse our argv.
   platform = jax.devices()[0].platform  # Holds no device memory (no preallocation).
   name = "quick" if args.quick else args.size or ("tiny" if platform == "cpu" else "0.76b")
   size, plan = sizes()[name], PLANS[name]

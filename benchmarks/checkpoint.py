@@ -46,7 +46,6 @@ import numpy as np
 from flax import nnx
 
 import common
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import checkpoint
 
 TARGET_RATIO = 0.10
@@ -232,7 +231,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, prints the table, writes and returns the results."""
   args = parse_args(argv)
-  ensure_absl_flags_parsed()  # Grain reads absl flags; ours are not theirs.
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jax_ai_stack_ckpt_bench_", dir=args.dir))
   try:
     needed = 3 * args.size_mb * 2**20  # A checkpoint, a raw file, and slack.

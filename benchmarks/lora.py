@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 import common
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import optim, step
 from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.finetune.config import LoraConfig
@@ -144,7 +143,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, prints the table, writes and returns the results."""
   args = parse_args(argv)
-  ensure_absl_flags_parsed()  # tokamax (attention kernels) would parse our argv.
   results = {
       **common.header("lora"),
       "flax": flax.__version__,

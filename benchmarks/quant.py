@@ -41,7 +41,6 @@ import numpy as np
 from flax import nnx
 
 import common
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes.finetune import quant
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import lm_loss
@@ -149,7 +148,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, prints the table, writes and returns the results."""
   args = parse_args(argv)
-  ensure_absl_flags_parsed()
   if args.workdir is not None:
     model, config, batch = from_workdir(args.workdir)
     described = f"the model trained in {args.workdir}"

@@ -64,7 +64,6 @@ from pydantic import PositiveInt
 
 import common
 import torch_process
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.recipes import optim, step
 from jax_ai_stack.recipes.tasks import lm_loss
 from jax_ai_stack.recipes.configlib import config_dataclass
@@ -686,7 +685,6 @@ def most_optimizations_disabled(disable: bool):
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, prints the table, writes and returns the results."""
   args = parse_args(argv)
-  ensure_absl_flags_parsed()  # tokamax (attention kernels) would parse our argv.
   with most_optimizations_disabled(args.quick):
     results = run(args)
   print_table(results)

@@ -162,6 +162,7 @@ def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
       import sys
       sys.path.insert(0, sys.argv[2])
       from test_checkpoint import _abstract, checkpoint
+      checkpoint.capture.capture_during_recovery()  # As the CLI does.
       manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
       print("restored", checkpoint.restore(manager, _abstract()).step)
       """, directory, pathlib.Path(__file__).parent)
@@ -175,6 +176,28 @@ def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
   assert _listing(directory) == ["1", "2.corrupt"]
   detail = (tmp_path / checkpoint.ERROR_LOG).read_text()
   assert "step 2 is unreadable" in detail and "Traceback" in detail and "tensorstore_spec" in detail
+
+
+@pytest.mark.parametrize("turned_on", [False, True])
+def test_only_a_program_that_asks_has_stderr_captured_during_recovery(directory, turned_on):
+  # A library call must not redirect a notebook's stderr; the CLI turns capturing on once.
+  _save_steps(directory, [1])
+  manager = _manager(directory)
+  before = os.fstat(2)
+  seen = []
+
+  def read(step):
+    now = os.fstat(2)
+    seen.append((now.st_dev, now.st_ino) != (before.st_dev, before.st_ino))
+    return step
+
+  checkpoint.capture.capture_during_recovery(turned_on)
+  try:
+    assert checkpoint.recovery.newest_readable(manager, read) == (1, 1)
+  finally:
+    checkpoint.capture.capture_during_recovery(False)
+    manager.close()
+  assert seen == [turned_on]
 
 
 def test_a_shape_mismatch_raises_and_moves_nothing(directory):

@@ -18,7 +18,7 @@ import tensorstore as ts
 import tokamax
 from flax import nnx
 
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.absl_flags import tokamax_flags_parsed
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ def _reference_attention(q, k, v, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tokamax_attention_matches_softmax_reference_on_cpu(causal):
-  ensure_absl_flags_parsed()  # tokamax 0.0.12 otherwise parses pytest's argv.
+  tokamax_flags_parsed()  # tokamax 0.0.12 otherwise parses pytest's argv.
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (2, 32, 4, 16))
   k = jax.random.normal(keys[1], (2, 32, 2, 16))

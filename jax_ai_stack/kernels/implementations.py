@@ -40,7 +40,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.absl_flags import tokamax_flags_parsed
 from jax_ai_stack.kernels.request import Request
 
 
@@ -83,13 +83,8 @@ def _lengths(kv_seq_lengths: jax.Array | None) -> jax.Array | None:
 
 @functools.cache
 def import_tokamax():
-  """Imports tokamax after marking absl flags parsed (see `absl_flags`).
-
-  tokamax 0.0.12 otherwise hands all of `sys.argv` to absl on first use and
-  raises UnrecognizedFlagError on the host's flags (`jax-ai-stack kernels
-  --shape ...`, `pytest -q`).
-  """
-  ensure_absl_flags_parsed()
+  """Imports tokamax, keeping tokamax 0.0.12 off the host's command line (see `absl_flags`)."""
+  tokamax_flags_parsed()
   import tokamax
 
   return tokamax

@@ -41,7 +41,6 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import determinism, kernels
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
 from jax_ai_stack.errors import ConfigError, DataError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, configlib, optim, sharding, step, tasks)
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
@@ -277,7 +276,6 @@ def build_run(
     ConfigError, DataError: as the Task and the builders raise them, before
       anything in the workdir is written.
   """
-  ensure_absl_flags_parsed()
   environ = os.environ if environ is None else environ  # The one read of the environment.
   workdir = pathlib.Path(workdir)
   if mode == "read":

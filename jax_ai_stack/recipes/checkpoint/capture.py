@@ -1,7 +1,10 @@
 """Capturing everything written to stderr's file descriptor meanwhile.
 
 What a corrupt step makes Orbax, absl, asyncio and TensorStore's threads print
-(thousands of lines) goes to the error log instead of the terminal.
+(thousands of lines) goes to the error log instead of the terminal. Redirecting
+file descriptor 2 changes it for the whole process, so recovery does it only
+where the program's entry point said so once (`capture_during_recovery()`, as
+the `jax-ai-stack` command does); a library call leaves a notebook's stderr alone.
 
 Example:
   >>> import os
@@ -9,6 +12,11 @@ Example:
   ...   _ = os.write(2, b"thousands of lines")
   >>> captured.text
   'thousands of lines'
+  >>> capture_during_recovery(False)  # A library's default: nothing is redirected.
+  >>> with during_recovery() as captured:
+  ...   pass
+  >>> captured.fd is None
+  True
 """
 
 from __future__ import annotations
@@ -23,10 +31,19 @@ import time
 import traceback
 
 
-class _Captured:
-  """Output captured into the file `fd`; `text` once the capture has ended."""
+_capture_in_recovery = False
 
-  def __init__(self, fd: int):
+
+def capture_during_recovery(enabled: bool = True) -> None:
+  """Lets checkpoint recovery capture fd 2 while it reads steps: a program's choice, made once."""
+  global _capture_in_recovery  # pylint: disable=global-statement
+  _capture_in_recovery = enabled
+
+
+class _Captured:
+  """Output captured into the file `fd`; `text` once the capture has ended (fd None: none)."""
+
+  def __init__(self, fd: int | None):
     self.fd = fd
     self.text = ""
 
@@ -37,6 +54,8 @@ class _Captured:
     abandoned, each printing a traceback, and asyncio reports its abandoned
     tasks when they are collected: a few milliseconds, after the error.
     """
+    if self.fd is None:
+      return
     deadline = time.monotonic() + limit_s
     size = -1
     while time.monotonic() < deadline:
@@ -77,6 +96,16 @@ def stderr_captured():
         os.close(saved)
       sink.seek(0)
       captured.text = sink.read().decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def during_recovery():
+  """`stderr_captured()` where `capture_during_recovery()` turned it on; else captures nothing."""
+  if _capture_in_recovery:
+    with stderr_captured() as captured:
+      yield captured
+  else:
+    yield _Captured(None)
 
 
 def _write_unraisable(fd: int, unraisable) -> None:

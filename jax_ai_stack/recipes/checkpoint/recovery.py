@@ -3,7 +3,8 @@
 Restoring falls back past a corrupt newest step to the previous good one,
 moving the corrupt directory aside as `<step>.corrupt` rather than deleting
 anything. It prints one short warning line per corrupt step; the full error,
-and everything the libraries printed meanwhile, goes to `checkpoint-errors.log`
+and everything the libraries printed meanwhile (where the program turned on
+`capture.capture_during_recovery()`, as the CLI does), goes to `checkpoint-errors.log`
 beside the checkpoint directory (in the workdir). Only a damaged file counts as
 corruption (`corruption` says which errors): out of memory, an I/O error or a
 bug raises as it is and moves nothing, and when no step reads, `WorkdirError`
@@ -198,7 +199,7 @@ def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *
   that step is passed over and the previous one tried. Once a step reads, each
   newer one is moved aside as `<step>.corrupt` (unless the manager is
   read-only) and gets one warning line; the full errors, with everything the
-  libraries printed, go to `checkpoint-errors.log`. Nothing is moved before a
+  libraries printed (when capturing is on), go to `checkpoint-errors.log`. Nothing is moved before a
   step reads: when none does, `WorkdirError` names each step and why. Any
   other error (out of memory, I/O, a config that does not fit) raises at once
   and moves nothing. `quiet`: skip damaged steps without a word or a move.
@@ -210,7 +211,7 @@ def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *
   unreadable: list[_Unreadable] = []
   found = output = None
   try:
-    with capture.stderr_captured() as output:
+    with capture.during_recovery() as output:
       try:
         found = _first_readable(steps, read, unreadable)
       finally:

@@ -77,7 +77,7 @@ from typing import Literal
 import grain
 import numpy as np
 
-from jax_ai_stack.absl_flags import ensure_absl_flags_parsed
+from jax_ai_stack.absl_flags import grain_flags_readable
 from jax_ai_stack.errors import ConfigError, DataError
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
@@ -222,6 +222,13 @@ def _close_open_iterators() -> None:
   `mp_prefetch` for each worker) is not idempotent: a second call looks up
   module globals that are gone by then. Once ours are closed, a closed one
   has nothing left to release, so from here on a second `close` returns.
+
+  That last part patches a grain class: grain 0.2.18's `DatasetIterator.close`
+  promises to be idempotent and `ThreadPrefetchDatasetIterator.close` breaks
+  the promise (even after an explicit `close()`, a script prints "Exception
+  ignored" at exit). The patch only adds the check the base class has, and
+  only once the interpreter is exiting; per-object fixes cannot reach the
+  iterators `mp_prefetch` builds inside. Remove it with a grain that checks.
   """
   iterators = list(_open_iterators)
   for iterator in iterators:
@@ -300,10 +307,8 @@ def build_dataset(
   # Batches are built whole in one call: Grain's per-element thread pool would
   # only add overhead, so read synchronously and prefetch one batch stream.
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  # Grain's mp_prefetch reads an absl flag and fails with UnparsedFlagAccessError
-  # outside absl.app.run; done here for all, also users adding their own workers.
-  ensure_absl_flags_parsed()
   if config.num_workers:
+    grain_flags_readable()  # mp_prefetch reads an absl flag (see absl_flags).
     options = grain.experimental.DatasetOptions(min_shm_size=_MIN_SHARED_MEMORY_BYTES)
     ds = grain.experimental.WithOptionsIterDataset(ds, options)
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(
