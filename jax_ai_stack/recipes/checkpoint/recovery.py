@@ -1,15 +1,15 @@
 """Restoring past corrupt steps: which errors are corruption, moving aside, the error log.
 
-Restoring falls back past a corrupt newest step to the previous good one,
-moving the corrupt directory aside as `<step>.corrupt` rather than deleting
-anything. It prints one short warning line per corrupt step; the full error,
-and everything the libraries printed meanwhile (where the program turned on
-`capture.capture_during_recovery()`, as the CLI does), goes to `checkpoint-errors.log`
-beside the checkpoint directory (in the workdir). Only a damaged file counts as
-corruption (`corruption` says which errors): out of memory, an I/O error or a
-bug raises as it is and moves nothing, and when no step reads, `WorkdirError`
-names each step and why, and nothing is moved either (a run never starts over
-at step 0). `restore` and `read_metadata` wait for a save in flight.
+Restoring falls back past a corrupt newest step to the previous good one, moving
+the corrupt directory aside as `<step>.corrupt` rather than deleting anything.
+It prints one short warning line per corrupt step; the full error, and
+everything the libraries printed meanwhile (where the program turned on
+`capture.capture_during_recovery()`, as the CLI does), goes to
+`checkpoint-errors.log` beside the checkpoint directory (in the workdir). Only a damaged
+file counts as corruption (`corruption` says which errors): out of memory, an
+I/O error or a bug raises as it is and moves nothing, and when no step reads,
+`WorkdirError` names each step and why, and nothing is moved either (a run never
+starts over at step 0). `restore` and `read_metadata` wait for a save in flight.
 """
 
 from __future__ import annotations
@@ -195,14 +195,15 @@ def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *
   """(step, `read(step)`) for the newest step whose files read; None when there is no step.
 
   The one recovery path of every command that reads a run. `read` wraps its
-  reads of each item in `_reading`, so a damaged file raises `_StepUnreadable`;
-  that step is passed over and the previous one tried. Once a step reads, each
-  newer one is moved aside as `<step>.corrupt` (unless the manager is
-  read-only) and gets one warning line; the full errors, with everything the
-  libraries printed (when capturing is on), go to `checkpoint-errors.log`. Nothing is moved before a
-  step reads: when none does, `WorkdirError` names each step and why. Any
-  other error (out of memory, I/O, a config that does not fit) raises at once
-  and moves nothing. `quiet`: skip damaged steps without a word or a move.
+  reads of each item in `_reading`, so a damaged file raises
+  `_StepUnreadable`; that step is passed over and the previous one tried. Once
+  a step reads, each newer one is moved aside as `<step>.corrupt` (unless the
+  manager is read-only) and gets one warning line; the full errors, with
+  everything the libraries printed (when capturing is on), go to
+  `checkpoint-errors.log`. Nothing is moved before a step reads: when none does,
+  `WorkdirError` names each step and why. Any other error (out of memory, I/O,
+  a config that does not fit) raises at once and moves nothing. `quiet`: skip
+  damaged steps without a word or a move.
   """
   manager.wait_until_finished()  # Until then the newest step is only <step>.orbax-checkpoint-tmp.
   steps = sorted(manager.all_steps(), reverse=True)
