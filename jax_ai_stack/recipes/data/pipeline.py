@@ -34,7 +34,9 @@ example.
 
 Worker processes (`num_workers > 0`) are started with `spawn`, which re-imports
 the main module: scripts must create and iterate the dataset under
-`if __name__ == "__main__":`. Close iterators you are done with
+`if __name__ == "__main__":`. An `mp_prefetch` of your own on top, outside
+`absl.app.run`, needs `jax_ai_stack.absl_flags.grain_flags_readable()` first
+(grain reads an absl flag there). Close iterators you are done with
 (`iterator.close()`, or `with contextlib.closing(iter(ds)) as iterator:`) so
 the prefetch thread, workers and shared memory are released at once. Those
 still open when the interpreter exits are closed by an `atexit` hook: left to
