@@ -38,7 +38,6 @@ import threading
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import UserError
-from jax_ai_stack.recipes.checkpoint import capture
 
 INTERRUPTED_EXIT_CODE = 130  # As shells report SIGINT.
 
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
   if not getattr(args, "func", None):
     parser.print_help()
     return 2
-  capture.capture_during_recovery()  # A damaged step's library output goes to its error log.
   with logs.routed(None, verbose=getattr(args, "verbose", False)) as routes, \
       _ctrl_c_exits(args.command):
     args.log_routes = routes

@@ -162,9 +162,9 @@ def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
       import sys
       sys.path.insert(0, sys.argv[2])
       from test_checkpoint import _abstract, checkpoint
-      checkpoint.capture.capture_during_recovery()  # As the CLI does.
       manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
-      print("restored", checkpoint.restore(manager, _abstract()).step)
+      restored = checkpoint.restore(manager, _abstract(), capture_stderr=True)  # As the CLI.
+      print("restored", restored.step)
       """, directory, pathlib.Path(__file__).parent)
   assert result.returncode == 0, result.stderr
   assert result.stdout == "restored 1\n"
@@ -179,8 +179,8 @@ def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
 
 
 @pytest.mark.parametrize("turned_on", [False, True])
-def test_only_a_program_that_asks_has_stderr_captured_during_recovery(directory, turned_on):
-  # A library call must not redirect a notebook's stderr; the CLI turns capturing on once.
+def test_only_a_caller_that_asks_has_stderr_captured_during_recovery(directory, turned_on):
+  # A library call must not redirect a notebook's stderr; the CLI asks for the capture.
   _save_steps(directory, [1])
   manager = _manager(directory)
   before = os.fstat(2)
@@ -191,11 +191,9 @@ def test_only_a_program_that_asks_has_stderr_captured_during_recovery(directory,
     seen.append((now.st_dev, now.st_ino) != (before.st_dev, before.st_ino))
     return step
 
-  checkpoint.capture.capture_during_recovery(turned_on)
   try:
-    assert checkpoint.recovery.newest_readable(manager, read) == (1, 1)
+    assert checkpoint.recovery.newest_readable(manager, read, capture_stderr=turned_on) == (1, 1)
   finally:
-    checkpoint.capture.capture_during_recovery(False)
     manager.close()
   assert seen == [turned_on]
 

@@ -216,7 +216,8 @@ def run_train(args: argparse.Namespace) -> int:
   args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
   try:
     result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
-                       import_s=import_s, on_open=args.log_routes.release, environ=os.environ)
+                       import_s=import_s, on_open=args.log_routes.release, environ=os.environ,
+                       capture_stderr=True)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
@@ -311,11 +312,12 @@ def _open_finished(args: argparse.Namespace, *, validation: bool, method: str):
   try:
     if not getattr(args, "quantized", None):
       return build_run(None, args.workdir, mode="read", validation=validation,
-                       overrides=overrides, environ=os.environ)
+                       overrides=overrides, environ=os.environ, capture_stderr=True)
     from jax_ai_stack.recipes.finetune import ptq
 
     return ptq.open_quantized(args.workdir, args.quantized, validation=validation,
-                              method=method, overrides=overrides, environ=os.environ)
+                              method=method, overrides=overrides, environ=os.environ,
+                              capture_stderr=True)
   except DataError as e:
     raise with_split_hint(e, args) from None
 

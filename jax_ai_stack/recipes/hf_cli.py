@@ -176,7 +176,7 @@ def run_export(args: argparse.Namespace) -> int:
                      "write e.g. 5GB or 500MiB") from None
   out = pathlib.Path(args.out)
   _empty_or_missing(out, "output directory")
-  trainer = build_run(None, args.workdir, mode="read", environ=os.environ)
+  trainer = build_run(None, args.workdir, mode="read", environ=os.environ, capture_stderr=True)
   try:
     if not hf.writes(trainer.model):
       raise UsageError(f"{args.workdir} trained a {trainer.config.model.kind} model; "

@@ -232,6 +232,8 @@ class _Opened:
   validation: grain.IterDataset | None
   restore: bool
   """Whether the manager has a step to restore."""
+  capture_stderr: bool
+  """`build_run`'s: how the checkpoint is read."""
 
 
 def build_run(
@@ -245,6 +247,7 @@ def build_run(
     overrides: Sequence[str] = (),
     task: tasks.Task | None = None,
     validation: bool | None = None,
+    capture_stderr: bool = False,
 ) -> Run:
   """Opens `workdir` into a `Run`: restored from its newest checkpoint, else initialised.
 
@@ -269,6 +272,9 @@ def build_run(
     task: the model family; default `tasks.for_config(config)`.
     validation: build the validation split; default: when `train.eval_every`
       asks for it (train), never (read).
+    capture_stderr: while a damaged checkpoint step is read, send what the
+      libraries print to the error log (`checkpoint.restore`'s). It redirects
+      the process's stderr, so the command line asks for it; a notebook need not.
 
   Raises:
     WorkdirError: the workdir is unusable, has no checkpoint (read), or has
@@ -280,12 +286,12 @@ def build_run(
   workdir = pathlib.Path(workdir)
   if mode == "read":
     opened = _open_finished(workdir, environ=environ, overrides=overrides,
-                            validation=bool(validation))
+                            validation=bool(validation), capture_stderr=capture_stderr)
   elif mode == "train":
     if config is None:
       raise ValueError("build_run(mode='train') needs the recipe config to train")
     opened = _open_to_train(config, workdir, environ=environ, resume=resume, task=task,
-                            validation=validation)
+                            validation=validation, capture_stderr=capture_stderr)
   else:
     raise ValueError(f"mode must be 'train' or 'read', not {mode!r}")
   try:
@@ -296,7 +302,8 @@ def build_run(
 
 
 def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   resume: str, task: tasks.Task | None, validation: bool | None) -> _Opened:
+                   resume: str, task: tasks.Task | None, validation: bool | None,
+                   capture_stderr: bool) -> _Opened:
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
   task = task or tasks.for_config(config)
@@ -331,26 +338,26 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
       )
     if latest is not None:  # The kernel it trained with, unless one is named.
       plan, choice = kernels.plan_for_run(task.attention_request(), **settings,
-                                          saved=_saved_attention(manager))
+                                          saved=_saved_attention(manager, capture_stderr))
   except BaseException:
     manager.close()
     raise
   return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
                  choice=choice, train_data=train_data, validation=validation_data,
-                 restore=latest is not None)
+                 restore=latest is not None, capture_stderr=capture_stderr)
 
 
-def _saved_attention(manager: checkpoint.Manager) -> dict | None:
+def _saved_attention(manager: checkpoint.Manager, capture_stderr: bool) -> dict | None:
   """The newest checkpoint's `attention` metadata; None when no step's metadata reads
   (the restore says so, naming each)."""
   try:
-    return checkpoint.read_metadata(manager).get("attention")
+    return checkpoint.read_metadata(manager, capture_stderr=capture_stderr).get("attention")
   except WorkdirError:
     return None
 
 
 def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   overrides: Sequence[str], validation: bool) -> _Opened:
+                   overrides: Sequence[str], validation: bool, capture_stderr: bool) -> _Opened:
   """A trained run, read-only, with its saved config and attention plan.
 
   No train data is built and nothing in the workdir is written, so an
@@ -362,7 +369,7 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
   try:
     if manager.latest_step() is None:
       raise WorkdirError(f"no checkpoints in {workdir / CHECKPOINT_DIR}: train there first")
-    metadata = checkpoint.read_metadata(manager)
+    metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
     config = from_json(metadata["config"])
     if overrides:
       config = configlib.from_dict(
@@ -378,7 +385,8 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
     manager.close()
     raise
   return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
-                 choice=choice, train_data=None, validation=data, restore=True)
+                 choice=choice, train_data=None, validation=data, restore=True,
+                 capture_stderr=capture_stderr)
 
 
 def _assemble(opened: _Opened, *, initial_params=None) -> Run:
@@ -406,7 +414,8 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
   if opened.restore:  # Into shapes only: no initialisation when a checkpoint exists.
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
-    restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches)
+    restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches,
+                                  capture_stderr=opened.capture_stderr)
     if restored is None and train_data is None:
       raise WorkdirError(f"no readable checkpoint in {opened.manager.directory}")
   if restored is None:  # A fresh run (restore raises when steps exist and none reads).

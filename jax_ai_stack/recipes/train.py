@@ -340,6 +340,7 @@ def run(
     import_s: float | None = None,
     on_open: Callable[[], None] | None = None,
     environ: Mapping[str, str] | None = None,
+    capture_stderr: bool = False,
 ) -> dict[str, Any]:
   """Trains `config` in `workdir` (default runs/<name>); returns the final metrics.
 
@@ -351,7 +352,7 @@ def run(
   caller's import of the libraries), init, trace and compile seconds, cache hits.
   `on_open` is called once the workdir is open (bad input refused, checkpoint read).
   `environ`: where `JAX_AI_STACK_ATTENTION` is read (the command line passes
-  its environment); None: the process's.
+  its environment); None: the process's. `capture_stderr` is `build_run`'s.
   """
   workdir = default_workdir(config, workdir)
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
@@ -359,7 +360,8 @@ def run(
   compile_times = compile_cache.CompileTimes().start()
   try:
     trainer = Trainer.of(build_run(config, workdir, mode="train", task=task,
-                                   resume=resume or config.train.resume, environ=environ))
+                                   resume=resume or config.train.resume, environ=environ,
+                                   capture_stderr=capture_stderr))
   except BaseException:
     compile_times.stop()
     raise

@@ -11,7 +11,7 @@ One job per module: `manager` (building the manager, background saves that are
 never lost at exit, retention), `io` (the state as saved, `save`, shape checks,
 layer-layout conversion, partial reads), `recovery` (`restore` and
 `read_metadata` past corrupt steps, the error log) and `capture` (stderr while
-a corrupt step is read, where the program turned it on). The names below load
+a corrupt step is read, when the caller asks). The names below load
 from them on first use, so a jax-free caller of the package (a config) pays for
 no Orbax.
 

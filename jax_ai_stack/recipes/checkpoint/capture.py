@@ -3,8 +3,8 @@
 What a corrupt step makes Orbax, absl, asyncio and TensorStore's threads print
 (thousands of lines) goes to the error log instead of the terminal. Redirecting
 file descriptor 2 changes it for the whole process, so recovery does it only
-where the program's entry point said so once (`capture_during_recovery()`, as
-the `jax-ai-stack` command does); a library call leaves a notebook's stderr alone.
+when its caller passes `capture_stderr=True` (the `jax-ai-stack` commands do);
+a library call leaves a notebook's stderr alone.
 
 Example:
   >>> import os
@@ -12,8 +12,7 @@ Example:
   ...   _ = os.write(2, b"thousands of lines")
   >>> captured.text
   'thousands of lines'
-  >>> capture_during_recovery(False)  # A library's default: nothing is redirected.
-  >>> with during_recovery() as captured:
+  >>> with stderr_captured(enabled=False) as captured:  # Nothing is redirected.
   ...   pass
   >>> captured.fd is None
   True
@@ -29,15 +28,6 @@ import sys
 import tempfile
 import time
 import traceback
-
-
-_capture_in_recovery = False
-
-
-def capture_during_recovery(enabled: bool = True) -> None:
-  """Lets checkpoint recovery capture fd 2 while it reads steps: a program's choice, made once."""
-  global _capture_in_recovery  # pylint: disable=global-statement
-  _capture_in_recovery = enabled
 
 
 class _Captured:
@@ -68,14 +58,18 @@ class _Captured:
 
 
 @contextlib.contextmanager
-def stderr_captured():
+def stderr_captured(enabled: bool = True):
   """Everything written to file descriptor 2 meanwhile, as `.text` afterwards.
 
   A corrupt step makes Orbax, absl, asyncio and TensorStore's threads print
   thousands of lines (specs; one "Event loop is closed" traceback per pending
   read, through `sys.unraisablehook`); only the file descriptor catches them
   all. The hook is redirected too, in case something (pytest) replaced it.
+  `enabled` False: nothing is redirected, and `.text` stays "".
   """
+  if not enabled:
+    yield _Captured(None)
+    return
   with tempfile.TemporaryFile() as sink:
     captured = _Captured(sink.fileno())
     _flush_stderr()
@@ -96,16 +90,6 @@ def stderr_captured():
         os.close(saved)
       sink.seek(0)
       captured.text = sink.read().decode("utf-8", errors="replace")
-
-
-@contextlib.contextmanager
-def during_recovery():
-  """`stderr_captured()` where `capture_during_recovery()` turned it on; else captures nothing."""
-  if _capture_in_recovery:
-    with stderr_captured() as captured:
-      yield captured
-  else:
-    yield _Captured(None)
 
 
 def _write_unraisable(fd: int, unraisable) -> None:

@@ -3,8 +3,8 @@
 Restoring falls back past a corrupt newest step to the previous good one, moving
 the corrupt directory aside as `<step>.corrupt` rather than deleting anything.
 It prints one short warning line per corrupt step; the full error, and
-everything the libraries printed meanwhile (where the program turned on
-`capture.capture_during_recovery()`, as the CLI does), goes to
+everything the libraries printed meanwhile (with `capture_stderr=True`, as the
+CLI passes), goes to
 `checkpoint-errors.log` beside the checkpoint directory (in the workdir). Only a damaged
 file counts as corruption (`corruption` says which errors): out of memory, an
 I/O error or a bug raises as it is and moves nothing, and when no step reads,
@@ -54,18 +54,21 @@ class Restored:
   """What was converted on the way in (a step of the other layer layout), else None."""
 
 
-def read_metadata(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
+def read_metadata(manager: ocp.CheckpointManager, step: int | None = None, *,
+                  capture_stderr: bool = False) -> dict:
   """The JSON metadata (config, step, ...) of `step`, without arrays.
 
   `step` None: the newest step whose metadata reads. Steps whose metadata file
   is damaged are passed over without a word (and never moved): the `restore`
   that follows says so, once. Raises `WorkdirError` when no step's metadata
   reads; any other failure (out of memory, an I/O error) raises as it is.
+  `capture_stderr`: as `newest_readable`'s.
   """
   if step is not None:
     manager.wait_until_finished()
     return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  found = newest_readable(manager, functools.partial(_read_meta, manager), quiet=True)
+  found = newest_readable(manager, functools.partial(_read_meta, manager), quiet=True,
+                          capture_stderr=capture_stderr)
   if found is None:
     raise WorkdirError(f"no checkpoint in {manager.directory}")
   return found[1]
@@ -191,7 +194,7 @@ _T = TypeVar("_T")
 
 
 def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *,
-                    quiet: bool = False) -> tuple[int, _T] | None:
+                    quiet: bool = False, capture_stderr: bool = False) -> tuple[int, _T] | None:
   """(step, `read(step)`) for the newest step whose files read; None when there is no step.
 
   The one recovery path of every command that reads a run. `read` wraps its
@@ -199,11 +202,13 @@ def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *
   `_StepUnreadable`; that step is passed over and the previous one tried. Once
   a step reads, each newer one is moved aside as `<step>.corrupt` (unless the
   manager is read-only) and gets one warning line; the full errors, with
-  everything the libraries printed (when capturing is on), go to
+  everything the libraries printed (with `capture_stderr`), go to
   `checkpoint-errors.log`. Nothing is moved before a step reads: when none does,
   `WorkdirError` names each step and why. Any other error (out of memory, I/O,
   a config that does not fit) raises at once and moves nothing. `quiet`: skip
-  damaged steps without a word or a move.
+  damaged steps without a word or a move. `capture_stderr`: redirect file
+  descriptor 2 while steps are read (`capture.stderr_captured`); it changes the
+  whole process's stderr, so a command line asks for it, a library call not.
   """
   manager.wait_until_finished()  # Until then the newest step is only <step>.orbax-checkpoint-tmp.
   steps = sorted(manager.all_steps(), reverse=True)
@@ -212,7 +217,7 @@ def newest_readable(manager: ocp.CheckpointManager, read: Callable[[int], _T], *
   unreadable: list[_Unreadable] = []
   found = output = None
   try:
-    with capture.during_recovery() as output:
+    with capture.stderr_captured(capture_stderr) as output:
       try:
         found = _first_readable(steps, read, unreadable)
       finally:
@@ -266,7 +271,8 @@ def _keep_output(manager, unreadable: list[_Unreadable], output, quiet: bool) ->
 
 
 def restore(
-    manager: ocp.CheckpointManager, abstract_state: nnx.State, data_iterator: Any = None
+    manager: ocp.CheckpointManager, abstract_state: nnx.State, data_iterator: Any = None, *,
+    capture_stderr: bool = False,
 ) -> Restored | None:
   """Restores the newest good step into `abstract_state` (and `data_iterator`).
 
@@ -284,10 +290,12 @@ def restore(
   nothing is initialised just to be overwritten): the state of a model and
   optimizer built under `nnx.eval_shape`, e.g.
   `nnx.state(nnx.eval_shape(lambda: (model_fn(), optimizer_fn())))`. Leaves
-  that carry a `sharding` are restored onto it.
+  that carry a `sharding` are restored onto it. `capture_stderr`: as
+  `newest_readable`'s.
   """
   found = newest_readable(manager, functools.partial(
-      _read_step, manager, abstract_state=abstract_state, data_iterator=data_iterator))
+      _read_step, manager, abstract_state=abstract_state, data_iterator=data_iterator),
+      capture_stderr=capture_stderr)
   if found is None:
     return None
   step, (metadata, state, note) = found

@@ -49,6 +49,6 @@ def run_merge(args: argparse.Namespace) -> int:
   logs.status(f"merging the adapters of {args.workdir} ...")
   from jax_ai_stack.recipes.finetune import lora_merge
 
-  out = lora_merge.merge(args.workdir, args.out, environ=os.environ)
+  out = lora_merge.merge(args.workdir, args.out, environ=os.environ, capture_stderr=True)
   print(f"merged weights written to {out} (eval: jax-ai-stack eval --workdir {out})")
   return 0

@@ -32,14 +32,14 @@ def default_out(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
-          environ: Mapping[str, str] | None = None) -> pathlib.Path:
+          environ: Mapping[str, str] | None = None, capture_stderr: bool = False) -> pathlib.Path:
   """Writes a LoRA run's merged weights (base + adapters) as a plain run in `out`.
 
   `out` (default `<workdir>-merged`) is a normal workdir: one checkpoint at the
   LoRA run's step, its config without `finetune`, a fresh optimizer state, so
   `eval` and `generate` (and further training) work on it without the base.
   An `out` that already has checkpoints is refused; nothing there changes.
-  `environ` is `build_run`'s.
+  `environ` and `capture_stderr` are `build_run`'s.
   """
   workdir = pathlib.Path(workdir)
   out = pathlib.Path(out) if out is not None else default_out(workdir)
@@ -47,7 +47,7 @@ def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
     raise UsageError(f"--out {out} is the LoRA run's own workdir: choose another directory")
   if (out / CHECKPOINT_DIR).is_dir() and any((out / CHECKPOINT_DIR).iterdir()):
     raise WorkdirError(f"{out} already has checkpoints: choose another --out (nothing was changed)")
-  run = build_run(None, workdir, mode="read", environ=environ)
+  run = build_run(None, workdir, mode="read", environ=environ, capture_stderr=capture_stderr)
   try:
     if run.finetune is None or run.finetune.lora is None:
       raise WorkdirError(f"{workdir} is not a LoRA run (no finetune.lora): its checkpoint "

@@ -84,11 +84,12 @@ def quantized_dir(workdir: str | pathlib.Path, scheme: str) -> pathlib.Path:
 
 def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
                  overrides: Sequence[str] = (),
-                 environ: Mapping[str, str] | None = None) -> Report:
+                 environ: Mapping[str, str] | None = None,
+                 capture_stderr: bool = False) -> Report:
   """Quantizes the run in `workdir` with `scheme` (default: its `quant.qat`), evaluates, saves.
 
   `overrides` (dotted data fields) apply over the run's saved config for the evaluation;
-  `environ` is `build_run`'s.
+  `environ` and `capture_stderr` are `build_run`'s.
 
   Raises:
     SchemeError: an unknown scheme (before anything is opened).
@@ -99,7 +100,7 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
     quant.check_scheme(scheme)
   workdir = pathlib.Path(workdir)
   trainer = build_run(None, workdir, mode="read", validation=True, overrides=overrides,
-                      environ=environ)
+                      environ=environ, capture_stderr=capture_stderr)
   try:
     config = trainer.config
     qat = config.quant.qat
@@ -124,15 +125,16 @@ def quantize_run(workdir: str | pathlib.Path, scheme: str | None = None, *,
 
 def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool = False,
                    method: str = "__call__", overrides: Sequence[str] = (),
-                   environ: Mapping[str, str] | None = None) -> Run:
+                   environ: Mapping[str, str] | None = None, capture_stderr: bool = False) -> Run:
   """The finished run in `workdir`, read-only, with its saved `scheme` parameters.
 
   `method`: what the model runs quantized ("__call__": evaluation; "decode":
-  `generate`). Raises WorkdirError when `quantize` has not saved `scheme` there.
+  `generate`); `overrides`, `environ` and `capture_stderr` are `build_run`'s.
+  Raises WorkdirError when `quantize` has not saved `scheme` there.
   """
   directory = quantized_dir(workdir, scheme)
   trainer = build_run(None, workdir, mode="read", validation=validation, overrides=overrides,
-                      environ=environ)
+                      environ=environ, capture_stderr=capture_stderr)
   try:
     if not directory.is_dir():
       raise WorkdirError(f"no {scheme} parameters in {directory.parent}: run `jax-ai-stack "

@@ -63,7 +63,8 @@ def run_quantize(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes.finetune import ptq
 
   try:
-    report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides, environ=os.environ)
+    report = ptq.quantize_run(args.workdir, args.scheme, overrides=overrides, environ=os.environ,
+                              capture_stderr=True)
   except DataError as e:
     raise with_split_hint(e, args) from None
   if report.trained.startswith("qat") and report.trained != f"qat {report.scheme}":
