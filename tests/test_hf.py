@@ -235,10 +235,10 @@ def test_bfloat16_tensors_are_cast_to_the_parameter_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("architectures", ["MistralForCausalLM"]),
+    ("architectures", ["MixtralForCausalLM"]),
     ("model_type", "mistral"),
     ("hidden_act", "gelu"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 8.0}),
     ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}),
     ("rope_parameters", "llama3"),

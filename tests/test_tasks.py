@@ -168,7 +168,7 @@ def _family_knowledge() -> dict[str, set[str]]:
   classes, and the modules of its Task and its model."""
   kinds, classes, modules = set(), set(), set()
   for family in tasks.FAMILIES:
-    kinds.add(family.kind)
+    kinds.update(typing.get_args(typing.get_type_hints(family.model_config)["kind"]))
     classes.add(family.model_config.__name__)
     task_class = family.task_class()
     modules.add(task_class.__module__)
@@ -177,6 +177,8 @@ def _family_knowledge() -> dict[str, set[str]]:
     classes.update(name for name, value in vars(model_module).items()
                    if isinstance(value, type) and issubclass(value, nnx.Module)
                    and value.__module__ == model_module.__name__)
+    classes.update(name for name, value in vars(model_module).items()  # LlamaConfig too.
+                   if value is family.model_config)
   return {"kinds": kinds, "classes": classes, "modules": modules}
 
 

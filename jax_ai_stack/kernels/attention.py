@@ -61,14 +61,14 @@ def _plan(plan: AttentionPlan | None, implementation: str | Sequence[str] | None
   return resolve_plan("auto" if implementation is None else implementation)
 
 
-def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths, scale,
+def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths,
          sharding: sharded.AttentionSharding | None) -> jax.Array:
   """The chosen kernel, or the next eligible one where a kernel refuses."""
   refusals = []
   for name, interpret in choice.fallbacks:
     implementation = table.IMPLEMENTATIONS[name]
     run = functools.partial(implementations.call, implementation.run, choice.request,
-                            scale=scale, interpret=interpret)
+                            interpret=interpret)
     if not implementation.partitionable:
       run = sharded.per_shard(run, sharding, choice.request, name=name)
     try:
@@ -90,6 +90,7 @@ def attention(
     segment_ids: jax.Array | None = None,
     scale: float | None = None,
     local_window: int | None = None,
+    logits_soft_cap: float | None = None,
     kv_seq_lengths: jax.Array | None = None,
     plan: AttentionPlan | None = None,
     implementation: str | Sequence[str] | None = None,
@@ -107,6 +108,7 @@ def attention(
       within their own segment. 0 is an id like any other.
     scale: logits scale, a Python number; default 1 / sqrt(H).
     local_window: w >= 0: query i sees keys i - w .. i.
+    logits_soft_cap: c > 0: each scaled logit x becomes c * tanh(x / c).
     kv_seq_lengths: [B] ints; keys at or past that index are ignored.
     plan: the kernels that may run (models get one passed in). None:
       `resolve_plan()` at this call, i.e. `JAX_AI_STACK_ATTENTION` or "auto";
@@ -132,6 +134,7 @@ def attention(
   request = Request.from_shapes(
       q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids is not None,
       local_window=local_window, kv_seq_lengths=kv_seq_lengths is not None,
+      scale=scale, logits_soft_cap=logits_soft_cap,
   )
   choice = plan.select(request)
-  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, scale, sharding)
+  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, sharding)

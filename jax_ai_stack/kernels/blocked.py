@@ -74,18 +74,28 @@ def _position_mask(block, causal: bool, window: int | None) -> np.ndarray | None
   return None if allowed.all() else allowed
 
 
-def _logits(q, k, ids, block, mask):
-  """Masked logits [G, t, s] (float32) of one block of one slice; q [G, T, H] pre-scaled."""
+def _capped(s, cap):
+  """cap * tanh(s / cap) (the soft cap), and its derivative; s itself without a cap."""
+  if cap is None:
+    return s, None
+  t = jnp.tanh(s / cap)
+  return cap * t, 1.0 - t * t
+
+
+def _logits(q, k, ids, block, mask, cap=None):
+  """Masked logits [G, t, s] (float32) of one block of one slice, q [G, T, H] pre-scaled;
+  with a soft `cap`, also d(capped)/d(raw) [G, t, s] (None without)."""
   start, stop, lo, hi = block
   s = jnp.einsum("gth,sh->gts", q[:, start:stop], k[lo:hi], preferred_element_type=jnp.float32)
+  s, slope = _capped(s, cap)
   allowed = None if mask is None else jnp.asarray(mask)
   if ids is not None:
     same = ids[start:stop, None] == ids[None, lo:hi]
     allowed = same if allowed is None else allowed & same
-  return s if allowed is None else jnp.where(allowed[None], s, -jnp.inf)
+  return (s if allowed is None else jnp.where(allowed[None], s, -jnp.inf)), slope
 
 
-def _slice_forward(q, k, v, ids, blocks, masks):
+def _slice_forward(q, k, v, ids, blocks, masks, cap):
   """One (batch row, K/V head): (out [G, T, H], logsumexp [G, T] float32)."""
   outs, lses = [], []
   for block, mask in zip(blocks, masks):
@@ -94,7 +104,7 @@ def _slice_forward(q, k, v, ids, blocks, masks):
       outs.append(jnp.zeros((q.shape[0], stop - start, v.shape[-1]), v.dtype))
       lses.append(jnp.full((q.shape[0], stop - start), -jnp.inf, jnp.float32))
       continue
-    s = _logits(q, k, ids, block, mask)
+    s, _ = _logits(q, k, ids, block, mask, cap)
     row_max = _finite(jnp.max(s, axis=-1, keepdims=True))
     e = jnp.exp(s - row_max)  # One exp per logit; normalised after the matmul.
     total = jnp.sum(e, axis=-1, keepdims=True)
@@ -110,7 +120,7 @@ def _finite(lse):
   return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
-def _slice_backward(q, k, v, ids, out, lse, d_out, blocks, masks):
+def _slice_backward(q, k, v, ids, out, lse, d_out, blocks, masks, cap):
   """One slice's (dq, dk, dv), float32, block by block over the same staircase."""
   delta = jnp.einsum("gth,gth->gt", d_out.astype(jnp.float32), out.astype(jnp.float32))
   lse = _finite(lse)
@@ -122,12 +132,14 @@ def _slice_backward(q, k, v, ids, out, lse, d_out, blocks, masks):
     if lo >= hi:
       dq.append(jnp.zeros((q.shape[0], stop - start, q.shape[-1]), jnp.float32))
       continue
-    p = jnp.exp(_logits(q, k, ids, block, mask) - lse[:, start:stop, None])
+    s, slope = _logits(q, k, ids, block, mask, cap)
+    p = jnp.exp(s - lse[:, start:stop, None])
     do = d_out[:, start:stop]
     dv = dv.at[lo:hi].add(jnp.einsum("gts,gth->sh", p.astype(do.dtype), do,
                                      preferred_element_type=jnp.float32))
     dp = jnp.einsum("gth,sh->gts", do, v[lo:hi], preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[:, start:stop, None])).astype(q.dtype)
+    ds = p * (dp - delta[:, start:stop, None])
+    ds = (ds if slope is None else ds * slope).astype(q.dtype)
     dq.append(jnp.einsum("gts,sh->gth", ds, k[lo:hi], preferred_element_type=jnp.float32))
     dk = dk.at[lo:hi].add(jnp.einsum("gts,gth->sh", ds, q[:, start:stop],
                                      preferred_element_type=jnp.float32))
@@ -138,21 +150,22 @@ def _masks(blocks, causal, window):
   return tuple(_position_mask(block, causal, window) for block in blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, ids, blocks, causal, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, ids, blocks, causal, window, cap):
   """q [R, G, T, H] (pre-scaled), k/v [R, S, H], ids [R, T] or None -> [R, G, T, H]."""
-  return _attention_fwd(q, k, v, ids, blocks, causal, window)[0]
+  return _attention_fwd(q, k, v, ids, blocks, causal, window, cap)[0]
 
 
-def _attention_fwd(q, k, v, ids, blocks, causal, window):
+def _attention_fwd(q, k, v, ids, blocks, causal, window, cap):
   masks = _masks(blocks, causal, window)
-  out, lse = jax.lax.map(lambda x: _slice_forward(*x, blocks, masks), (q, k, v, ids))
+  out, lse = jax.lax.map(lambda x: _slice_forward(*x, blocks, masks, cap), (q, k, v, ids))
   return out, (q, k, v, ids, out, lse)
 
 
-def _attention_bwd(blocks, causal, window, residuals, d_out):
+def _attention_bwd(blocks, causal, window, cap, residuals, d_out):
   masks = _masks(blocks, causal, window)
-  dq, dk, dv = jax.lax.map(lambda x: _slice_backward(*x, blocks, masks), (*residuals, d_out))
+  dq, dk, dv = jax.lax.map(lambda x: _slice_backward(*x, blocks, masks, cap),
+                           (*residuals, d_out))
   q, k, v = residuals[:3]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -169,6 +182,7 @@ def blocked_attention(
     segment_ids: jax.Array | None = None,
     scale: float | None = None,
     local_window: int | None = None,
+    logits_soft_cap: float | None = None,
     block_size: int | None = None,
 ) -> jax.Array:
   """Attention over each query block's visible keys. q [B, T, N, H], k/v [B, S, K, H].
@@ -181,6 +195,7 @@ def blocked_attention(
 
   Args:
     scale: logits scale; default 1 / sqrt(H).
+    logits_soft_cap: c: each scaled logit x becomes c * tanh(x / c); None: uncapped.
     block_size: query rows per block; default `default_block_size(T)`. Any
       T works: the last block is shorter.
   """
@@ -198,6 +213,7 @@ def blocked_attention(
   k, v = (x.transpose(0, 2, 1, 3).reshape(rows, kv_len, head_dim) for x in (k, v))
   ids = None if segment_ids is None else jnp.repeat(segment_ids, num_kv_heads, axis=0)
   blocks = _blocks(q_len, kv_len, block_size, causal, local_window)
-  out = _attention(q, k, v, ids, blocks, causal, local_window)
+  cap = None if logits_soft_cap is None else float(logits_soft_cap)
+  out = _attention(q, k, v, ids, blocks, causal, local_window, cap)
   out = out.reshape(batch, num_kv_heads, group, q_len, head_dim).transpose(0, 3, 1, 2, 4)
   return out.reshape(batch, q_len, num_heads, head_dim)

@@ -4,7 +4,8 @@ This module holds those of `jax.nn` (XLA, cuDNN), tokamax and this package's
 `blocked` attention; `pallas` holds JAX's Pallas kernels.
 
 Each adapter takes `q: [B, T, N, H]`, `k, v: [B, S, K, H]` and keyword-only
-`causal, segment_ids, scale, local_window, kv_seq_lengths, interpret`, and calls
+`causal, segment_ids, scale, local_window, kv_seq_lengths, interpret,
+logits_soft_cap`, and calls
 one library's kernel with the masks translated into that library's terms. The
 adapters check nothing the capability table (`table`) already checks; they raise
 `NotImplementedError` for what the library itself would reject, so that the
@@ -15,6 +16,8 @@ Mask semantics shared by every adapter (and by the tests' reference):
   * local_window w: query i sees keys j with i - w <= j <= i.
   * segment_ids [B, T] (self-attention): query i sees key j iff their ids match.
   * kv_seq_lengths [B]: keys at index >= length are ignored.
+  * logits_soft_cap c: each scaled logit x becomes c * tanh(x / c) before the
+    masks (Gemma 2's), so a large logit cannot swamp the softmax.
 
 Libraries are imported inside the adapters: tokamax alone takes seconds to
 import, and only the kernel that runs should pay for its import.
@@ -58,13 +61,16 @@ def call(
 ) -> jax.Array:
   """Runs one adapter (an `Implementation.run`) on arrays that fit `request`.
 
-  The request supplies the static masks (causal, local_window); the arrays
-  supply the dynamic ones. `scale` defaults to 1 / sqrt(head_dim).
+  The request supplies the static masks (causal, local_window), the scale and
+  the soft cap; the arrays supply the dynamic masks. `scale` (the request's
+  unless given) defaults to 1 / sqrt(head_dim).
   """
+  scale = request.scale if scale is None else scale
   return kernel(
       q, k, v, causal=request.causal, segment_ids=segment_ids,
       scale=request.head_dim ** -0.5 if scale is None else float(scale),
       local_window=request.local_window, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
+      logits_soft_cap=request.logits_soft_cap,
   )
 
 
@@ -91,9 +97,11 @@ def import_tokamax():
 
 
 def jax_nn(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
-           interpret, implementation="xla"):
+           interpret, logits_soft_cap=None, implementation="xla"):
   """`jax.nn.dot_product_attention` with `implementation` "xla" or "cudnn"."""
   del interpret
+  if logits_soft_cap is not None:  # The table says so too; this guards direct calls.
+    raise NotImplementedError("jax.nn.dot_product_attention has no logits_soft_cap")
   return jax.nn.dot_product_attention(
       q, k, v,
       mask=None if segment_ids is None else _segment_mask(segment_ids),
@@ -124,7 +132,7 @@ def tokamax_installed_attention() -> tuple[str, ...]:
 
 
 def tokamax_attention(q, k, v, *, causal, segment_ids, scale, local_window,
-                      kv_seq_lengths, interpret, implementation):
+                      kv_seq_lengths, interpret, implementation, logits_soft_cap=None):
   """`tokamax.dot_product_attention` (public) with one named tokamax implementation."""
   del interpret
   tokamax = import_tokamax()
@@ -141,12 +149,13 @@ def tokamax_attention(q, k, v, *, causal, segment_ids, scale, local_window,
       is_causal=causal,
       key_value_seq_lengths=_lengths(kv_seq_lengths),
       local_window_size=_window(local_window),
+      logits_soft_cap=logits_soft_cap,
       implementation=implementation,
   )
 
 
 def xla_blocked(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
-                interpret):
+                interpret, logits_soft_cap=None):
   """`blocked.blocked_attention`: skips the keys a causal or windowed mask hides."""
   del interpret
   if kv_seq_lengths is not None:  # The table says so too; this guards direct calls.
@@ -154,4 +163,5 @@ def xla_blocked(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_len
   from jax_ai_stack.kernels import blocked
 
   return blocked.blocked_attention(
-      q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, local_window=local_window)
+      q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, local_window=local_window,
+      logits_soft_cap=logits_soft_cap)

@@ -107,7 +107,9 @@ def _pallas_gpu_module():
 
 
 def pallas_gpu(q, k, v, *, causal, segment_ids, scale, local_window,
-               kv_seq_lengths, interpret):
+               kv_seq_lengths, interpret, logits_soft_cap=None):
+  if logits_soft_cap is not None:
+    raise NotImplementedError("pallas_gpu does not support logits_soft_cap")
   """JAX's Pallas (Triton) flash attention, `pallas.ops.gpu.attention.mha`."""
   if local_window is not None or kv_seq_lengths is not None:
     raise NotImplementedError("pallas_gpu supports neither local_window nor kv_seq_lengths")
@@ -129,7 +131,9 @@ def pallas_gpu(q, k, v, *, causal, segment_ids, scale, local_window,
 
 
 def pallas_tpu_flash(q, k, v, *, causal, segment_ids, scale, local_window,
-                     kv_seq_lengths, interpret):
+                     kv_seq_lengths, interpret, logits_soft_cap=None):
+  if logits_soft_cap is not None:
+    raise NotImplementedError("pallas_tpu_flash does not support logits_soft_cap")
   """JAX's Pallas TPU flash attention, `pallas.ops.tpu.flash_attention`."""
   if local_window is not None:
     raise NotImplementedError("pallas_tpu_flash does not support local_window")
@@ -175,7 +179,9 @@ def _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret):
 
 
 def pallas_tpu_splash(q, k, v, *, causal, segment_ids, scale, local_window,
-                      kv_seq_lengths, interpret):
+                      kv_seq_lengths, interpret, logits_soft_cap=None):
+  if logits_soft_cap is not None:
+    raise NotImplementedError("pallas_tpu_splash does not support logits_soft_cap")
   """JAX's Pallas TPU splash attention (GQA and local windows natively)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 

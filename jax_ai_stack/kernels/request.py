@@ -111,6 +111,10 @@ class Request:
   segment_ids: bool = False
   local_window: int | None = None
   kv_seq_lengths: bool = False
+  scale: float | None = None
+  """The logits' scale; None: 1 / sqrt(head_dim)."""
+  logits_soft_cap: float | None = None
+  """Logits x become cap * tanh(x / cap) (Gemma 2); None: uncapped."""
 
   @classmethod
   def from_shapes(
@@ -123,6 +127,8 @@ class Request:
       segment_ids: bool = False,
       local_window: int | None = None,
       kv_seq_lengths: bool = False,
+      scale: float | None = None,
+      logits_soft_cap: float | None = None,
   ) -> Request:
     """Validates shapes (q [B, T, N, H], k/v [B, S, K, H]); ValueError names the problem.
 
@@ -140,9 +146,15 @@ class Request:
         isinstance(local_window, bool) or not isinstance(local_window, int) or local_window < 0
     ):
       raise ValueError(f"local_window {local_window!r} must be an int >= 0 or None")
+    for name, value in (("scale", scale), ("logits_soft_cap", logits_soft_cap)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not value > 0):
+        raise ValueError(f"{name} {value!r} must be a number > 0 or None")
     return cls(
         batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, normalize_dtype(dtype),
         bool(causal), bool(segment_ids), local_window, bool(kv_seq_lengths),
+        None if scale is None else float(scale),
+        None if logits_soft_cap is None else float(logits_soft_cap),
     )
 
   @classmethod
@@ -161,6 +173,7 @@ class Request:
         (d["batch"], d["kv_len"], d["num_kv_heads"], d["head_dim"]),
         d["dtype"], causal=d.get("causal", True), segment_ids=d.get("segment_ids", False),
         local_window=d.get("local_window"), kv_seq_lengths=d.get("kv_seq_lengths", False),
+        scale=d.get("scale"), logits_soft_cap=d.get("logits_soft_cap"),
     )
 
   @property
@@ -179,6 +192,10 @@ class Request:
       flags.append(f"local_window={self.local_window}")
     if self.kv_seq_lengths:
       flags.append("kv_seq_lengths")
+    if self.scale is not None:
+      flags.append(f"scale={self.scale:g}")
+    if self.logits_soft_cap is not None:
+      flags.append(f"logits_soft_cap={self.logits_soft_cap:g}")
     shape = lambda s: "[" + ",".join(map(str, s)) + "]"
     return f"q {shape(self.q_shape)} k/v {shape(self.k_shape)} {self.dtype}, {', '.join(flags)}"
 

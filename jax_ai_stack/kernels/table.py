@@ -51,6 +51,9 @@ class Implementation:
   """The same in interpret mode; None: as `seq_multiple`."""
   local_window: bool = True
   kv_seq_lengths: bool = True
+  logits_soft_cap: bool = False
+  """Takes `logits_soft_cap` (checked on CPU for the XLA kernels; the GPU and TPU ones
+  stay off until a run there checks them)."""
   gqa: str = "native"
   """"native", or "repeat" (K/V heads are repeated to N before the kernel)."""
   nondeterministic: str | None = None
@@ -98,6 +101,8 @@ class Implementation:
       return "local_window not supported"
     if request.kv_seq_lengths and not self.kv_seq_lengths:
       return "kv_seq_lengths not supported"
+    if request.logits_soft_cap is not None and not self.logits_soft_cap:
+      return "logits_soft_cap not supported"
     return None
 
   def check(self, request: Request, backend: Backend, *, named: bool) -> tuple[str | None, bool]:
@@ -138,18 +143,19 @@ _IMPLEMENTATIONS = (
     ),
     Implementation(
         "tokamax_xla", "tokamax.dot_product_attention(implementation='xla')",
-        _tokamax("xla"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
+        _tokamax("xla"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS, logits_soft_cap=True,
         extra_check=rules.tokamax_window_check, package="tokamax", partitionable=True,
     ),
     Implementation(
         "tokamax_xla_chunked", "tokamax.dot_product_attention(implementation='xla_chunked')",
         _tokamax("xla_chunked"), platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
+        logits_soft_cap=True,
         extra_check=rules.tokamax_window_check, package="tokamax", partitionable=True,
     ),
     Implementation(
         "xla_blocked", "jax_ai_stack.kernels.blocked (causal blocks skip masked keys)",
         impls.xla_blocked, platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
-        kv_seq_lengths=False, auto_check=rules.blocked_auto_check,
+        kv_seq_lengths=False, logits_soft_cap=True, auto_check=rules.blocked_auto_check,
         # Plain XLA, but its loop over (batch, head) slices is not something
         # the SPMD partitioner splits: under a mesh it runs per shard.
     ),

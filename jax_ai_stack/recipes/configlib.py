@@ -50,8 +50,10 @@ def _union_members(tp: Any) -> dict[str, type]:
   for member in typing.get_args(tp):
     if dataclasses.is_dataclass(member):
       for field in dataclasses.fields(member):
-        if field.name == "kind":
-          members[str(field.default)] = member
+        if field.name == "kind":  # One tag, or a Literal of several (the decoder's kinds).
+          hint = typing.get_type_hints(member)["kind"]
+          for tag in typing.get_args(hint) or (field.default,):
+            members[str(tag)] = member
   return members
 
 

@@ -13,9 +13,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+
+from typing import Annotated, Any, Literal
 
 import pydantic
+from pydantic_core import ArgsKwargs
 from pydantic import PositiveFloat, PositiveInt
 
 from jax_ai_stack.kernels import names
@@ -27,9 +30,9 @@ RematPolicy = Literal["none", "full", "save_dots"]
 
 @config_dataclass
 class RopeScaling:
-  """Llama 3.1's RoPE frequency scaling (Hugging Face's rope_type "llama3").
+  """A RoPE frequency scaling: Llama 3.1's ("llama3") or plain division ("linear").
 
-  Stretches a model trained on `original_max_position_embeddings` tokens to a
+  "llama3" (Hugging Face's rope_type "llama3") stretches a model trained on `original_max_position_embeddings` tokens to a
   longer context: frequencies whose wavelength exceeds original / low_freq_factor
   are divided by `factor`, those under original / high_freq_factor are kept, and
   the ones between are blended smoothly. Llama 3.1 and 3.2 were trained with it,
@@ -37,10 +40,11 @@ class RopeScaling:
   3.1's; Llama 3.2 uses factor 32.
   """
 
-  kind: Literal["llama3"] = "llama3"
-  """The scaling rule; "llama3" is the one implemented."""
+  kind: Literal["llama3", "linear"] = "llama3"
+  """The scaling rule: "llama3", or "linear" (every frequency divided by `factor`,
+  Gemma 3's global layers; the other fields are then unused)."""
   factor: PositiveFloat = 8.0
-  """Divides the low (long-wavelength) frequencies."""
+  """Divides the low (long-wavelength) frequencies; with "linear", all of them."""
   low_freq_factor: PositiveFloat = 1.0
   """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
   high_freq_factor: PositiveFloat = 4.0
@@ -56,12 +60,52 @@ class RopeScaling:
       )
 
 
-@config_dataclass
-class LlamaConfig:
-  """Shapes and numerics of a Llama-style decoder. The defaults are `tiny()`."""
+DecoderKind = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
+LayerType = Literal["full", "sliding"]
 
-  kind: Literal["llama"] = "llama"
-  """Model family; tells model configs apart in a recipe."""
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True),
+    "gemma2": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh"),
+    "gemma3": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
+                   qk_norm=True),
+}
+"""The switches each architecture has on: a config of that `kind` that does not
+name them gets these values, and may not set them otherwise."""
+
+KIND_FREE: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "qwen2": ("layer_types", "sliding_window"),
+    "qwen3": ("qkv_bias", "layer_types", "sliding_window"),
+    "mistral": ("sliding_window",),
+    "gemma2": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+               "layer_types", "sliding_window"),
+    "gemma3": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+               "layer_types", "sliding_window", "local_rope_theta"),
+}
+"""The switches each architecture may set as it likes; the others keep their
+defaults (or `KIND_DEFAULTS`), since its Hugging Face layout cannot express them."""
+
+SWITCHES = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "embed_scale", "mlp_activation",
+            "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "layer_types",
+            "sliding_window", "local_rope_theta")
+"""The architectural switches of `DecoderConfig`, in the order its docstring lists them."""
+
+
+@config_dataclass
+class DecoderConfig:
+  """Shapes, numerics and architectural switches of a decoder LM. The defaults are `tiny()`.
+
+  One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 2 and Gemma 3
+  (text): `kind` names the Hugging Face architecture, and each switch what it
+  does; a kind fills in the switches it has on (`KIND_DEFAULTS`: `kind:
+  gemma2` alone gives Gemma 2's norms, MLP and embedding scale) and refuses
+  those its layout cannot express (`KIND_FREE` lists what it may vary).
+  """
+
+  kind: DecoderKind = "llama"
+  """Which architecture (Hugging Face `*ForCausalLM`) this decoder is: llama, qwen2,
+  qwen3, mistral, gemma2 or gemma3; tells model configs apart in a recipe."""
   vocab_size: PositiveInt = 259
   """Token ids are in [0, vocab_size). 259 = 256 bytes + BOS, EOS, PAD."""
   num_layers: PositiveInt = 4
@@ -75,21 +119,53 @@ class LlamaConfig:
   head_dim: PositiveInt | None = None
   """Features per head (even, for RoPE); None means d_model // num_heads."""
   mlp_dim: PositiveInt = 384
-  """Hidden units of the SwiGLU MLP."""
+  """Hidden units of the gated MLP."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
   rope_scaling: RopeScaling | None = None
   """Llama 3.1 / 3.2's scaling of the RoPE frequencies (Hugging Face's
-  rope_scaling with rope_type "llama3"), without which their weights give other
-  logits; None is plain RoPE. import-hf sets it from config.json, export-hf
-  writes it back; `model.rope_scaling.factor=32` sets it with Llama 3.1's other
-  values."""
+  rope_scaling with rope_type "llama3"), or Gemma 3's "linear" one, without which
+  their weights give other logits; None is plain RoPE. import-hf sets it from
+  config.json, export-hf writes it back; `model.rope_scaling.factor=32` sets it
+  with Llama 3.1's other values. With `local_rope_theta` it applies to the full
+  layers only."""
   max_seq_len: PositiveInt = 128
   """Longest sequence the recipes feed (training windows, prompt + generated)."""
   norm_eps: PositiveFloat = 1e-5
   """Epsilon of every RMSNorm."""
   tie_embeddings: bool = True
   """Compute logits with the embedding matrix instead of a separate head."""
+  qkv_bias: bool = False
+  """Biases on the q, k and v projections (Qwen2's)."""
+  qk_norm: bool = False
+  """An RMSNorm over each head's features of q and of k, before RoPE (Qwen3, Gemma 3)."""
+  norm_offset: float = 0.0
+  """Every RMSNorm scales by (norm_offset + weight): 1.0 is Gemma's `x * (1 + w)`,
+  its weight starting at 0; kept as Gemma parametrises it, not folded into the
+  weight, so that a bfloat16 round trip, LoRA and weight decay see Gemma's own."""
+  post_norms: bool = False
+  """RMSNorms on the attention and the MLP outputs before each residual add
+  (Gemma 2/3's four norms per block)."""
+  embed_scale: bool = False
+  """Multiply the token embeddings by sqrt(d_model), in the compute dtype (Gemma's)."""
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+  """The gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma's)."""
+  attn_logit_softcap: PositiveFloat | None = None
+  """Attention logits become cap * tanh(logits / cap) (Gemma 2); None: uncapped."""
+  final_logit_softcap: PositiveFloat | None = None
+  """Output logits become cap * tanh(logits / cap) (Gemma 2); None: uncapped."""
+  query_pre_attn_scalar: PositiveFloat | None = None
+  """Attention logits are scaled by query_pre_attn_scalar ** -0.5 (Gemma's);
+  None: head_dim ** -0.5."""
+  layer_types: tuple[LayerType, ...] | None = None
+  """Each layer's attention, "full" or "sliding" (one entry per layer); None: every
+  layer "sliding" when `sliding_window` is set (Mistral), else "full"."""
+  sliding_window: PositiveInt | None = None
+  """Keys a query of a "sliding" layer sees, itself included (Hugging Face's
+  `sliding_window`: key j is seen from query i when i - window < j <= i)."""
+  local_rope_theta: PositiveFloat | None = None
+  """RoPE base of the "sliding" layers, which then use no `rope_scaling` (Gemma 3's
+  `rope_local_base_freq`); None: every layer uses `rope_theta`."""
   dtype: DType = "float32"
   """Compute dtype of activations and matmuls; logits are always float32. bfloat16
   pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts,
@@ -113,8 +189,22 @@ class LlamaConfig:
   """Which attention kernels may run: 'auto' (the backend's preference), a name or a
   comma-separated list; resolved into the model's `kernels.AttentionPlan`."""
 
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _kind_defaults(cls, values: Any) -> Any:
+    """Fills in the switches `kind` has on (`KIND_DEFAULTS`) where the input names none."""
+    if isinstance(values, ArgsKwargs):
+      kwargs = dict(values.kwargs or {})
+      if not values.args and (defaults := KIND_DEFAULTS.get(kwargs.get("kind"))):
+        return ArgsKwargs((), {**defaults, **kwargs})
+      return values
+    if isinstance(values, dict) and (defaults := KIND_DEFAULTS.get(values.get("kind"))):
+      return {**defaults, **values}
+    return values
+
   def __post_init__(self):
     names.parse(self.attention_impl, origin="model.attention_impl")
+    self._check_switches()
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
@@ -127,6 +217,51 @@ class LlamaConfig:
     if self.resolved_head_dim % 2:
       raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
 
+  def _check_switches(self) -> None:
+    """ValueError naming a switch this `kind` cannot express, or a window that does not fit."""
+    fixed = KIND_DEFAULTS.get(self.kind, {})
+    for name in SWITCHES:
+      value, default = getattr(self, name), fixed.get(name, _SWITCH_DEFAULTS[name])
+      if value != default and name not in KIND_FREE[self.kind]:
+        able = [k for k, free in KIND_FREE.items()
+                if name in free or KIND_DEFAULTS.get(k, {}).get(name) == value]
+        raise ValueError(
+            f"{name}={value!r} does not go with kind={self.kind!r}, whose layout has {name}="
+            f"{default!r} (kinds that can have it: {', '.join(able) or 'none'})")
+    if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+      raise ValueError(f"layer_types has {len(self.layer_types)} entries; num_layers="
+                       f"{self.num_layers} needs one per layer")
+    if "sliding" in self.resolved_layer_types and self.sliding_window is None:
+      raise ValueError("layer_types names 'sliding' layers but sliding_window is not set")
+    if self.scan_layers and len(set(self.resolved_layer_types)) > 1:
+      raise ValueError("scan_layers needs identical blocks; layer_types mixes full and sliding "
+                       "layers (set model.scan_layers=false)")
+
+  @property
+  def resolved_layer_types(self) -> tuple[str, ...]:
+    """Each layer's attention: `layer_types`, or every layer as `sliding_window` implies."""
+    if self.layer_types is not None:
+      return tuple(self.layer_types)
+    return ("sliding" if self.sliding_window is not None else "full",) * self.num_layers
+
+  def local_window(self, layer: int) -> int | None:
+    """The attention kernels' `local_window` of `layer` (keys i - w .. i); None: full."""
+    if self.resolved_layer_types[layer] != "sliding":
+      return None
+    return self.sliding_window - 1
+
+  def rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of `layer`'s RoPE: sliding layers use `local_rope_theta` if set."""
+    if self.local_rope_theta is not None and self.resolved_layer_types[layer] == "sliding":
+      return self.local_rope_theta, None
+    return self.rope_theta, self.rope_scaling
+
+  @property
+  def attention_scale(self) -> float:
+    """The attention logits' scale: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+    base = self.query_pre_attn_scalar or self.resolved_head_dim
+    return float(base) ** -0.5
+
   @property
   def resolved_head_dim(self) -> int:
     """`head_dim`, or d_model // num_heads when it is not set."""
@@ -135,7 +270,10 @@ class LlamaConfig:
   def num_params(self) -> int:
     """Parameter count, from the shapes alone (no arrays are built)."""
     embed = self.vocab_size * self.d_model
-    blocks = self.num_layers * (self._block_matmul_params() + 2 * self.d_model)
+    h = self.resolved_head_dim
+    norms = (4 if self.post_norms else 2) * self.d_model + (2 * h if self.qk_norm else 0)
+    biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
+    blocks = self.num_layers * (self._block_matmul_params() + norms + biases)
     head = 0 if self.tie_embeddings else embed
     return embed + blocks + self.d_model + head  # + the final norm
 
@@ -155,12 +293,12 @@ class LlamaConfig:
     return d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.mlp_dim
 
   @classmethod
-  def tiny(cls, **overrides) -> LlamaConfig:
+  def tiny(cls, **overrides) -> DecoderConfig:
     """Trains in minutes on two CPU cores: 4 layers, d_model 128, ~0.8M params."""
     return cls(**overrides)
 
   @classmethod
-  def small(cls, **overrides) -> LlamaConfig:
+  def small(cls, **overrides) -> DecoderConfig:
     """A laptop-GPU model: 6 layers, d_model 384, ~9.5M params."""
     fields = dict(
         num_layers=6, d_model=384, num_heads=6, num_kv_heads=2, mlp_dim=1024,
@@ -169,7 +307,7 @@ class LlamaConfig:
     return cls(**{**fields, **overrides})
 
   @classmethod
-  def llama3_8b(cls, **overrides) -> LlamaConfig:
+  def llama3_8b(cls, **overrides) -> DecoderConfig:
     """The shapes of Meta's Llama-3-8B (8.03B params); build it abstractly."""
     fields = dict(
         vocab_size=128_256, num_layers=32, d_model=4096, num_heads=32,
@@ -178,6 +316,11 @@ class LlamaConfig:
     )
     return cls(**{**fields, **overrides})
 
+
+_SWITCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecoderConfig)
+                    if f.name in SWITCHES}
+LlamaConfig = DecoderConfig
+"""The decoder's config under its first name (every kind is a `DecoderConfig`)."""
 
 
 @config_dataclass

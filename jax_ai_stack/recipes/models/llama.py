@@ -116,35 +116,57 @@ def _fan_in_init(in_axis, out_axis):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads."""
+  """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads.
+
+  The config's switches: biases on q/k/v (`qkv_bias`), an RMSNorm over each head
+  of q and k before RoPE (`qk_norm`), the logits' scale and soft cap, and
+  `layer`'s sliding window; the kernels get all three through their request.
+  """
 
   def __init__(self, config: LlamaConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
-               sharding: kernels.AttentionSharding | None = None):
+               sharding: kernels.AttentionSharding | None = None, layer: int = 0):
     d, n, k, h = (
         config.d_model, config.num_heads, config.num_kv_heads, config.resolved_head_dim
     )
     dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
     in_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
-    self.q_proj = nnx.Einsum(
-        "btd,dnh->btnh", (d, n, h), rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(in_init, ("embed", "heads", "head_dim")),
-    )
-    self.k_proj = nnx.Einsum(
-        "btd,dkh->btkh", (d, k, h), rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(in_init, ("embed", "kv_heads", "head_dim")),
-    )
-    self.v_proj = nnx.Einsum(
-        "btd,dkh->btkh", (d, k, h), rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(in_init, ("embed", "kv_heads", "head_dim")),
-    )
+
+    def projection(heads: int, axis: str) -> nnx.Einsum:
+      bias = dict(bias_shape=(heads, h), bias_init=nnx.with_partitioning(
+          nnx.initializers.zeros, (axis, "head_dim"))) if config.qkv_bias else {}
+      return nnx.Einsum(
+          "btd,dnh->btnh", (d, heads, h), rngs=rngs, **dtypes, **bias,
+          kernel_init=nnx.with_partitioning(in_init, ("embed", axis, "head_dim")),
+      )
+
+    self.q_proj = projection(n, "heads")
+    self.k_proj = projection(k, "kv_heads")
+    self.v_proj = projection(k, "kv_heads")
     self.o_proj = nnx.Einsum(
         "btnh,nhd->btd", (n, h, d), rngs=rngs, **dtypes,
         kernel_init=nnx.with_partitioning(
             _fan_in_init(in_axis=(0, 1), out_axis=2), ("heads", "head_dim", "embed")
         ),
     )
+    if config.qk_norm:
+      self.q_norm = rms_norm(config, rngs, h)
+      self.k_norm = rms_norm(config, rngs, h)
+    else:
+      self.q_norm = self.k_norm = None
     self.attention_plan = attention
     self.attention_sharding = sharding
+    self.local_window = config.local_window(layer)
+    self.logits_soft_cap = config.attn_logit_softcap
+    # None keeps the kernels' default, 1 / sqrt(head_dim), out of the request.
+    self.scale = None if config.query_pre_attn_scalar is None else config.attention_scale
+
+  def _attend(self, q, k, v, *, causal, segment_ids=None, kv_seq_lengths=None,
+              local_window=None):
+    return kernels.attention(
+        q, k, v, causal=causal, segment_ids=segment_ids, kv_seq_lengths=kv_seq_lengths,
+        local_window=local_window, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+        plan=self.attention_plan, sharding=self.attention_sharding,
+    )
 
   def __call__(
       self,
@@ -159,31 +181,33 @@ class Attention(nnx.Module):
 
     With `cache` = (keys, values, length): the new keys/values are written at
     `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
-    decodes one token that attends to the first length + 1 cached positions.
+    decodes one token that attends to the first length + 1 cached positions
+    (with a sliding window, to the last `window + 1` of them, read as one slice).
     """
-    q = rotate(self.q_proj(x), rope)
-    k = rotate(self.k_proj(x), rope)
+    q, k = self.q_proj(x), self.k_proj(x)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rotate(q, rope), rotate(k, rope)
     v = self.v_proj(x)
+    window = self.local_window
     if cache is None:
-      out = kernels.attention(
-          q, k, v, causal=True, segment_ids=segment_ids,
-          plan=self.attention_plan, sharding=self.attention_sharding,
-      )
+      out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
       return self.o_proj(out), None
     keys, values, length = cache
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(
         values, v.astype(values.dtype), length, axis=1
     )
-    if x.shape[1] == 1:
+    if x.shape[1] > 1:  # Prefill: nothing precedes the prompt, so its own keys suffice.
+      out = self._attend(q, k, v, causal=True, local_window=window)
+    elif window is not None and keys.shape[1] > window + 1:
+      start = jnp.maximum(length - window, 0)  # The window's keys: one fixed-size slice.
+      seen = jnp.full((x.shape[0],), length - start + 1, dtype=jnp.int32)
+      recent = (jax.lax.dynamic_slice_in_dim(c, start, window + 1, axis=1) for c in (keys, values))
+      out = self._attend(q, *recent, causal=False, kv_seq_lengths=seen)
+    else:
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
-      out = kernels.attention(
-          q, keys, values, causal=False, kv_seq_lengths=seen,
-          plan=self.attention_plan, sharding=self.attention_sharding,
-      )
-    else:  # Prefill: nothing precedes the prompt, so its own keys suffice.
-      out = kernels.attention(q, k, v, causal=True, plan=self.attention_plan,
-                              sharding=self.attention_sharding)
+      out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
     return self.o_proj(out), (keys, values)
 
 
@@ -201,8 +225,11 @@ def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Arra
   return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+_ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, f = config.d_model, config.mlp_dim
@@ -220,35 +247,73 @@ class MLP(nnx.Module):
         f, d, use_bias=False, rngs=rngs, **dtypes,
         kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
     )
+    self.activation = config.mlp_activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return on_tokens(lambda x: self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x)), x)
+    act = _ACTIVATIONS[self.activation]
+    return on_tokens(lambda x: self.down_proj(act(self.gate_proj(x)) * self.up_proj(x)), x)
 
 
-def _rms_norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  return nnx.RMSNorm(
-      config.d_model, epsilon=config.norm_eps, rngs=rngs,
-      dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-      scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)),
-  )
+class OffsetRMSNorm(nnx.RMSNorm):
+  """RMSNorm scaled by (offset + weight), in float32: Gemma's `x * (1 + w)` with offset 1.
+
+  The weight starts at 1 - offset, so a new norm is the identity as Llama's is.
+  """
+
+  def __init__(self, num_features: int, *, offset: float, **kwargs):
+    super().__init__(num_features, **kwargs)
+    self.offset = offset
+
+  def __call__(self, x, mask=None):
+    del mask
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    y = y * (self.offset + self.scale[...].astype(jnp.float32))
+    return y.astype(self.dtype or x.dtype)
+
+
+def rms_norm(config: LlamaConfig, rngs: nnx.Rngs, features: int | None = None) -> nnx.RMSNorm:
+  """An RMSNorm over `features` (default d_model) with the config's eps and `norm_offset`."""
+  kwargs = dict(epsilon=config.norm_eps, rngs=rngs, dtype=jnp.dtype(config.dtype),
+                param_dtype=jnp.dtype(config.param_dtype))
+  features = config.d_model if features is None else features
+  if not config.norm_offset:
+    return nnx.RMSNorm(features, **kwargs, scale_init=nnx.with_partitioning(
+        nnx.initializers.ones, ("norm",)))
+  start = nnx.initializers.constant(1.0 - config.norm_offset)
+  return OffsetRMSNorm(features, offset=config.norm_offset, **kwargs,
+                       scale_init=nnx.with_partitioning(start, ("norm",)))
 
 
 class Block(nnx.Module):
-  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
+
+  With `post_norms` (Gemma 2/3) each branch's output is normed before its add.
+  """
 
   def __init__(self, config: LlamaConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
-               layout: Layout | None = None):
-    self.attention_norm = _rms_norm(config, rngs)
-    self.attention = Attention(config, attention, rngs=rngs,
+               layout: Layout | None = None, layer: int = 0):
+    self.attention_norm = rms_norm(config, rngs)
+    self.attention = Attention(config, attention, rngs=rngs, layer=layer,
                                sharding=layout.attention() if layout else None)
-    self.mlp_norm = _rms_norm(config, rngs)
+    self.mlp_norm = rms_norm(config, rngs)
     self.mlp = MLP(config, rngs=rngs)
+    if config.post_norms:
+      self.post_attention_norm = rms_norm(config, rngs)
+      self.post_mlp_norm = rms_norm(config, rngs)
+    else:
+      self.post_attention_norm = self.post_mlp_norm = None
     self.layout = layout
 
   def __call__(self, x, rope: RopeTables, segment_ids=None, cache=None):
     h, new_cache = self.attention(self.attention_norm(x), rope, segment_ids, cache)
+    if self.post_attention_norm is not None:
+      h = self.post_attention_norm(h)
     x = x + _constrain(self.layout, h)
-    return x + _constrain(self.layout, self.mlp(self.mlp_norm(x))), new_cache
+    h = self.mlp(self.mlp_norm(x))
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    return x + _constrain(self.layout, h), new_cache
 
 
 def _constrain(layout: Layout | None, x: jax.Array) -> jax.Array:
@@ -324,8 +389,9 @@ class Llama(nnx.Module):
         self.layers = _stacked_blocks(config, attention, rngs, layout)
       else:
         self.layers = nnx.List(
-            [Block(config, attention, rngs=rngs, layout=layout) for _ in range(config.num_layers)])
-      self.final_norm = _rms_norm(config, rngs)
+            [Block(config, attention, rngs=rngs, layout=layout, layer=i)
+             for i in range(config.num_layers)])
+      self.final_norm = rms_norm(config, rngs)
       if config.tie_embeddings:
         self.lm_head = None
       else:
@@ -356,16 +422,16 @@ class Llama(nnx.Module):
     _check_tokens(tokens, segment_ids=segment_ids, positions=positions)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    rope = self._rope(positions)
-    x = _constrain(self.layout, self.embed(tokens))
+    ropes = self._ropes(positions)
+    x = self._embed(tokens)
     if self.config.remat == "none":
       run_block = _block_output
     else:
       run_block = nnx.remat(_block_output, policy=_REMAT_POLICIES[self.config.remat])
-    if self.config.scan_layers:
-      x = _scan_blocks(run_block, self.layers, x, rope, segment_ids)
+    if self.config.scan_layers:  # Identical blocks (the config checks): layer 0's RoPE.
+      x = _scan_blocks(run_block, self.layers, x, ropes[0], segment_ids)
     else:
-      for block in self.layers:
+      for block, rope in zip(self.layers, ropes):
         x = run_block(block, x, rope, segment_ids)
     return self._logits(x)
 
@@ -387,26 +453,42 @@ class Llama(nnx.Module):
     """
     _check_tokens(tokens)
     t = tokens.shape[1]
-    rope = self._rope(jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape))
-    x = _constrain(self.layout, self.embed(tokens))
+    ropes = self._ropes(jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape))
+    x = self._embed(tokens)
     if self.config.scan_layers:
-      x, keys, values = _scan_decode(self.layers, x, rope, cache)
+      x, keys, values = _scan_decode(self.layers, x, ropes[0], cache)
       return self._logits(x), KVCache(keys, values, cache.length + t)
     keys, values = [], []
-    for i, block in enumerate(self.layers):
+    for i, (block, rope) in enumerate(zip(self.layers, ropes)):
       x, (k, v) = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length))
       keys.append(k)
       values.append(v)
     return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
 
-  def _rope(self, positions: jax.Array) -> RopeTables:
-    config = self.config
-    return rope_tables(positions, config.resolved_head_dim, config.rope_theta, config.rope_scaling)
+  def _ropes(self, positions: jax.Array) -> list[RopeTables]:
+    """Each layer's RoPE tables, computed once per distinct (theta, scaling)."""
+    config, tables = self.config, {}
+    out = []
+    for layer in range(config.num_layers):
+      key = config.rope(layer)
+      if key not in tables:
+        tables[key] = rope_tables(positions, config.resolved_head_dim, *key)
+      out.append(tables[key])
+    return out
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    if self.config.embed_scale:  # Gemma's sqrt(d_model), rounded to the compute dtype.
+      x = x * jnp.asarray(self.config.d_model ** 0.5, x.dtype)
+    return _constrain(self.layout, x)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
     logits = on_tokens(self.embed.attend if self.lm_head is None else self.lm_head, x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if (cap := self.config.final_logit_softcap) is not None:
+      logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 def _check_tokens(tokens, **same_shape) -> None:

@@ -39,12 +39,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
   """The head_dim / 2 RoPE frequencies 1 / theta^(2i / head_dim), float32.
 
   With `scaling`, Llama 3.1's rescaling of them, written as transformers'
-  `_compute_llama3_parameters` (5.23.0) computes it, in float32.
+  `_compute_llama3_parameters` (5.23.0) computes it, in float32; or, "linear",
+  all of them divided by the factor.
   """
   half = head_dim // 2
   inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim)
   if scaling is None:
     return inv_freq
+  if scaling.kind == "linear":  # Gemma 3's global layers: positions / factor.
+    return inv_freq / scaling.factor
   old_context = scaling.original_max_position_embeddings
   low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
   wavelen = 2 * math.pi / inv_freq

@@ -45,9 +45,10 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config_json", "layout", "reader", "writer")
+_SUBMODULES = ("config_json", "families", "layout", "reader", "writer")
 _EXPORTS = {
     "hf_config": "config_json", "llama_fields": "config_json", "read_config": "config_json",
+    "decoder_fields": "config_json",
     "CONFIG_FILE": "layout", "INDEX_FILE": "layout", "TOKENIZER_FILE": "layout",
     "WEIGHTS_FILE": "layout", "Tensor": "layout", "tensors": "layout",
     "PROGRESS_MIN_BYTES": "reader", "Stored": "reader", "check_weights": "reader",

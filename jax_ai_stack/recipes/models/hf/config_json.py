@@ -1,4 +1,4 @@
-"""A Hugging Face Llama config.json <-> `LlamaConfig`: read (refusing by field name) and written.
+"""A Hugging Face decoder's config.json <-> `DecoderConfig`: read (refusing by key) and written.
 
 Example:
   >>> fields = llama_fields({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
@@ -21,47 +21,102 @@ from typing import Any
 from jax_ai_stack.errors import ConfigError, ModelFileError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.hf import families
+from jax_ai_stack.recipes.models.hf.families import refuse
 from jax_ai_stack.recipes.models.hf.layout import CONFIG_FILE
 
-_MODEL_TYPE = "llama"
-"""config.json's `model_type` of the one architecture this module reads and writes."""
-
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""config.json's MLP activations -> `DecoderConfig.mlp_activation`."""
+
+SHARED_KEYS = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "torch_dtype", "dtype",
+    "rope_theta", "rope_scaling", "rope_parameters", "hidden_act", "attention_dropout",
+})
+"""The config.json keys every family reads (its own add `HFFamily.keys`)."""
+
+IGNORED_KEYS = frozenset({
+    # Token ids, initialisation, caching and bookkeeping: no effect on the logits.
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "transformers_version", "_name_or_path", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+    "is_encoder_decoder", "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
+    "is_decoder", "add_cross_attention", "tie_encoder_decoder", "_attn_implementation_autoset",
+    "finetuning_task", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "cross_attention_hidden_size", "bad_words_ids", "begin_suppress_tokens",
+    "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "remove_invalid_values",
+    "exponential_decay_length_penalty",
+})
+"""Generic config.json keys (transformers' PretrainedConfig) that change no logit."""
+
+_CONDITIONAL_KEYS = frozenset({
+    "text_config", "vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
+    "image_token_index", "initializer_range",
+})
+"""Top-level keys of a conditional-generation (text + vision) config.json: the text
+model is read from `text_config`, the vision tower is not read."""
 
 
-def _refuse(source: str, field: str, value: Any, why: str) -> ModelFileError:
-  return ModelFileError(f"{source}: {field}={value!r} is not supported: {why}")
+def decoder_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, Any]:
+  """The `DecoderConfig` fields a Hugging Face config.json describes.
 
-
-def llama_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, Any]:
-  """The `LlamaConfig` fields a Hugging Face Llama config.json describes.
-
-  Missing optional fields take `transformers.LlamaConfig`'s defaults; the
-  compute and parameter dtypes both become `torch_dtype` (float32 if absent).
+  The architecture picks the family (`families`); missing optional fields take
+  transformers' defaults; the compute and parameter dtypes both become
+  `torch_dtype` (float32 if absent).
 
   Raises:
-    ModelFileError: naming the config.json field this model cannot represent.
+    ModelFileError: naming the config.json key or value this model cannot
+      represent, or an architecture no family reads (listing those that are read).
   """
-  architectures = hf.get("architectures") or ["LlamaForCausalLM"]
-  if list(architectures) != ["LlamaForCausalLM"]:
-    raise _refuse(source, "architectures", architectures, "only LlamaForCausalLM is")
-  if hf.get("model_type", _MODEL_TYPE) != _MODEL_TYPE:
-    raise _refuse(source, "model_type", hf["model_type"], f"only {_MODEL_TYPE!r} is")
-  act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise _refuse(source, "hidden_act", act, "the MLP is SwiGLU (silu)")
+  architectures = list(hf.get("architectures") or ["LlamaForCausalLM"])
+  family = families.for_architecture(architectures[0]) if len(architectures) == 1 else None
+  if family is None:
+    raise refuse(source, "architectures", architectures,
+                 "supported: " + ", ".join(families.ARCHITECTURES))
+  if architectures[0] != family.architecture:  # A text + vision checkpoint: its text model.
+    unknown = sorted(set(hf) - _CONDITIONAL_KEYS - IGNORED_KEYS - {"architectures", "model_type",
+                                                                   "tie_word_embeddings",
+                                                                   "torch_dtype", "dtype"})
+    if unknown:
+      raise refuse(source, unknown[0], hf[unknown[0]], f"not a key of {architectures[0]}")
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+      raise ModelFileError(f"{source}: {architectures[0]} needs a text_config object")
+    inherited = {k: hf[k] for k in ("tie_word_embeddings", "torch_dtype", "dtype") if k in hf}
+    hf = {**inherited, **text, "architectures": [family.architecture]}
+    source = f"{source} text_config"
+  if hf.get("model_type", family.model_type) != family.model_type:
+    raise refuse(source, "model_type", hf["model_type"],
+                 f"{family.architecture} has {family.model_type!r}")
+  known = SHARED_KEYS | IGNORED_KEYS | set(family.keys) | {family.activation_key}
+  if unknown := sorted(set(hf) - known):
+    raise refuse(source, unknown[0], hf[unknown[0]],
+                 f"{family.architecture}'s reader does not know this key, so it cannot tell "
+                 "whether it changes the model")
+  return {**_shared_fields(hf, source, family), **family.read(hf, source)}
+
+
+def _shared_fields(hf: Mapping[str, Any], source: str, family) -> dict[str, Any]:
+  """The shape, RoPE and numerics keys every family reads alike."""
+  default_act = "gelu_pytorch_tanh" if family.activation_key == "hidden_activation" else "silu"
+  act = hf.get(family.activation_key, hf.get("hidden_act", default_act))
+  expected = "gelu_pytorch_tanh" if default_act != "silu" else "silu"
+  if act != expected:
+    raise refuse(source, family.activation_key, act,
+                 f"{family.architecture}'s MLP is {'GeGLU (gelu_pytorch_tanh)' if expected != 'silu' else 'SwiGLU (silu)'}")
   rope_field, rope = _rope_parameters(hf, source)
-  for field in ("attention_bias", "mlp_bias"):
-    if hf.get(field):
-      raise _refuse(source, field, hf[field], "the model has no biases")
-  if hf.get("sliding_window") is not None:
-    raise _refuse(source, "sliding_window", hf["sliding_window"], "attention is full causal")
   if hf.get("attention_dropout", 0.0):
-    raise _refuse(source, "attention_dropout", hf["attention_dropout"], "the model has no dropout")
+    raise refuse(source, "attention_dropout", hf["attention_dropout"], "the model has no dropout")
   dtype_field = "torch_dtype" if "torch_dtype" in hf else "dtype"  # transformers 5: "dtype".
   dtype = hf.get(dtype_field) or "float32"
   if dtype not in _DTYPES:
-    raise _refuse(source, dtype_field, dtype, f"use one of {', '.join(_DTYPES)}")
+    raise refuse(source, dtype_field, dtype, f"use one of {', '.join(_DTYPES)}")
   required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
               "vocab_size")
   missing = [field for field in required if field not in hf]
@@ -70,7 +125,7 @@ def llama_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, 
   heads = hf["num_attention_heads"]
   head_dim = hf.get("head_dim")
   return dict(
-      kind="llama",
+      kind=family.kind,
       vocab_size=hf["vocab_size"],
       num_layers=hf["num_hidden_layers"],
       d_model=hf["hidden_size"],
@@ -82,43 +137,59 @@ def llama_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str, 
       rope_scaling=_rope_scaling(hf, rope_field, rope, source),
       max_seq_len=hf.get("max_position_embeddings", 2048),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", family.kind.startswith("gemma"))),
       dtype=_DTYPES[dtype],
       param_dtype=_DTYPES[dtype],
   )
 
 
-_ROPE_TYPES = ("default", "llama3")
+llama_fields = decoder_fields
+"""`decoder_fields` under its first name, from when Llama was the one architecture."""
+
+
+_ROPE_TYPES = ("default", "llama3", "linear")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 def _rope_parameters(hf: Mapping[str, Any], source: str) -> tuple[str, Mapping[str, Any]]:
-  """The config.json field that holds the RoPE parameters, and its value.
+  """The config.json field that holds the (full layers') RoPE parameters, and its value.
 
   transformers 4 writes `rope_scaling` (beside a top-level rope_theta),
-  transformers 5 `rope_parameters` (rope_theta inside); like transformers 5,
-  a non-empty `rope_scaling` wins.
+  transformers 5 `rope_parameters` (rope_theta inside; Gemma 3's one entry per
+  layer type, of which the full layers' is this one); like transformers 5, a
+  non-empty `rope_scaling` wins.
   """
   field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
   rope = hf.get(field) or {}
   if not isinstance(rope, Mapping):
-    raise _refuse(source, field, rope, "expected an object")
+    raise refuse(source, field, rope, "expected an object")
+  if isinstance(rope.get("full_attention"), Mapping):
+    sliding = rope.get("sliding_attention") or {}
+    if sliding.get("rope_type", "default") != "default":
+      raise refuse(source, f"{field}.sliding_attention", dict(sliding),
+                   "the local layers' RoPE is plain (rope_type default)")
+    field, rope = f"{field}.full_attention", rope["full_attention"]
   kind = rope.get("rope_type", rope.get("type", "default"))
   if kind not in _ROPE_TYPES:
-    raise _refuse(source, field, dict(rope), f"of the RoPE types only {' and '.join(_ROPE_TYPES)} "
-                  "are implemented")
+    raise refuse(source, field, dict(rope), f"of the RoPE types only {', '.join(_ROPE_TYPES)} "
+                 "are implemented")
   return field, rope
 
 
 def _rope_scaling(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
                   source: str) -> dict[str, Any] | None:
-  """`LlamaConfig.rope_scaling` of a "llama3" rope; None for plain RoPE.
+  """`DecoderConfig.rope_scaling` of a "llama3" or "linear" rope; None for plain RoPE.
 
   A missing original_max_position_embeddings is max_position_embeddings, as
   in transformers.
   """
-  if rope.get("rope_type", rope.get("type", "default")) == "default":
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind == "default":
     return None
+  if kind == "linear":
+    if rope.get("factor") is None:
+      raise ModelFileError(f"{source}: {field} of rope_type 'linear' has no factor")
+    return dict(kind="linear", factor=rope["factor"])
   missing = [name for name in _LLAMA3_FIELDS if rope.get(name) is None]
   if missing:
     raise ModelFileError(f"{source}: {field} of rope_type 'llama3' has no {', '.join(missing)}")
@@ -140,7 +211,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     raise ModelFileError(f"{path}: not readable JSON: {e}") from None
   if not isinstance(hf, dict):
     raise ModelFileError(f"{path}: the top level must be an object")
-  fields = llama_fields(hf, str(path))
+  fields = decoder_fields(hf, str(path))
   try:  # configlib's message is one line naming the field.
     configlib.from_dict(LlamaConfig, fields, source=f"{path}: does not describe a valid model")
   except ConfigError as e:
@@ -149,10 +220,11 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
-  """The config.json of `config` (`LlamaForCausalLM`), plus e.g. bos_token_id=..."""
+  """The config.json of `config` (its kind's architecture), plus e.g. bos_token_id=..."""
+  family = families.for_kind(config.kind)
   return {
-      "architectures": ["LlamaForCausalLM"],
-      "model_type": _MODEL_TYPE,
+      "architectures": [family.architecture],
+      "model_type": family.model_type,
       "vocab_size": config.vocab_size,
       "hidden_size": config.d_model,
       "intermediate_size": config.mlp_dim,
@@ -160,28 +232,28 @@ def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
       "num_attention_heads": config.num_heads,
       "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.resolved_head_dim,
-      "hidden_act": "silu",
+      family.activation_key: "silu" if config.mlp_activation == "silu" else "gelu_pytorch_tanh",
       "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta,
       "rope_scaling": _hf_rope_scaling(config),
-      "attention_bias": False,
       "attention_dropout": 0.0,
-      "mlp_bias": False,
+      **family.write(config),
       "tie_word_embeddings": config.tie_embeddings,
       "torch_dtype": config.param_dtype,
       "initializer_range": 0.02,
-      "pretraining_tp": 1,
       "use_cache": True,
       **token_ids,
   }
 
 
 def _hf_rope_scaling(config: LlamaConfig) -> dict[str, Any] | None:
-  """config.json's `rope_scaling`, as Meta's Llama 3.1 / 3.2 files write it."""
+  """config.json's `rope_scaling`, as Meta's Llama 3.1 / 3.2 (or Gemma 3's) files write it."""
   scaling = config.rope_scaling
   if scaling is None:
     return None
+  if scaling.kind == "linear":
+    return {"rope_type": "linear", "factor": scaling.factor}
   return {
       "rope_type": scaling.kind,
       "factor": scaling.factor,

@@ -44,59 +44,96 @@ def _safetensors():
 class Tensor:
   """One parameter: its Hugging Face name, its path in the model, its layout.
 
-  `in_axes`: 0 for a tensor stored as is (embedding, norms); otherwise our
-  kernel's first `in_axes` axes are torch's `in` dimension and the rest its
-  `out` dimension: torch holds `kernel.reshape(in, out).T`.
+  `in_axes`: 0 for a tensor stored as is (embedding, norms; flattened when
+  `flat`: q/k/v biases [N, H] are torch's [N * H]); otherwise our kernel's
+  first `in_axes` axes are torch's `in` dimension and the rest its `out`
+  dimension: torch holds `kernel.reshape(in, out).T`.
   """
 
   name: str
   path: tuple[str | int, ...]
   in_axes: int = 0
+  flat: bool = False
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     if not self.in_axes:
-      return tuple(shape)
+      return (math.prod(shape),) if self.flat else tuple(shape)
     return (math.prod(shape[self.in_axes:]), math.prod(shape[:self.in_axes]))
 
   def to_model(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return array if not self.in_axes else array.T.reshape(shape)
+    if not self.in_axes:
+      return array.reshape(shape) if self.flat else array
+    return array.T.reshape(shape)
 
   def to_hf(self, array: np.ndarray) -> np.ndarray:
     if not self.in_axes:
-      return np.ascontiguousarray(array)
+      return np.ascontiguousarray(array.reshape(-1) if self.flat else array)
     return np.ascontiguousarray(array.reshape(math.prod(array.shape[:self.in_axes]), -1).T)
 
 
-def tensors(config: LlamaConfig) -> list[Tensor]:
+TEXT_PREFIX = "model."
+"""Where a causal LM's decoder tensors sit; a text + vision checkpoint's elsewhere
+(`text_prefix`)."""
+
+
+def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   """Every parameter of a `Llama(config)`, in Hugging Face's order.
+
+  The names follow the config's kind (`families`): its norms' names, q/k/v
+  biases and q/k norms where its switches have them. `prefix`: where the
+  decoder sits (`model.`; `language_model.model.` in a Gemma 3 text + vision
+  checkpoint, whose head is then `language_model.lm_head.weight`).
 
   Raises:
     ConfigError: `config.scan_layers`: the names are per layer (`load_model`
       and `save` convert; reading into a scanned model's state does not).
   """
   from jax_ai_stack.recipes.models import layer_stack
+  from jax_ai_stack.recipes.models.hf import families
 
   layer_stack.refuse_scanned(config, "Hugging Face weight import into a model state",
                              "import with model.scan_layers=false, or load with "
                              "hf.load_model(directory, scan_layers=True)")
-  out = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
+  norms = families.for_kind(config.kind).norms
+  out = [Tensor(prefix + "embed_tokens.weight", ("embed", "embedding"))]
   for i in range(config.num_layers):
-    hf, ours = f"model.layers.{i}.", ("layers", i)
-    out += [
-        Tensor(hf + "self_attn.q_proj.weight", (*ours, "attention", "q_proj", "kernel"), 1),
-        Tensor(hf + "self_attn.k_proj.weight", (*ours, "attention", "k_proj", "kernel"), 1),
-        Tensor(hf + "self_attn.v_proj.weight", (*ours, "attention", "v_proj", "kernel"), 1),
-        Tensor(hf + "self_attn.o_proj.weight", (*ours, "attention", "o_proj", "kernel"), 2),
-        Tensor(hf + "mlp.gate_proj.weight", (*ours, "mlp", "gate_proj", "kernel"), 1),
-        Tensor(hf + "mlp.up_proj.weight", (*ours, "mlp", "up_proj", "kernel"), 1),
-        Tensor(hf + "mlp.down_proj.weight", (*ours, "mlp", "down_proj", "kernel"), 1),
-        Tensor(hf + "input_layernorm.weight", (*ours, "attention_norm", "scale")),
-        Tensor(hf + "post_attention_layernorm.weight", (*ours, "mlp_norm", "scale")),
-    ]
-  out.append(Tensor("model.norm.weight", ("final_norm", "scale")))
+    hf, ours = f"{prefix}layers.{i}.", ("layers", i)
+    attention = (*ours, "attention")
+    out += [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1)
+            for x in "qkv"]
+    if config.qkv_bias:
+      out += [Tensor(hf + f"self_attn.{x}_proj.bias", (*attention, f"{x}_proj", "bias"), flat=True)
+              for x in "qkv"]
+    out.append(Tensor(hf + "self_attn.o_proj.weight", (*attention, "o_proj", "kernel"), 2))
+    if config.qk_norm:
+      out += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
+              for x in "qk"]
+    out += [Tensor(hf + f"mlp.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"), 1)
+            for x in ("gate", "up", "down")]
+    out += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale")) for norm, theirs in norms.items()]
+  out.append(Tensor(prefix + "norm.weight", ("final_norm", "scale")))
   if not config.tie_embeddings:
-    out.append(Tensor("lm_head.weight", ("lm_head", "kernel"), 1))
+    out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1))
   return out
+
+
+def head_name(prefix: str = TEXT_PREFIX) -> str:
+  """The untied output head's tensor name beside a decoder at `prefix`."""
+  return "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+
+
+def text_prefix(names) -> str:
+  """Where the decoder's tensors sit among `names`: `model.`, or a Gemma 3 text +
+  vision checkpoint's `language_model.model.` (as saved) / `model.language_model.`."""
+  for prefix in ("language_model.model.", "model.language_model."):
+    if any(name.startswith(prefix) for name in names):
+      return prefix
+  return TEXT_PREFIX
+
+
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                "model.multi_modal_projector.")
+"""Tensors of a text + vision checkpoint that are not the decoder's (not read)."""
 
 
 def _model_shapes(config: LlamaConfig) -> dict[tuple, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Reading a Hugging Face Llama directory: the safetensors headers checked, the weights loaded.
+"""Reading a Hugging Face decoder directory: the safetensors headers checked, the weights loaded.
 
 Loading is lazy: one tensor at a time is read from disk (`safe_open`), cast to
 the parameter dtype and placed straight onto its sharding, so no full host
@@ -34,7 +34,8 @@ from jax_ai_stack.errors import ModelFileError
 from jax_ai_stack.recipes.models.configs import LlamaConfig
 from jax_ai_stack.recipes.models.hf.config_json import read_config
 from jax_ai_stack.recipes.models.hf.layout import (
-    INDEX_FILE, WEIGHTS_FILE, _model_shapes, _safetensors, tensors)
+    INDEX_FILE, OTHER_TOWERS, TEXT_PREFIX, WEIGHTS_FILE, _model_shapes, _safetensors, head_name,
+    tensors, text_prefix)
 
 PROGRESS_MIN_BYTES = 2**30
 """Checkpoints at least this large show a progress bar while loading."""
@@ -104,7 +105,8 @@ def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str
   """
   stored = read_index(directory)
   shapes = _model_shapes(config)
-  needed = tensors(config)
+  prefix = text_prefix(stored)
+  needed = tensors(config, prefix)
   for tensor in needed:
     if tensor.name not in stored:
       raise ModelFileError(f"{directory}: tensor {tensor.name!r} is missing")
@@ -117,8 +119,10 @@ def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str
                            f"expected one of {', '.join(sorted(_FLOAT_FORMATS))}")
   known = {t.name for t in needed}
   if config.tie_embeddings:
-    known.add("lm_head.weight")  # Some tied checkpoints store the copy; it is the embedding.
-  extra = sorted(name for name in stored if name not in known and not name.endswith(_IGNORED))
+    known.add(head_name(prefix))  # Some tied checkpoints store the copy; it is the embedding.
+  others = OTHER_TOWERS if prefix != TEXT_PREFIX else ()
+  extra = sorted(name for name in stored if name not in known and not name.endswith(_IGNORED)
+                 and not name.startswith(others))
   if extra:
     shown = ", ".join(repr(n) for n in extra[:5])
     shown += f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -139,7 +143,7 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
   st = _safetensors()
   stored = check_weights(directory, config)
   leaves = traverse_util.flatten_dict(nnx.to_pure_dict(target))
-  needed = tensors(config)
+  needed = tensors(config, text_prefix(stored))
   if set(leaves) != {t.path for t in needed}:
     raise ValueError(f"target is not the parameter state of Llama(config): {sorted(leaves)}")
   total = sum(math.prod(stored[t.name].shape) * _itemsize(stored[t.name].dtype) for t in needed)
@@ -178,7 +182,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def load_model(directory: str | os.PathLike, **overrides: Any):
-  """A `Llama` with the config and weights of a Hugging Face directory (one device).
+  """A decoder (`Llama`) with the config and weights of a Hugging Face directory (one device).
 
   `overrides`: `LlamaConfig` fields to change, e.g. `attention_impl="xla"` or
   `param_dtype="float32"`.

@@ -1,0 +1,113 @@
+"""The Hugging Face decoder architectures, one small module each: what differs from Llama.
+
+A family module holds one `HFFamily`: its architecture and `model_type`, the
+config.json keys it reads beyond the shared ones (`config_json.SHARED_KEYS`)
+and how they map onto `DecoderConfig`'s switches, what it writes back, and its
+tensor names where they differ from Llama's. `config_json` and `layout` do the
+shared work; a family is found by its architecture name (`for_architecture`) or
+by the `DecoderConfig.kind` it builds (`for_kind`), and its module loads then.
+
+Example:
+  >>> for_architecture("Qwen3ForCausalLM").kind
+  'qwen3'
+  >>> for_kind("gemma2").norms["post_mlp_norm"]
+  'post_feedforward_layernorm'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax_ai_stack.errors import ModelFileError
+
+LLAMA_NORMS: Mapping[str, str] = {"attention_norm": "input_layernorm",
+                                  "mlp_norm": "post_attention_layernorm"}
+"""Our norm attributes of a block -> their Hugging Face names, Llama's two."""
+
+
+def refuse(source: str, field: str, value: Any, why: str) -> ModelFileError:
+  """The one-line error of a config.json field this package cannot represent."""
+  return ModelFileError(f"{source}: {field}={value!r} is not supported: {why}")
+
+
+def _nothing(*_) -> dict[str, Any]:
+  return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+  """One Hugging Face architecture as the decoder sees it."""
+
+  architecture: str
+  """config.json's `architectures` entry, e.g. "Qwen3ForCausalLM" (the one export writes)."""
+  model_type: str
+  """config.json's `model_type`."""
+  kind: str
+  """The `DecoderConfig.kind` it builds."""
+  keys: tuple[str, ...] = ()
+  """config.json keys it reads beyond the shared ones (others are refused by name)."""
+  read: Callable[[Mapping[str, Any], str], dict[str, Any]] = _nothing
+  """(config.json, its path) -> the `DecoderConfig` switches it sets."""
+  write: Callable[[Any], dict[str, Any]] = _nothing
+  """DecoderConfig -> the config.json entries beyond the shared ones."""
+  activation_key: str = "hidden_act"
+  """The config.json key of the MLP's activation."""
+  norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_NORMS)
+  """Our norm attributes of a block -> their Hugging Face names."""
+  also_reads: tuple[str, ...] = ()
+  """Other architectures read as this one (export writes `architecture`)."""
+
+
+_MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+            "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+            "Gemma3ForConditionalGeneration": "gemma3"}
+"""Architecture name -> the module (in this package) of its family."""
+
+ARCHITECTURES = tuple(_MODULES)
+"""Every architecture `for_architecture` knows."""
+
+
+def _load(module: str) -> HFFamily:
+  return importlib.import_module(f"{__name__}.{module}").FAMILY
+
+
+def for_architecture(architecture: str) -> HFFamily | None:
+  """The family that reads `architecture`; None for one this package does not read."""
+  module = _MODULES.get(architecture)
+  return None if module is None else _load(module)
+
+
+def for_kind(kind: str) -> HFFamily:
+  """The family of a `DecoderConfig.kind` (whose layout export writes)."""
+  return _load(kind)
+
+
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def read_layer_types(hf: Mapping[str, Any], source: str, default: list[str] | None = None,
+                     window: int | None = None) -> dict[str, Any]:
+  """`layer_types` and `sliding_window` from config.json's (transformers 5 writes the
+  list; older files imply it: `default`). Without a window every layer is full."""
+  window = hf.get("sliding_window") if window is None else window
+  names = hf.get("layer_types") or default
+  if window is None or names is None:
+    return dict(layer_types=None, sliding_window=None)
+  unknown = [name for name in names if name not in _LAYER_TYPES]
+  if unknown or len(names) != hf.get("num_hidden_layers"):
+    raise refuse(source, "layer_types", list(names), "expected one of " + " or ".join(
+        _LAYER_TYPES) + " per layer")
+  types = tuple(_LAYER_TYPES[name] for name in names)
+  if "sliding" not in types:
+    return dict(layer_types=None, sliding_window=None)
+  return dict(layer_types=types, sliding_window=window)
+
+
+def write_layer_types(config: Any) -> list[str]:
+  """config.json's `layer_types` of a `DecoderConfig`."""
+  back = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
+  return [back[t] for t in config.resolved_layer_types]

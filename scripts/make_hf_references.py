@@ -1,0 +1,121 @@
+"""Writes the reference outputs of Hugging Face transformers that tests/test_families.py compares with.
+
+For each decoder family, a tiny random model whose config turns on every switch
+the family has (biases, q/k norms, soft caps, a sliding window shorter than the
+sequence, local and global layers, an explicit head_dim, linear RoPE scaling),
+saved as transformers saves it, plus its float32 logits on fixed tokens and its
+greedy continuation of a prompt:
+
+  tests/references/hf/<name>/config.json, model.safetensors   (save_pretrained)
+  tests/references/hf/<name>/reference.npz                    tokens, logits, prompt, greedy
+
+Needs torch and transformers, which CI does not install: CI compares against
+the committed files. Run it again after changing a config here:
+
+  python -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch==2.13.0 transformers safetensors
+  /tmp/refenv/bin/python scripts/make_hf_references.py
+
+Written with transformers 5.24.0 and torch 2.13.0 (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import torch
+import transformers
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "references" / "hf"
+SEQ_LEN = 24
+"""Longer than every sliding window below, so the windows change the logits."""
+PROMPT_LEN, NEW_TOKENS = 5, 8
+
+_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+CONFIGS = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+        rope_theta=10_000.0, tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        num_hidden_layers=2, head_dim=12, rope_theta=1_000_000.0, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
+        num_hidden_layers=2, head_dim=12, sliding_window=7, tie_word_embeddings=False)),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=7, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+}
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> None:
+  """Every parameter moved off its init (norms of ones or zeros, biases of zeros), so
+  that each switch shows in the logits."""
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for _, param in sorted(model.named_parameters()):
+      param.add_(0.2 * torch.randn(param.shape, generator=generator))
+
+
+def _gemma3_conditional(text_config: dict):
+  """A Gemma3ForConditionalGeneration with a tiny vision tower (ignored when reading text)."""
+  vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14)
+  config = transformers.Gemma3Config(text_config=text_config, vision_config=vision,
+                                     mm_tokens_per_image=4)
+  return config, transformers.Gemma3ForConditionalGeneration
+
+
+def write(name: str, config, model_class, seed: int) -> None:
+  torch.manual_seed(seed)
+  model = model_class(config).eval()
+  _perturbed(model, seed)
+  directory = OUT / name
+  shutil.rmtree(directory, ignore_errors=True)
+  model.save_pretrained(directory, safe_serialization=True)
+  rng = np.random.default_rng(seed)
+  vocab = config.get_text_config().vocab_size
+  tokens = rng.integers(0, vocab, (2, SEQ_LEN), dtype=np.int64)
+  with torch.no_grad():
+    logits = model(torch.from_numpy(tokens)).logits.float().numpy()
+    prompt = torch.from_numpy(tokens[:1, :PROMPT_LEN])
+    greedy = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                            min_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
+  np.savez(directory / "reference.npz", tokens=tokens.astype(np.int32), logits=logits,
+           prompt=tokens[:1, :PROMPT_LEN].astype(np.int32), greedy=greedy.numpy().astype(np.int32))
+  for extra in ("generation_config.json",):
+    (directory / extra).unlink(missing_ok=True)
+  size = sum(p.stat().st_size for p in directory.iterdir())
+  print(f"{name}: {model_class.__name__}, {size / 1024:.0f} KiB, "
+        f"layer_types={getattr(config.get_text_config(), 'layer_types', None)}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("names", nargs="*", help="families to write (default: all)")
+  args = parser.parse_args()
+  wanted = args.names or [*CONFIGS, "gemma3-conditional"]
+  for seed, name in enumerate([*CONFIGS, "gemma3-conditional"]):
+    if name not in wanted:
+      continue
+    if name == "gemma3-conditional":
+      config_class, _, fields = CONFIGS["gemma3"]
+      config, model_class = _gemma3_conditional(config_class(**_SHAPE, **fields).to_dict())
+    else:
+      config_class, model_class, fields = CONFIGS[name]
+      config = config_class(**_SHAPE, **fields)
+    write(name, config, model_class, seed)
+  versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+  (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+  main()

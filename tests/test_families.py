@@ -1,0 +1,223 @@
+"""The decoder families (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) against transformers' outputs.
+
+The reference files in tests/references/hf/ were written by
+scripts/make_hf_references.py with transformers (which CI does not install):
+tiny random checkpoints whose configs turn on every switch of their family,
+their float32 logits on fixed tokens (longer than each sliding window) and
+their greedy continuation of a prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.errors import ModelFileError
+from jax_ai_stack.recipes.models import hf, layer_stack
+from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import Llama
+
+REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional"]
+ATOL = 1e-4
+"""float32 logits of about 5 in magnitude, summed in another order than torch's."""
+
+
+def _reference(name: str) -> dict[str, np.ndarray]:
+  return dict(np.load(REFERENCES / name / "reference.npz"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+  name = request.param
+  return name, hf.load_model(REFERENCES / name), _reference(name)
+
+
+def test_logits_and_greedy_tokens_equal_transformers(family):
+  name, model, ref = family
+  logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+  np.testing.assert_allclose(logits, ref["logits"], atol=ATOL, rtol=0, err_msg=name)
+  new = ref["greedy"].shape[1] - ref["prompt"].shape[1]
+  greedy = generate(model, jnp.asarray(ref["prompt"]), new, temperature=0, rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(greedy), ref["greedy"], err_msg=name)
+
+
+def test_each_reference_exercises_its_family_s_switches():
+  """The references would tell a missing switch apart: each is on in some config."""
+  configs = {name: hf.load_model(REFERENCES / name).config for name in FAMILIES[:5]}
+  seq_len = _reference("qwen2")["tokens"].shape[1]
+  assert configs["qwen2"].qkv_bias and set(configs["qwen2"].layer_types) == {"full", "sliding"}
+  assert configs["qwen3"].qk_norm and configs["qwen3"].head_dim == 12
+  assert configs["mistral"].resolved_layer_types == ("sliding",) * 2
+  gemma2, gemma3 = configs["gemma2"], configs["gemma3"]
+  assert gemma2.attn_logit_softcap and gemma2.final_logit_softcap and gemma2.post_norms
+  assert gemma2.query_pre_attn_scalar != gemma2.resolved_head_dim
+  assert gemma3.qk_norm and gemma3.local_rope_theta != gemma3.rope_theta
+  assert gemma3.rope_scaling.kind == "linear" and gemma3.layer_types.count("full") == 1
+  assert all(c.sliding_window < seq_len for c in configs.values() if c.sliding_window)
+
+
+def _with(config: DecoderConfig, **changes) -> DecoderConfig:
+  """`config` with switches changed past the kind's checks (a model no checkpoint has)."""
+  changed = copy.copy(config)
+  for name, value in changes.items():
+    object.__setattr__(changed, name, value)
+  return changed
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("qwen2", dict(layer_types=None, sliding_window=None)),
+    ("mistral", dict(sliding_window=None)),
+    ("gemma2", dict(attn_logit_softcap=None)),
+    ("gemma2", dict(final_logit_softcap=None)),
+    ("gemma2", dict(query_pre_attn_scalar=None)),
+    ("gemma2", dict(norm_offset=0.0)),
+    ("gemma2", dict(embed_scale=False)),
+    ("gemma2", dict(mlp_activation="silu")),
+    ("gemma3", dict(local_rope_theta=None)),
+    ("gemma3", dict(rope_scaling=None)),
+])
+def test_turning_a_switch_off_moves_the_logits_far_past_the_tolerance(name, changes):
+  model = hf.load_model(REFERENCES / name)
+  other = nnx.eval_shape(lambda: Llama(_with(model.config, **changes), rngs=nnx.Rngs(0)))
+  nnx.update(other, nnx.state(model))
+  tokens = jnp.asarray(_reference(name)["tokens"])
+  assert float(jnp.abs(other(tokens) - model(tokens)).max()) > 100 * ATOL
+
+
+def test_zero_biases_move_qwen2_s_logits():
+  model = hf.load_model(REFERENCES / "qwen2")
+  tokens = jnp.asarray(_reference("qwen2")["tokens"])
+  before = model(tokens)
+  for projection in ("q_proj", "k_proj", "v_proj"):
+    for block in model.layers:
+      bias = getattr(block.attention, projection).bias
+      bias[...] = jnp.zeros_like(bias[...])
+  assert float(jnp.abs(model(tokens) - before).max()) > 100 * ATOL
+
+
+def test_kv_cache_decoding_equals_the_full_forward_pass(family):
+  """Prefill, then one token at a time past every sliding window: the full pass's logits."""
+  name, model, ref = family
+  tokens = jnp.asarray(ref["tokens"])
+  cache = model.init_cache(tokens.shape[0], model.config.max_seq_len)
+  logits, cache = model.decode(tokens[:, :4], cache)
+  steps = [logits]
+  for i in range(4, tokens.shape[1]):
+    logits, cache = model.decode(tokens[:, i:i + 1], cache)
+    steps.append(logits)
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(model(tokens)),
+                             atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_the_safetensors_round_trip_is_exact(family, tmp_path):
+  name, model, _ = family
+  hf.save(model, tmp_path / "out")
+  again = hf.load_model(tmp_path / "out")
+  assert again.config == model.config
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(model)),
+                               jax.tree_util.tree_leaves_with_path(nnx.state(again))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {path}")
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  family_ = hf.families.for_kind(model.config.kind)
+  assert written["architectures"] == [family_.architecture]
+  assert written["model_type"] == family_.model_type
+  # The text tensors keep their names and values (a conditional checkpoint's text model
+  # is written as the causal LM).
+  original = hf.read_index(REFERENCES / name)
+  exported = hf.read_index(tmp_path / "out")
+  prefix = hf.layout.text_prefix(original)
+  import safetensors.numpy
+  theirs = safetensors.numpy.load_file(str(REFERENCES / name / "model.safetensors"))
+  ours = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
+  for tensor in hf.tensors(model.config):
+    source = prefix + tensor.name[len("model."):] if tensor.name.startswith("model.") else (
+        hf.layout.head_name(prefix))
+    assert exported[tensor.name].shape == original[source].shape
+    np.testing.assert_array_equal(ours[tensor.name], theirs[source], err_msg=tensor.name)
+
+
+def test_a_scanned_stack_of_identical_sliding_layers_equals_the_unrolled_one():
+  model = hf.load_model(REFERENCES / "mistral")
+  scanned = hf.load_model(REFERENCES / "mistral", scan_layers=True)
+  tokens = jnp.asarray(_reference("mistral")["tokens"])
+  np.testing.assert_allclose(np.asarray(scanned(tokens)), np.asarray(model(tokens)), atol=1e-5)
+  assert layer_stack.unrolled(scanned).config == model.config
+
+
+def test_mixed_layer_types_refuse_a_scanned_stack():
+  with pytest.raises(ModelFileError, match="scan_layers needs identical blocks"):
+    try:
+      hf.load_model(REFERENCES / "gemma2", scan_layers=True)
+    except ValueError as e:  # pydantic's ValidationError, one line of it.
+      raise ModelFileError(str(e)) from None
+
+
+def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> pathlib.Path:
+  directory = tmp_path / name
+  directory.mkdir()
+  for file in ("model.safetensors",):
+    (directory / file).write_bytes((REFERENCES / name / file).read_bytes())
+  config = json.loads((REFERENCES / name / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**config, **config_changes}))
+  return directory
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("qwen3", {"architectures": ["Qwen3MoeForCausalLM"]},
+     r"architectures=\['Qwen3MoeForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
+     r"Qwen2ForCausalLM"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters=.* is not supported: of the RoPE types only default, llama3, linear"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
+    ("gemma2", {"use_bidirectional_attention": True},
+     "use_bidirectional_attention=True is not supported: the decoder is causal"),
+    ("gemma2", {"layer_types": ["full_attention", "chunked_attention"] * 2},
+     "layer_types=.* is not supported: expected one of full_attention or sliding_attention"),
+    ("mistral", {"sliding_window_size": 7},
+     "sliding_window_size=7 is not supported: MistralForCausalLM's reader does not know this "
+     "key"),
+    ("gemma3-conditional", {"audio_config": {}},
+     "audio_config=.* is not supported: not a key of Gemma3ForConditionalGeneration"),
+])
+def test_bad_config_keys_and_values_are_named_in_one_line(tmp_path, name, changes, message):
+  directory = _copy_reference(name, tmp_path, **changes)
+  with pytest.raises(ModelFileError, match=message) as error:
+    hf.read_config(directory)
+  assert "\n" not in str(error.value) and str(directory / "config.json") in str(error.value)
+
+
+def test_a_tensor_of_the_wrong_shape_names_itself_and_both_shapes(tmp_path):
+  directory = _copy_reference("qwen2", tmp_path, intermediate_size=48)
+  with pytest.raises(ModelFileError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has "
+                     r"shape \(64, 32\), expected \(48, 32\)"):
+    hf.load_model(directory)
+
+
+@pytest.mark.parametrize("kind, fields, message", [
+    ("llama", dict(qk_norm=True), "qk_norm=True does not go with kind='llama'.* qwen3, gemma3"),
+    ("gemma2", dict(norm_offset=0.0), "norm_offset=0.0 does not go with kind='gemma2'"),
+    ("mistral", dict(layer_types=("full",) * 4), "layer_types=.* does not go with kind='mistral'"),
+    ("gemma3", dict(layer_types=("sliding", "full")), "layer_types has 2 entries; num_layers=4"),
+    ("qwen2", dict(layer_types=("full", "sliding") * 2), "sliding_window is not set"),
+])
+def test_a_switch_the_kind_cannot_express_is_refused(kind, fields, message):
+  with pytest.raises(ValueError, match=message):
+    DecoderConfig(kind=kind, **fields)
+
+
+def test_a_kind_alone_brings_its_architecture_s_switches():
+  gemma = DecoderConfig(kind="gemma3")
+  assert (gemma.norm_offset, gemma.post_norms, gemma.embed_scale, gemma.qk_norm,
+          gemma.mlp_activation) == (1.0, True, True, True, "gelu_tanh")
+  assert DecoderConfig(kind="qwen2").qkv_bias and DecoderConfig(kind="qwen3").qk_norm
+  assert dataclasses.replace(DecoderConfig(), kind="llama") == DecoderConfig()
