@@ -221,3 +221,16 @@ def test_a_kind_alone_brings_its_architecture_s_switches():
           gemma.mlp_activation) == (1.0, True, True, True, "gelu_tanh")
   assert DecoderConfig(kind="qwen2").qkv_bias and DecoderConfig(kind="qwen3").qk_norm
   assert dataclasses.replace(DecoderConfig(), kind="llama") == DecoderConfig()
+
+
+def test_the_export_loads_in_transformers_with_equal_logits(family, tmp_path):
+  """Where torch and transformers are installed (not in CI): export-hf's directory is
+  what the installed transformers reads, and its logits are the references'."""
+  torch = pytest.importorskip("torch", reason="torch is not installed (CI compares files)")
+  transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+  name, model, ref = family
+  hf.save(model, tmp_path / "out")
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  with torch.no_grad():
+    logits = theirs(torch.from_numpy(ref["tokens"]).long()).logits.float().numpy()
+  np.testing.assert_allclose(logits, ref["logits"], atol=ATOL, rtol=0, err_msg=name)

@@ -106,10 +106,15 @@ def save(
 
 
 def _mismatches(stored: Any, target: dict, *, subset: bool = False) -> list[str]:
-  """What differs between the checkpoint's tree and `target`'s (`subset`: target's leaves only)."""
+  """What differs between the checkpoint's tree and `target`'s (`subset`: only the parts of
+  the checkpoint that target reads from, e.g. a base run's model and not its optimizer: a
+  base with more layers than the config does not fit either)."""
   stored, expected = _shapes_by_path(stored), _shapes_by_path(target)
+  if subset:
+    roots = {path.split("/")[0] for path in expected}
+    stored = {path: shape for path, shape in stored.items() if path.split("/")[0] in roots}
   problems = []
-  for path in sorted(expected.keys() if subset else expected.keys() | stored.keys()):
+  for path in sorted(expected.keys() | stored.keys()):
     want, have = expected.get(path), stored.get(path)
     if have is None:
       problems.append(f"{path}: not in the checkpoint (config expects shape {want})")

@@ -73,7 +73,7 @@ def _layers() -> dict[str, tasks.QuantLayers]:
   for family in tasks.FAMILIES:
     layers = family.task_class().quant_layers
     if layers is not None:
-      found[family.kind] = layers
+      found.update(dict.fromkeys(family.kinds, layers))
   return found
 
 

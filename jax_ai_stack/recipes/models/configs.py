@@ -154,7 +154,7 @@ class DecoderConfig:
   """Attention logits become cap * tanh(logits / cap) (Gemma 2); None: uncapped."""
   final_logit_softcap: PositiveFloat | None = None
   """Output logits become cap * tanh(logits / cap) (Gemma 2); None: uncapped."""
-  query_pre_attn_scalar: PositiveFloat | None = None
+  query_pre_attn_scalar: PositiveInt | None = None
   """Attention logits are scaled by query_pre_attn_scalar ** -0.5 (Gemma's);
   None: head_dim ** -0.5."""
   layer_types: tuple[LayerType, ...] | None = None

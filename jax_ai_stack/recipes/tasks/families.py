@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import pkgutil
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,15 @@ class Family:
 
   @property
   def kind(self) -> str:
-    """The `model.kind` that tags this family's model config in a recipe."""
+    """The `model.kind` of this family's default model config."""
     return self.model_config().kind
+
+  @property
+  def kinds(self) -> tuple[str, ...]:
+    """Every `model.kind` that tags this family's model config (the decoder has one per
+    architecture)."""
+    hint = typing.get_type_hints(self.model_config)["kind"]
+    return typing.get_args(hint) or (self.kind,)
 
   def task_class(self) -> type[Task]:
     """The family's `Task` subclass (imports its module: jax, flax, ...)."""
@@ -56,7 +64,8 @@ class Family:
 def _check_language_model(config: Any) -> None:
   if not config.data.is_token_source:
     raise ValueError(
-        f"model.kind='llama' does not go with data.source={config.data.source!r}: llama reads token "
+        f"model.kind={config.model.kind!r} does not go with data.source={config.data.source!r}: "
+        "a decoder reads token "
         "corpora (stdlib, text, npy, arrayrecord, parquet)"
     )
   if config.data.seq_len > config.model.max_seq_len:

@@ -1,4 +1,5 @@
-"""The language-model family: a Llama decoder trained on next-token prediction.
+"""The language-model family: a decoder (Llama, Qwen, Mistral, Gemma) trained on next-token
+prediction.
 
 Reads a token corpus (`data.source` stdlib/text/npy/arrayrecord/parquet),
 reports eval loss and perplexity, counts throughput in tokens and leaves a
@@ -112,13 +113,16 @@ class LanguageModel(Task):
 
   def attention_request(self) -> kernels.Request:
     """The training step's attention: the global batch (what the jitted step traces), causal,
-    with segment ids."""
+    with segment ids, and the first layer's window, scale and soft cap (a model with
+    local and global layers also runs the other layers' request)."""
     model, batch = self.config.model, self.config.data.batch_size
     seq_len, head_dim = self.config.data.seq_len, model.resolved_head_dim
     return kernels.Request.from_shapes(
         (batch, seq_len, model.num_heads, head_dim),
         (batch, seq_len, model.num_kv_heads, head_dim),
-        model.dtype, causal=True, segment_ids=True,
+        model.dtype, causal=True, segment_ids=True, local_window=model.local_window(0),
+        scale=None if model.query_pre_attn_scalar is None else model.attention_scale,
+        logits_soft_cap=model.attn_logit_softcap,
     )
 
   def activation_bytes(self, ways, attention) -> tuple[int, str]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_ai_stack.errors import ModelFileError
+from jax_ai_stack.lazy import lazy_attributes
 
 LLAMA_NORMS: Mapping[str, str] = {"attention_norm": "input_layernorm",
                                   "mlp_norm": "post_attention_layernorm"}
@@ -111,3 +112,7 @@ def write_layer_types(config: Any) -> list[str]:
   """config.json's `layer_types` of a `DecoderConfig`."""
   back = {ours: theirs for theirs, ours in _LAYER_TYPES.items()}
   return [back[t] for t in config.resolved_layer_types]
+
+
+__getattr__, __dir__ = lazy_attributes(
+    __name__, ("gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"), {})
