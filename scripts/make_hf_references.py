@@ -1,4 +1,4 @@
-"""Writes the reference outputs of Hugging Face transformers that tests/test_families.py compares with.
+"""Writes transformers' reference outputs that tests/test_families.py compares with.
 
 For each decoder family, a tiny random model whose config turns on every switch
 the family has (biases, q/k norms, soft caps, a sliding window shorter than the

@@ -56,19 +56,17 @@ def call(
     segment_ids: jax.Array | None = None,
     kv_seq_lengths: jax.Array | None = None,
     *,
-    scale: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Runs one adapter (an `Implementation.run`) on arrays that fit `request`.
 
-  The request supplies the static masks (causal, local_window), the scale and
-  the soft cap; the arrays supply the dynamic masks. `scale` (the request's
-  unless given) defaults to 1 / sqrt(head_dim).
+  The request supplies the static masks (causal, local_window), the scale
+  (default 1 / sqrt(head_dim)) and the soft cap; the arrays supply the dynamic
+  masks.
   """
-  scale = request.scale if scale is None else scale
+  scale = request.head_dim ** -0.5 if request.scale is None else request.scale
   return kernel(
-      q, k, v, causal=request.causal, segment_ids=segment_ids,
-      scale=request.head_dim ** -0.5 if scale is None else float(scale),
+      q, k, v, causal=request.causal, segment_ids=segment_ids, scale=scale,
       local_window=request.local_window, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
       logits_soft_cap=request.logits_soft_cap,
   )

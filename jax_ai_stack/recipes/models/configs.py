@@ -14,12 +14,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic_core import ArgsKwargs
 from pydantic import PositiveFloat, PositiveInt
+from pydantic_core import ArgsKwargs
 
 from jax_ai_stack.kernels import names
 from jax_ai_stack.recipes.configlib import config_dataclass
@@ -32,8 +31,8 @@ RematPolicy = Literal["none", "full", "save_dots"]
 class RopeScaling:
   """A RoPE frequency scaling: Llama 3.1's ("llama3") or plain division ("linear").
 
-  "llama3" (Hugging Face's rope_type "llama3") stretches a model trained on `original_max_position_embeddings` tokens to a
-  longer context: frequencies whose wavelength exceeds original / low_freq_factor
+  "llama3" (Hugging Face's rope_type "llama3") stretches a model trained on
+  `original_max_position_embeddings` tokens to a longer context: frequencies whose wavelength exceeds original / low_freq_factor
   are divided by `factor`, those under original / high_freq_factor are kept, and
   the ones between are blended smoothly. Llama 3.1 and 3.2 were trained with it,
   so their weights only give their logits with it. The defaults are Llama
@@ -257,10 +256,12 @@ class DecoderConfig:
     return self.rope_theta, self.rope_scaling
 
   @property
-  def attention_scale(self) -> float:
-    """The attention logits' scale: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
-    base = self.query_pre_attn_scalar or self.resolved_head_dim
-    return float(base) ** -0.5
+  def attention_scale(self) -> float | None:
+    """The attention logits' scale, query_pre_attn_scalar ** -0.5; None without one: the
+    kernels' default, 1 / sqrt(head_dim), which stays out of their request."""
+    if self.query_pre_attn_scalar is None:
+      return None
+    return float(self.query_pre_attn_scalar) ** -0.5
 
   @property
   def resolved_head_dim(self) -> int:

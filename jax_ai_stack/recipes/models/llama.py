@@ -157,8 +157,7 @@ class Attention(nnx.Module):
     self.attention_sharding = sharding
     self.local_window = config.local_window(layer)
     self.logits_soft_cap = config.attn_logit_softcap
-    # None keeps the kernels' default, 1 / sqrt(head_dim), out of the request.
-    self.scale = None if config.query_pre_attn_scalar is None else config.attention_scale
+    self.scale = config.attention_scale
 
   def _attend(self, q, k, v, *, causal, segment_ids=None, kv_seq_lengths=None,
               local_window=None):

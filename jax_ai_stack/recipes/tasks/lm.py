@@ -121,7 +121,7 @@ class LanguageModel(Task):
         (batch, seq_len, model.num_heads, head_dim),
         (batch, seq_len, model.num_kv_heads, head_dim),
         model.dtype, causal=True, segment_ids=True, local_window=model.local_window(0),
-        scale=None if model.query_pre_attn_scalar is None else model.attention_scale,
+        scale=model.attention_scale,
         logits_soft_cap=model.attn_logit_softcap,
     )
 

@@ -26,9 +26,6 @@ from jax_ai_stack.recipes.models.hf.families import refuse
 from jax_ai_stack.recipes.models.hf.layout import CONFIG_FILE
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-"""config.json's MLP activations -> `DecoderConfig.mlp_activation`."""
-
 SHARED_KEYS = frozenset({
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -104,12 +101,10 @@ def decoder_fields(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> dict[str
 
 def _shared_fields(hf: Mapping[str, Any], source: str, family) -> dict[str, Any]:
   """The shape, RoPE and numerics keys every family reads alike."""
-  default_act = "gelu_pytorch_tanh" if family.activation_key == "hidden_activation" else "silu"
-  act = hf.get(family.activation_key, hf.get("hidden_act", default_act))
-  expected = "gelu_pytorch_tanh" if default_act != "silu" else "silu"
-  if act != expected:
+  act = hf.get(family.activation_key, hf.get("hidden_act", family.activation))
+  if act != family.activation:
     raise refuse(source, family.activation_key, act,
-                 f"{family.architecture}'s MLP is {'GeGLU (gelu_pytorch_tanh)' if expected != 'silu' else 'SwiGLU (silu)'}")
+                 f"{family.architecture}'s gated MLP uses {family.activation}")
   rope_field, rope = _rope_parameters(hf, source)
   if hf.get("attention_dropout", 0.0):
     raise refuse(source, "attention_dropout", hf["attention_dropout"], "the model has no dropout")
@@ -232,7 +227,7 @@ def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
       "num_attention_heads": config.num_heads,
       "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.resolved_head_dim,
-      family.activation_key: "silu" if config.mlp_activation == "silu" else "gelu_pytorch_tanh",
+      family.activation_key: family.activation,
       "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta,

@@ -110,7 +110,8 @@ def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
               for x in "qk"]
     out += [Tensor(hf + f"mlp.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"), 1)
             for x in ("gate", "up", "down")]
-    out += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale")) for norm, theirs in norms.items()]
+    out += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
+            for norm, theirs in norms.items()]
   out.append(Tensor(prefix + "norm.weight", ("final_norm", "scale")))
   if not config.tie_embeddings:
     out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1))

@@ -56,10 +56,10 @@ class HFFamily:
   """DecoderConfig -> the config.json entries beyond the shared ones."""
   activation_key: str = "hidden_act"
   """The config.json key of the MLP's activation."""
+  activation: str = "silu"
+  """That activation (the one `DecoderConfig.mlp_activation` of this kind computes)."""
   norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_NORMS)
   """Our norm attributes of a block -> their Hugging Face names."""
-  also_reads: tuple[str, ...] = ()
-  """Other architectures read as this one (export writes `architecture`)."""
 
 
 _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -90,11 +90,11 @@ def for_kind(kind: str) -> HFFamily:
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
-def read_layer_types(hf: Mapping[str, Any], source: str, default: list[str] | None = None,
-                     window: int | None = None) -> dict[str, Any]:
+def read_layer_types(hf: Mapping[str, Any], source: str,
+                     default: list[str] | None = None) -> dict[str, Any]:
   """`layer_types` and `sliding_window` from config.json's (transformers 5 writes the
   list; older files imply it: `default`). Without a window every layer is full."""
-  window = hf.get("sliding_window") if window is None else window
+  window = hf.get("sliding_window")
   names = hf.get("layer_types") or default
   if window is None or names is None:
     return dict(layer_types=None, sliding_window=None)

@@ -54,4 +54,5 @@ def _read(hf, source):
 
 
 FAMILY = HFFamily("Gemma2ForCausalLM", "gemma2", "gemma2", keys=KEYS, read=_read,
-                  write=write_gemma, activation_key="hidden_activation", norms=NORMS)
+                  write=write_gemma, activation_key="hidden_activation",
+                  activation="gelu_pytorch_tanh", norms=NORMS)

@@ -37,5 +37,5 @@ def _write(config):
 FAMILY = HFFamily("Gemma3ForCausalLM", "gemma3_text", "gemma3",
                   keys=(*KEYS, "rope_local_base_freq", "sliding_window_pattern",
                         "_sliding_window_pattern"),
-                  read=_read, write=_write, activation_key="hidden_activation", norms=NORMS,
-                  also_reads=("Gemma3ForConditionalGeneration",))
+                  read=_read, write=_write, activation_key="hidden_activation",
+                  activation="gelu_pytorch_tanh", norms=NORMS)
