@@ -303,6 +303,17 @@ def test_attention_quick_times_every_variant_and_names_auto_s_choice(tmp_path):
   assert results["request"]["causal"] and results["torch_sdpa"] == "--no-torch"
 
 
+def test_sliding_window_quick_times_both_masks_with_the_kernel_auto_picks(tmp_path):
+  results = _run_quick("sliding_window", tmp_path)
+  assert set(results["times_ms"]) == {"causal", "windowed", "reference"}
+  assert all(ms > 0 for ms in results["times_ms"].values())
+  assert results["request"]["local_window"] == results["sliding_window"] - 1
+  assert set(results["chosen"]) == {"causal", "windowed"}
+  speedup = results["targets"]["windowed_speedup"]
+  assert speedup["value"] == pytest.approx(
+      results["times_ms"]["causal"] / results["times_ms"]["windowed"])
+
+
 def test_common_target_says_by_how_much_a_figure_missed():
   common = _load("common")
   assert common.target(0.5, 0.5) == {"value": 0.5, "target": 0.5, "met": True, "missed_by": 0.0}
