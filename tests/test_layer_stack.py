@@ -111,7 +111,7 @@ def test_decode_and_generate_match_unrolled(pair):
 
 
 SCAN = ["model.scan_layers=true", "model.num_layers=2", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.vocab_size=264", "data.batch_size=8", "train.steps=3",
+        "model.num_kv_heads=2", "data.batch_size=8", "train.steps=3",
         "train.eval_every=3", "train.sample_tokens=4"]
 
 

@@ -112,9 +112,48 @@ def test_param_count_matches_the_shapes(tie):
   config = micro(tie_embeddings=tie)
   model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   assert count_params(model) == config.num_params()
-  untied_extra = 0 if not tie else config.vocab_size * config.d_model
+  untied_extra = 0 if not tie else config.padded_vocab_size * config.d_model
   assert micro(tie_embeddings=False).num_params() - config.num_params() == untied_extra
   assert (model.lm_head is None) == tie
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_padded_vocabulary_keeps_its_rows_zero_and_its_logits_out(tie):
+  """vocab 60 padded to 64 rows: logits [.., 60] equal an unpadded model's with the
+  same weights, and a step of AdamW with weight decay leaves the padded rows zero."""
+  config = micro(tie_embeddings=tie, vocab_size=60, vocab_multiple=32)
+  assert config.padded_vocab_size == 64
+  model = Llama(config, rngs=nnx.Rngs(0))
+  tables = [model.embed.embedding] + ([] if tie else [model.lm_head.kernel])
+  assert [t.shape for t in tables] == [(64, 32)] + ([] if tie else [(32, 64)])
+  padded_rows = lambda: [np.asarray(model.embed.embedding)[60:]] + (
+      [] if tie else [np.asarray(model.lm_head.kernel)[:, 60:]])
+  assert not any(rows.any() for rows in padded_rows())
+  tokens = jnp.arange(24).reshape(2, 12) * 5 % 60
+  logits = model(tokens)
+  assert logits.shape == (2, 12, 60)
+
+  unpadded = Llama(micro(tie_embeddings=tie, vocab_size=60, vocab_multiple=1), rngs=nnx.Rngs(1))
+  state = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))
+  state["embed"]["embedding"].set_value(state["embed"]["embedding"].get_value()[:60])
+  if not tie:
+    state["lm_head"]["kernel"].set_value(state["lm_head"]["kernel"].get_value()[:, :60])
+  nnx.update(unpadded, state)
+  np.testing.assert_array_equal(unpadded(tokens), logits)
+
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+  loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()
+  for _ in range(2):
+    optimizer.update(model, nnx.grad(loss)(model))
+  assert not any(rows.any() for rows in padded_rows())
+  assert not np.array_equal(model(tokens), logits)  # It did train.
+
+
+def test_vocab_multiple_one_is_no_padding_and_a_multiple_rounds_up():
+  assert micro(vocab_size=259).padded_vocab_size == 384
+  assert micro(vocab_size=256).padded_vocab_size == 256
+  assert micro(vocab_size=259, vocab_multiple=1).padded_vocab_size == 259
+  assert LlamaConfig.llama3_8b().padded_vocab_size == 128_256
 
 
 def test_tiny_and_small_param_counts_abstractly():

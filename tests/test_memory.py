@@ -15,8 +15,7 @@ from jax_ai_stack.recipes import config, memory
 from multidevice import run_on_devices
 
 HERE = pathlib.Path(__file__).parent
-MESH_TINY = ["data.batch_size=8", "model.num_heads=4", "model.num_kv_heads=2",
-             "model.vocab_size=264"]
+MESH_TINY = ["data.batch_size=8", "model.num_heads=4", "model.num_kv_heads=2"]
 MESHES = {
     "dp": ["mesh.rules=dp"],
     "fsdp": ["mesh.rules=fsdp", "mesh.data=1", "mesh.fsdp=8"],

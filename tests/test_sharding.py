@@ -119,7 +119,7 @@ def test_process_shares_become_one_global_batch():
 
 
 MESH_TINY = ["data.batch_size=8", "model.num_heads=4", "model.num_kv_heads=2",
-             "model.vocab_size=264", "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"]
+             "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"]
 
 
 def test_each_rule_set_trains_like_one_device(tmp_path):

@@ -203,4 +203,8 @@ def load(
 
 def from_json(data: dict) -> RecipeConfig:
   """A config saved in checkpoint metadata, validated again."""
+  model = data.get("model", {})
+  if "vocab_size" in model and "vocab_multiple" not in model:
+    # Saved before the vocabulary was padded: its arrays have vocab_size rows.
+    data = {**data, "model": {**model, "vocab_multiple": 1}}
   return configlib.from_dict(RecipeConfig, data, source="checkpoint metadata")

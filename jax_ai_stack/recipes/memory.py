@@ -32,7 +32,7 @@ Example:
   >>> plan.mesh, plan.rows_per_device
   ({'data': 8, 'fsdp': 1, 'tensor': 1}, 1)
   >>> format_bytes(plan.parameters), format_bytes(plan.optimizer)  # AdamW: two moments.
-  ('3.13 MiB', '6.26 MiB')
+  ('3.19 MiB', '6.38 MiB')
   >>> plan.max_batch_size(parse_bytes("1GiB")) > plan.batch_size
   True
 """

@@ -118,10 +118,11 @@ def partition_spec(names: Sequence[str | None], shape: Sequence[int], rules: Rul
       used[axis] = name
     ways = math.prod(mesh.shape[axis] for axis in axes)
     if size % ways:
+      also = ", or model.vocab_multiple (the rows are padded to it)" if name == "vocab" else ""
       raise ConfigError(
           f"{what} has shape {tuple(shape)}: dimension {dim} ({name!r}, size {size}) does not "
           f"divide by mesh axes {'x'.join(axes)} of size {ways}; change the mesh sizes or "
-          f"mesh.rule_overrides.{name}")
+          f"mesh.rule_overrides.{name}{also}")
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*spec)
 

@@ -6,7 +6,7 @@ build the models from them and re-export them.
 
 Example:
   >>> LlamaConfig.small().num_params()
-  9541632
+  9589632
   >>> CNNConfig(channels=(8, 8, 8)).flat_features
   8
 """
@@ -107,6 +107,12 @@ class DecoderConfig:
   qwen3, mistral, gemma2 or gemma3; tells model configs apart in a recipe."""
   vocab_size: PositiveInt = 259
   """Token ids are in [0, vocab_size). 259 = 256 bytes + BOS, EOS, PAD."""
+  vocab_multiple: PositiveInt = 128
+  """The embedding and the output head have vocab_size rounded up to a multiple of
+  this (`padded_vocab_size`): a mesh's `tensor` axis splits the vocabulary, so it
+  must divide the rows, and 128 fills accelerators' matmul tiles. The padded rows'
+  logits are dropped before any softmax, sample or loss, and export-hf writes
+  vocab_size rows. 1: no padding (what checkpoints saved before it have)."""
   num_layers: PositiveInt = 4
   """Number of decoder blocks."""
   d_model: PositiveInt = 128
@@ -264,13 +270,18 @@ class DecoderConfig:
     return float(self.query_pre_attn_scalar) ** -0.5
 
   @property
+  def padded_vocab_size(self) -> int:
+    """Rows of the embedding and the output head: vocab_size up to a `vocab_multiple`."""
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+  @property
   def resolved_head_dim(self) -> int:
     """`head_dim`, or d_model // num_heads when it is not set."""
     return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
   def num_params(self) -> int:
     """Parameter count, from the shapes alone (no arrays are built)."""
-    embed = self.vocab_size * self.d_model
+    embed = self.padded_vocab_size * self.d_model
     h = self.resolved_head_dim
     norms = (4 if self.post_norms else 2) * self.d_model + (2 * h if self.qk_norm else 0)
     biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
@@ -281,11 +292,12 @@ class DecoderConfig:
   def flops_per_token(self, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), as PaLM counts them for MFU.
 
-    6 per weight of every matmul (the output head is one, tied or not; the
-    embedding lookup is not) plus 12 * layers * heads * head_dim * seq_len for
+    6 per weight of every matmul (the output head is one, tied or not, with its
+    padded rows, which it computes; the embedding lookup is not) plus 12 * layers * heads * head_dim * seq_len for
     the attention scores and their weighted sum, not halved for the causal mask.
     """
-    matmul_weights = self.num_layers * self._block_matmul_params() + self.vocab_size * self.d_model
+    matmul_weights = (self.num_layers * self._block_matmul_params()
+                      + self.padded_vocab_size * self.d_model)
     attention = 12 * self.num_layers * self.num_heads * self.resolved_head_dim * seq_len
     return 6 * matmul_weights + attention
 

@@ -16,6 +16,7 @@ Logical axis names, one per parameter dimension (via `nnx.with_partitioning`),
 for the sharding recipe to map onto mesh axes:
 
   vocab     vocabulary rows of the embedding and columns of the output head
+            (`config.padded_vocab_size` of them; the logits keep vocab_size)
   embed     the model (residual stream) dimension, d_model
   heads     query heads
   kv_heads  key/value heads (fewer than `heads` with grouped-query attention)
@@ -362,7 +363,10 @@ def _scan_decode(blocks: Block, x, rope, cache: KVCache):
 
 
 class Llama(nnx.Module):
-  """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab].
+  """A Llama-style decoder: int32 tokens [B, T] -> float32 logits [B, T, vocab_size].
+
+  The embedding and head have `config.padded_vocab_size` rows; the padded
+  rows' logits are dropped, so they never win a softmax, a sample or a loss.
 
   `attention`: the kernels it may run (hashable, so it is part of the model's
   static structure); default `config.attention_impl` on this backend.
@@ -378,11 +382,11 @@ class Llama(nnx.Module):
         config.attention_impl, origin="model.attention_impl", environ={})
     with eager_sharding_scope():
       self.embed = nnx.Embed(
-          config.vocab_size, config.d_model, rngs=rngs,
+          config.padded_vocab_size, config.d_model, rngs=rngs,
           dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
           embedding_init=nnx.with_partitioning(
-              nnx.initializers.normal(stddev=0.02), ("vocab", "embed")
-          ),
+              _zero_padding(nnx.initializers.normal(stddev=0.02), 0, config.vocab_size),
+              ("vocab", "embed")),
       )
       if config.scan_layers:
         self.layers = _stacked_blocks(config, attention, rngs, layout)
@@ -395,11 +399,11 @@ class Llama(nnx.Module):
         self.lm_head = None
       else:
         self.lm_head = nnx.Linear(
-            config.d_model, config.vocab_size, use_bias=False, rngs=rngs,
+            config.d_model, config.padded_vocab_size, use_bias=False, rngs=rngs,
             dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
             kernel_init=nnx.with_partitioning(
-                nnx.initializers.lecun_normal(), ("embed", "vocab")
-            ),
+                _zero_padding(nnx.initializers.lecun_normal(), 1, config.vocab_size),
+                ("embed", "vocab")),
         )
 
   def __call__(
@@ -484,10 +488,30 @@ class Llama(nnx.Module):
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
     logits = on_tokens(self.embed.attend if self.lm_head is None else self.lm_head, x)
+    if self.config.padded_vocab_size != self.config.vocab_size:
+      logits = logits[..., :self.config.vocab_size]  # Padded rows: no token, no logit.
     logits = logits.astype(jnp.float32)
     if (cap := self.config.final_logit_softcap) is not None:
       logits = cap * jnp.tanh(logits / cap)
     return logits
+
+
+def _zero_padding(init, axis: int, vocab_size: int):
+  """`init` drawn for vocab_size entries along `axis`, then zeros up to the padded shape.
+
+  The real rows get the values an unpadded model gets from the same key. The
+  padded ones stay zero: no token reads a padded embedding row and no loss sees a
+  padded logit, so their gradients, Adam updates and weight decay are zero, and
+  an export (which drops them) and import (which pads zeros) round-trip bitwise.
+  """
+
+  def initializer(key, shape, dtype=jnp.float32):
+    real = (*shape[:axis], vocab_size, *shape[axis + 1:])
+    values = init(key, real, dtype)
+    pad = [(0, size - kept) for size, kept in zip(shape, real)]
+    return jnp.pad(values, pad) if shape[axis] != vocab_size else values
+
+  return initializer
 
 
 def _check_tokens(tokens, **same_shape) -> None:

@@ -54,21 +54,43 @@ class Tensor:
   path: tuple[str | int, ...]
   in_axes: int = 0
   flat: bool = False
+  vocab: tuple[int, int] | None = None
+  """(axis, vocab_size) of the embedding and head: our array has padded rows on
+  that axis (`padded_vocab_size`), Hugging Face's exactly vocab_size."""
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = self._unpadded(shape)
     if not self.in_axes:
       return (math.prod(shape),) if self.flat else tuple(shape)
     return (math.prod(shape[self.in_axes:]), math.prod(shape[:self.in_axes]))
 
   def to_model(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    unpadded = self._unpadded(shape)
     if not self.in_axes:
-      return array.reshape(shape) if self.flat else array
-    return array.T.reshape(shape)
+      array = array.reshape(unpadded) if self.flat else array
+    else:
+      array = array.T.reshape(unpadded)
+    if unpadded == tuple(shape):
+      return array
+    axis = self.vocab[0]
+    pad = [(0, shape[axis] - unpadded[axis]) if i == axis else (0, 0) for i in range(len(shape))]
+    return np.pad(array, pad)  # Zero rows: no token reads them, no logit is kept.
 
   def to_hf(self, array: np.ndarray) -> np.ndarray:
+    if self.vocab is not None:
+      axis, size = self.vocab
+      array = array[(slice(None),) * axis + (slice(0, size),)]
     if not self.in_axes:
       return np.ascontiguousarray(array.reshape(-1) if self.flat else array)
     return np.ascontiguousarray(array.reshape(math.prod(array.shape[:self.in_axes]), -1).T)
+
+  def _unpadded(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Our `shape` with the vocabulary axis at its real size."""
+    shape = tuple(shape)
+    if self.vocab is None:
+      return shape
+    axis, size = self.vocab
+    return (*shape[:axis], size, *shape[axis + 1:])
 
 
 TEXT_PREFIX = "model."
@@ -95,7 +117,8 @@ def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
                              "import with model.scan_layers=false, or load with "
                              "hf.load_model(directory, scan_layers=True)")
   norms = families.for_kind(config.kind).norms
-  out = [Tensor(prefix + "embed_tokens.weight", ("embed", "embedding"))]
+  out = [Tensor(prefix + "embed_tokens.weight", ("embed", "embedding"),
+                vocab=(0, config.vocab_size))]
   for i in range(config.num_layers):
     hf, ours = f"{prefix}layers.{i}.", ("layers", i)
     attention = (*ours, "attention")
@@ -114,7 +137,7 @@ def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
             for norm, theirs in norms.items()]
   out.append(Tensor(prefix + "norm.weight", ("final_norm", "scale")))
   if not config.tie_embeddings:
-    out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1))
+    out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1, vocab=(1, config.vocab_size)))
   return out
 
 

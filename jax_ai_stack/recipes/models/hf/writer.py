@@ -72,16 +72,16 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
   try:
-    weight_map = {}
+    weight_map, total = {}, 0
     for i, shard in enumerate(shards):
       file = (WEIGHTS_FILE if len(shards) == 1
               else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
       host = {t.name: t.to_hf(np.asarray(jax.device_get(params[t.path]))) for t in shard}
       st.numpy.save_file(host, str(staging / file), metadata={"format": "pt"})
       weight_map.update({name: file for name in host})
+      total += sum(array.nbytes for array in host.values())
       del host
     if len(shards) > 1:
-      total = sum(params[t.path].nbytes for shard in shards for t in shard)
       index = {"metadata": {"total_size": int(total)},
                "weight_map": dict(sorted(weight_map.items()))}
       (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
