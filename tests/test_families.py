@@ -25,6 +25,7 @@ from jax_ai_stack.recipes.models import hf, layer_stack
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.llama import Llama
+from multidevice import run_on_devices
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional"]
@@ -144,6 +145,76 @@ def test_the_safetensors_round_trip_is_exact(family, tmp_path):
         hf.layout.head_name(prefix))
     assert exported[tensor.name].shape == original[source].shape
     np.testing.assert_array_equal(ours[tensor.name], theirs[source], err_msg=tensor.name)
+
+
+@pytest.mark.slow
+def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
+  """Each reference checkpoint read straight onto 8 fake devices (each tensor placed
+  by the rule set, as a fine-tuning run's import does): its logits and the
+  gradient of a next-token loss equal the one-device model's, and q_proj is split.
+
+  Not bitwise: a sharded matmul sums in another order (partial sums, then an
+  all-reduce), so float32 results differ in the last bits.
+  """
+  results = run_on_devices(f"""
+      import json
+      import jax, jax.numpy as jnp, numpy as np, optax
+      from flax import nnx
+      from jax_ai_stack.recipes import sharding
+      from jax_ai_stack.recipes.models import hf
+      from jax_ai_stack.recipes.models.configs import DecoderConfig
+      from jax_ai_stack.recipes.models.llama import Llama
+      from jax_ai_stack.recipes.sharding_config import MeshConfig
+
+      @nnx.jit
+      def logits_and_grads(model, tokens):
+        def loss(model):
+          logits = model(tokens)
+          return optax.softmax_cross_entropy_with_integer_labels(
+              logits[:, :-1], tokens[:, 1:]).mean(), logits
+        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return logits, grads
+
+      def flat(grads):
+        return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+      meshes = {{"fsdp": MeshConfig(rules="fsdp", data=2, fsdp=4),
+                "fsdp_tp": MeshConfig(rules="fsdp_tp", data=1, fsdp=4, tensor=2)}}
+      out = {{}}
+      for name in {FAMILIES[:5]!r}:
+        directory = {str(REFERENCES)!r} + "/" + name
+        tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
+        tokens = jnp.concatenate([tokens] * 4)  # Rows for the data and fsdp axes.
+        one_logits, one_grads = logits_and_grads(hf.load_model(directory), tokens)
+        config = DecoderConfig(**hf.read_config(directory))
+        for mesh_name, mesh_config in meshes.items():
+          mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
+          model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
+                                               layout=sharding.Layout.of(mesh, rules)))
+          params = nnx.state(model)
+          abstract = jax.tree.map(
+              lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+              params, sharding.state_shardings(params, mesh, rules))
+          nnx.update(model, hf.load_params(directory, config, abstract))
+          logits, grads = logits_and_grads(model, tokens)
+          out[name + " " + mesh_name] = {{
+              "logits": float(jnp.abs(logits - one_logits).max()),
+              "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+                           for a, b in zip(flat(grads), flat(one_grads))),
+              "q_proj": list(model.layers[0].attention.q_proj.kernel.get_value().sharding.spec),
+              "devices": len(logits.sharding.device_set)}}
+      print(json.dumps(out))
+  """)
+  assert len(results) == 10
+  for name, result in results.items():
+    assert result["devices"] == 8, name
+    assert result["logits"] < 1e-5, (name, result)
+    assert result["grads"] < 1e-4, (name, result)
+    expected = ["fsdp", "tensor"] if name.endswith("fsdp_tp") else ["fsdp"]
+    spec = result["q_proj"]
+    while spec and spec[-1] is None:  # PartitionSpec may or may not keep trailing Nones.
+      spec = spec[:-1]
+    assert spec == expected, name
 
 
 def test_a_scanned_stack_of_identical_sliding_layers_equals_the_unrolled_one():
