@@ -129,7 +129,7 @@ def test_a_genuine_mismatch_with_a_flipped_layout_still_exits_2_and_changes_noth
   before = files(unrolled_run)
   assert cli_train(unrolled_run, SCANNED, *extra) == 2
   err = capsys.readouterr().err
-  assert "the checkpoint at step 6" in err and "does not fit this config" in err
+  assert "The checkpoint at step 6" in err and "does not fit this config" in err
   assert "0/layers/0/attention/k_proj/kernel: in the checkpoint" in err  # Today's message.
   assert "nothing was changed" in err
   assert files(unrolled_run) == before

@@ -41,7 +41,7 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import determinism, kernels
-from jax_ai_stack.errors import ConfigError, DataError, WorkdirError
+from jax_ai_stack.errors import CheckpointMismatchError, ConfigError, DataError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, configlib, optim, sharding, step, tasks)
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.finetune import lora, quant
@@ -96,16 +96,53 @@ def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -
                 "run will not be bitwise identical to one that never stopped", saved, choice.name)
 
 
-def _warn_config_changes(saved: dict, current: dict, prefix: str = "") -> None:
+def _warn_config_changes(saved: dict, current: dict) -> None:
   """Says which settings differ from the checkpoint's: resuming with them breaks bit-exactness."""
+  for field, a, b in _config_changes(saved, current):
+    if a is _ABSENT:  # A setting newer than the checkpoint (e.g. a new section).
+      log.info("config %s is not in the checkpoint (written by an older version)", field)
+    else:
+      log.warning("config %s changed since the checkpoint: %r -> %r", field, a, b)
+
+
+_ABSENT = object()
+
+
+def _config_changes(saved: dict, current: dict, prefix: str = ""):
+  """(dotted field, saved value or _ABSENT, current value) for each leaf that differs."""
   for key in sorted(saved.keys() | current.keys()):
-    a, b = saved.get(key), current.get(key)
-    if key not in saved:  # A setting newer than the checkpoint (e.g. a new section).
-      log.info("config %s%s is not in the checkpoint (written by an older version)", prefix, key)
-    elif isinstance(a, dict) and isinstance(b, dict):
-      _warn_config_changes(a, b, f"{prefix}{key}.")
-    elif a != b:
-      log.warning("config %s%s changed since the checkpoint: %r -> %r", prefix, key, a, b)
+    a, b = saved.get(key, _ABSENT), current.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      yield from _config_changes(a, b, f"{prefix}{key}.")
+    elif a is _ABSENT or a != b:
+      yield f"{prefix}{key}", a, b
+
+
+_SHAPE_SECTIONS = ("model", "finetune", "quant")
+"""The config sections that decide the checkpoint's arrays and their shapes."""
+
+
+def _name_changed_fields(error: CheckpointMismatchError, metadata: dict,
+                         config: RecipeConfig) -> CheckpointMismatchError:
+  """`error` with the config fields that differ from the checkpoint's named first.
+
+  The saved config is validated again (`from_json`), so a field newer than the
+  checkpoint compares at the value the checkpoint was written with.
+  """
+  try:
+    saved = configlib.to_dict(from_json(metadata["config"]))
+  except (KeyError, ConfigError):
+    return error
+  current = configlib.to_dict(config)
+  changes = [f"{field}: {a!r} in the checkpoint, {b!r} now"
+             for section in _SHAPE_SECTIONS
+             for field, a, b in _config_changes(saved.get(section, {}),
+                                                current.get(section, {}), f"{section}.")]
+  if not changes:
+    return error
+  detail = str(error)
+  return CheckpointMismatchError(f"config fields differ from the checkpoint's: "
+                                 f"{'; '.join(changes)}. {detail[:1].upper()}{detail[1:]}")
 
 
 @dataclasses.dataclass
@@ -414,8 +451,12 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
   if opened.restore:  # Into shapes only: no initialisation when a checkpoint exists.
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
-    restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches,
-                                  capture_stderr=opened.capture_stderr)
+    try:
+      restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches,
+                                    capture_stderr=opened.capture_stderr)
+    except CheckpointMismatchError as e:
+      metadata = checkpoint.read_metadata(opened.manager, capture_stderr=opened.capture_stderr)
+      raise _name_changed_fields(e, metadata, config) from None
     if restored is None and train_data is None:
       raise WorkdirError(f"no readable checkpoint in {opened.manager.directory}")
   if restored is None:  # A fresh run (restore raises when steps exist and none reads).
