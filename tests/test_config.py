@@ -143,3 +143,22 @@ def test_loading_and_printing_a_config_imports_no_heavy_library():
                           text=True, check=True)
   imported = set(result.stdout.split()) & set(HEAVY_MODULES)
   assert not imported, f"loading a config imported {sorted(imported)}"
+
+
+def test_a_saved_config_without_vocab_multiple_reads_as_unpadded():
+  """Checkpoints written before the vocabulary was padded have vocab_size rows."""
+  saved = configlib.to_dict(config.load("lm-tiny"))
+  del saved["model"]["vocab_multiple"]
+  assert config.from_json(saved).model.vocab_multiple == 1
+  assert config.from_json(configlib.to_dict(config.load("lm-tiny"))).model.vocab_multiple == 128
+  cnn = configlib.to_dict(config.load("digits-cnn"))
+  assert config.from_json(cnn) == config.load("digits-cnn")
+
+
+def test_an_override_sets_a_field_of_an_optional_group_left_unset():
+  """import-hf's config.yaml spells `lora: null`; `finetune.lora.rank=16` fills it in."""
+  data = configlib.apply_overrides({"finetune": {"base": "runs/a", "lora": None}},
+                                   ["finetune.lora.rank=16"])
+  assert data == {"finetune": {"base": "runs/a", "lora": {"rank": 16}}}
+  with pytest.raises(configlib.ConfigError, match="'base' is not a group of fields"):
+    configlib.apply_overrides(data, ["finetune.base.rank=1"])

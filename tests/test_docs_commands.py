@@ -282,6 +282,43 @@ def test_hugging_face_on_a_small_file(tmp_path):
   assert "eval_loss" in json.loads(out) and "may now hold text the run trained on" in err
 
 
+GUIDE_IMPORT = doc("jax-ai-stack import-hf Qwen3-0.6B --workdir runs/qwen3")
+GUIDE_EVAL = doc("jax-ai-stack eval --workdir runs/qwen3")
+GUIDE_LORA = doc("jax-ai-stack train --config runs/qwen3/config.yaml --workdir runs/qwen3-lora")
+GUIDE_MERGE = doc("jax-ai-stack lora merge --workdir runs/qwen3-lora")
+GUIDE_EXPORT = doc("jax-ai-stack export-hf --workdir runs/qwen3-merged")
+
+
+@pytest.mark.slow
+def test_the_hugging_face_guide_on_a_tiny_qwen3(tmp_path):
+  """docs/hugging_face.md's commands in order, on a byte-level Qwen3 directory of that name
+  (written by hf.save) and a notes/ folder; the overrides appended only shrink the run."""
+  from flax import nnx
+
+  from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.models.configs import DecoderConfig
+  from jax_ai_stack.recipes.models.llama import Llama
+
+  model = Llama(DecoderConfig(kind="qwen3", num_layers=1, d_model=32, num_heads=2,
+                              num_kv_heads=1, head_dim=16, mlp_dim=64), rngs=nnx.Rngs(0))
+  hf.save(model, tmp_path / "Qwen3-0.6B")
+  for i in range(4):  # 160 KB: 5% of its 512-token chunks hold out a batch.
+    write_text_corpus(tmp_path / "notes" / f"{i}.md", 40, seed=i)
+  small = ["model.max_seq_len=32", "data.seq_len=16", "data.batch_size=4",
+           "train.progress=false", "train.sample_tokens=4"]
+  out = ok(run(GUIDE_IMPORT, *small, cwd=tmp_path))
+  assert "imported Qwen3-0.6B" in out
+  code, out, err = run(GUIDE_EVAL, cwd=tmp_path)
+  assert code == 0 and "eval_loss" in json.loads(out), err
+  out = ok(run(GUIDE_LORA, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+               cwd=tmp_path))
+  assert "done: step 2" in out
+  ok(run(GUIDE_MERGE, cwd=tmp_path))
+  ok(run(GUIDE_EXPORT, cwd=tmp_path))
+  exported = json.loads((tmp_path / "Qwen3-0.6B-notes" / "config.json").read_text())
+  assert exported["architectures"] == ["Qwen3ForCausalLM"] and exported["vocab_size"] == 259
+
+
 def test_eval_refuses_a_model_override(trained):
   code, _, err = run(EVAL, "model.num_layers=2", cwd=trained)
   assert code == 2 and "model.num_layers: eval takes data.* overrides" in err

@@ -166,7 +166,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
-      child = node.setdefault(part, {})
+      if node.get(part) is None:  # Missing, or an optional group left unset (`lora: null`).
+        node[part] = {}
+      child = node[part]
       if not isinstance(child, dict):
         raise ConfigError(f"override {item!r}: {part!r} is not a group of fields")
       node = child

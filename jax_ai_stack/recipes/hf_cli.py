@@ -1,4 +1,4 @@
-"""`jax-ai-stack import-hf` and `export-hf`: Hugging Face Llama directories <-> workdirs.
+"""`jax-ai-stack import-hf` and `export-hf`: Hugging Face model directories <-> workdirs.
 
     jax-ai-stack import-hf DIR --workdir W [--preset P] [--config FILE] [dotted overrides]
     jax-ai-stack train --config W/config.yaml --workdir W train.steps=N   (fine-tune it)
@@ -17,20 +17,18 @@ from step 0.
 Nothing is written when the input is bad: config.json, the tensors' names and
 shapes and the tokenizer are checked before W is created, and W is removed
 again if anything fails later. `export-hf` writes OUT beside itself and
-renames it into place.
+renames it into place. In a notebook, `import_hf(DIR, W, overrides=[...])` and
+`export_hf(W, OUT)` do the same.
 
 Example: the recipe `import-hf` builds from a config.json and the command line.
-  >>> import argparse, json, os
+  >>> import json, os
   >>> from jax_ai_stack.recipes.models import hf
   >>> os.mkdir("tiny-llama")
   >>> _ = open("tiny-llama/config.json", "w").write(json.dumps({
   ...     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
   ...     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
-  >>> parser = argparse.ArgumentParser(prog="jax-ai-stack")
-  >>> register(parser.add_subparsers(dest="command"))
-  >>> args, args.overrides = parser.parse_known_args(
-  ...     ["import-hf", "tiny-llama", "--workdir", "w", "train.steps=10"])
-  >>> config = import_config(args, hf.read_config("tiny-llama"), tokenizer=None)
+  >>> config = import_config("tiny-llama", hf.read_config("tiny-llama"), tokenizer=None,
+  ...                        overrides=["train.steps=10"])
   >>> config.name, config.model.num_layers, config.model.d_model, config.train.steps
   ('hf-tiny-llama', 2, 64, 10)
 """
@@ -41,7 +39,7 @@ import argparse
 import os
 import pathlib
 import shutil
-import sys
+from collections.abc import Mapping, Sequence
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
@@ -51,7 +49,7 @@ CONFIG_YAML = "config.yaml"
 
 def register(subparsers) -> None:
   importer = subparsers.add_parser(
-      "import-hf", help="import a Hugging Face Llama directory as a run's step 0",
+      "import-hf", help="import a Hugging Face model directory as a run's step 0",
       description="Read DIR (config.json, model.safetensors or its shards, optional "
       "tokenizer.json) into a new workdir, as step 0 of a run that train, eval and generate "
       "use. Extra arguments are dotted config overrides.")
@@ -63,7 +61,7 @@ def register(subparsers) -> None:
   importer.set_defaults(func=run_import, accepts_overrides=True)
 
   exporter = subparsers.add_parser(
-      "export-hf", help="write a run's model as a Hugging Face Llama directory",
+      "export-hf", help="write a run's model as a Hugging Face model directory",
       description="Write the newest checkpoint of --workdir as OUT/config.json and "
       "safetensors (sharded above --max-shard-size), plus the run's tokenizer.json if it has one.")
   exporter.add_argument("out", metavar="OUT", help="the directory to write (missing or empty)")
@@ -78,35 +76,44 @@ def _empty_or_missing(path: pathlib.Path, what: str) -> None:
     raise WorkdirError(f"{what} {path} already exists and is not empty; choose a new one")
 
 
-def import_config(args: argparse.Namespace, model_fields: dict, tokenizer: pathlib.Path | None):
-  """The recipe: preset and --config, the model from config.json, the tokenizer, overrides."""
+def import_config(directory: str | os.PathLike, model_fields: dict,
+                  tokenizer: pathlib.Path | None, *, preset: str | None = None,
+                  config_file: str | os.PathLike | None = None, overrides: Sequence[str] = ()):
+  """The recipe: preset and config file, the model from config.json, the tokenizer, overrides."""
   from jax_ai_stack.recipes import config as recipe_config
   from jax_ai_stack.recipes import configlib
 
-  base = configlib.to_dict(recipe_config.load(args.preset, config_file=args.config))
+  base = configlib.to_dict(recipe_config.load(preset, config_file=config_file))
   base["model"] = dict(model_fields)
-  base["name"] = f"hf-{pathlib.Path(args.directory).absolute().name}"
+  base["name"] = f"hf-{pathlib.Path(directory).absolute().name}"
   if tokenizer is not None:
     base["data"] = {**base["data"], "tokenizer": "huggingface", "tokenizer_path": str(tokenizer)}
-  data = configlib.apply_overrides(base, configlib.parse_overrides(args.overrides))
+  data = configlib.apply_overrides(base, configlib.parse_overrides(list(overrides)))
   return configlib.from_dict(recipe_config.RecipeConfig, data,
-                             source=f"{args.directory}/config.json + overrides")
+                             source=f"{directory}/config.json + overrides")
 
 
-def run_import(args: argparse.Namespace) -> int:
-  logs.status(f"importing {args.directory} into {args.workdir} ...")
+def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
+              preset: str | None = None, config_file: str | os.PathLike | None = None,
+              overrides: Sequence[str] = (), environ: Mapping[str, str] | None = None):
+  """`jax-ai-stack import-hf`: DIR's model as step 0 of a run in a new `workdir`.
+
+  Returns the run's `RecipeConfig` (also written to `workdir/config.yaml`);
+  `finetune.base=<workdir>` fine-tunes it, `train --config` continues it.
+  """
   from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.run import build_run
 
-  source = pathlib.Path(args.directory)
-  workdir = pathlib.Path(args.workdir).absolute()
+  source = pathlib.Path(directory)
+  workdir = pathlib.Path(workdir).absolute()
   fields = hf.read_config(source)
   _empty_or_missing(workdir, "workdir")
   tokenizer = source / hf.TOKENIZER_FILE
   tokenizer = tokenizer if tokenizer.is_file() else None
-  config = import_config(args, fields, workdir / hf.TOKENIZER_FILE if tokenizer else None)
+  config = import_config(source, fields, workdir / hf.TOKENIZER_FILE if tokenizer else None,
+                         preset=preset, config_file=config_file, overrides=overrides)
   if getattr(config, "finetune", None) is not None and config.finetune.active:
     raise UsageError("import-hf starts a run from DIR's weights, not from finetune.base: leave "
                      "finetune unset here, then fine-tune with finetune.base=<the new workdir>")
@@ -123,7 +130,8 @@ def run_import(args: argparse.Namespace) -> int:
       shutil.copyfile(tokenizer, workdir / hf.TOKENIZER_FILE)
     (workdir / CONFIG_YAML).write_text(
         "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
-    run = build_run(config, workdir, mode="train", resume="never", environ=os.environ,
+    run = build_run(config, workdir, mode="train", resume="never",
+                    environ=os.environ if environ is None else environ,
                     initial_params=lambda target: hf.load_params(source, config.model, target))
     try:
       run.save(force=True)
@@ -136,8 +144,16 @@ def run_import(args: argparse.Namespace) -> int:
       for entry in workdir.iterdir():
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     raise
-  print(f"imported {source} ({config.model.num_params():,} parameters) into {workdir} as "
-        f"step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_YAML} --workdir "
+  return config
+
+
+def run_import(args: argparse.Namespace) -> int:
+  logs.status(f"importing {args.directory} into {args.workdir} ...")
+  config = import_hf(args.directory, args.workdir, preset=args.preset, config_file=args.config,
+                     overrides=args.overrides)
+  workdir = pathlib.Path(args.workdir).absolute()
+  print(f"imported {args.directory} ({config.model.num_params():,} parameters) into {workdir} "
+        f"as step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_YAML} --workdir "
         f"{workdir} train.steps=N")
   return 0
 
@@ -163,33 +179,50 @@ def _check_tokenizer(tokenizer, vocab_size: int, file: pathlib.Path | None,
                        f"vocab_size={vocab_size}{why}")
 
 
-def run_export(args: argparse.Namespace) -> int:
-  logs.status(f"exporting {args.workdir} to {args.out} ...")
-  from jax_ai_stack.recipes import memory
+def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
+              max_shard_bytes: int | None = None,
+              capture_stderr: bool = False) -> tuple[int, list[str]]:
+  """`jax-ai-stack export-hf`: the newest checkpoint of `workdir` as a Hugging Face directory.
+
+  Writes `out` (missing or empty): config.json in the model's own architecture,
+  safetensors, and the run's tokenizer.json if it has one. Returns the step
+  written and the files.
+  """
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.run import build_run
 
-  try:
-    max_bytes = memory.parse_bytes(args.max_shard_size)
-  except UsageError:
-    raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a size; "
-                     "write e.g. 5GB or 500MiB") from None
-  out = pathlib.Path(args.out)
+  out = pathlib.Path(out)
   _empty_or_missing(out, "output directory")
-  trainer = build_run(None, args.workdir, mode="read", environ=os.environ, capture_stderr=True)
+  trainer = build_run(None, workdir, mode="read", environ=os.environ,
+                      capture_stderr=capture_stderr)
   try:
     if not hf.writes(trainer.model):
-      raise UsageError(f"{args.workdir} trained a {trainer.config.model.kind} model; "
-                       "export-hf writes Llama models only")
+      raise UsageError(f"{workdir} trained a {trainer.config.model.kind} model; export-hf "
+                       "writes the decoder families (llama, qwen2, qwen3, mistral, gemma2, "
+                       "gemma3) only")
     data = trainer.config.data
     tokenizer, token_ids = None, {}
     if data.tokenizer == "huggingface":
       tok = trainer.task.tokenizer()
       tokenizer = data.tokenizer_path
       token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-    files = hf.save(trainer.model, out, max_shard_bytes=max_bytes, tokenizer=tokenizer,
-                    token_ids=token_ids)
+    shards = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return trainer.step, hf.save(trainer.model, out, tokenizer=tokenizer, token_ids=token_ids,
+                                 **shards)
   finally:
     trainer.close()
-  print(f"wrote step {trainer.step} of {args.workdir} to {out}: {', '.join(files)}")
+
+
+def run_export(args: argparse.Namespace) -> int:
+  logs.status(f"exporting {args.workdir} to {args.out} ...")
+  from jax_ai_stack.recipes import memory
+
+  try:
+    max_bytes = memory.parse_bytes(args.max_shard_size)
+  except UsageError:
+    raise UsageError(f"--max-shard-size {args.max_shard_size!r} is not a size; "
+                     "write e.g. 5GB or 500MiB") from None
+  step, files = export_hf(args.workdir, args.out, max_shard_bytes=max_bytes,
+                          capture_stderr=True)
+  print(f"wrote step {step} of {args.workdir} to {args.out}: {', '.join(files)}")
   return 0
