@@ -305,3 +305,57 @@ def test_the_export_loads_in_transformers_with_equal_logits(family, tmp_path):
   with torch.no_grad():
     logits = theirs(torch.from_numpy(ref["tokens"]).long()).logits.float().numpy()
   np.testing.assert_allclose(logits, ref["logits"], atol=ATOL, rtol=0, err_msg=name)
+
+
+# The presets' model at a size that trains in seconds; each family keeps its switches.
+PRESET_SIZE = ["model.num_layers=6", "model.d_model=32", "model.num_heads=2",
+               "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=64",
+               "model.max_seq_len=64", "data.seq_len=32", "data.batch_size=4",
+               "data.max_documents=30", "data.validation_fraction=0.2", "train.eval_batches=1",
+               "train.sample_tokens=4", "train.progress=false", "optim.warmup_steps=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "gemma3-tiny"])
+def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
+  """The whole journey on the families with the most switches (qwen2: biases and sliding
+  layers when set; gemma3: four norms, q/k norms, soft caps, local and global layers):
+  training from scratch, PTQ, QAT, then LoRA on a QLoRA (w8) base, each evaluated and
+  sampled (KV cache) with finite numbers."""
+  import math
+
+  from jax_ai_stack.recipes import config, train
+  from jax_ai_stack.recipes.finetune import ptq
+
+  extra = ["model.sliding_window=8"]  # Shorter than data.seq_len.
+  if preset == "qwen2-tiny":  # Its preset's four layer types, for six layers.
+    extra.append("model.layer_types=[full,sliding,sliding,full,sliding,full]")
+  steps = ["train.steps=3", "train.eval_every=3", "checkpoint.save_every=3"]
+  base = tmp_path / "base"
+  result = train.run(config.load(preset, overrides=[*PRESET_SIZE, *extra, *steps]), base)
+  assert result["step"] == 3 and math.isfinite(result["eval_loss"])
+
+  report = ptq.quantize_run(base, "w8")
+  assert math.isfinite(report.quantized_metrics["eval_loss"])
+  assert abs(report.quantized_metrics["eval_loss"] - report.metrics["eval_loss"]) < 0.5
+  quantized = ptq.open_quantized(base, "w8", method="decode")
+  try:
+    assert quantized.generate("def ", 6, 0.0).startswith("def ")
+  finally:
+    quantized.close()
+
+  qat = train.run(config.load(preset, overrides=[*PRESET_SIZE, *extra, *steps,
+                                                  "quant.qat=w8a8"]), tmp_path / "qat")
+  assert math.isfinite(qat["eval_loss"])
+
+  lora = train.run(config.load(preset, overrides=[
+      *PRESET_SIZE, *extra, *steps, f"finetune.base={base}", "finetune.lora.rank=4",
+      "finetune.lora.quantize_base=w8", "data.paths=[logging/*]"]), tmp_path / "lora")
+  assert lora["step"] == 3 and math.isfinite(lora["eval_loss"])
+  run = train.Trainer.open_finished(tmp_path / "lora", validation=True)
+  try:
+    assert run.config.model.kind == preset.removesuffix("-tiny")
+    assert math.isfinite(run.evaluate()["eval_loss"])
+    assert run.generate("def ", 6, 0.0).startswith("def ")
+  finally:
+    run.close()
