@@ -428,3 +428,24 @@ def test_read_only_commands_skip_a_garbled_newest_step_and_move_nothing(
   assert ("warning: checkpoint step 10 is unreadable (meta/metadata: not valid JSON); moved aside "
           "to 10.corrupt, resuming from step 5") in capsys.readouterr().err
   assert _steps_and_metrics(workdir)[0] == ["1", "10.corrupt", "5"]
+
+
+@pytest.mark.parametrize("corpus", ["missing/*.txt", "empty/*.txt"])
+def test_refused_data_leaves_no_workdir_behind(tmp_path, capsys, corpus):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "a.txt").write_text("")
+  workdir = tmp_path / "runs" / "new"
+  assert cli.main(["train", "--workdir", str(workdir), *TINY, "data.source=text",
+                   f"data.paths=[{tmp_path / corpus}]"]) == 2
+  assert "data" in capsys.readouterr().err
+  assert not workdir.exists()
+  existing = tmp_path / "existing"  # A workdir that was there before stays.
+  existing.mkdir()
+  assert cli.main(["train", "--workdir", str(existing), *TINY, "data.source=text",
+                   f"data.paths=[{tmp_path / corpus}]"]) == 2
+  assert existing.is_dir()
+
+
+def test_printed_metrics_have_one_format():
+  assert train._format({"loss": 1.8, "eval_loss": 1.88, "eval_perplexity": 26.6304}) == (
+      "loss 1.800, eval_loss 1.880, eval_perplexity 26.630")

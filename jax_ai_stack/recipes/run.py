@@ -41,7 +41,8 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import determinism, kernels
-from jax_ai_stack.errors import CheckpointMismatchError, ConfigError, DataError, WorkdirError
+from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
+                                 WorkdirError)
 from jax_ai_stack.recipes import (checkpoint, configlib, optim, sharding, step, tasks)
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.finetune import lora, quant
@@ -344,7 +345,20 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
   task = task or tasks.for_config(config)
+  created = not workdir.exists()
   prepare_workdir(workdir, read_only=False)
+  try:
+    return _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
+                                  validation=validation, capture_stderr=capture_stderr)
+  except UserError:
+    if created and not any(workdir.iterdir()):  # Refused input leaves no empty workdir.
+      workdir.rmdir()
+    raise
+
+
+def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: tasks.Task, *,
+                           environ: Mapping[str, str], resume: str, validation: bool | None,
+                           capture_stderr: bool) -> _Opened:
   task.check_data()  # Bad input is refused before anything in the workdir is opened.
   autotune_path = workdir / kernels.AUTOTUNE_FILENAME
   if config.train.autotune_attention and not autotune_path.exists():

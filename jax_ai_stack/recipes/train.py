@@ -321,7 +321,8 @@ def _print(progress, text: str) -> None:
 
 
 def _format(metrics: dict[str, float]) -> str:
-  return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+  """One format for every printed metric: three decimals, as the progress bar shows loss."""
+  return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
 
 
 def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) -> pathlib.Path:
