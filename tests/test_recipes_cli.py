@@ -126,6 +126,10 @@ def test_eval_and_generate_read_a_run_without_writing(reference):
   assert generated.returncode == 0, generated.stderr
   assert generated.stdout.startswith("import ")
   assert "generating 25 tokens, not 1000" in generated.stderr  # max_seq_len 32 - 7 prompt.
+  default = jax_ai_stack("generate", "--workdir", str(workdir), "--prompt", "import ")
+  assert default.returncode == 0, default.stderr
+  assert "note:" not in default.stderr  # The default length is what fits: nothing to note.
+  assert len(default.stdout.rstrip("\n")) > len("import ")
   assert tree(workdir) == before
 
 

@@ -127,8 +127,9 @@ def register(subparsers) -> None:
       "the run's own attention kernels).")
   generate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   generate.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
-  generate.add_argument("--max-new-tokens", type=int, default=128,
-                        help="tokens to add; fewer if the model's max_seq_len is reached (default 128)")
+  generate.add_argument("--max-new-tokens", type=int,
+                        help="tokens to add; fewer if the model's max_seq_len is reached "
+                        "(default: 128, or as many as fit)")
   generate.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 picks the most likely token (default 0.8)")
   generate.add_argument("--seed", type=int,

@@ -219,7 +219,7 @@ class Run:
     return checkpoint.save(self.manager, self.step, saved, self.train_batches,
                            self.checkpoint_metadata(), force=force)
 
-  def generate(self, prompt: str, max_new_tokens: int, temperature: float, *,
+  def generate(self, prompt: str, max_new_tokens: int | None, temperature: float, *,
                seed: int | None = None, top_k: int | None = None,
                top_p: float | None = None) -> str:
     """`prompt` continued; `seed` None: the run's `train.seed`."""

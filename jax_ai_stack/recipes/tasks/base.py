@@ -154,7 +154,7 @@ class Task(abc.ABC):
     """File names `finish` writes (a finished run must always have them)."""
     return []
 
-  def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int,
+  def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int | None,
                temperature: float, seed: int, *, top_k: int | None = None,
                top_p: float | None = None) -> str:
     """Text continued from `prompt`; only families that generate text override it."""

@@ -34,6 +34,8 @@ from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
 
 SAMPLE_FILE = "sample.txt"
+DEFAULT_NEW_TOKENS = 128
+"""`generate` without a length: this many new tokens, or as many as fit `max_seq_len`."""
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -147,10 +149,10 @@ class LanguageModel(Task):
       write_atomically(workdir / SAMPLE_FILE, text)
     return [f"sample:\n{text}\n"]
 
-  def generate(self, model, prompt: str, max_new_tokens: int, temperature: float,
+  def generate(self, model, prompt: str, max_new_tokens: int | None, temperature: float,
                seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
     """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
-    `max_seq_len` is reached first: a warning says so)."""
+    `max_seq_len` is reached first: a note says so); None: 128, or as many as fit."""
     tokenizer = self.tokenizer()
     prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
     if prompt_ids.size == 0:
@@ -161,6 +163,8 @@ class LanguageModel(Task):
           f"the prompt is {prompt_ids.size} tokens, more than model.max_seq_len "
           f"({self.config.model.max_seq_len})"
       )
+    if max_new_tokens is None:
+      max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
     if max_new_tokens > room:
       print(f"note: generating {room} tokens, not {max_new_tokens}: the prompt "
             f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
