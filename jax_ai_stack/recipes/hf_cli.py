@@ -206,9 +206,10 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
       tok = trainer.task.tokenizer()
       tokenizer = data.tokenizer_path
       token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-    shards = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    return trainer.step, hf.save(trainer.model, out, tokenizer=tokenizer, token_ids=token_ids,
-                                 **shards)
+    if max_shard_bytes is None:
+      max_shard_bytes = hf.DEFAULT_MAX_SHARD_BYTES
+    return trainer.step, hf.save(trainer.model, out, max_shard_bytes=max_shard_bytes,
+                                 tokenizer=tokenizer, token_ids=token_ids)
   finally:
     trainer.close()
 

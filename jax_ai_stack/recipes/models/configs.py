@@ -293,8 +293,9 @@ class DecoderConfig:
     """Training FLOPs per token (forward + backward), as PaLM counts them for MFU.
 
     6 per weight of every matmul (the output head is one, tied or not, with its
-    padded rows, which it computes; the embedding lookup is not) plus 12 * layers * heads * head_dim * seq_len for
-    the attention scores and their weighted sum, not halved for the causal mask.
+    padded rows, which it computes; the embedding lookup is not) plus
+    12 * layers * heads * head_dim * seq_len for the attention scores and their
+    weighted sum, not halved for the causal mask.
     """
     matmul_weights = (self.num_layers * self._block_matmul_params()
                       + self.padded_vocab_size * self.d_model)

@@ -72,9 +72,8 @@ class Tensor:
       array = array.T.reshape(unpadded)
     if unpadded == tuple(shape):
       return array
-    axis = self.vocab[0]
-    pad = [(0, shape[axis] - unpadded[axis]) if i == axis else (0, 0) for i in range(len(shape))]
-    return np.pad(array, pad)  # Zero rows: no token reads them, no logit is kept.
+    # Zero rows: no token reads them, no logit is kept.
+    return np.pad(array, [(0, size - kept) for size, kept in zip(shape, unpadded)])
 
   def to_hf(self, array: np.ndarray) -> np.ndarray:
     if self.vocab is not None:
