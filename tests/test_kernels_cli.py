@@ -115,3 +115,17 @@ def test_autotune_writes_to_the_workdir(capsys, monkeypatch, tmp_path):
   assert kwargs == {}
   assert "Autotuned: xla (forward+backward: tokamax_xla 2.00 ms, xla 1.00 ms)" in out
   assert f"Saved {path}" in out
+
+
+def test_with_no_shape_it_shows_the_default_recipe_s_attention(capsys):
+  """The table a user sees first is about the kernel `jax-ai-stack train` picks."""
+  from jax_ai_stack.recipes import config, tasks
+
+  request = tasks.for_config(config.load(config.DEFAULT_PRESET)).attention_request()
+  code, out, _ = run(capsys, "--segment-ids")  # The run packs documents: segment ids.
+  assert code == 0
+  r = request
+  assert (f"q [{r.batch},{r.q_len},{r.num_heads},{r.head_dim}] "
+          f"k/v [{r.batch},{r.kv_len},{r.num_kv_heads},{r.head_dim}] float32, causal, "
+          "segment_ids") in out
+  assert out.rstrip().endswith(f"Chosen: {kernels.select(request).name} (deterministic)")

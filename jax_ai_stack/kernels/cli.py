@@ -35,7 +35,16 @@ import sys
 
 from jax_ai_stack.errors import UsageError
 
-_DEFAULT_SHAPE = "4,1024,8,8,64"
+
+
+def default_recipe_shape() -> str:
+  """B,T,N,K,H of the default recipe's attention (what `jax-ai-stack train` runs)."""
+  from jax_ai_stack.recipes import config
+
+  recipe = config.load(config.DEFAULT_PRESET)
+  model, data = recipe.model, recipe.data
+  return (f"{data.batch_size},{data.seq_len},{model.num_heads},{model.num_kv_heads},"
+          f"{model.resolved_head_dim}")
 
 
 def register(subparsers) -> None:
@@ -44,9 +53,9 @@ def register(subparsers) -> None:
       description=__doc__.split("\n\n")[1],
   )
   parser.add_argument(
-      "--shape", default=_DEFAULT_SHAPE, metavar="B,T,N,K,H",
-      help=f"batch, query length, query heads, key/value heads, head dim"
-      f" (default {_DEFAULT_SHAPE})",
+      "--shape", metavar="B,T,N,K,H",
+      help="batch, query length, query heads, key/value heads, head dim (default: the "
+      "default recipe's, as `jax-ai-stack train` runs it)",
   )
   parser.add_argument("--kv-len", type=int, metavar="S", help="key/value length (default: T)")
   parser.add_argument(
@@ -146,7 +155,7 @@ def run_kernels(args: argparse.Namespace) -> int:
   from jax_ai_stack.kernels import request as request_lib
   from jax_ai_stack.kernels.resolve import resolve_plan
 
-  shapes = parse_shape(args.shape, args.kv_len)
+  shapes = parse_shape(args.shape or default_recipe_shape(), args.kv_len)
   if args.autotune and args.implementation != "auto":
     raise UsageError("--autotune chooses among the 'auto' candidates; drop --implementation")
   backend = _backend(args)
