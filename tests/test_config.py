@@ -162,3 +162,16 @@ def test_an_override_sets_a_field_of_an_optional_group_left_unset():
   assert data == {"finetune": {"base": "runs/a", "lora": {"rank": 16}}}
   with pytest.raises(configlib.ConfigError, match="'base' is not a group of fields"):
     configlib.apply_overrides(data, ["finetune.base.rank=1"])
+
+
+@pytest.mark.parametrize("preset, fraction", [("lm-tiny", 0.05), ("digits-cnn", 0.2)])
+def test_the_printed_config_says_what_a_derived_default_resolves_to(preset, fraction, tmp_path):
+  """`--print-config` showed `validation_fraction: null` where 0.05 applied."""
+  loaded = config.load(preset)
+  text = config.printed(loaded)
+  assert f"  validation_fraction: null  # {fraction} applies\n" in text
+  assert ("  head_dim: null  # 32 applies\n" in text) == (preset == "lm-tiny")
+  assert "  lora: null\n" in text  # Null without a derived value: no comment.
+  saved = tmp_path / "printed.yaml"
+  saved.write_text(text)
+  assert config.load(config.NO_PRESET, config_file=saved) == loaded  # Loads back unchanged.

@@ -204,7 +204,8 @@ EVAL_MINE = doc("jax-ai-stack eval --workdir runs/mine data.validation_fraction=
 def test_train_list_and_print_config(tmp_path):
   listed = ok(run(LIST, cwd=tmp_path))
   assert all(name in listed for name in ("digits-cnn", "lm-small", "lm-tiny", "lm-tiny-lora"))
-  assert "name: lm-tiny" in ok(run(PRINT_CONFIG, cwd=tmp_path))
+  printed = ok(run(PRINT_CONFIG, cwd=tmp_path))
+  assert "name: lm-tiny" in printed and "validation_fraction: null  # 0.05 applies" in printed
   printed = ok(run(OVERRIDES, "--print-config", cwd=tmp_path))
   assert "num_layers: 6" in printed and "learning_rate: 0.001" in printed
 

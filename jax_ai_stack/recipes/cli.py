@@ -182,7 +182,7 @@ def load_config(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack import determinism
   from jax_ai_stack.recipes import config as recipe_config
-  from jax_ai_stack.recipes import compile_cache, configlib, distributed
+  from jax_ai_stack.recipes import compile_cache, distributed
 
   if args.list:
     names = recipe_config.list_presets()
@@ -197,7 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
       heartbeat_timeout_s=args.heartbeat_timeout)
   config = load_config(args)
   if args.print_config:
-    print(configlib.to_yaml(config), end="")
+    print(recipe_config.printed(config), end="")
     return 0
   import_started = time.perf_counter()
   from jax_ai_stack.recipes import train  # jax and the libraries: only to train.

@@ -201,6 +201,27 @@ def load(
   return configlib.from_dict(RecipeConfig, data, source=" + ".join(sources) or "config")
 
 
+def printed(config: RecipeConfig) -> str:
+  """The YAML `train --print-config` shows: a field left null whose value is derived
+  (`data.validation_fraction`, `model.head_dim`) says, in a comment, what applies.
+
+  The comment keeps the file loadable as it is and the field still derived, so
+  a printed file whose `data.source` or `model.d_model` is edited stays right.
+  """
+  derived = {("data", "validation_fraction"): config.data.holdout_fraction}
+  if (head_dim := getattr(config.model, "resolved_head_dim", None)) is not None:
+    derived[("model", "head_dim")] = head_dim
+  lines, section = [], None
+  for line in configlib.to_yaml(config).splitlines():
+    if not line.startswith(" "):
+      section = line.rstrip(":")
+    elif not line.startswith("   ") and line.endswith(": null"):
+      value = derived.get((section, line.strip().partition(":")[0]))
+      line += "" if value is None else f"  # {value} applies"
+    lines.append(line)
+  return "\n".join(lines) + "\n"
+
+
 def from_json(data: dict) -> RecipeConfig:
   """A config saved in checkpoint metadata, validated again."""
   model = data.get("model", {})
