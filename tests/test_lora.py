@@ -19,6 +19,7 @@ from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
 from jax_ai_stack.recipes.checkpoint import io as checkpoint_io
 from jax_ai_stack.recipes.finetune import lora, lora_merge
+from jax_ai_stack.recipes.metrics import MetricsLog
 
 from multidevice import run_on_devices
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
@@ -101,7 +102,19 @@ def test_held_out_and_train_loss_drop(lora_run, capsys):
   assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
   losses = [loss for _, loss in train_losses(workdir)]
   assert np.mean(losses[-5:]) < np.mean(losses[:5])
-  assert "held-out eval_loss" in lora.eval_change(workdir)
+  lines = lora.eval_change(workdir, 3e-3)
+  assert len(lines) == 1 and "held-out eval_loss" in lines[0]  # It fell: no hint.
+
+
+def test_a_held_out_loss_that_rose_gets_a_learning_rate_hint(tmp_path):
+  log = MetricsLog(tmp_path, 0)
+  for step, loss in ((0, 1.880), (50, 1.902), (100, 1.965)):
+    log.write(step, "eval", {"eval_loss": loss})
+  log.close()
+  change, hint = lora.eval_change(tmp_path, 3e-3)
+  assert change == "held-out eval_loss 1.8800 before fine-tuning -> 1.9650 at step 100"
+  assert hint.startswith("hint: held-out loss rose") and "optim.learning_rate=0.0003" in hint
+  assert lora.eval_change(tmp_path / "elsewhere", 3e-3) == []  # No metrics: nothing to say.
 
 
 def test_merge_gives_the_logits_of_base_plus_adapters(lora_run, tmp_path, capsys):

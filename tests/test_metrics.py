@@ -135,3 +135,9 @@ def test_flush_makes_the_scalars_readable_before_close(tmp_path):
 
 def test_no_log_reads_as_empty(tmp_path):
   assert metrics.read_metrics(tmp_path) == []
+
+
+def test_printed_metrics_have_one_format():
+  """The final line printed 'loss 1.8' where step lines and the README show three decimals."""
+  assert metrics.format_metrics({"loss": 1.8, "eval_loss": 1.88, "eval_perplexity": 26.6304}) == (
+      "loss 1.800, eval_loss 1.880, eval_perplexity 26.630")

@@ -444,8 +444,3 @@ def test_refused_data_leaves_no_workdir_behind(tmp_path, capsys, corpus):
   assert cli.main(["train", "--workdir", str(existing), *TINY, "data.source=text",
                    f"data.paths=[{tmp_path / corpus}]"]) == 2
   assert existing.is_dir()
-
-
-def test_printed_metrics_have_one_format():
-  assert train._format({"loss": 1.8, "eval_loss": 1.88, "eval_perplexity": 26.6304}) == (
-      "loss 1.800, eval_loss 1.880, eval_perplexity 26.630")

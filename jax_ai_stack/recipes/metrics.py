@@ -118,6 +118,12 @@ def _cut_back(workdir: pathlib.Path, last_step: int) -> None:
   write_atomically(workdir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+def format_metrics(metrics: dict[str, float]) -> str:
+  """'loss 1.800, eval_loss 1.880': one format for every printed metric (three decimals,
+  as the progress bar shows the loss)."""
+  return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+
+
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
   """The records of metrics.jsonl; a line torn by a killed process is skipped."""
   path = pathlib.Path(workdir) / METRICS_FILE

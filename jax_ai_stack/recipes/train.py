@@ -51,7 +51,8 @@ from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import compile_cache, distributed, optim, step, tasks
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.finetune import lora
-from jax_ai_stack.recipes.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot, read_metrics
+from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
+                                          plot, read_metrics)
 from jax_ai_stack.recipes.run import CHECKPOINT_DIR, Run, build_run, prepare_workdir
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class Trainer(Run):
             eval_metrics = self.evaluate()
             metrics_log.write(self.step, "eval", eval_metrics)
             last.update(eval_metrics)
-            _print(progress, f"step {self.step}: " + _format(eval_metrics))
+            _print(progress, f"step {self.step}: " + format_metrics(eval_metrics))
           if self.save(force=bool(stopping) or self.step == total):
             metrics_log.flush()
           if stopping:
@@ -318,11 +319,6 @@ def _print(progress, text: str) -> None:
     progress.write(text, file=sys.stdout)
   else:
     print(text, flush=True)
-
-
-def _format(metrics: dict[str, float]) -> str:
-  """One format for every printed metric: three decimals, as the progress bar shows loss."""
-  return ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
 
 
 def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) -> pathlib.Path:
@@ -407,9 +403,8 @@ def run(
     compile_times.stop()
     trainer.close()
   _print_done(result, workdir)
-  change = lora.eval_change(workdir) if trainer.finetune and trainer.finetune.config.active else None
-  if change:
-    print(change, flush=True)
+  if trainer.finetune and trainer.finetune.config.active:
+    _print_lines(lora.eval_change(workdir, config.optim.learning_rate))
   return result
 
 
@@ -431,7 +426,7 @@ def _print_lines(lines: list[str]) -> None:
 
 def _print_done(result: dict[str, Any], workdir: pathlib.Path) -> None:
   shown = {k: v for k, v in result.items() if k.startswith(("loss", "eval_"))}
-  print(f"done: step {result.get('step')}, {_format(shown)}", flush=True)
+  print(f"done: step {result.get('step')}, {format_metrics(shown)}", flush=True)
   print(f"metrics {workdir / METRICS_FILE}, plot {workdir / PLOT_FILE}, "
         f"checkpoints {workdir / CHECKPOINT_DIR}", flush=True)
 

@@ -348,7 +348,7 @@ def eval_before(trainer) -> None:
   if trainer.validation is None:
     return
   from jax_ai_stack.recipes import distributed
-  from jax_ai_stack.recipes.metrics import MetricsLog
+  from jax_ai_stack.recipes.metrics import MetricsLog, format_metrics
 
   metrics = trainer.evaluate()
   log = MetricsLog(trainer.workdir, 0, enabled=distributed.is_primary())
@@ -356,16 +356,23 @@ def eval_before(trainer) -> None:
     log.write(0, "eval", metrics)
   finally:
     log.close()
-  print("before fine-tuning: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
+  print(f"before fine-tuning: {format_metrics(metrics)}", flush=True)
 
 
-def eval_change(workdir: str | pathlib.Path) -> str | None:
-  """'eval_loss 2.1 at step 0 -> 1.7 at step 200' from a run's metrics.jsonl, if it has both."""
+def eval_change(workdir: str | pathlib.Path, learning_rate: float) -> list[str]:
+  """'held-out eval_loss 2.1 before fine-tuning -> 1.7 at step 200' from a run's
+  metrics.jsonl, if it has both; when the loss rose, a hint about `learning_rate`
+  (a pretraining rate on a trained base undoes what the base learned)."""
   from jax_ai_stack.recipes.metrics import read_metrics
 
   evals = [r for r in read_metrics(workdir) if r["split"] == "eval" and "eval_loss" in r]
   if len(evals) < 2 or evals[0]["step"] != 0:
-    return None
+    return []
   first, last = evals[0], evals[-1]
-  return (f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
-          f"{last['eval_loss']:.4f} at step {last['step']}")
+  lines = [f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
+           f"{last['eval_loss']:.4f} at step {last['step']}"]
+  if last["eval_loss"] > first["eval_loss"]:
+    lines.append(f"hint: held-out loss rose; fine-tuning usually takes a learning rate well "
+                 f"below pretraining's: try optim.learning_rate={learning_rate / 10:g} (this run "
+                 f"{learning_rate:g}) or fewer train.steps")
+  return lines
