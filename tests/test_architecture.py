@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.tasks.*", "recipes.sharding",
-         "recipes.optim", "recipes.step", "recipes.metrics", "recipes.checkpoint",
+         "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress",
+         "recipes.checkpoint",
          "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
          "recipes.finetune.lora", "recipes.finetune.quant")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "

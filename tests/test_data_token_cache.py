@@ -290,6 +290,15 @@ def test_cli_prepare_writes_a_cache_then_has_nothing_to_do(corpus_dir, tmp_path,
   assert _tree(tmp_path / "cache") == before
 
 
+def test_progress_off_a_terminal_is_lines_counting_the_documents_there_are(corpus_dir, tmp_path,
+                                                                          capsys):
+  """23 files and max_documents 400 (lm-small's): the count ends at 23/23, in plain lines."""
+  assert cli.main(["data", "prepare", "lm-small", "data.source=text",
+                   f"data.paths=[{corpus_dir}/*.txt]", "--cache", str(tmp_path / "cache")]) == 0
+  err = capsys.readouterr().err
+  assert "\r" not in err and "doc 23/23: " in err and "/400" not in err
+
+
 def test_cli_workers_flag(corpus_dir, tmp_path, capsys):
   pattern = f"data.paths=[{corpus_dir}/*.txt]"
   token_cache.prepare(_config(corpus_dir), tmp_path / "one", progress=False)

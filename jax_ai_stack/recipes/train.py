@@ -49,6 +49,7 @@ from flax import nnx
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import compile_cache, distributed, optim, step, tasks
+from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
@@ -273,45 +274,10 @@ class Trainer(Run):
 
 
 def _progress_bar(config: RecipeConfig, start: int):
-  """tqdm's bar on a terminal; elsewhere (CI, SLURM, a pipe) one plain line per log interval."""
+  """The steps' bar (plain `step N/TOTAL` lines off a terminal); None: train.progress=false."""
   if not config.train.progress:
     return None
-  if not sys.stderr.isatty():
-    return LogLines(config.train.steps, start)
-  from tqdm import tqdm
-
-  return tqdm(total=config.train.steps, initial=start, desc="train", unit="step",
-              file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
-
-
-class LogLines:
-  """The progress bar's stand-in where stderr is no terminal: a bar redrawn there is
-  kilobytes of carriage returns; this writes `step N/TOTAL: loss ..., ETA ...` lines."""
-
-  def __init__(self, total: int, initial: int):
-    self.n, self.total, self._initial = initial, total, initial
-    self._started = time.perf_counter()
-
-  def update(self, steps: int) -> None:
-    self.n += steps
-
-  def set_postfix_str(self, text: str) -> None:
-    done, elapsed = self.n - self._initial, time.perf_counter() - self._started
-    eta = elapsed / done * (self.total - self.n) if done else 0.0
-    print(f"step {self.n}/{self.total}: {text}, ETA {_duration(eta)}", file=sys.stderr,
-          flush=True)
-
-  @staticmethod
-  def write(text: str, file=None) -> None:
-    print(text, file=file, flush=True)
-
-  def close(self) -> None:
-    pass
-
-
-def _duration(seconds: float) -> str:
-  minutes, seconds = divmod(round(seconds), 60)
-  return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+  return progress_lib.bar("train", unit="step", total=config.train.steps, initial=start)
 
 
 def _print(progress, text: str) -> None:

@@ -247,6 +247,19 @@ def read_texts(config: DataConfig) -> Iterator[tuple[str, str]]:
   raise ConfigError(f"data.source={config.source!r} is not a text source")
 
 
+def count_documents(config: DataConfig) -> int | None:
+  """At most how many documents a source yields, where that is known without reading
+  it: one a file (stdlib, text; empty files yield none), capped by max_documents.
+  None where a file holds many (npy, arrayrecord, parquet) and no cap is set."""
+  if config.source == "stdlib":
+    files = len(stdlib_files(config.paths))
+  elif config.source == "text":
+    files = len(resolve_paths(config.paths))
+  else:
+    return config.max_documents
+  return files if config.max_documents is None else min(files, config.max_documents)
+
+
 def read_token_arrays(
     config: DataConfig, vocab_size: int, eos_id: int
 ) -> Iterator[tuple[str, np.ndarray]]:

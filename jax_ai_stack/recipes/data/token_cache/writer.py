@@ -30,7 +30,9 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.data import corpus as corpus_lib
+from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data.config import DataConfig, require_token_source
 from jax_ai_stack.recipes.data.token_cache.identity import (
     IDENTITY, MANIFEST, Manifest, _check_version, _identity, _refuse_differences)
@@ -96,13 +98,6 @@ def _committed(location: _Location) -> list[dict]:
   while (ledger := _read_json(location, _shard_name(len(ledgers)))) is not None:
     ledgers.append(ledger)
   return ledgers
-
-
-def _progress(total_docs: int, initial: int, enabled: bool):
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-  return tqdm(desc="tokenize", unit="doc", initial=initial, total=total_docs or None,
-              file=sys.stderr, disable=not enabled, dynamic_ncols=True)
 
 
 def prepare(
@@ -183,7 +178,9 @@ def prepare(
                      identity["layout"]["read_block_tokens"], shard_documents)
     shard, start = len(ledgers), time.monotonic()
     new_tokens = 0
-    with _progress(config.max_documents or 0, num_docs, progress) as bar:
+    bar = (progress_lib.bar("tokenize", unit="doc", total=sources.count_documents(config),
+                            initial=num_docs) if progress else None)
+    try:
       for packed in itertools.chain([first] if first is not None else [], shards):
         end_doc, end_token = writer.write_shard(num_docs, num_tokens, packed)
         if on_shard:
@@ -193,9 +190,14 @@ def prepare(
         if on_shard:
           on_shard(shard, "committed")
         new_tokens += end_token - num_tokens
-        bar.update(end_doc - num_docs)
-        bar.set_postfix_str(f"{new_tokens / max(time.monotonic() - start, 1e-9):,.0f} tokens/s")
+        if bar is not None:
+          bar.update(end_doc - num_docs)
+          bar.set_postfix_str(
+              f"{new_tokens / max(time.monotonic() - start, 1e-9):,.0f} tokens/s")
         shard, num_docs, num_tokens = shard + 1, end_doc, end_token
+    finally:
+      if bar is not None:
+        bar.close()
   writer.finish(num_docs, num_tokens)
   manifest = Manifest(**identity, num_documents=num_docs, num_tokens=num_tokens,
                       num_shards=shard)
