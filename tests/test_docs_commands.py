@@ -438,19 +438,27 @@ def test_attention_commands(tmp_path):
 
 def test_minimum_corpus_size_as_documented(tmp_path):
   """README's numbers: lm-tiny's validation split needs 8 x 128 + 1 tokens; 3 KB of notes
-  have too few at the default fraction and enough with the documented small-corpus form."""
+  have too few at the default fraction; with the documented small-corpus form, 10 KB hold
+  out a batch, and 2.6 KB with data.batch_size=2 (each on five corpora: the split is by hash,
+  so one corpus could pass by luck)."""
   from jax_ai_stack.recipes import config
   from jax_ai_stack.recipes.data import corpora
 
   readme = DOCS[0].read_text()
   assert "batch_size x seq_len + 1" in readme
-  notes = write_text_corpus(tmp_path / "notes.txt", 3)
-  small = ["data.source=text", f"data.paths=[{notes}]"]
-  default = corpora.load_corpus(config.load("lm-tiny", overrides=small).data)
-  assert default["validation"].num_tokens < 8 * 128 + 1
+  assert "about 10 KB\nthen holds out a batch" in readme and "(about\n2.6 KB)" in readme
   form = re.search(r"`(data\.validation_fraction=\S+ data\.split_chunk_tokens=\S+)`", readme)
-  fitted = config.load("lm-tiny", overrides=[*small, *form.group(1).split()])
-  assert corpora.load_corpus(fitted.data)["validation"].num_tokens >= 8 * 128 + 1
+
+  def held_out(kilobytes: float, seed: int, *overrides: str) -> int:
+    notes = write_text_corpus(tmp_path / f"{kilobytes}-{seed}.txt", kilobytes, seed=seed)
+    recipe = config.load("lm-tiny", overrides=["data.source=text", f"data.paths=[{notes}]",
+                                               *overrides])
+    return corpora.load_corpus(recipe.data)["validation"].num_tokens
+
+  assert held_out(3, 0) < 8 * 128 + 1
+  for seed in range(5):
+    assert held_out(10, seed, *form.group(1).split()) >= 8 * 128 + 1, seed
+    assert held_out(2.6, seed, *form.group(1).split(), "data.batch_size=2") >= 2 * 128 + 1, seed
 
 
 # ---- the mesh's -1 -------------------------------------------------------------------
