@@ -282,9 +282,6 @@ def _chmod_tree(directory: pathlib.Path, writable: bool) -> None:
     path.chmod(mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
-# Orbax's failed read of the corrupt step leaves a callback for its closed asyncio loop.
-@pytest.mark.filterwarnings(
-    r"ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning")
 def test_a_read_only_manager_writes_nothing(tmp_path, monkeypatch, caplog):
   monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "system-tmp"))
   (tmp_path / "system-tmp").mkdir()
