@@ -109,8 +109,9 @@ def test_unrolled_scanned_unrolled_ends_close_to_a_run_that_never_switched(
   capsys.readouterr()
   assert cli_train(tmp_path) == 0  # Steps 2 (unrolled), 4 (scanned) and 6 (unrolled) on disk.
   out = capsys.readouterr().out
-  assert ("resumed from step 4\ncheckpoint step 4 has the scanned layout; converted to "
+  assert ("checkpoint step 4 has the scanned layout; converted to "
           "unrolled (model.scan_layers=false)\n") in out
+  assert "resumed from step 4\n" in out
   mixed, reference = train_losses(tmp_path), train_losses(unrolled_run)
   assert [s for s, _ in mixed] == [s for s, _ in reference] == list(range(1, 7))
   assert mixed[:2] == reference[:2]  # Same layout, same bits.

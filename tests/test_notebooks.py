@@ -18,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("*.md"))
 # Over conftest.SLOW_S (tests/durations.json).
-SLOW_NOTEBOOKS = {"quantize_and_finetune", "hugging_face"}
+SLOW_NOTEBOOKS = {"quantize_and_finetune", "hugging_face", "your_own_model"}
 CELL_TIMEOUT_S = 300
 
 
@@ -36,7 +36,7 @@ def execute(path: pathlib.Path, workdir: pathlib.Path):
 def test_there_are_notebooks():
   names = {p.name for p in NOTEBOOKS}
   assert {"getting_started.md", "bring_your_own_data.md", "kernels.md",
-          "scaling.md", "quantize_and_finetune.md", "hugging_face.md"} <= names
+          "scaling.md", "quantize_and_finetune.md", "hugging_face.md", "your_own_model.md"} <= names
 
 
 @pytest.mark.parametrize("path", [

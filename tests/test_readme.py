@@ -36,6 +36,21 @@ def test_notebook_example_runs(tmp_path, monkeypatch):
   assert isinstance(namespace["optimizer"], nnx.Optimizer)
 
 
+def test_own_model_example_runs(tmp_path, monkeypatch):
+  code = re.search(r"<!-- own model example.*?-->\s*```python\n(.*?)```", README, re.S).group(1)
+  monkeypatch.chdir(tmp_path)
+  namespace: dict = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README.
+  finished = namespace["finished"]
+  try:
+    assert namespace["metrics"]["step"] == finished.step == 200
+    assert namespace["metrics"]["eval_loss"] < 0.3  # It learns the quadrants.
+    assert finished.config.model.settings == {"width": 64}
+  finally:
+    finished.close()
+  assert (tmp_path / "runs" / "mine" / "loss.png").exists()
+
+
 def test_readme_table_matches_the_matrix():
   from jax_ai_stack import compat
 

@@ -173,6 +173,8 @@ def _family_knowledge() -> dict[str, set[str]]:
     task_class = family.task_class()
     modules.add(task_class.__module__)
     model_module = sys.modules[typing.get_type_hints(task_class.build_model)["return"].__module__]
+    if not model_module.__name__.startswith("jax_ai_stack."):
+      continue  # A model of one's own: any nnx.Module (flax's own module is no family's).
     modules.add(model_module.__name__)
     classes.update(name for name, value in vars(model_module).items()
                    if isinstance(value, type) and issubclass(value, nnx.Module)

@@ -50,7 +50,8 @@ def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   ref_dir, _ = reference
   stopped = train.run(tiny_config(), tmp_path, stop_after=7)  # Not a multiple of save_every.
   assert stopped["step"] == 7 and stopped["stopped_by"]
-  assert not (tmp_path / train.PLOT_FILE).exists()
+  assert (tmp_path / train.PLOT_FILE).exists()  # The steps so far; the sample waits for the end.
+  assert not (tmp_path / SAMPLE_FILE).exists()
   with open(tmp_path / train.METRICS_FILE, "a") as f:
     f.write('{"step": 8, "split": "tr')  # A line torn by a kill mid-write.
   resumed = train.run(tiny_config(), tmp_path)

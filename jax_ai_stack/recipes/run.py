@@ -34,7 +34,7 @@ import logging
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import grain
 import jax
@@ -53,6 +53,8 @@ CHECKPOINT_DIR = "checkpoints"
 """The workdir's subdirectory of Orbax steps."""
 
 Mode = Literal["train", "read"]
+TaskArg = Union[tasks.Task, Callable[[RecipeConfig], tasks.Task], None]
+"""A run's Task: given, built from the config by a function, or None (the config's)."""
 __all__ = ["CHECKPOINT_DIR", "Run", "build_run", "prepare_workdir"]
 
 
@@ -283,7 +285,7 @@ def build_run(
     resume: str = "auto",
     initial_params: Callable[[nnx.State], nnx.State] | None = None,
     overrides: Sequence[str] = (),
-    task: tasks.Task | None = None,
+    task: TaskArg = None,
     validation: bool | None = None,
     capture_stderr: bool = False,
 ) -> Run:
@@ -307,7 +309,8 @@ def build_run(
       their shardings), returns it filled (e.g. by `models.hf.load_params`).
     overrides: `mode="read"`: dotted settings over the saved config
       (`data.validation_fraction=0.2`).
-    task: the model family; default `tasks.for_config(config)`.
+    task: the model family (a Task, or a function or Task subclass called with the
+      config: `mode="read"` has only the saved one); default `tasks.for_config(config)`.
     validation: build the validation split; default: when `train.eval_every`
       asks for it (train), never (read).
     capture_stderr: while a damaged checkpoint step is read, send what the
@@ -323,7 +326,7 @@ def build_run(
   environ = os.environ if environ is None else environ  # The one read of the environment.
   workdir = pathlib.Path(workdir)
   if mode == "read":
-    opened = _open_finished(workdir, environ=environ, overrides=overrides,
+    opened = _open_finished(workdir, environ=environ, overrides=overrides, task=task,
                             validation=bool(validation), capture_stderr=capture_stderr)
   elif mode == "train":
     if config is None:
@@ -340,11 +343,11 @@ def build_run(
 
 
 def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   resume: str, task: tasks.Task | None, validation: bool | None,
+                   resume: str, task: TaskArg, validation: bool | None,
                    capture_stderr: bool) -> _Opened:
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
-  task = task or tasks.for_config(config)
+  task = tasks.resolve(task, config)
   created = not workdir.exists()
   prepare_workdir(workdir, read_only=False)
   try:
@@ -408,7 +411,8 @@ def _saved_attention(manager: checkpoint.Manager, capture_stderr: bool) -> dict 
 
 
 def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   overrides: Sequence[str], validation: bool, capture_stderr: bool) -> _Opened:
+                   overrides: Sequence[str], task: TaskArg, validation: bool,
+                   capture_stderr: bool) -> _Opened:
   """A trained run, read-only, with its saved config and attention plan.
 
   No train data is built and nothing in the workdir is written, so an
@@ -426,7 +430,7 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
       config = configlib.from_dict(
           RecipeConfig, configlib.apply_overrides(configlib.to_dict(config), list(overrides)),
           source=f"{workdir}'s config + overrides {' '.join(overrides)}")
-    task = tasks.for_config(config)
+    task = tasks.resolve(task, config)
     plan, choice = kernels.plan_for_run(
         task.attention_request(), task.attention_implementation(), environ=environ,
         autotune_file=kernels.workdir_autotune_file(workdir), saved=metadata.get("attention"),

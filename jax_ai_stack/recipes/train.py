@@ -48,13 +48,13 @@ from flax import nnx
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, optim, step, tasks
+from jax_ai_stack.recipes import compile_cache, distributed, optim, step
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
                                           plot, read_metrics)
-from jax_ai_stack.recipes.run import CHECKPOINT_DIR, Run, build_run, prepare_workdir
+from jax_ai_stack.recipes.run import CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Trainer(Run):
 
   @classmethod
   def open(cls, config: RecipeConfig, workdir: str | pathlib.Path, *,
-           task: tasks.Task | None = None, resume: str = "auto",
+           task: TaskArg = None, resume: str = "auto",
            initial_params: Callable[[nnx.State], nnx.State] | None = None,
            environ: Mapping[str, str] | None = None) -> Trainer:
     """`build_run(config, workdir, mode="train", ...)` as a Trainer (for notebooks).
@@ -121,7 +121,8 @@ class Trainer(Run):
       config: the recipe (any config with `train`, `optim`, `checkpoint`
         sections that `task` understands).
       workdir: created if missing; must be writable.
-      task: the model family; default `tasks.for_config(config)`.
+      task: the model family: a Task, or a function (or Task subclass) called with
+        `config`; default `tasks.for_config(config)`.
       resume: "auto" continues a run; "never" refuses a workdir with checkpoints.
       initial_params: a fresh run's parameters instead of the seed's initialisation
         (see `build_run`).
@@ -132,15 +133,17 @@ class Trainer(Run):
 
   @classmethod
   def open_finished(cls, workdir: str | pathlib.Path, *, validation: bool = False,
-                    overrides: Sequence[str] = ()) -> Trainer:
+                    overrides: Sequence[str] = (), task: TaskArg = None) -> Trainer:
     """A trained run, read-only, with its saved config and attention plan (for notebooks).
 
     `build_run(None, workdir, mode="read", ...)`: no train data is built and
     nothing in the workdir is written. `overrides` (dotted,
-    `data.validation_fraction=0.2`) apply over the saved config.
+    `data.validation_fraction=0.2`) apply over the saved config. `task`: a
+    model of one's own, as a function (or Task subclass) called with the
+    saved config, or a Task; default: the one the saved config names.
     """
     return cls.of(build_run(None, workdir, mode="read", validation=validation,
-                            overrides=overrides))
+                            overrides=overrides, task=task))
 
   # ---- the pieces of the loop ------------------------------------------------
 
@@ -199,11 +202,15 @@ class Trainer(Run):
           on_first_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """Trains from `self.step` to `train.steps`; returns the last metrics.
 
-    `stop_after` stops (and saves) after that step as a preemption would.
-    `on_first_step` is called once the first step (and its compile) is done.
+    Says so when it resumes a run, and leaves `loss.png` (the metrics so far)
+    in the workdir when it returns. `stop_after` stops (and saves) after that
+    step as a preemption would. `on_first_step` is called once the first step
+    (and its compile) is done.
     """
     total = self.config.train.steps
     primary = distributed.is_primary()
+    if self.step:
+      print(f"resumed from step {self.step}", flush=True)
     metrics_log = MetricsLog(self.workdir, self.step, enabled=primary)
     schedule = jax.jit(optim.build_schedule(
         self.config.optim, optim.optimizer_updates(self.config.optim, total)))
@@ -254,6 +261,8 @@ class Trainer(Run):
         progress.close()
       metrics_log.close()
     step.merge(self.model, self.optimizer, self.state)
+    if primary:
+      plot(self.workdir)
     return {"step": self.step, "stopped_by": stopped_by, **last}
 
   def finish(self) -> list[str]:
@@ -296,7 +305,7 @@ def run(
     config: RecipeConfig,
     workdir: str | pathlib.Path | None = None,
     *,
-    task: tasks.Task | None = None,
+    task: TaskArg = None,
     resume: str | None = None,
     stop_after: int | None = None,
     verbose: bool = False,
@@ -347,12 +356,11 @@ def run(
       log.info("%s", trainer.attention_choice.report())
       choice = trainer.attention_choice
       print(f"attention: {choice.name} ({choice.source})", flush=True)
-    if trainer.step:
-      print(f"resumed from step {trainer.step}", flush=True)
     if trainer.converted:
       print(trainer.converted, flush=True)
     if trainer.step >= config.train.steps:
-      print(f"already trained to step {config.train.steps}: nothing to do", flush=True)
+      print(f"resumed from step {trainer.step}; already trained to step {config.train.steps}: "
+            "nothing to do", flush=True)
       result = {**_final_metrics(workdir), "step": trainer.step, "stopped_by": None}
       if trainer.missing_artefacts():  # Killed after the last save, before the artefacts.
         _print_lines(trainer.finish())

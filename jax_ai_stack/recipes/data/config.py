@@ -1,9 +1,10 @@
 """`DataConfig`: what the data recipes read, tokenize and batch.
 
-Every source but one is a token corpus (documents -> tokens -> windows or
-packed rows); `digits` is a labelled image set. `DataConfig.is_token_source`
-is the one place that says which, and `require_token_source` the one error
-for asking an image set for tokens.
+Every source but two is a token corpus (documents -> tokens -> windows or
+packed rows); `digits` is a labelled image set, and `custom` says that the
+batches come from a Task of your own (`model.kind: custom`), not from here.
+`DataConfig.is_token_source` is the one place that says which, and
+`require_token_source` the one error for asking another source for tokens.
 
 Example:
   >>> config = DataConfig(source="text", paths=("corpus/*.txt",), seq_len=64)
@@ -26,7 +27,7 @@ from typing import Literal
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
-Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "digits"]
+Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "digits", "custom"]
 TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
@@ -45,7 +46,8 @@ class DataConfig:
   """
 
   source: Source = "stdlib"
-  """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits."""
+  """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits;
+  custom: your Task's own `dataset` (with `model.kind: custom`), nothing read here."""
   paths: tuple[str, ...] = ()
   """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.
   stdlib: optional patterns relative to the standard library's root ("logging/*"): only those files."""
@@ -102,7 +104,7 @@ class DataConfig:
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
     if self.cache is not None and not self.is_token_source:
-      raise ConfigError(f"data.cache: source={self.source!r} is an image set; it has no tokens")
+      raise ConfigError(f"data.cache: source={self.source!r} has no tokens to cache")
     if self.cache is not None and not self.cache.strip():
       raise ConfigError("data.cache must be a directory or a kvstore URL, got ''")
     if self.tokenizer != "byte" and not self.tokenizer_path:
@@ -117,14 +119,16 @@ class DataConfig:
 
   @property
   def is_token_source(self) -> bool:
-    """True for the text and token sources; False for `digits` (images and labels)."""
+    """True for the text and token sources; False for `digits` (images and labels) and
+    `custom` (your Task's batches)."""
     return self.source in TOKEN_SOURCES
 
 
 def require_token_source(config: DataConfig, what: str) -> None:
   """Raises `ConfigError` when `what` (a corpus, a vocabulary) is asked of an image set."""
   if not config.is_token_source:
+    kind = "a labelled image set" if config.source == "digits" else "your Task's own batches"
     raise ConfigError(
-        f"data.source={config.source!r} is a labelled image set, not text or tokens: it has"
+        f"data.source={config.source!r} is {kind}, not text or tokens: it has"
         f" no {what}; use one of {', '.join(TOKEN_SOURCES)}"
     )

@@ -192,7 +192,10 @@ def _examples(config: DataConfig, split: Split):
   """Examples of `split`, with at least one batch of them (validation) or one (train)."""
   if config.is_token_source:
     return _lm_examples(config, split)
-  return _digits_examples(config, split)
+  if config.source == "digits":
+    return _digits_examples(config, split)
+  raise ConfigError(f"data.source={config.source!r} has no data here: the batches come from "
+                    "your Task's `dataset` (tasks.CustomTask, or a Task subclass)")
 
 
 class _ClosedAtExit(grain.IterDataset):

@@ -30,6 +30,7 @@ _EXPORTS = {
     "apply_rope": "rope",
     "CNN": "cnn",
     "CNNConfig": "configs",
+    "CustomModelConfig": "configs",
 }
 __all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]
 

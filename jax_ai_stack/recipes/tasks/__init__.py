@@ -13,20 +13,22 @@ Example:
 
 from __future__ import annotations
 
-from jax_ai_stack.lazy import lazy_attributes
 from typing import TYPE_CHECKING, Any
 
+from jax_ai_stack.lazy import lazy_attributes
 from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "classification", "families", "lm")
+_SUBMODULES = ("base", "classification", "custom", "families", "lm")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",
     "QuantLayers": "base",
     "Task": "base",
+    "resolve": "base",
+    "CustomTask": "custom",
     "ImageClassification": "classification",
     "classification_loss": "classification",
     "LanguageModel": "lm",
@@ -35,8 +37,9 @@ _EXPORTS = {
 
 
 def for_config(config: Any) -> Task:
-  """The Task for a recipe config (chosen by the type of `config.model`)."""
-  return family(config.model).task_class()(config)
+  """The Task for a recipe config (chosen by the type of `config.model`; a model of
+  one's own by its `model.task` import path)."""
+  return family(config.model).task_class().for_config(config)
 
 
 def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
@@ -48,7 +51,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
 
 
 __all__ = [
-    "FAMILIES", "Batch", "Family", "ImageClassification", "LanguageModel", "LossFn", "QuantLayers",
-    "Task",
-    "classification_loss", "example_inputs", "family", "for_config", "lm_loss",
+    "FAMILIES", "Batch", "CustomTask", "Family", "ImageClassification", "LanguageModel", "LossFn",
+    "QuantLayers", "Task",
+    "classification_loss", "example_inputs", "family", "for_config", "lm_loss", "resolve",
 ]

@@ -6,7 +6,9 @@ evaluation reports, which data it reads, what a step's throughput counts, what
 a finished run leaves behind, and the shapes and logical axes of a batch (for
 sharding). A new model family is a new Task subclass, listed in `families`
 with its recipe checks (what the config asks, without importing the Task), and
-a preset; nothing else changes.
+a preset; nothing else changes. A model of your own is a Task too: subclass
+it (three members: `build_model`, `loss`, `dataset`) or build a `CustomTask`
+from functions, with `model.kind: custom` in the config.
 
 A Task is built from a recipe config (any config dataclass with the fields the
 Task reads); it holds no arrays and no state, so building one is free.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import grain
@@ -37,9 +39,11 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import sharding
+from jax_ai_stack.recipes.models.configs import CustomModelConfig
 from jax_ai_stack.recipes.step import Batch, LossFn
+from jax_ai_stack.recipes.tasks.families import family
 
-__all__ = ["Batch", "LossFn", "QuantLayers", "Task"]
+__all__ = ["Batch", "LossFn", "QuantLayers", "Task", "resolve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +64,13 @@ class QuantLayers:
 class Task(abc.ABC):
   """One model family: model, loss, data, evaluation and artefacts.
 
-  Subclasses set `model_config` (the config dataclass of their model, whose
-  `kind` tags it in a recipe) and `throughput_unit`, and implement the
-  abstract methods.
+  Subclasses implement the three abstract methods; a built-in family also sets
+  `model_config` (the config dataclass of its model, whose `kind` tags it in a
+  recipe) and `throughput_unit`. The other members have defaults that fit a
+  model of one's own.
   """
 
-  model_config: ClassVar[type]
+  model_config: ClassVar[type] = CustomModelConfig
   """The model config dataclass this family trains (tagged by its `kind`)."""
   throughput_unit: ClassVar[str] = "examples"
   """What `items_per_step` counts, for the progress bar and logs."""
@@ -78,6 +83,11 @@ class Task(abc.ABC):
 
   def __init__(self, config: Any):
     self.config = config
+
+  @classmethod
+  def for_config(cls, config: Any) -> Task:
+    """The Task that trains `config` (`tasks.for_config` asks the family's class)."""
+    return cls(config)
 
   @abc.abstractmethod
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
@@ -107,13 +117,16 @@ class Task(abc.ABC):
     """This process's batches of `split` ("train": endless; "validation": one pass)."""
 
   @property
-  @abc.abstractmethod
   def items_per_step(self) -> int:
-    """Tokens or examples in one global batch (the throughput's numerator)."""
+    """Tokens or examples in one global batch (the throughput's numerator);
+    default: `data.batch_size` examples."""
+    return self.config.data.batch_size
 
-  @abc.abstractmethod
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
-    """Logical axis names of each batch entry, e.g. {"inputs": ("batch", "length")}."""
+    """Logical axis names of each batch entry, e.g. {"inputs": ("batch", "length")};
+    an entry left out is split along its first axis ("batch") and kept whole along
+    the others (the default: every entry)."""
+    return {}
 
   def check_data(self) -> None:
     """Raises a UserError when the data does not fit the model (e.g. vocabulary)."""
@@ -159,4 +172,14 @@ class Task(abc.ABC):
                top_p: float | None = None) -> str:
     """Text continued from `prompt`; only families that generate text override it."""
     del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
-    raise UsageError(f"a {self.model_config.__name__} model does not generate text")
+    raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
+
+
+def resolve(task: Task | Callable[[Any], Task] | None, config: Any) -> Task:
+  """The Task a run opens with: `task` itself, `task(config)` when it is a function or
+  a Task subclass, else the one `config` names (`tasks.for_config`)."""
+  if isinstance(task, Task):
+    return task
+  if task is not None:
+    return task(config)
+  return family(config.model).task_class().for_config(config)

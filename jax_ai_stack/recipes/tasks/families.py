@@ -20,7 +20,7 @@ import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jax_ai_stack.recipes.models.configs import CNNConfig, LlamaConfig
+from jax_ai_stack.recipes.models.configs import CNNConfig, CustomModelConfig, LlamaConfig
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
@@ -75,7 +75,7 @@ def _check_language_model(config: Any) -> None:
 
 
 def _check_image_classification(config: Any) -> None:
-  if config.data.is_token_source:
+  if config.data.source != "digits":
     raise ValueError(
         f"model.kind='cnn' does not go with data.source={config.data.source!r}: "
         "cnn reads the digits images"
@@ -90,6 +90,7 @@ FAMILIES: tuple[Family, ...] = (
            lora_modules=LLAMA_PROJECTIONS),
     Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
            _check_image_classification),
+    Family(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask"),
 )
 """Every model family a recipe config can name; the first is the default."""
 
