@@ -9,7 +9,8 @@ keeps its traceback (exit 1).
 
 Log records go where `logs` says, for the whole command: the libraries'
 warnings to the workdir's log file (a command names it with
-`args.log_routes.keep_in(...)`), not the console, unless `--verbose`.
+`args.log_routes.keep_in(...)`), not the console, unless `--verbose`; the C++
+libraries' own INFO and WARNING lines (XLA's) follow the same rule (`native_logs`).
 
 Example:
   >>> args = build_parser().parse_args(["constraints", "--python", "3.12"])
@@ -36,7 +37,7 @@ import signal
 import sys
 import threading
 
-from jax_ai_stack import logs
+from jax_ai_stack import logs, native_logs
 from jax_ai_stack.errors import UserError
 
 INTERRUPTED_EXIT_CODE = 130  # As shells report SIGINT.
@@ -112,18 +113,19 @@ def main(argv: list[str] | None = None) -> int:
   if not getattr(args, "func", None):
     parser.print_help()
     return 2
-  with logs.routed(None, verbose=getattr(args, "verbose", False)) as routes, \
-      _ctrl_c_exits(args.command):
-    args.log_routes = routes
-    try:
-      code = args.func(args)
-    except UserError as e:
-      print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
-      code = 2
-    except KeyboardInterrupt:  # Raised by code, or where `_ctrl_c_exits` cannot listen.
-      print(_interrupted(args.command), file=sys.stderr)
-      code = INTERRUPTED_EXIT_CODE
-    summary = routes.summary()
+  verbose = getattr(args, "verbose", False)
+  with logs.routed(None, verbose=verbose) as routes:
+    with native_logs.kept_off_console(enabled=not verbose), _ctrl_c_exits(args.command):
+      args.log_routes = routes
+      try:
+        code = args.func(args)
+      except UserError as e:
+        print(f"jax-ai-stack {args.command}: error: {e}", file=sys.stderr)
+        code = 2
+      except KeyboardInterrupt:  # Raised by code, or where `_ctrl_c_exits` cannot listen.
+        print(_interrupted(args.command), file=sys.stderr)
+        code = INTERRUPTED_EXIT_CODE
+    summary = routes.summary()  # Native lines counted too: they are records by now.
     if summary:
       print(summary, file=sys.stderr)
   return code

@@ -24,7 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_ai_stack"
 LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("foundations", "the standard library and each other only; a package facade loads its "
      "modules on first use, so importing it costs nothing", (
-         "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "absl_flags",
+         "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "native_logs", "absl_flags",
          "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
          "recipes.finetune")),
     ("environment and kernels", "what is installed, and which attention kernel runs where: "
