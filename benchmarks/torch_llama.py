@@ -112,10 +112,13 @@ class Llama(nn.Module):
 
   def __init__(self, c):
     super().__init__()
-    self.embed = nn.Embedding(c.vocab_size, c.d_model)
+    # The recipe's rows: padded to a multiple of model.vocab_multiple, the padded logits dropped.
+    self.embed = nn.Embedding(c.padded_vocab_size, c.d_model)
+    self.vocab_size = c.vocab_size
     self.layers = nn.ModuleList([Block(c) for _ in range(c.num_layers)])
     self.final_norm = RMSNorm(c.d_model, c.norm_eps)
-    self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+    self.lm_head = (None if c.tie_embeddings
+                    else nn.Linear(c.d_model, c.padded_vocab_size, bias=False))
 
   def forward(self, tokens):
     positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -124,7 +127,7 @@ class Llama(nn.Module):
       x = block(x, positions)
     x = self.final_norm(x)
     logits = x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
-    return logits.float()
+    return logits[..., :self.vocab_size].float()
 
 
 def lm_loss(model, inputs, targets):
@@ -256,12 +259,13 @@ def components(trainer: Trainer, config, size) -> dict[str, Any]:
   block = trainer.model.layers[0]
   compile_ = torch.compile if trainer.forward is not trainer.model else (lambda f: f)
 
-  def projections(x):
+  def projections(x):  # As train_step.jax_components: q once, o on it.
     a = block.attention
-    return a.q(x).sum() + a.k_proj(x).sum() + a.v_proj(x).sum() + a.o(a.q(x)).sum()
+    qx = a.q(x)
+    return qx.sum() + a.k_proj(x).sum() + a.v_proj(x).sum() + a.o(qx).sum()
 
   def head_loss(x):
-    logits = (x @ trainer.model.embed.weight.T).float()
+    logits = (x @ trainer.model.embed.weight.T)[..., :config.vocab_size].float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), trainer.targets.reshape(-1))
 
   parts = {
@@ -273,6 +277,8 @@ def components(trainer: Trainer, config, size) -> dict[str, Any]:
 
   def fwd_bwd(fn, args):
     def run():
+      for leaf in (x, q, *kv):  # Each call computes fresh input gradients, as JAX's does.
+        leaf.grad = None
       if trainer.bf16:
         with torch.autocast("cpu", dtype=torch.bfloat16):
           out = fn(*args)

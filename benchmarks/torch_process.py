@@ -42,6 +42,10 @@ from typing import Any
 import numpy as np
 
 
+WARMUP_CALLS = 3
+"""Calls of each part before it is timed, on both sides (train_step.jax_components too)."""
+
+
 class TorchProcess:
   """The parent's handle on the child: `call(op=..., ...)` returns its reply."""
 
@@ -136,7 +140,8 @@ def serve(directory: pathlib.Path) -> None:
     if op == "parts":
       parts[variant] = torch_llama.components(trainers[variant], config, shape)
       for thunk in parts[variant].values():
-        thunk()  # Compiles.
+        for _ in range(WARMUP_CALLS):  # Compiles (forward, then backward), settles.
+          thunk()
       return {"parts": list(parts[variant])}
     if op == "part":
       return {"seconds": timed(parts[variant][request["part"]])}

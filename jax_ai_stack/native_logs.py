@@ -19,6 +19,13 @@ process's stderr (a notebook's or pytest's captured stream is left alone).
 
 This module imports the standard library only: the filter runs it as a
 script (`python -I -S native_logs.py SPOOL`).
+
+Example: the lines the filter keeps aside, and one it lets through.
+  >>> kept(b"W1125 21:40:17.123456  4242 spmd_partitioner.cc:652] Involuntary full remat",
+  ...      after_kept=False)
+  True
+  >>> kept(b"E1125 21:40:17.123456  4242 pjrt_client.cc:1] an error", after_kept=False)
+  False
 """
 
 from __future__ import annotations

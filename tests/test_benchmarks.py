@@ -259,6 +259,7 @@ def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
   for key in ("ratio_recipe_vs_torch_compile", "ratio_recipe_vs_torch_eager", "ratio_bf16_vs_f32"):
     assert size[key] > 0, key
   parts = {"attention core", "projections", "MLP", "head + loss", "optimizer", "everything else"}
+  assert set(size["components_add_up"]) == {"recipe", "torch_compile"}
   for framework in ("recipe", "torch_compile"):
     row = size["components_ms"][framework]
     assert parts | {"step"} == set(row)
@@ -268,6 +269,23 @@ def test_train_step_quick_torch_writes_the_comparison(train_step, tmp_path):
   share = size["torch_targets"]["everything else / recipe step"]["value"]
   assert share == size["components_ms"]["recipe"]["everything else"] / size["variants"]["recipe"][
       "ms_per_step"]
+
+
+def test_a_parts_column_that_does_not_add_up_to_its_step_says_so(train_step, capsys):
+  fine = {"attention core": 40.0, "projections": 30.0, "MLP": 20.0, "head + loss": 5.0,
+          "optimizer": 5.0, "everything else": 8.0, "step": 108.0}
+  wild = {**fine, "attention core": 248.0, "projections": 601.0, "everything else": -771.0}
+  assert train_step.parts_off_by(fine) == pytest.approx(8 / 108)
+  assert train_step.parts_off_by(wild) == pytest.approx(771 / 108)
+  size = {"first_loss": {"jax": 5.0, "torch": 5.0}, "ratio_recipe_vs_torch_compile": 1.0,
+          "ratio_recipe_vs_torch_eager": 0.5, "ratio_recipe_bf16_vs_torch_compile_bf16": 1.0,
+          "model": {"num_layers": 2}, "components_ms": {"recipe": fine, "torch_compile": wild},
+          "components_add_up": {"recipe": True, "torch_compile": False}, "torch_targets": {}}
+  train_step.print_torch("tiny", size)
+  out = capsys.readouterr().out
+  assert ("torch_compile: the parts sum to 879.00 ms against a 108.00 ms step (714% off, over "
+          "15%): timed alone, they do not say where its step's time goes") in out
+  assert "recipe: the parts" not in out
 
 
 def test_torch_process_runs_steps_and_reports_a_failed_request(train_step):
