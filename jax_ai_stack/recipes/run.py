@@ -168,20 +168,34 @@ class Run:
   """The mesh and the rules that lay out the state and each batch."""
   train_batches: Iterator[tasks.Batch] | None
   """The train iterator (Grain's, checkpointed with the state); None when read-only."""
-  validation: grain.IterDataset | None
-  """None when evaluation is off (`train.eval_every=0`) and for generation."""
+  validation: grain.IterDataset | Mapping[str, grain.IterDataset] | None
+  """None when evaluation is off (`train.eval_every=0`) and for generation; by name for
+  a data mixture (each component's held-out split)."""
   finetune: lora.Finetune | None = None
   """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
   converted: str | None = None
   """What the restore converted (a step of the other `model.scan_layers` layout), else None."""
 
   def evaluate(self) -> dict[str, float]:
-    """Mean metrics over the first `train.eval_batches` validation batches."""
+    """Mean metrics over the first `train.eval_batches` validation batches.
+
+    Several validation sets (a data mixture's components): each one's metrics
+    as `eval_<name>_<metric>`, and their plain mean as `eval_<metric>`.
+    """
     if self.validation is None:
       raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
+    if not isinstance(self.validation, Mapping):
+      return self.task.evaluation({f"eval_{k}": v for k, v in self._means(self.validation).items()})
+    each = {name: self._means(dataset) for name, dataset in self.validation.items()}
+    mean = {k: sum(m[k] for m in each.values()) / len(each) for k in next(iter(each.values()))}
+    return {**self.task.evaluation({f"eval_{k}": v for k, v in mean.items()}),
+            **{f"eval_{name}_{k}": v for name, means in each.items() for k, v in means.items()}}
+
+  def _means(self, validation: grain.IterDataset) -> dict[str, float]:
+    """Mean metrics of the first `train.eval_batches` batches of one validation set."""
     totals: dict[str, float] = {}
     batches = 0
-    iterator = iter(self.validation)
+    iterator = iter(validation)
     try:
       for batch in iterator:
         if batches == self.config.train.eval_batches:
@@ -198,7 +212,7 @@ class Run:
           "the validation split has no full batch: lower data.batch_size, raise "
           "data.validation_fraction, or turn evaluation off with train.eval_every=0"
       )
-    return self.task.evaluation({f"eval_{k}": v / batches for k, v in totals.items() if k != "tokens"})
+    return {k: v / batches for k, v in totals.items() if k != "tokens"}
 
   def checkpoint_metadata(self) -> dict[str, Any]:
     """What a checkpoint of this run records beside the arrays: step, config, plan, base."""

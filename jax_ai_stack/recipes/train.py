@@ -233,7 +233,7 @@ class Trainer(Run):
               or self.step % self.config.train.log_every == 0):
             for number, metrics in self.fetch(pending, since):
               updates = (number - 1) // self.config.optim.accumulate_steps
-              last = {**metrics, "lr": float(schedule(updates))}
+              last = {**metrics, "lr": float(schedule(updates)), **self.task.data_metrics(number)}
               metrics_log.write(number, "train", last)
             if progress is not None:
               progress.update(len(pending))

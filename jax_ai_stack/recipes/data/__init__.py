@@ -13,6 +13,7 @@ Modules, in the order data flows:
   corpus      tokenize once, split train/validation by a hash of each chunk
   examples    windows, packing, digits: a whole batch per NumPy gather
   permutation the stateless per-epoch order: a Feistel permutation per index
+  mixture     several corpora by stage weights: each row's corpus from (seed, row)
   pipeline    order (seed, epoch, index), per-process shards, workers, state
   token_cache the corpus tokenized once into TensorStore, read per batch (`data.cache`)
   corpora     `load_corpus`: from memory (corpus) or the token cache
@@ -36,10 +37,12 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("cli", "config", "corpora", "corpus", "examples", "permutation", "pipeline",
-               "sources", "token_cache", "tokenizers")
+_SUBMODULES = ("cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
+               "pipeline", "sources", "token_cache", "tokenizers")
 _EXPORTS = {
     "DataConfig": "config",
+    "MixtureConfig": "config",
+    "MixtureRows": "mixture",
     "TokenCorpus": "corpus",
     "load_corpus": "corpora",
     "DigitsExamples": "examples",
@@ -48,7 +51,10 @@ _EXPORTS = {
     "epoch_permutation": "permutation",
     "permute": "permutation",
     "StepBatches": "pipeline",
+    "MixtureBatches": "pipeline",
+    "mixture_rows": "pipeline",
     "build_dataset": "pipeline",
+    "validation_sets": "pipeline",
     "DataFileNotFoundError": "sources",
     "load_digits": "sources",
     "resolve_paths": "sources",

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Literal
 
 from jax_ai_stack.errors import ConfigError
@@ -34,6 +36,84 @@ TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
 # Sources of documents that become tokens; the others are images with labels.
 TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
+
+
+@config_dataclass
+class MixtureComponent:
+  """One corpus of a mixture (`data.mixture.components.NAME`): any token source, with its
+  own files and token cache; the tokenizer, lengths and split come from `data`."""
+
+  source: Source = "stdlib"
+  """stdlib, text, npy, arrayrecord or parquet (as `data.source`)."""
+  paths: tuple[str, ...] = ()
+  """Files or globs for text/npy/arrayrecord/parquet; stdlib: optional patterns ("logging/*")."""
+  text_column: str = "text"
+  """parquet: the column holding one document per row."""
+  max_documents: int | None = None
+  """Keep the first N non-empty documents in source order."""
+  cache: str | None = None
+  """This component's TensorStore token cache (as `data.cache`)."""
+
+
+@config_dataclass
+class MixtureStage:
+  """From `step` on, the share of each batch's rows each component feeds."""
+
+  step: int = 0
+  """The first step of this stage (the first stage starts at 0)."""
+  weights: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Component name -> weight (>= 0; normalised; a component left out gets 0)."""
+
+
+@config_dataclass
+class MixtureConfig:
+  """Several corpora in one stream, with weights that change at named steps (`data.mixture`).
+
+  Which component feeds each row of each batch is a pure function of (seed, step,
+  row) (`data.mixture`'s module says how), so resume and random access need nothing
+  saved beyond the step. Evaluation reports each component's held-out loss.
+  """
+
+  components: dict[str, MixtureComponent] = dataclasses.field(default_factory=dict)
+  """Name (letters, digits, _ and -) -> its corpus."""
+  stages: tuple[MixtureStage, ...] = ()
+  """The weights from each stage's step on; the first at step 0, steps increasing."""
+
+  def __post_init__(self):
+    if not self.components:
+      raise ConfigError("data.mixture.components: name at least one corpus")
+    for name, component in self.components.items():
+      where = f"data.mixture.components.{name}"
+      if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ConfigError(f"{where}: a name of letters, digits, _ and - (it names metrics)")
+      if component.source not in TOKEN_SOURCES:
+        raise ConfigError(f"{where}.source={component.source!r}: a mixture mixes token "
+                          f"corpora ({', '.join(TOKEN_SOURCES)})")
+      if component.source in _PATH_SOURCES and not component.paths:
+        raise ConfigError(f"{where}.paths: source={component.source!r} needs at least one "
+                          "file or glob")
+    if not self.stages:
+      raise ConfigError("data.mixture.stages: give at least one stage, "
+                        "[{step: 0, weights: {NAME: 1.0, ...}}]")
+    if self.stages[0].step != 0:
+      raise ConfigError(f"data.mixture.stages[0].step={self.stages[0].step}: the first stage "
+                        "starts at step 0")
+    for i, (before, stage) in enumerate(zip(self.stages, self.stages[1:]), start=1):
+      if stage.step <= before.step:
+        raise ConfigError(f"data.mixture.stages[{i}].step={stage.step} goes back in time: "
+                          f"it must come after the stage before (step {before.step})")
+    for i, stage in enumerate(self.stages):
+      unknown = sorted(set(stage.weights) - set(self.components))
+      if unknown:
+        raise ConfigError(f"data.mixture.stages[{i}].weights: {', '.join(unknown)} is no "
+                          f"component; components: {', '.join(self.components)}")
+      if any(w < 0 for w in stage.weights.values()) or not sum(stage.weights.values()) > 0:
+        raise ConfigError(f"data.mixture.stages[{i}].weights={dict(stage.weights)}: weights "
+                          "must be >= 0 and sum to a positive number")
+
+  def weights(self, stage: MixtureStage) -> list[float]:
+    """The stage's weight of each component, in `components` order."""
+    return [float(stage.weights.get(name, 0.0)) for name in self.components]
 
 
 @config_dataclass
@@ -79,6 +159,9 @@ class DataConfig:
   cache: str | None = None
   """A TensorStore token cache (a directory or a kvstore URL such as file:// or memory://)
   read per batch instead of tokenizing into memory; prepared first if missing."""
+  mixture: MixtureConfig | None = None
+  """Several corpora mixed by weights that change at named steps; they replace `source`,
+  `paths`, `text_column`, `max_documents` and `cache`, which stay unset."""
 
   def __post_init__(self):
     if self.seq_len < 1:
@@ -107,8 +190,18 @@ class DataConfig:
       raise ConfigError(f"data.cache: source={self.source!r} has no tokens to cache")
     if self.cache is not None and not self.cache.strip():
       raise ConfigError("data.cache must be a directory or a kvstore URL, got ''")
+    if self.mixture is not None and (self.paths or self.cache or self.source != "stdlib"):
+      raise ConfigError("data.mixture: its components name the corpora; leave data.source, "
+                        "data.paths and data.cache unset")
     if self.tokenizer != "byte" and not self.tokenizer_path:
       raise ConfigError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
+
+  def component(self, name: str) -> DataConfig:
+    """A mixture component's corpus as a config of its own (this one's tokenizer,
+    lengths, batch and split)."""
+    c = self.mixture.components[name]
+    return dataclasses.replace(self, source=c.source, paths=c.paths, text_column=c.text_column,
+                               max_documents=c.max_documents, cache=c.cache, mixture=None)
 
   @property
   def holdout_fraction(self) -> float:

@@ -74,6 +74,7 @@ from __future__ import annotations
 import atexit
 import sys
 import weakref
+import zlib
 from typing import Literal
 
 import grain
@@ -83,6 +84,7 @@ from jax_ai_stack.absl_flags import grain_flags_readable
 from jax_ai_stack.errors import ConfigError, DataError
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
+from jax_ai_stack.recipes.data import mixture as mixture_lib
 from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.corpora import load_corpus
@@ -135,6 +137,88 @@ class StepBatches:
         f"StepBatches({self.examples!r}, global_batch={self.global_batch},"
         f" process={self.process_index}/{self.process_count}, seed={self.seed})"
     )
+
+
+def shuffled_ids(positions: np.ndarray, num_examples: int, seed: int) -> np.ndarray:
+  """Example id at each stream position of an endless order reshuffled every epoch
+  (position g: `permute(g % n, n, seed, g // n)`, as `StepBatches` orders its stream)."""
+  epoch, offset = np.divmod(np.asarray(positions, dtype=np.int64), num_examples)
+  ids = np.empty_like(offset)
+  for e in np.unique(epoch).tolist():
+    here = epoch == e
+    ids[here] = permute(offset[here], num_examples, seed, e)
+  return ids
+
+
+class MixtureBatches:
+  """Global step s -> this process's batch of a mixture (`data.mixture`).
+
+  `mixture.MixtureRows` says which component feeds each row and at which of
+  its stream positions; each component orders its own stream as `StepBatches`
+  does (seeded by the run's seed and the component's name). Pure like
+  `StepBatches`: a restored iterator recomputes exactly the same batches.
+  """
+
+  def __init__(self, rows: mixture_lib.MixtureRows, examples: dict, *, global_batch: int,
+               process_index: int, process_count: int, seed: int):
+    self.rows, self.examples = rows, examples
+    self.global_batch = global_batch
+    self.local_batch = global_batch // process_count
+    self.process_index, self.process_count = process_index, process_count
+    self.seeds = {name: zlib.crc32(f"{seed}/{name}".encode()) for name in examples}
+
+  @classmethod
+  def build(cls, config: DataConfig, *, seed: int, process_index: int,
+            process_count: int) -> MixtureBatches:
+    """The components' train examples and the stages, in rows of this batch size."""
+    examples = {}
+    for name in config.mixture.components:
+      try:
+        examples[name] = _examples(config.component(name), "train")
+      except DataError as e:
+        raise DataError(f"data.mixture.components.{name}: {e}") from e
+    return cls(mixture_rows(config, seed), examples, global_batch=config.batch_size, process_index=process_index,
+               process_count=process_count, seed=seed)
+
+  def __call__(self, step) -> dict[str, np.ndarray]:
+    start = int(step) * self.global_batch + self.process_index * self.local_batch
+    component, position = self.rows.assign(np.arange(start, start + self.local_batch))
+    batch: dict[str, np.ndarray] = {}
+    for index, (name, examples) in enumerate(self.examples.items()):
+      here = component == index
+      if not here.any():
+        continue
+      part = examples(shuffled_ids(position[here], examples.num_examples, self.seeds[name]))
+      for key, value in part.items():
+        if key not in batch:
+          batch[key] = np.empty((self.local_batch, *value.shape[1:]), value.dtype)
+        batch[key][here] = value
+    return batch
+
+  def __repr__(self) -> str:
+    return (f"MixtureBatches({self.rows!r}, {list(self.examples.values())!r}, "
+            f"global_batch={self.global_batch}, "
+            f"process={self.process_index}/{self.process_count})")
+
+
+def mixture_rows(config: DataConfig, seed: int) -> mixture_lib.MixtureRows:
+  """The rows each component of `config.mixture` feeds: stages from steps to rows (x batch)."""
+  stages = [(stage.step * config.batch_size, config.mixture.weights(stage))
+            for stage in config.mixture.stages]
+  return mixture_lib.MixtureRows(list(config.mixture.components), stages, seed=seed)
+
+
+def validation_sets(config: DataConfig, *, seed: int, process_index: int | None = None,
+                    process_count: int | None = None) -> dict[str, grain.IterDataset]:
+  """Each mixture component's validation split, by name (`build_dataset` of each)."""
+  sets = {}
+  for name in config.mixture.components:
+    try:
+      sets[name] = build_dataset(config.component(name), split="validation", seed=seed,
+                                 process_index=process_index, process_count=process_count)
+    except DataError as e:
+      raise DataError(f"data.mixture.components.{name}: {e}") from e
+  return sets
 
 
 def _digits_examples(config: DataConfig, split: Split) -> examples_lib.DigitsExamples:
@@ -299,15 +383,23 @@ def build_dataset(
         f"data.batch_size={config.batch_size} is not divisible by the"
         f" process_count={process_count}"
     )
-  examples = _examples(config, split)
-  num_steps = sys.maxsize if split == "train" else examples.num_examples // config.batch_size
-  batches = StepBatches(
-      examples,
-      global_batch=config.batch_size,
-      process_index=process_index,
-      process_count=process_count,
-      seed=seed if split == "train" else None,
-  )
+  if config.mixture is not None:
+    if split == "validation":
+      raise ValueError("a mixture's validation splits are its components': build each with "
+                       "build_dataset(config.component(name), ...) (validation_sets does)")
+    batches = MixtureBatches.build(config, seed=seed, process_index=process_index,
+                                   process_count=process_count)
+    num_steps = sys.maxsize
+  else:
+    examples = _examples(config, split)
+    num_steps = sys.maxsize if split == "train" else examples.num_examples // config.batch_size
+    batches = StepBatches(
+        examples,
+        global_batch=config.batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        seed=seed if split == "train" else None,
+    )
   ds = grain.MapDataset.range(num_steps).map(batches)
   # Batches are built whole in one call: Grain's per-element thread pool would
   # only add overhead, so read synchronously and prefetch one batch stream.

@@ -113,8 +113,9 @@ class Task(abc.ABC):
     """(scalar loss, auxiliary metrics); what `value_and_grad` differentiates."""
 
   @abc.abstractmethod
-  def dataset(self, split: str, seed: int) -> grain.IterDataset:
-    """This process's batches of `split` ("train": endless; "validation": one pass)."""
+  def dataset(self, split: str, seed: int) -> grain.IterDataset | Mapping[str, grain.IterDataset]:
+    """This process's batches of `split` ("train": endless; "validation": one pass, or
+    several by name, each evaluated on its own: a data mixture's components)."""
 
   @property
   def items_per_step(self) -> int:
@@ -126,6 +127,12 @@ class Task(abc.ABC):
     """Logical axis names of each batch entry, e.g. {"inputs": ("batch", "length")};
     an entry left out is split along its first axis ("batch") and kept whole along
     the others (the default: every entry)."""
+    return {}
+
+  def data_metrics(self, step: int) -> dict[str, float]:
+    """What the data has fed by the end of `step`, logged with that step's metrics
+    (a data mixture: the tokens of each component); default: nothing."""
+    del step
     return {}
 
   def check_data(self) -> None:

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import math
 import pathlib
 import sys
@@ -88,7 +90,22 @@ class LanguageModel(Task):
   def loss(self, model, batch):
     return lm_loss(model, batch)
 
+  def data_metrics(self, step: int) -> dict[str, float]:
+    """A mixture's tokens per component so far (`tokens_<name>`)."""
+    data_config = self.config.data
+    if data_config.mixture is None:
+      return {}
+    rows = self._mixture_rows.rows_before(step * data_config.batch_size)
+    return {f"tokens_{name}": float(n * data_config.seq_len)
+            for name, n in zip(self._mixture_rows.names, rows)}
+
+  @functools.cached_property
+  def _mixture_rows(self) -> data.MixtureRows:
+    return data.mixture_rows(self.config.data, self.config.train.seed)
+
   def dataset(self, split: str, seed: int):
+    if split == "validation" and self.config.data.mixture is not None:
+      return data.validation_sets(self.config.data, seed=seed)  # Each component's own.
     return data.build_dataset(self.config.data, split=split, seed=seed)
 
   @property
