@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.tasks.*", "recipes.sharding",
-         "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress",
+         "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
          "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
          "recipes.finetune.lora", "recipes.finetune.quant")),

@@ -252,6 +252,27 @@ def test_token_cache(tmp_path):
   assert "done: step 2" in out
 
 
+# ---- README: mixtures and profiles ---------------------------------------------------
+
+MIXTURE = doc("jax-ai-stack train lm-tiny --config mixture.yaml --workdir runs/mixed")
+PROFILE = doc("jax-ai-stack train lm-tiny train.profile=10:15 --workdir runs/profiled")
+
+
+def test_a_mixture_and_a_profile(tmp_path):
+  mixture = re.search(r"<!-- mixture\.yaml.*?-->\s*```yaml\n(.*?)```",
+                      (ROOT / "README.md").read_text(encoding="utf-8"), re.S).group(1)
+  (tmp_path / "mixture.yaml").write_text(mixture)
+  for i in range(3):
+    write_text_corpus(tmp_path / "notes" / f"{i}.txt", 4, seed=i)
+  ok(run(MIXTURE, *TINY, cwd=tmp_path))
+  evaluated = [r for r in map(json.loads, (tmp_path / "runs" / "mixed" / "metrics.jsonl")
+                                          .read_text().splitlines()) if r["split"] == "eval"]
+  assert {"eval_loss", "eval_code_loss", "eval_notes_loss"} <= set(evaluated[-1])
+  out = ok(run(PROFILE, *TINY, "train.profile=2:4", cwd=tmp_path))  # The doc's range: too long.
+  assert "xprof --logdir runs/profiled/profile" in out
+  assert list((tmp_path / "runs" / "profiled" / "profile").glob("plugins/profile/*/*.xplane.pb"))
+
+
 # ---- README: Hugging Face ------------------------------------------------------------
 
 IMPORT_HF = doc("jax-ai-stack import-hf path/to/Llama-dir")

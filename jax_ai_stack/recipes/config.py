@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import pathlib
+import re
 from typing import Annotated, Literal, Union
 
 import pydantic
@@ -75,6 +76,10 @@ class TrainConfig:
   autotune_attention: bool = False
   """Tune attention once (tokamax.autotune + timing) and pin the choice in
   <workdir>/attention_autotune.json; resume reloads it so numerics do not change."""
+  profile: str | None = None
+  """Trace steps START to STOP-1 ("10:15", in the logs' step numbers) with jax.profiler into
+  <workdir>/profile/, each step annotated, with the device memory after the first; open it
+  with `xprof --logdir <workdir>/profile` (the `profile` extra). None: no trace."""
   compile_cache: CompileCacheSetting = "auto"
   """Persistent XLA compilation cache of the command line (a rerun or resume skips
   compiling): 'auto' ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax-ai-stack/xla
@@ -88,6 +93,19 @@ class TrainConfig:
       raise ValueError(f"train.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
     if self.sample_tokens < 0:
       raise ValueError(f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
+    if self.profile is not None:
+      _ = self.profile_steps  # Raises on a bad range.
+
+  @property
+  def profile_steps(self) -> range | None:
+    """The steps `profile` traces, as a range of step numbers; None: no profile."""
+    if self.profile is None:
+      return None
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.profile)
+    if not match or not 1 <= int(match[1]) < int(match[2]):
+      raise ValueError(f"train.profile={self.profile!r}: give START:STOP with 1 <= START < STOP "
+                       "(steps START to STOP-1, as the logs number them), e.g. '10:15'")
+    return range(int(match[1]), int(match[2]))
 
 
 @config_dataclass

@@ -160,7 +160,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     if not sep or not key:
       raise ConfigError(f"override {item!r} is not of the form field.name=value")
     try:
-      value = yaml.safe_load(raw)
+      value = yamlio.loads(raw)
     except yaml.YAMLError:
       value = raw
     node = data

@@ -48,7 +48,7 @@ from flax import nnx
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, optim, step
+from jax_ai_stack.recipes import compile_cache, distributed, optim, profile, step
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.finetune import lora
@@ -215,6 +215,7 @@ class Trainer(Run):
     schedule = jax.jit(optim.build_schedule(
         self.config.optim, optim.optimizer_updates(self.config.optim, total)))
     progress = _progress_bar(self.config, self.step)
+    profiler = profile.StepProfiler(self.config.train.profile_steps, self.workdir, enabled=primary)
     stopped_by = None
     last: dict[str, float] = {}
     pending: list[tuple[int, dict]] = []  # Steps dispatched, metrics not yet fetched.
@@ -224,7 +225,10 @@ class Trainer(Run):
             self.manager.async_saves()):
         since = time.perf_counter()
         while self.step < total:
-          pending.append((self.step + 1, self.run_step()))
+          with profiler.step(self.step + 1):
+            pending.append((self.step + 1, self.run_step()))
+          if (line := profiler.after(self.step, self.state)) is not None:
+            _print(progress, line)
           reached = stop_after is not None and self.step >= stop_after
           stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
           saving = bool(stopping) or self.step == total or self.manager.should_save(self.step)
@@ -257,6 +261,8 @@ class Trainer(Run):
           if saving or evaluating:
             since = time.perf_counter()  # Step times leave out evaluations and saves.
     finally:
+      if (line := profiler.stop(self.state)) is not None:  # Stopped inside the range.
+        _print(progress, line)
       if progress is not None:
         progress.close()
       metrics_log.close()

@@ -50,7 +50,7 @@ class MixtureComponent:
   text_column: str = "text"
   """parquet: the column holding one document per row."""
   max_documents: int | None = None
-  """Keep the first N non-empty documents in source order."""
+  """Keep the first N non-empty documents in source order; None: `data.max_documents`."""
   cache: str | None = None
   """This component's TensorStore token cache (as `data.cache`)."""
 
@@ -200,8 +200,10 @@ class DataConfig:
     """A mixture component's corpus as a config of its own (this one's tokenizer,
     lengths, batch and split)."""
     c = self.mixture.components[name]
-    return dataclasses.replace(self, source=c.source, paths=c.paths, text_column=c.text_column,
-                               max_documents=c.max_documents, cache=c.cache, mixture=None)
+    return dataclasses.replace(
+        self, source=c.source, paths=c.paths, text_column=c.text_column, cache=c.cache,
+        max_documents=self.max_documents if c.max_documents is None else c.max_documents,
+        mixture=None)
 
   @property
   def holdout_fraction(self) -> float:
