@@ -325,3 +325,21 @@ def test_one_process_is_the_default_and_joins_nothing():
   assert launch.mode == "off" and launch.describe() == "one process"
   distributed.initialize(launch)  # Returns at once: no coordinator involved.
   assert distributed.is_primary()  # The only process writes the run's files.
+
+
+MIXTURE = ("data.mixture={components: {logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}, "
+           "stages: [{step: 0, weights: {logs: 3, js: 1}}, {step: 10, weights: {js: 1}}]}")
+
+
+@pytest.mark.slow
+def test_a_mixture_on_two_processes_trains_like_one_process(tmp_path):
+  """Each process deals only its own rows of each step; together they are one process's."""
+  [(code, output)] = _finish([_train(tmp_path / "one", MIXTURE, "train.steps=12",
+                                     "train.eval_every=12", devices=4)])
+  assert code == 0, output
+  for code, output in _finish(_start_job(tmp_path / "two", MIXTURE, "train.steps=12",
+                                         "train.eval_every=12")):
+    assert code == 0, output
+  np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=2e-5)
+  [evaluated] = [r for r in train.read_metrics(tmp_path / "two") if r["split"] == "eval"]
+  assert {"eval_logs_loss", "eval_js_loss"} <= set(evaluated)
