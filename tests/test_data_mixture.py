@@ -7,6 +7,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError, DataError
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import train
@@ -72,13 +73,20 @@ def corpora(tmp_path):
   return tmp_path
 
 
+def _overrides(corpora, stages="[{step: 0, weights: {ay: 3, bee: 1}}, {step: 5, weights: {bee: 1}}]",
+               cached=False):
+  def component(name):
+    cache = f", cache: '{corpora}/{name}-cache'" if cached else ""
+    return f"{name}: {{source: text, paths: ['{corpora}/{name}/*.txt']{cache}}}"
+
+  return [*TINY, "data.max_documents=null", "data.batch_size=8",
+          f"data.mixture={{components: {{{component('ay')}, {component('bee')}}}, "
+          f"stages: {stages}}}"]
+
+
 def _mixture(corpora, stages="[{step: 0, weights: {ay: 3, bee: 1}}, {step: 5, weights: {bee: 1}}]",
              *extra):
-  components = (f"{{ay: {{source: text, paths: ['{corpora}/ay/*.txt']}}, "
-                f"bee: {{source: text, paths: ['{corpora}/bee/*.txt']}}}}")
-  return config_lib.load("lm-tiny", overrides=[
-      *TINY, "data.max_documents=null", "data.batch_size=8",
-      f"data.mixture={{components: {components}, stages: {stages}}}", *extra])
+  return config_lib.load("lm-tiny", overrides=[*_overrides(corpora, stages), *extra])
 
 
 def _sources(batch) -> list[str]:
@@ -144,6 +152,24 @@ def test_each_component_has_its_own_validation_split(corpora):
 def test_bad_stages_are_refused_by_field(corpora, stages, error):
   with pytest.raises(ConfigError, match=error):
     _mixture(corpora, stages)
+
+
+def test_components_read_their_own_token_caches_bitwise(corpora, capsys):
+  cached = _overrides(corpora, cached=True)
+  assert cli.main(["data", "prepare", "--quiet", *cached]) == 0
+  out = capsys.readouterr().out
+  assert f"{corpora}/ay-cache: 6 documents" in out and "(component bee)" in out
+  assert cli.main(["data", "prepare", "--cache", "x", *cached]) == 2
+  assert "a mixture's components name their own caches" in capsys.readouterr().err
+
+  def batches(overrides):
+    data = config_lib.load("lm-tiny", overrides=overrides).data
+    ds = build_dataset(data, split="train", seed=0, process_index=0, process_count=1)
+    with contextlib.closing(iter(ds)) as iterator:
+      return [next(iterator)["inputs"] for _ in range(8)]
+
+  for a, b in zip(batches(cached), batches(_overrides(corpora))):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_a_component_with_no_data_is_named(corpora):

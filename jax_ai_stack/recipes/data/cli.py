@@ -63,6 +63,17 @@ def run_prepare(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes.data import token_cache
 
   data = recipes_cli.load_config(args).data
+  if data.mixture is not None:  # Each component with a cache of its own.
+    cached = {name: c.cache for name, c in data.mixture.components.items() if c.cache}
+    if args.cache or not cached:
+      raise UsageError("a mixture's components name their own caches: set "
+                       "data.mixture.components.NAME.cache (and no --cache)")
+    for name, cache in cached.items():
+      manifest = token_cache.prepare(data.component(name), cache, progress=not args.quiet,
+                                     workers=args.workers)
+      print(f"{cache}: {manifest.num_documents} documents, {manifest.num_tokens} tokens"
+            f" (component {name})")
+    return 0
   cache = args.cache or data.cache
   if not cache:
     raise UsageError("no cache location: pass --cache DIR (or set data.cache)")
