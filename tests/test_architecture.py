@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      "prints without jax", (
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
-         "recipes.models.configs", "recipes.tasks", "recipes.tasks.families")),
+         "recipes.models.configs", "recipes.tasks", "recipes.tasks.families", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.tasks.*", "recipes.sharding",
@@ -43,7 +43,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.finetune.lora", "recipes.finetune.quant")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
-         "recipes.run", "recipes.train", "recipes.finetune.ptq", "recipes.finetune.lora_merge")),
+         "recipes.run", "recipes.train", "recipes.record", "recipes.finetune.ptq",
+         "recipes.finetune.lora_merge")),
     ("command lines", "parse flags, read the environment once, call one function below, "
      "print; nothing but another command line imports them", ("cli", "*.cli", "*_cli")),
 ]

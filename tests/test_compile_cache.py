@@ -3,7 +3,6 @@ second run loads its programs from it with the same bits, and that 'off' is off.
 
 from __future__ import annotations
 
-import logging
 import os
 import pathlib
 import re
@@ -17,8 +16,7 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import compile_cache, train
-from jax_ai_stack.recipes import run as run_lib
+from jax_ai_stack.recipes import compile_cache, phases, train
 
 from training_helpers import TINY
 
@@ -163,12 +161,10 @@ def test_an_unusable_cache_path_is_one_line_exit_2_and_nothing_written(tmp_path)
   assert not (tmp_path / "run").exists() and blocker.read_text() == "x"
 
 
-def test_resuming_with_another_cache_setting_warns_of_nothing(caplog):
-  saved = {"config": {"train": {"steps": 3, "compile_cache": "auto", "progress": True}}}
-  with caplog.at_level(logging.WARNING):
-    run_lib._warn_changes(saved, {"train": {"steps": 3, "compile_cache": "off", "progress": False}},
-                        None)
-    assert not caplog.records  # Neither changes a bit of the run.
-    run_lib._warn_changes(saved, {"train": {"steps": 4, "compile_cache": "off"}}, None)
-  assert "config train.steps changed since the checkpoint: 3 -> 4" in caplog.text
-  assert "compile_cache" not in caplog.text
+def test_resuming_with_another_cache_setting_starts_no_phase():
+  saved = {"step": 3, "config": {"train": {"steps": 3, "compile_cache": "auto", "progress": True}}}
+  quiet = phases.resume(saved, {"train": {"steps": 3, "compile_cache": "off", "progress": False}},
+                        "w")
+  assert quiet.started == [] and len(quiet.phases) == 1  # Neither changes a bit of the run.
+  longer = phases.resume(saved, {"train": {"steps": 4, "compile_cache": "off"}}, "w")
+  assert longer.started == [("train.steps", 3, 4)]

@@ -63,6 +63,7 @@ SKIPPED = {
         "starts a command on a Cloud TPU pod slice",
     "srun jax-ai-stack train lm-small --workdir /shared/runs/lm-small":
         "a SLURM job step: needs srun and a cluster",
+    "xprof --logdir": "serves the trace on a port until it is stopped (the profile extra)",
 }
 """Commands (a unique leading part) that cannot run here, and why."""
 
@@ -255,6 +256,7 @@ def test_token_cache(tmp_path):
 # ---- README: mixtures and profiles ---------------------------------------------------
 
 MIXTURE = doc("jax-ai-stack train lm-tiny --config mixture.yaml --workdir runs/mixed")
+REPLAY = doc("jax-ai-stack train --replay runs/mixed/record.json --workdir runs/replayed")
 PROFILE = doc("jax-ai-stack train lm-tiny train.profile=10:15 --workdir runs/profiled")
 
 
@@ -268,9 +270,51 @@ def test_a_mixture_and_a_profile(tmp_path):
   evaluated = [r for r in map(json.loads, (tmp_path / "runs" / "mixed" / "metrics.jsonl")
                                           .read_text().splitlines()) if r["split"] == "eval"]
   assert {"eval_loss", "eval_code_loss", "eval_notes_loss"} <= set(evaluated[-1])
+  ok(run(REPLAY, cwd=tmp_path))  # The record's configs: tiny already.
+
+  def losses(name):
+    records = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, records) if r["split"] == "train"]
+
+  assert losses("replayed") == losses("mixed")
   out = ok(run(PROFILE, *TINY, "train.profile=2:4", cwd=tmp_path))  # The doc's range: too long.
   assert "xprof --logdir runs/profiled/profile" in out
   assert list((tmp_path / "runs" / "profiled" / "profile").glob("plugins/profile/*/*.xplane.pb"))
+
+
+# ---- docs/adaptive_runs.md -----------------------------------------------------------
+
+PHASED = [doc(f"jax-ai-stack train lm-tiny --config phase{i}.yaml --workdir runs/phased")
+          for i in (1, 2, 3)]
+PHASED_REPLAY = doc("jax-ai-stack train --replay runs/phased/record.json")
+PHASED_PROFILE = doc("jax-ai-stack train lm-tiny train.steps=20 train.profile=10:15")
+
+
+def _doc_files(path: pathlib.Path, cwd: pathlib.Path) -> None:
+  """Writes each `<!-- file: NAME -->` block of `path` into `cwd`."""
+  text = path.read_text(encoding="utf-8")
+  for name, body in re.findall(r"<!-- file: (\S+) -->\s*```\w*\n(.*?)```", text, re.S):
+    (cwd / name).write_text(body)
+
+
+@pytest.mark.slow
+def test_the_adaptive_runs_guide(tmp_path):
+  _doc_files(ROOT / "docs" / "adaptive_runs.md", tmp_path)
+  for i in range(3):
+    write_text_corpus(tmp_path / "notes" / f"{i}.md", 4, seed=i)
+  outputs = [ok(run(command, *TINY, f"train.steps={2 * (i + 1)}", cwd=tmp_path))
+             for i, command in enumerate(PHASED)]
+  assert "phase 2 from step 2: data.mixture changed, train.steps 2 -> 4" in outputs[1]
+  assert "phase 3 from step 4: " in outputs[2] and "optim.learning_rate" in outputs[2]
+  ok(run(PHASED_REPLAY, cwd=tmp_path))
+
+  def losses(name):
+    records = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, records) if r["split"] == "train"]
+
+  assert len(losses("replayed")) == 6 and losses("replayed") == losses("phased")
+  out = ok(run(PHASED_PROFILE, *TINY, "train.steps=3", "train.profile=2:3", cwd=tmp_path))
+  assert "xprof --logdir runs/profiled/profile" in out
 
 
 # ---- README: Hugging Face ------------------------------------------------------------

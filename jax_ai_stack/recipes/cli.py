@@ -5,6 +5,7 @@
     jax-ai-stack train ... --coordinator HOST:PORT --num-processes N --process-id I
     jax-ai-stack train ... --dry-run [--device-memory 16GiB]   (the memory plan; trains nothing)
     jax-ai-stack train --list
+    jax-ai-stack train --replay RUN/record.json --workdir NEW   (every phase of a run again)
     jax-ai-stack generate --workdir DIR --prompt TEXT [--quantized SCHEME]
     jax-ai-stack eval --workdir DIR [--quantized SCHEME] [data.* overrides]
 
@@ -27,6 +28,7 @@ Example: the config a `train` command line resolves to (nothing is trained).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -96,6 +98,9 @@ def register(subparsers) -> None:
   train.add_argument("--workdir", help="where checkpoints and logs go (default: runs/<preset>)")
   train.add_argument("--resume", choices=("auto", "never"), help="override train.resume")
   train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+  train.add_argument("--replay", metavar="RECORD",
+                     help="re-run every phase of a run's record.json into a new --workdir "
+                     "(the configs come from the record: no preset, --config or overrides)")
   train.add_argument("--dry-run", action="store_true",
                      help="print the mesh and the per-device memory plan, then exit (trains nothing)")
   train.add_argument("--device-memory", metavar="SIZE",
@@ -195,7 +200,8 @@ def run_train(args: argparse.Namespace) -> int:
       args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, timeout_s=args.distributed_timeout,
       heartbeat_timeout_s=args.heartbeat_timeout)
-  config = load_config(args)
+  replayed = _replayed_record(args)
+  config = load_config(args) if replayed is None else replayed[0]
   if args.print_config:
     print(recipe_config.printed(config), end="")
     return 0
@@ -215,15 +221,50 @@ def run_train(args: argparse.Namespace) -> int:
                          autotune_file=kernels.workdir_autotune_file(workdir)))
     return 0
   args.log_routes.keep_in(logs.log_path(workdir, _process_index(launch)), held=True)
+  run_phase = functools.partial(train.run, workdir=workdir, resume=args.resume,
+                                verbose=args.verbose, import_s=import_s,
+                                on_open=args.log_routes.release, environ=os.environ,
+                                capture_stderr=True)
   try:
-    result = train.run(config, workdir, resume=args.resume, verbose=args.verbose,
-                       import_s=import_s, on_open=args.log_routes.release, environ=os.environ,
-                       capture_stderr=True)
+    if replayed is None:
+      result = run_phase(config)
+    else:
+      result = _replay(replayed[1], run_phase)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
   stopped_by = result["stopped_by"]
   return STOPPED_EXIT_CODES.get(stopped_by, _OTHER_STOP_EXIT_CODE) if stopped_by else 0
+
+
+def _replayed_record(args: argparse.Namespace):
+  """(first phase's config, record) for `--replay`; None without it."""
+  if not args.replay:
+    return None
+  from jax_ai_stack.recipes import configlib, record
+  from jax_ai_stack.recipes.config import RecipeConfig
+
+  if not args.workdir:
+    raise UsageError("--replay needs --workdir: a new workdir to re-run the record's phases in")
+  if args.overrides or args.config or args.preset:
+    raise UsageError("--replay takes every config from the record: no preset, --config or "
+                     "overrides")
+  recorded = record.read(args.replay)
+  first = configlib.from_dict(RecipeConfig, recorded["phases"][0]["config"],
+                              source=f"{args.replay}'s phase 1")
+  return first, recorded
+
+
+def _replay(recorded: dict, run_phase) -> dict:
+  """Every phase of `recorded`, after naming what differs from where it ran."""
+  from jax_ai_stack.recipes import record
+
+  differences = record.differences(recorded)
+  for line in differences:
+    print(f"note: {line}", flush=True)
+  if differences:
+    print("note: the replay runs, but cannot promise the recorded bits", flush=True)
+  return record.replay(recorded, run_phase)
 
 
 def _process_index(launch) -> int:

@@ -43,7 +43,7 @@ from flax import nnx
 from jax_ai_stack import determinism, kernels
 from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
                                  WorkdirError)
-from jax_ai_stack.recipes import (checkpoint, configlib, optim, sharding, step, tasks)
+from jax_ai_stack.recipes import checkpoint, configlib, optim, phases, sharding, step, tasks
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.finetune import lora, quant
 
@@ -75,50 +75,12 @@ def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
     raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
 
 
-_NOT_NUMERICS = (("train", "progress"), ("train", "compile_cache"), ("train", "log_every"))
-"""Config fields a resume may change without changing a single bit of the run."""
-
-
-def _warn_changes(metadata: dict, config: dict, choice: kernels.Choice | None) -> None:
-  """Warns about what differs from the checkpoint's run (config, attention kernel).
-
-  A new `mesh` is no warning: the checkpoint is restored onto it bitwise
-  (Orbax reshards), so only where the arrays live changed; the steps after it
-  sum in another order, as on any other mesh. It is logged at info level.
-  """
-  saved_config = dict(metadata.get("config", {}))
-  for section, field in _NOT_NUMERICS:  # Settings that change no bits: no warning.
-    saved_config[section] = {k: v for k, v in saved_config.get(section, {}).items() if k != field}
-    config = {**config, section: {k: v for k, v in config.get(section, {}).items() if k != field}}
-  if "mesh" in saved_config and saved_config.pop("mesh") != config.get("mesh"):
-    log.info("restored onto a new mesh (config mesh changed since the checkpoint)")
-  _warn_config_changes(saved_config, {k: v for k, v in config.items() if k != "mesh"})
+def _warn_attention_change(metadata: dict, choice: kernels.Choice | None) -> None:
+  """Warns when the attention kernel is not the one the checkpoint was trained with."""
   saved = metadata.get("attention", {}).get("implementation")
   if choice is not None and saved and saved != choice.name:
     log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
                 "run will not be bitwise identical to one that never stopped", saved, choice.name)
-
-
-def _warn_config_changes(saved: dict, current: dict) -> None:
-  """Says which settings differ from the checkpoint's: resuming with them breaks bit-exactness."""
-  for field, a, b in _config_changes(saved, current):
-    if a is _ABSENT:  # A setting newer than the checkpoint (e.g. a new section).
-      log.info("config %s is not in the checkpoint (written by an older version)", field)
-    else:
-      log.warning("config %s changed since the checkpoint: %r -> %r", field, a, b)
-
-
-_ABSENT = object()
-
-
-def _config_changes(saved: dict, current: dict, prefix: str = ""):
-  """(dotted field, saved value or _ABSENT, current value) for each leaf that differs."""
-  for key in sorted(saved.keys() | current.keys()):
-    a, b = saved.get(key, _ABSENT), current.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      yield from _config_changes(a, b, f"{prefix}{key}.")
-    elif a is _ABSENT or a != b:
-      yield f"{prefix}{key}", a, b
 
 
 _SHAPE_SECTIONS = ("model", "finetune", "quant")
@@ -139,8 +101,8 @@ def _name_changed_fields(error: CheckpointMismatchError, metadata: dict,
   current = configlib.to_dict(config)
   changes = [f"{field}: {a!r} in the checkpoint, {b!r} now"
              for section in _SHAPE_SECTIONS
-             for field, a, b in _config_changes(saved.get(section, {}),
-                                                current.get(section, {}), f"{section}.")]
+             for field, a, b in phases.changes(saved.get(section, {}),
+                                               current.get(section, {}), f"{section}.")]
   if not changes:
     return error
   detail = str(error)
@@ -175,6 +137,10 @@ class Run:
   """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
   converted: str | None = None
   """What the restore converted (a step of the other `model.scan_layers` layout), else None."""
+  phases: list[dict] = dataclasses.field(default_factory=list)
+  """Every phase of the run so far ({"step", "config"}: `phases`), the current one last."""
+  phase_changes: list[tuple[str, Any, Any]] = dataclasses.field(default_factory=list)
+  """What began the current phase at this resume ([]: it goes on, or a fresh run)."""
 
   def evaluate(self) -> dict[str, float]:
     """Mean metrics over the first `train.eval_batches` validation batches.
@@ -217,6 +183,8 @@ class Run:
   def checkpoint_metadata(self) -> dict[str, Any]:
     """What a checkpoint of this run records beside the arrays: step, config, plan, base."""
     metadata = {"step": self.step, "config": configlib.to_dict(self.config)}
+    if self.phases:
+      metadata["phases"] = self.phases
     if self.attention_choice is not None:
       metadata["attention"] = {**self.attention_choice.to_dict(), "plan": self.attention.to_dict()}
     if self.finetune is not None and self.finetune.metadata():
@@ -288,6 +256,8 @@ class _Opened:
   """Whether the manager has a step to restore."""
   capture_stderr: bool
   """`build_run`'s: how the checkpoint is read."""
+  resumed: phases.Resumed | None = None
+  """The run's phases (train); None: read-only, the saved ones."""
 
 
 def build_run(
@@ -361,16 +331,47 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
                    capture_stderr: bool) -> _Opened:
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
-  task = tasks.resolve(task, config)
   created = not workdir.exists()
   prepare_workdir(workdir, read_only=False)
   try:
-    return _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
-                                  validation=validation, capture_stderr=capture_stderr)
+    config, resumed = _resume_phases(config, workdir, resume, capture_stderr)
+    task = tasks.resolve(task, config)
+    opened = _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
+                                    validation=validation, capture_stderr=capture_stderr)
+    return dataclasses.replace(opened, resumed=resumed)
   except UserError:
     if created and not any(workdir.iterdir()):  # Refused input leaves no empty workdir.
       workdir.rmdir()
     raise
+
+
+def _resume_phases(config: RecipeConfig, workdir: pathlib.Path, resume: str,
+                   capture_stderr: bool) -> tuple[RecipeConfig, phases.Resumed]:
+  """The config to run and the run's phases (`phases`): a fresh run's first, or a
+  resumed run's, with a new one when the config changed what a phase may change.
+
+  Raises ConfigError (nothing read or written beyond the checkpoint's metadata)
+  when it changed what a resumed run keeps.
+  """
+  given = configlib.to_dict(config)
+  metadata = None
+  if resume != "never" and (workdir / CHECKPOINT_DIR).is_dir():
+    manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                       read_only=True)
+    try:
+      if manager.latest_step() is not None:
+        metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
+    except WorkdirError:
+      metadata = None  # No step's metadata reads: the restore says so, naming each.
+    finally:
+      manager.close()
+  if metadata is None:
+    return config, phases.resume({"step": 0}, given, workdir)
+  resumed = phases.resume(metadata, given, workdir)
+  if resumed.config != given:  # Mixture stages composed across phases.
+    config = configlib.from_dict(RecipeConfig, resumed.config,
+                                 source=f"{workdir}'s phases and this config")
+  return config, resumed
 
 
 def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: tasks.Task, *,
@@ -511,7 +512,12 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
     state = jax.device_put(restored.state, finetune.saved(state_sharding))
     start = restored.step
     if start:  # Step 0 (import-hf's) has trained under no config: nothing to keep bitwise.
-      _warn_changes(restored.metadata, configlib.to_dict(config), opened.choice)
+      _warn_attention_change(restored.metadata, opened.choice)
+    resumed = opened.resumed
+    if resumed is not None and resumed.basis != phases.history(restored.metadata):
+      raise WorkdirError(  # The newest step did not read (moved aside): its phases were read.
+          f"step {restored.step} was restored, not the newest, whose phases this run was set up "
+          "with (that step did not read and was moved aside): run the same command again")
   state = finetune.with_base(state, abstract, state_sharding,
                              restored.metadata if restored else None, model=model)
   step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
@@ -519,7 +525,10 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
              model=model, optimizer=optimizer, train_step=train_step, eval_step=eval_step,
              state=state, step=start, attention=plan, attention_choice=opened.choice,
              placement=placement, train_batches=train_batches, validation=opened.validation,
-             finetune=finetune, converted=restored.converted if restored else None)
+             finetune=finetune, converted=restored.converted if restored else None,
+             phases=(opened.resumed.phases if opened.resumed is not None
+                     else phases.history(restored.metadata) if restored else []),
+             phase_changes=opened.resumed.started if opened.resumed is not None else [])
 
 
 def _without_evaluation(config):

@@ -48,7 +48,7 @@ from flax import nnx
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, optim, profile, step
+from jax_ai_stack.recipes import compile_cache, distributed, optim, phases, profile, record, step
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.finetune import lora
@@ -211,6 +211,9 @@ class Trainer(Run):
     primary = distributed.is_primary()
     if self.step:
       print(f"resumed from step {self.step}", flush=True)
+    if self.phase_changes:  # Resumed with other settings: they apply from this step on.
+      print(f"phase {len(self.phases)} from step {self.step}: "
+            f"{phases.describe(self.phase_changes)}", flush=True)
     metrics_log = MetricsLog(self.workdir, self.step, enabled=primary)
     schedule = jax.jit(optim.build_schedule(
         self.config.optim, optim.optimizer_updates(self.config.optim, total)))
@@ -345,6 +348,8 @@ def run(
     raise
   if on_open is not None:
     on_open()
+  if distributed.is_primary():
+    record.update(trainer)  # record.json: this phase, what it runs on, its data files.
   init_s = time.perf_counter() - started
 
   def report_startup():

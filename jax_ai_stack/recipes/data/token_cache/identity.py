@@ -48,13 +48,14 @@ def _file_hash(path: pathlib.Path) -> str:
   return digest.hexdigest()
 
 
-def _source_files(config: DataConfig) -> list[pathlib.Path]:
+def source_files(config: DataConfig) -> list[pathlib.Path]:
+  """The files `config`'s corpus is read from (the standard library's, or `paths`)."""
   if config.source == "stdlib":
     return sources.stdlib_files(config.paths)
   return sources.resolve_paths(config.paths)
 
 
-def _file_entries(files: list[pathlib.Path], recorded: list[dict] | None = None) -> list[dict]:
+def file_entries(files: list[pathlib.Path], recorded: list[dict] | None = None) -> list[dict]:
   """Path, size, mtime and content hash of each file.
 
   A file whose size and mtime match its `recorded` entry keeps the recorded
@@ -103,7 +104,7 @@ def _identity(config, tokenizer, *, chunk_tokens, shard_documents,
       "format_version": FORMAT_VERSION,
       "tokenizer": _tokenizer_identity(config, tokenizer),
       "settings": _settings(config),
-      "sources": _file_entries(_source_files(config), recorded),
+      "sources": file_entries(source_files(config), recorded),
       "layout": {
           "chunk_tokens": chunk_tokens,
           "read_block_tokens": _read_block(chunk_tokens, read_block_tokens),

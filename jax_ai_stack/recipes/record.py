@@ -1,0 +1,161 @@
+"""The run record: `WORKDIR/record.json`, each phase of a run and what it ran on; replay.
+
+For each phase (`phases`): the step it began at, the config it was given, the
+exact package versions (the matrix row's packages, as `doctor` reads them), the
+backend, device and process counts, the attention kernel chosen, and a
+fingerprint (size and content hash) of every data file the phase reads. The
+first process writes it when a run opens and when a phase begins.
+
+`jax-ai-stack train --replay RECORD --workdir NEW` (`replay`) trains each phase
+in turn, stopping where the next began, so a run that went through several
+phases is re-run from its record alone; on the same backend it ends with
+bitwise the same parameters. Before it starts, each difference from the record
+(a package version, a data file, the backend or the device count) is named.
+
+Fingerprints: a file's hash is computed once; a later record keeps it while the
+file's size and modification time are unchanged (as the token cache does).
+
+Example: what is not a record is refused, naming the file.
+  >>> _ = open("r.json", "w").write("{}")
+  >>> read("r.json")
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.errors.UsageError: r.json: not a run record of format 1 with phases
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jax_ai_stack import compat
+from jax_ai_stack.atomic import write_atomically
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes import configlib
+from jax_ai_stack.recipes.config import RecipeConfig
+from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.token_cache import identity
+
+RECORD_FILE = "record.json"
+FORMAT = 1
+
+
+def versions() -> dict[str, Any]:
+  """Python, the matrix row it matches (None: none), and each package's installed version."""
+  matrix = compat.load_matrix()
+  try:
+    row = compat.find_row(matrix)
+  except compat.RowNotFoundError:
+    row = None
+  names = sorted(row.packages if row else {n for r in matrix.rows for n in r.packages})
+  installed = {name: compat.installed_version(name) for name in names}
+  return {"python": compat.running_python(), "row": row.name if row else None,
+          "packages": {name: version for name, version in installed.items() if version}}
+
+
+def data_files(data: DataConfig, recorded: list[dict] | None = None) -> list[dict]:
+  """Path, size, mtime and content hash of each file the data reads (each component's);
+  a file whose size and mtime match its `recorded` entry keeps the recorded hash."""
+  sources = ([data.component(name) for name in data.mixture.components] if data.mixture
+             else [data])
+  files = sorted({path for source in sources if source.is_token_source
+                  for path in identity.source_files(source)})
+  return identity.file_entries(files, recorded)
+
+
+def read(path: str | pathlib.Path) -> dict:
+  """A record file, checked; UsageError naming the file when it is not one."""
+  path = pathlib.Path(path)
+  try:
+    record = json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    raise UsageError(f"{path}: not a run record ({type(e).__name__}: {e})") from None
+  if not isinstance(record, dict) or record.get("format") != FORMAT or not record.get("phases"):
+    raise UsageError(f"{path}: not a run record of format {FORMAT} with phases")
+  return record
+
+
+def update(run: Any) -> dict:
+  """`run`'s record, written into its workdir: each phase as the record had it, a new
+  one (or one whose config changed at its first step) described now."""
+  path = pathlib.Path(run.workdir) / RECORD_FILE
+  old = read(path)["phases"] if path.exists() else []
+  phases = [old[i] if i < len(old) and _same_phase(old[i], phase) else _describe(run, phase)
+            for i, phase in enumerate(run.phases)]
+  record = {"format": FORMAT, "phases": phases}
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return record
+
+
+def _same_phase(recorded: dict, phase: dict) -> bool:
+  return recorded.get("step") == phase["step"] and recorded.get("config") == phase["config"]
+
+
+def _describe(run: Any, phase: dict) -> dict:
+  choice = run.attention_choice
+  return {
+      "step": phase["step"],
+      "config": phase["config"],
+      "versions": versions(),
+      "backend": jax.default_backend(),
+      "devices": jax.device_count(),
+      "processes": jax.process_count(),
+      "attention": choice.name if choice is not None else None,
+      "data_files": data_files(_data(phase)),
+  }
+
+
+def _data(phase: dict) -> DataConfig:
+  """The data section of a phase's config (only it: a family of one's own validates too)."""
+  return configlib.from_dict(DataConfig, phase["config"].get("data", {}), source="a phase's data")
+
+
+def differences(record: dict) -> list[str]:
+  """What differs here from where each phase of `record` ran: versions, data files,
+  backend, device count (one line each, the phase named)."""
+  found = []
+  now_versions, backend, devices = versions(), jax.default_backend(), jax.device_count()
+  for i, phase in enumerate(record["phases"], start=1):
+    where = f"phase {i} (from step {phase['step']})"
+    then = phase.get("versions", {})
+    if then.get("python") != now_versions["python"]:
+      found.append(f"{where}: Python {then.get('python')} then, {now_versions['python']} now")
+    for name, version in sorted(then.get("packages", {}).items()):
+      if now_versions["packages"].get(name) != version:
+        found.append(f"{where}: {name} {version} then, "
+                     f"{now_versions['packages'].get(name, 'not installed')} now")
+    if phase.get("backend") != backend or phase.get("devices") != devices:
+      found.append(f"{where}: {phase.get('devices')} {phase.get('backend')} device(s) then, "
+                   f"{devices} {backend} now")
+    recorded = {e["path"]: e for e in phase.get("data_files", [])}
+    try:
+      current = {e["path"]: e for e in data_files(_data(phase), list(recorded.values()))}
+    except (OSError, ValueError) as e:
+      found.append(f"{where}: its data does not read here ({e})")
+      continue
+    for path in sorted(recorded.keys() | current.keys()):
+      a, b = recorded.get(path), current.get(path)
+      if a is None or b is None or a["blake2b"] != b["blake2b"]:
+        state = "missing" if b is None else "new" if a is None else "changed"
+        found.append(f"{where}: data file {path} {state}")
+  return found
+
+
+def replay(record: dict, train_phase: Callable[..., dict]) -> dict:
+  """Trains each phase of `record` in turn: `train_phase(config, stop_after=...)` (a
+  `train.run` with its workdir), stopping at the step where the next phase began.
+  Returns the last phase's result (a stop by a signal ends the replay there)."""
+  phases = record["phases"]
+  result: dict = {}
+  for i, phase in enumerate(phases):
+    config = configlib.from_dict(RecipeConfig, phase["config"],
+                                 source=f"the record's phase {i + 1}")
+    stop = phases[i + 1]["step"] if i + 1 < len(phases) else None
+    result = train_phase(config, stop_after=stop)
+    if result.get("stopped_by") and result["stopped_by"] != f"stop_after={stop}":
+      return result  # Stopped by a signal: run the replay again to go on.
+  return result

@@ -1,0 +1,115 @@
+"""Phases: a run resumed with other settings goes on under them, bitwise where planned."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes import checkpoint, phases, train
+from training_helpers import start_training, tiny_config, train_losses, wait_for_step
+
+COMPONENTS = "{logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}"
+FIRST = "{step: 0, weights: {logs: 3, js: 1}}"
+SECOND = "{step: 0, weights: {js: 1}}"
+PLANNED = f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}, {{step: 6, weights: {{js: 1}}}}]}}"
+SHORT = ["train.steps=12", "train.eval_every=6", "checkpoint.save_every=3", "train.sample_tokens=0"]
+
+
+def _config(*extra):
+  return tiny_config(*SHORT, *extra)
+
+
+def _metadata(workdir):
+  manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                     read_only=True)
+  try:
+    return checkpoint.read_metadata(manager)
+  finally:
+    manager.close()
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+  """Both stages planned from the start, never stopped."""
+  workdir = tmp_path_factory.mktemp("planned")
+  train.run(_config(PLANNED), workdir)
+  return workdir
+
+
+def test_a_run_resumed_at_the_stage_boundary_with_the_next_weights_equals_the_planned_one(
+    planned, tmp_path, capsys):
+  first = f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}]}}"
+  second = f"data.mixture={{components: {COMPONENTS}, stages: [{SECOND}]}}"
+  train.run(_config(first), tmp_path, stop_after=6)  # Stopped at the stage boundary.
+  capsys.readouterr()
+  train.run(_config(second), tmp_path)
+  out = capsys.readouterr().out
+  assert "phase 2 from step 6: data.mixture changed" in out
+  assert train_losses(tmp_path) == train_losses(planned)
+  assert checkpoint.tree_equal(train.Trainer.open_finished(tmp_path).state,
+                               train.Trainer.open_finished(planned).state)
+  metadata = _metadata(tmp_path)
+  assert [p["step"] for p in metadata["phases"]] == [0, 6]
+  stages = metadata["config"]["data"]["mixture"]["stages"]  # Composed: the run's own.
+  assert stages == [{"step": 0, "weights": {"logs": 3.0, "js": 1.0}},
+                    {"step": 6, "weights": {"js": 1.0}}]
+  capsys.readouterr()
+  train.run(_config(second), tmp_path)  # The same settings again: no new phase.
+  assert "phase" not in capsys.readouterr().out
+
+
+def test_a_planned_run_killed_at_random_moments_and_resumed_is_the_same_run(planned, tmp_path):
+  for step in (2, 7):
+    process = start_training(tmp_path, *SHORT, PLANNED, "train.steps=12")
+    wait_for_step(process, tmp_path, step)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+  train.run(_config(PLANNED), tmp_path)
+  assert train_losses(tmp_path) == train_losses(planned)
+
+
+@pytest.mark.parametrize("change,field", [
+    ("train.seed=1", "train.seed: 0 in the run, 1 now"),
+    ("model.num_layers=2", "model.num_layers: 1 in the run, 2 now"),
+    ("data.seq_len=8", "data.seq_len: 16 in the run, 8 now"),
+])
+def test_a_change_a_resumed_run_keeps_is_refused_by_field_and_nothing_is_touched(
+    planned, change, field):
+  files = {p: p.stat().st_mtime_ns for p in planned.rglob("*") if p.is_file()}
+  with pytest.raises(ConfigError, match=rf"^{field}: a run in {planned} keeps its model"):
+    train.run(_config(PLANNED, change, "train.steps=20"), planned)
+  assert {p: p.stat().st_mtime_ns for p in planned.rglob("*") if p.is_file()} == files
+
+
+def test_how_the_model_runs_may_change_in_a_phase():
+  saved = {"step": 4, "config": {"model": {"remat": "none", "num_layers": 1}}}
+  resumed = phases.resume(saved, {"model": {"remat": "full", "num_layers": 1}}, "w")
+  assert resumed.started == [("model.remat", "none", "full")] and len(resumed.phases) == 2
+
+
+def test_a_phase_changed_again_at_its_first_step_replaces_it():
+  saved = {"step": 4, "config": {"train": {"steps": 8}},
+           "phases": [{"step": 0, "config": {"train": {"steps": 4}}},
+                      {"step": 4, "config": {"train": {"steps": 8}}}]}
+  resumed = phases.resume(saved, {"train": {"steps": 10}}, "w")
+  assert [(p["step"], p["config"]["train"]["steps"]) for p in resumed.phases] == [(0, 4), (4, 10)]
+
+
+def test_stages_compose_across_phases_and_components_keep_their_names():
+  a = {"components": {"x": {}}, "stages": [{"step": 0, "weights": {"x": 1}}]}
+  b = {"components": {"y": {}}, "stages": [{"step": 0, "weights": {"y": 1}},
+                                          {"step": 20, "weights": {"y": 1, "x": 0}}]}
+  history = [{"step": 0, "config": {"data": {"mixture": a}}}]
+  mixed = phases.effective({"data": {"mixture": b}}, history, 10)["data"]["mixture"]
+  assert list(mixed["components"]) == ["x", "y"]
+  assert [s["step"] for s in mixed["stages"]] == [0, 10, 20]  # x's rows up to 10 stay dealt.
+  assert mixed["stages"][1]["weights"] == {"y": 1}
+
+
+def test_a_mixture_after_a_single_corpus_counts_its_stages_from_step_0():
+  single = {"data": {"mixture": None}}
+  mixture = {"components": {"x": {}}, "stages": [{"step": 0, "weights": {"x": 1}}]}
+  composed = phases.effective({"data": {"mixture": mixture}}, [{"step": 0, "config": single}], 10)
+  assert composed["data"]["mixture"]["stages"] == [{"step": 0, "weights": {"x": 1}}]

@@ -1,0 +1,88 @@
+"""The run record (record.json) and `train --replay`: a three-phase run re-run bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jax_ai_stack import cli
+from jax_ai_stack.recipes import checkpoint, record, train
+from training_helpers import tiny_config, train_losses
+
+COMPONENTS = "{logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}"
+SHORT = ["train.eval_every=4", "checkpoint.save_every=2", "train.sample_tokens=0"]
+
+
+def _phase(steps, weights, *extra):
+  return tiny_config(*SHORT, f"train.steps={steps}", *extra,
+                     f"data.mixture={{components: {COMPONENTS}, stages: [{{step: 0, "
+                     f"weights: {weights}}}]}}")
+
+
+PHASES = [_phase(4, "{logs: 1}"), _phase(8, "{logs: 1, js: 1}"),
+          _phase(12, "{js: 1}", "optim.learning_rate=1e-3")]  # A cooldown mix, a lower rate.
+
+
+@pytest.fixture(scope="module")
+def three_phases(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("phased")
+  for config in PHASES:
+    train.run(config, workdir)
+  return workdir
+
+
+def test_the_record_lists_each_phase_and_what_it_ran_on(three_phases):
+  recorded = json.loads((three_phases / record.RECORD_FILE).read_text())
+  assert [p["step"] for p in recorded["phases"]] == [0, 4, 8]
+  last = recorded["phases"][-1]
+  assert last["config"]["optim"]["learning_rate"] == 1e-3
+  assert last["backend"] == "cpu" and last["devices"] >= 1 and last["processes"] == 1
+  assert last["versions"]["packages"]["jax"] and last["attention"]
+  files = {"/".join(e["path"].split("/")[-2:]) for e in last["data_files"]}  # folder/file
+  assert "logging/__init__.py" in files and "json/decoder.py" in files
+  assert all(len(e["blake2b"]) == 32 for e in last["data_files"])
+
+
+def test_a_replay_ends_with_the_same_bits(three_phases, tmp_path, capsys):
+  replayed = tmp_path / "replayed"
+  assert cli.main(["train", "--replay", str(three_phases / record.RECORD_FILE),
+                   "--workdir", str(replayed)]) == 0
+  out = capsys.readouterr().out
+  assert "note:" not in out  # Same machine, same versions, same files.
+  assert "phase 2 from step 4" in out and "phase 3 from step 8" in out
+  assert train_losses(replayed) == train_losses(three_phases)
+  done, original = train.Trainer.open_finished(replayed), train.Trainer.open_finished(three_phases)
+  try:
+    assert done.step == original.step == 12
+    assert checkpoint.tree_equal(done.state, original.state)
+  finally:
+    done.close()
+    original.close()
+
+
+def test_a_changed_data_file_is_named_before_the_replay(tmp_path, capsys):
+  corpus = tmp_path / "notes"
+  corpus.mkdir()
+  for i in range(4):
+    (corpus / f"{i}.txt").write_text("".join(f"note {i} line {j}: grain orbax\n" for j in range(80)))
+  config = tiny_config(*SHORT, "train.steps=2", "train.eval_every=0", "data.source=text",
+                       f"data.paths=['{corpus}/*.txt']")
+  train.run(config, tmp_path / "run")
+  (corpus / "1.txt").write_text("changed\n" * 100)
+  assert cli.main(["train", "--replay", str(tmp_path / "run" / record.RECORD_FILE),
+                   "--workdir", str(tmp_path / "again")]) == 0
+  out = capsys.readouterr().out
+  assert f"note: phase 1 (from step 0): data file {corpus / '1.txt'} changed" in out
+  assert "cannot promise the recorded bits" in out
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--replay", "missing.json", "--workdir", "w"], "missing.json: not a run record"),
+    (["--replay", "r.json"], "--replay needs --workdir"),
+    (["--replay", "r.json", "--workdir", "w", "train.steps=3"], "no preset, --config or overrides"),
+])
+def test_bad_replays_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, error):
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["train", *args]) == 2
+  assert error in capsys.readouterr().err
