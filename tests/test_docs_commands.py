@@ -28,6 +28,8 @@ import pytest
 
 from jax_ai_stack import cli
 
+from training_helpers import train_losses
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ENTRY_POINT = pathlib.Path(sys.executable).parent / "jax-ai-stack"
@@ -271,12 +273,8 @@ def test_a_mixture_and_a_profile(tmp_path):
                                           .read_text().splitlines()) if r["split"] == "eval"]
   assert {"eval_loss", "eval_code_loss", "eval_notes_loss"} <= set(evaluated[-1])
   ok(run(REPLAY, cwd=tmp_path))  # The record's configs: tiny already.
-
-  def losses(name):
-    records = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, records) if r["split"] == "train"]
-
-  assert losses("replayed") == losses("mixed")
+  runs = tmp_path / "runs"
+  assert train_losses(runs / "replayed") == train_losses(runs / "mixed")
   out = ok(run(PROFILE, *TINY, "train.profile=2:4", cwd=tmp_path))  # The doc's range: too long.
   assert "xprof --logdir runs/profiled/profile" in out
   assert list((tmp_path / "runs" / "profiled" / "profile").glob("plugins/profile/*/*.xplane.pb"))
@@ -307,12 +305,9 @@ def test_the_adaptive_runs_guide(tmp_path):
   assert "phase 2 from step 2: data.mixture changed, train.steps 2 -> 4" in outputs[1]
   assert "phase 3 from step 4: " in outputs[2] and "optim.learning_rate" in outputs[2]
   ok(run(PHASED_REPLAY, cwd=tmp_path))
-
-  def losses(name):
-    records = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, records) if r["split"] == "train"]
-
-  assert len(losses("replayed")) == 6 and losses("replayed") == losses("phased")
+  runs = tmp_path / "runs"
+  assert len(train_losses(runs / "replayed")) == 6
+  assert train_losses(runs / "replayed") == train_losses(runs / "phased")
   out = ok(run(PHASED_PROFILE, *TINY, "train.steps=3", "train.profile=2:3", cwd=tmp_path))
   assert "xprof --logdir runs/profiled/profile" in out
 

@@ -334,10 +334,12 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
   created = not workdir.exists()
   prepare_workdir(workdir, read_only=False)
   try:
-    config, resumed = _resume_phases(config, workdir, resume, capture_stderr)
+    metadata = _newest_metadata(workdir, capture_stderr) if resume != "never" else None
+    config, resumed = _resume_phases(config, metadata, workdir)
     task = tasks.resolve(task, config)
     opened = _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
-                                    validation=validation, capture_stderr=capture_stderr)
+                                    validation=validation, capture_stderr=capture_stderr,
+                                    saved_attention=(metadata or {}).get("attention"))
     return dataclasses.replace(opened, resumed=resumed)
   except UserError:
     if created and not any(workdir.iterdir()):  # Refused input leaves no empty workdir.
@@ -345,26 +347,33 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
     raise
 
 
-def _resume_phases(config: RecipeConfig, workdir: pathlib.Path, resume: str,
-                   capture_stderr: bool) -> tuple[RecipeConfig, phases.Resumed]:
+def _newest_metadata(workdir: pathlib.Path, capture_stderr: bool) -> dict | None:
+  """The newest readable checkpoint's metadata; None when there is none (a fresh run), or
+  when no step's metadata reads (the restore then says so, naming each)."""
+  if not (workdir / CHECKPOINT_DIR).is_dir():
+    return None
+  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+                                     read_only=True)
+  try:
+    if manager.latest_step() is None:
+      return None
+    return checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
+  except WorkdirError:
+    return None
+  finally:
+    manager.close()
+
+
+def _resume_phases(config: RecipeConfig, metadata: dict | None,
+                   workdir: pathlib.Path) -> tuple[RecipeConfig, phases.Resumed]:
   """The config to run and the run's phases (`phases`): a fresh run's first, or a
-  resumed run's, with a new one when the config changed what a phase may change.
+  resumed run's (its newest `metadata`), with a new one when the config changed what a
+  phase may change.
 
   Raises ConfigError (nothing read or written beyond the checkpoint's metadata)
   when it changed what a resumed run keeps.
   """
   given = configlib.to_dict(config)
-  metadata = None
-  if resume != "never" and (workdir / CHECKPOINT_DIR).is_dir():
-    manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
-                                       read_only=True)
-    try:
-      if manager.latest_step() is not None:
-        metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
-    except WorkdirError:
-      metadata = None  # No step's metadata reads: the restore says so, naming each.
-    finally:
-      manager.close()
   if metadata is None:
     return config, phases.resume({"step": 0}, given, workdir)
   resumed = phases.resume(metadata, given, workdir)
@@ -376,7 +385,9 @@ def _resume_phases(config: RecipeConfig, workdir: pathlib.Path, resume: str,
 
 def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: tasks.Task, *,
                            environ: Mapping[str, str], resume: str, validation: bool | None,
-                           capture_stderr: bool) -> _Opened:
+                           capture_stderr: bool, saved_attention: dict | None) -> _Opened:
+  """The data, attention plan and checkpoint manager; `saved_attention`: the newest
+  checkpoint's attention metadata, whose kernel a resume keeps (None: none reads)."""
   task.check_data()  # Bad input is refused before anything in the workdir is opened.
   autotune_path = workdir / kernels.AUTOTUNE_FILENAME
   if config.train.autotune_attention and not autotune_path.exists():
@@ -407,22 +418,13 @@ def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: ta
       )
     if latest is not None:  # The kernel it trained with, unless one is named.
       plan, choice = kernels.plan_for_run(task.attention_request(), **settings,
-                                          saved=_saved_attention(manager, capture_stderr))
+                                          saved=saved_attention)
   except BaseException:
     manager.close()
     raise
   return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
                  choice=choice, train_data=train_data, validation=validation_data,
                  restore=latest is not None, capture_stderr=capture_stderr)
-
-
-def _saved_attention(manager: checkpoint.Manager, capture_stderr: bool) -> dict | None:
-  """The newest checkpoint's `attention` metadata; None when no step's metadata reads
-  (the restore says so, naming each)."""
-  try:
-    return checkpoint.read_metadata(manager, capture_stderr=capture_stderr).get("attention")
-  except WorkdirError:
-    return None
 
 
 def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],

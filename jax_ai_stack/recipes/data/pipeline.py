@@ -116,16 +116,9 @@ class StepBatches:
   def example_ids(self, step: int) -> np.ndarray:
     """Example ids of this process's rows of global step `step`."""
     n = self.examples.num_examples
-    position = step * self.global_batch + self.process_index * self.local_batch
-    end = position + self.local_batch
-    pieces = []
-    while position < end:  # consecutive positions: one slice per epoch touched
-      epoch, offset = divmod(position, n)
-      take = min(end - position, n - offset)
-      positions = np.arange(offset, offset + take)
-      pieces.append(positions if self.seed is None else permute(positions, n, self.seed, epoch))
-      position += take
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    start = step * self.global_batch + self.process_index * self.local_batch
+    positions = np.arange(start, start + self.local_batch)
+    return positions % n if self.seed is None else shuffled_ids(positions, n, self.seed)
 
   def __call__(self, step) -> dict[str, np.ndarray]:
     return self.examples(self.example_ids(int(step)))
@@ -141,7 +134,8 @@ class StepBatches:
 
 def shuffled_ids(positions: np.ndarray, num_examples: int, seed: int) -> np.ndarray:
   """Example id at each stream position of an endless order reshuffled every epoch
-  (position g: `permute(g % n, n, seed, g // n)`, as `StepBatches` orders its stream)."""
+  (position g: `permute(g % n, n, seed, g // n)`): the train order of `StepBatches` and of
+  each mixture component."""
   epoch, offset = np.divmod(np.asarray(positions, dtype=np.int64), num_examples)
   ids = np.empty_like(offset)
   for e in np.unique(epoch).tolist():
@@ -171,14 +165,9 @@ class MixtureBatches:
   def build(cls, config: DataConfig, *, seed: int, process_index: int,
             process_count: int) -> MixtureBatches:
     """The components' train examples and the stages, in rows of this batch size."""
-    examples = {}
-    for name in config.mixture.components:
-      try:
-        examples[name] = _examples(config.component(name), "train")
-      except DataError as e:
-        raise DataError(f"data.mixture.components.{name}: {e}") from e
-    return cls(mixture_rows(config, seed), examples, global_batch=config.batch_size, process_index=process_index,
-               process_count=process_count, seed=seed)
+    examples = _per_component(config, lambda component: _examples(component, "train"))
+    return cls(mixture_rows(config, seed), examples, global_batch=config.batch_size,
+               process_index=process_index, process_count=process_count, seed=seed)
 
   def __call__(self, step) -> dict[str, np.ndarray]:
     start = int(step) * self.global_batch + self.process_index * self.local_batch
@@ -211,14 +200,21 @@ def mixture_rows(config: DataConfig, seed: int) -> mixture_lib.MixtureRows:
 def validation_sets(config: DataConfig, *, seed: int, process_index: int | None = None,
                     process_count: int | None = None) -> dict[str, grain.IterDataset]:
   """Each mixture component's validation split, by name (`build_dataset` of each)."""
-  sets = {}
+  return _per_component(config, lambda component: build_dataset(
+      component, split="validation", seed=seed, process_index=process_index,
+      process_count=process_count))
+
+
+def _per_component(config: DataConfig, build):
+  """{name: build(the component's own config)} over a mixture's components; a DataError
+  names the component it came from."""
+  built = {}
   for name in config.mixture.components:
     try:
-      sets[name] = build_dataset(config.component(name), split="validation", seed=seed,
-                                 process_index=process_index, process_count=process_count)
+      built[name] = build(config.component(name))
     except DataError as e:
       raise DataError(f"data.mixture.components.{name}: {e}") from e
-  return sets
+  return built
 
 
 def _digits_examples(config: DataConfig, split: Split) -> examples_lib.DigitsExamples:
