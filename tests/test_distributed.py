@@ -98,10 +98,10 @@ def test_two_processes_train_like_one_process_with_the_same_devices(reference, t
     assert (workdir / name).is_file()
 
 
-def _signal_one_process_after_step_3(workdir: pathlib.Path, signum: int) -> int:
+def _signal_one_process_after_step_3(workdir: pathlib.Path, signum: int, *flags: str) -> int:
   """Starts the job, sends `signum` to process 1 after step 3, checks that both
   processes stopped after the same step and saved it; returns that step."""
-  job = _start_job(workdir)
+  job = _start_job(workdir, *flags)
   deadline = time.monotonic() + 180
   while not (workdir / "metrics.jsonl").exists() or len(_losses(workdir)) < 3:
     if any(p.poll() is not None for p in job) or time.monotonic() > deadline:
@@ -328,18 +328,25 @@ def test_one_process_is_the_default_and_joins_nothing():
 
 
 MIXTURE = ("data.mixture={components: {logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}, "
-           "stages: [{step: 0, weights: {logs: 3, js: 1}}, {step: 10, weights: {js: 1}}]}")
+           "stages: [{step: 0, weights: {logs: 3, js: 1}}, {step: 10, weights: {js: 1}}]}",
+           "data.batch_schedule=[{step: 15, batch_size: 16}]", "train.steps=30",
+           "train.eval_every=30")
 
 
 @pytest.mark.slow
-def test_a_mixture_on_two_processes_trains_like_one_process(tmp_path):
-  """Each process deals only its own rows of each step; together they are one process's."""
-  [(code, output)] = _finish([_train(tmp_path / "one", MIXTURE, "train.steps=12",
-                                     "train.eval_every=12", devices=4)])
+def test_a_mixture_and_a_batch_schedule_on_two_processes_train_like_one_and_resume_bitwise(
+    tmp_path):
+  """Each process deals only its own rows of each step, whatever the step's size; together
+  they are one process's. A job preempted before the size changes resumes bitwise."""
+  [(code, output)] = _finish([_train(tmp_path / "one", *MIXTURE, devices=4)])
   assert code == 0, output
-  for code, output in _finish(_start_job(tmp_path / "two", MIXTURE, "train.steps=12",
-                                         "train.eval_every=12")):
+  for code, output in _finish(_start_job(tmp_path / "two", *MIXTURE)):
     assert code == 0, output
   np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=2e-5)
   [evaluated] = [r for r in train.read_metrics(tmp_path / "two") if r["split"] == "eval"]
   assert {"eval_logs_loss", "eval_js_loss"} <= set(evaluated)
+
+  step = _signal_one_process_after_step_3(tmp_path / "preempted", signal.SIGTERM, *MIXTURE)
+  for code, output in _finish(_start_job(tmp_path / "preempted", *MIXTURE)):
+    assert code == 0, output
+  assert _losses(tmp_path / "preempted") == _losses(tmp_path / "two")

@@ -300,9 +300,12 @@ def test_the_adaptive_runs_guide(tmp_path):
   _doc_files(ROOT / "docs" / "adaptive_runs.md", tmp_path)
   for i in range(3):
     write_text_corpus(tmp_path / "notes" / f"{i}.md", 4, seed=i)
-  outputs = [ok(run(command, *TINY, f"train.steps={2 * (i + 1)}", cwd=tmp_path))
+  grown = ["data.batch_schedule=[{step: 2, batch_size: 8}]"]  # The files' step 300, at step 2.
+  outputs = [ok(run(command, *TINY, f"train.steps={2 * (i + 1)}", *(grown if i else []),
+                    cwd=tmp_path))
              for i, command in enumerate(PHASED)]
-  assert "phase 2 from step 2: data.mixture changed, train.steps 2 -> 4" in outputs[1]
+  assert ("phase 2 from step 2: data.batch_schedule changed, data.mixture changed, "
+          "train.steps 2 -> 4") in outputs[1]
   assert "phase 3 from step 4: " in outputs[2] and "optim.learning_rate" in outputs[2]
   ok(run(PHASED_REPLAY, cwd=tmp_path))
   runs = tmp_path / "runs"

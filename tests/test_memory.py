@@ -109,6 +109,17 @@ def test_remat_and_flash_attention_keep_less():
   assert base.fixed == full.fixed == flash.fixed
 
 
+def test_the_largest_pass_is_the_largest_scheduled_batch_in_micro_batches():
+  base = memory.estimate_memory(tiny(), 1, attention="xla")
+  grown = memory.estimate_memory(tiny("data.batch_schedule=[{step: 5, batch_size: 32}]"), 1,
+                                 attention="xla")
+  split = memory.estimate_memory(tiny("data.batch_schedule=[{step: 5, batch_size: 32}]",
+                                      f"train.microbatch_size={base.batch_size}"), 1,
+                                 attention="xla")
+  assert grown.batch_size == 32 and grown.activations > base.activations
+  assert split.batch_size == base.batch_size and split.activations == base.activations
+
+
 def test_a_mesh_that_does_not_fit_is_a_config_error():
   with pytest.raises(ConfigError, match="= 6 devices, but there are 8"):
     memory.estimate_memory(tiny("mesh.data=2", "mesh.fsdp=3"), 8)

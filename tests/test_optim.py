@@ -76,6 +76,23 @@ def test_schedule_shapes():
   assert float(constant(5)) == pytest.approx(0.5) and float(constant(99)) == 1.0
 
 
+def test_restarts_warm_up_again_from_the_rate_reached():
+  config = optim.OptimConfig(learning_rate=1.0, warmup_steps=10, final_lr_ratio=0.1,
+                             schedule="wsd", wsd_decay_fraction=0.2, restarts=(100,))
+  lr = optim.build_schedule(config, 200)
+  alone = optim.build_schedule(dataclasses.replace(config, restarts=()), 100)
+  # Up to the restart: the schedule of a run that ends there (its cooldown included).
+  assert [float(lr(i)) for i in range(100)] == [float(alone(i)) for i in range(100)]
+  reached = float(lr(99))
+  assert reached < 0.2
+  assert float(lr(100)) == pytest.approx(reached)  # The pit stop: warmup from there ...
+  assert float(lr(105)) == pytest.approx((reached + 1.0) / 2)
+  assert float(lr(150)) == pytest.approx(1.0)  # ... to the peak, stable, then decay again.
+  assert float(lr(199)) < 0.2
+  accumulated = optim.build_schedule(dataclasses.replace(config, accumulate_steps=2), 100)
+  assert float(accumulated(49)) < 0.2 and float(accumulated(60)) == 1.0  # Step 100: update 50.
+
+
 def test_decay_mask_skips_norms_biases_and_embeddings():
   model = TinyLM(nnx.Rngs(0))
   mask = optim.decay_mask(optim.OptimConfig())(nnx.state(model, nnx.Param))
@@ -130,6 +147,7 @@ def test_clipping_bounds_the_update():
         ("name", "adam", "name"),
         ("accumulate_steps", 0, "optim.accumulate_steps"),
         ("no_decay", ["("], "not a regex"),
+        ("restarts", [50, 50], r"optim.restarts\[1\]=50 must come after the restart before"),
     ],
 )
 def test_bad_values_name_the_field(field, value, message):

@@ -13,7 +13,9 @@ from training_helpers import start_training, tiny_config, train_losses, wait_for
 COMPONENTS = "{logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}"
 FIRST = "{step: 0, weights: {logs: 3, js: 1}}"
 SECOND = "{step: 0, weights: {js: 1}}"
-PLANNED = f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}, {{step: 6, weights: {{js: 1}}}}]}}"
+GROWN = "data.batch_schedule=[{step: 6, batch_size: 8}]"  # From 4 rows per step to 8.
+PLANNED = [f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}, {{step: 6, weights: {{js: 1}}}}]}}",
+           GROWN]
 SHORT = ["train.steps=12", "train.eval_every=6", "checkpoint.save_every=3", "train.sample_tokens=0"]
 
 
@@ -32,21 +34,21 @@ def _metadata(workdir):
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-  """Both stages planned from the start, never stopped."""
+  """Both stages and the batch size planned from the start, never stopped."""
   workdir = tmp_path_factory.mktemp("planned")
-  train.run(_config(PLANNED), workdir)
+  train.run(_config(*PLANNED), workdir)
   return workdir
 
 
-def test_a_run_resumed_at_the_stage_boundary_with_the_next_weights_equals_the_planned_one(
+def test_a_run_resumed_at_the_stage_boundary_with_the_next_settings_equals_the_planned_one(
     planned, tmp_path, capsys):
   first = f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}]}}"
-  second = f"data.mixture={{components: {COMPONENTS}, stages: [{SECOND}]}}"
+  second = [f"data.mixture={{components: {COMPONENTS}, stages: [{SECOND}]}}", GROWN]
   train.run(_config(first), tmp_path, stop_after=6)  # Stopped at the stage boundary.
   capsys.readouterr()
-  train.run(_config(second), tmp_path)
+  train.run(_config(*second), tmp_path)
   out = capsys.readouterr().out
-  assert "phase 2 from step 6: data.mixture changed" in out
+  assert "phase 2 from step 6: data.batch_schedule changed, data.mixture changed" in out
   assert train_losses(tmp_path) == train_losses(planned)
   assert checkpoint.tree_equal(train.Trainer.open_finished(tmp_path).state,
                                train.Trainer.open_finished(planned).state)
@@ -55,18 +57,19 @@ def test_a_run_resumed_at_the_stage_boundary_with_the_next_weights_equals_the_pl
   stages = metadata["config"]["data"]["mixture"]["stages"]  # Composed: the run's own.
   assert stages == [{"step": 0, "weights": {"logs": 3.0, "js": 1.0}},
                     {"step": 6, "weights": {"js": 1.0}}]
+  assert metadata["config"]["data"]["batch_schedule"] == [{"step": 6, "batch_size": 8}]
   capsys.readouterr()
-  train.run(_config(second), tmp_path)  # The same settings again: no new phase.
+  train.run(_config(*second), tmp_path)  # The same settings again: no new phase.
   assert "phase" not in capsys.readouterr().out
 
 
 def test_a_planned_run_killed_at_random_moments_and_resumed_is_the_same_run(planned, tmp_path):
   for step in (2, 7):
-    process = start_training(tmp_path, *SHORT, PLANNED, "train.steps=12")
+    process = start_training(tmp_path, *SHORT, *PLANNED, "train.steps=12")
     wait_for_step(process, tmp_path, step)
     process.send_signal(signal.SIGKILL)
     process.wait()
-  train.run(_config(PLANNED), tmp_path)
+  train.run(_config(*PLANNED), tmp_path)
   assert train_losses(tmp_path) == train_losses(planned)
 
 
@@ -74,12 +77,13 @@ def test_a_planned_run_killed_at_random_moments_and_resumed_is_the_same_run(plan
     ("train.seed=1", "train.seed: 0 in the run, 1 now"),
     ("model.num_layers=2", "model.num_layers: 1 in the run, 2 now"),
     ("data.seq_len=8", "data.seq_len: 16 in the run, 8 now"),
+    ("data.batch_size=8", "data.batch_size: 4 in the run, 8 now"),
 ])
 def test_a_change_a_resumed_run_keeps_is_refused_by_field_and_nothing_is_touched(
     planned, change, field):
   files = {p: p.stat().st_mtime_ns for p in planned.rglob("*") if p.is_file()}
   with pytest.raises(ConfigError, match=rf"^{field}: a run in {planned} keeps its model"):
-    train.run(_config(PLANNED, change, "train.steps=20"), planned)
+    train.run(_config(*PLANNED, change, "train.steps=20"), planned)
   assert {p: p.stat().st_mtime_ns for p in planned.rglob("*") if p.is_file()} == files
 
 
@@ -113,3 +117,13 @@ def test_a_mixture_after_a_single_corpus_counts_its_stages_from_step_0():
   mixture = {"components": {"x": {}}, "stages": [{"step": 0, "weights": {"x": 1}}]}
   composed = phases.effective({"data": {"mixture": mixture}}, [{"step": 0, "config": single}], 10)
   assert composed["data"]["mixture"]["stages"] == [{"step": 0, "weights": {"x": 1}}]
+
+
+def test_a_batch_schedule_composes_across_phases():
+  first = {"data": {"batch_size": 4, "batch_schedule": [{"step": 10, "batch_size": 8}]}}
+  now = {"data": {"batch_size": 4, "batch_schedule": [{"step": 30, "batch_size": 16}]}}
+  composed = phases.effective(now, [{"step": 0, "config": first}], 20)["data"]["batch_schedule"]
+  # Steps 10-19 ran with 8 rows, as the first phase planned; 4 again from 20, then 16.
+  assert composed == [{"step": 10, "batch_size": 8}, {"step": 20, "batch_size": 4},
+                      {"step": 30, "batch_size": 16}]
+  assert phases.effective(first, [], 0) == first

@@ -61,6 +61,11 @@ class TrainConfig:
   evaluation and save): every step's record is still logged, but the host does not
   wait for each step, so the next batch is placed on the devices while a step runs.
   A non-finite loss is caught at the fetch, before anything is saved."""
+  microbatch_size: int | None = None
+  """The most global rows one forward and backward pass takes: a larger batch (say, one that
+  `data.batch_schedule` grows) is split into micro-batches whose gradients are accumulated
+  within the step. It must divide every batch size and the data-parallel ways. None: the
+  whole batch at once."""
   eval_batches: int = 4
   """Validation batches per evaluation (the same ones every time)."""
   resume: Literal["auto", "never"] = "auto"
@@ -89,6 +94,9 @@ class TrainConfig:
     for name in ("steps", "eval_batches", "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+    if self.microbatch_size is not None and self.microbatch_size < 1:
+      raise ValueError(f"train.microbatch_size must be >= 1 (None: whole batches), got "
+                       f"{self.microbatch_size}")
     if self.eval_every < 0:
       raise ValueError(f"train.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
     if self.sample_tokens < 0:
@@ -140,6 +148,11 @@ class RecipeConfig:
 
   def __post_init__(self):
     families.family(self.model).check(self)
+    micro = self.train.microbatch_size
+    for field, size in self.data.batch_sizes() if micro is not None else ():
+      if size > micro and size % micro:
+        raise ConfigError(f"{field}={size} does not split into micro-batches of "
+                          f"train.microbatch_size={micro} rows: make it a multiple of {micro}")
 
 
 def _presets_dir() -> pathlib.Path:

@@ -71,7 +71,8 @@ class MemoryPlan:
   rules: str
   """The rule set that places the arrays (`mesh.rules`)."""
   batch_size: int
-  """Global rows per step (`data.batch_size`)."""
+  """Global rows of the largest forward and backward pass: `data.batch_size`, or the largest
+  of `data.batch_schedule`, in micro-batches of at most `train.microbatch_size`."""
   batch_ways: int
   """Devices that split the batch (the mesh axes "batch" maps to)."""
   parameters: int
@@ -182,7 +183,9 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
     return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
 
   model, optimizer = nnx.eval_shape(create)
-  batch_size = config.data.batch_size
+  micro = config.train.microbatch_size
+  batch_size = max(size if micro is None else min(size, micro)
+                   for _, size in config.data.batch_sizes())
   sharding.batch_shardings(task.batch_axes(), {k: (batch_size,) for k in task.batch_axes()},
                            mesh, rules)  # Raises ConfigError if the batch does not divide.
   ways = {name: math.prod(mesh.shape[axis] for axis in axes) for name, axes in rules.items()}

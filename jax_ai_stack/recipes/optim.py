@@ -30,7 +30,24 @@ from jax_ai_stack.recipes.optim_config import OptimConfig
 
 
 def build_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
-  """Learning rate as a function of the optimizer step."""
+  """Learning rate as a function of the optimizer step (`total_steps` updates in all).
+
+  With `restarts`, each span between restarts (in updates: a restart's step over
+  `accumulate_steps`) is a schedule of its own, warming up from where the span
+  before ended (WSD with pit stops: decay, re-warm, go on).
+  """
+  bounds = sorted({r // config.accumulate_steps for r in config.restarts} - {0})
+  edges = [0, *bounds, max(total_steps, bounds[-1] + 1 if bounds else 1)]
+  spans, start = [], 0.0
+  for begin, end in zip(edges, edges[1:]):
+    spans.append(_span(config, end - begin, start))
+    with jax.ensure_compile_time_eval():  # Built inside traced code too (the optimizer's init).
+      start = float(spans[-1](end - begin - 1))
+  return spans[0] if not bounds else optax.join_schedules(spans, bounds)
+
+
+def _span(config: OptimConfig, total_steps: int, start: float) -> optax.Schedule:
+  """One warmup (from `start`) and shape over `total_steps` updates."""
   peak, warmup = config.learning_rate, min(config.warmup_steps, total_steps)
   final = peak * config.final_lr_ratio
   remaining = max(total_steps - warmup, 1)
@@ -48,7 +65,7 @@ def build_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     )
   if warmup == 0:
     return after
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+  return optax.join_schedules([optax.linear_schedule(start, peak, warmup), after], [warmup])
 
 
 def decay_mask(config: OptimConfig):

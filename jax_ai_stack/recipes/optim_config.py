@@ -30,6 +30,9 @@ class OptimConfig:
   """Learning rate at the last step, as a fraction of the peak (decaying schedules)."""
   wsd_decay_fraction: float = 0.2
   """wsd: the fraction of all steps spent in the final linear decay."""
+  restarts: tuple[int, ...] = ()
+  """Steps at which the schedule starts over ("pit stops"): from each, warmup again (from the
+  rate reached) and the schedule's shape over the steps to the next restart or the end."""
   b1: float = 0.9
   """First-moment decay (adamw, lion) or momentum (sgd, muon)."""
   b2: float = 0.95
@@ -56,6 +59,11 @@ class OptimConfig:
       raise ValueError(
           f"optim.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}"
       )
+    for i, step in enumerate(self.restarts):
+      before = self.restarts[i - 1] if i else 0
+      if step <= before:
+        raise ValueError(f"optim.restarts[{i}]={step} must come after "
+                         + (f"the restart before ({before})" if i else "step 0"))
     if self.accumulate_steps < 1:
       raise ValueError(f"optim.accumulate_steps must be >= 1, got {self.accumulate_steps}")
     for pattern in self.no_decay:

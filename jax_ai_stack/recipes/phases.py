@@ -88,8 +88,9 @@ def refusal(found: list[tuple[str, Any, Any]], workdir: Any) -> ConfigError:
   named = "; ".join(f"{field}: {a!r} in the run, {b!r} now" for field, a, b in found)
   return ConfigError(
       f"{named}: a run in {workdir} keeps its model, tokenizer, sequence length, batch size, "
-      "seed and fine-tuning when it resumes (a new phase may change the data, the learning-rate "
-      "schedule, train.steps, evaluation, saving and the mesh); train in a new --workdir "
+      "seed and fine-tuning when it resumes (a new phase may change the data, the batch size "
+      "through data.batch_schedule, the learning-rate schedule, train.steps, evaluation, saving "
+      "and the mesh); train in a new --workdir "
       f"(finetune.base={workdir} starts from this run's weights)")
 
 
@@ -101,16 +102,46 @@ def history(metadata: dict) -> list[dict]:
 
 def effective(given: dict, phases: list[dict], start: int) -> dict:
   """The config a phase that `given` begins at step `start` runs with: `given`, its
-  mixture's stages composed with those of the phases before (see the module)."""
-  mixture = given.get("data", {}).get("mixture")
-  if mixture is None:
+  mixture's stages and batch schedule composed with those of the phases before (see
+  the module)."""
+  data = given.get("data")
+  if data is None:
     return given
-  composed = None
-  for phase, end in zip(phases, [p["step"] for p in phases[1:]] + [start]):
-    earlier = phase["config"].get("data", {}).get("mixture")
-    composed = None if earlier is None else _compose(composed, earlier, phase["step"], end)
-  composed = _compose(composed, mixture, start, None)
-  return {**given, "data": {**given["data"], "mixture": composed}}
+  ends = [p["step"] for p in phases[1:]] + [start]
+  if data.get("batch_schedule") is not None or any(
+      p["config"].get("data", {}).get("batch_schedule") for p in phases):
+    spans = [(p["config"]["data"], p["step"], end) for p, end in zip(phases, ends)]
+    data = {**data, "batch_schedule": _compose_batches([*spans, (data, start, None)])}
+  if data.get("mixture") is not None:
+    composed = None
+    for phase, end in zip(phases, ends):
+      earlier = phase["config"].get("data", {}).get("mixture")
+      composed = None if earlier is None else _compose(composed, earlier, phase["step"], end)
+    data = {**data, "mixture": _compose(composed, data["mixture"], start, None)}
+  return given if data == given["data"] else {**given, "data": data}
+
+
+def _compose_batches(spans: list[tuple[dict, int, int | None]]) -> list[dict]:
+  """The batch schedule of phases that each ran their data config from one step to the
+  next: each phase's size in force at its first step, then its entries up to its end."""
+  entries, size = [], spans[0][0]["batch_size"]
+  for data, begin, end in spans:
+    steps = [begin] + [e["step"] for e in data.get("batch_schedule") or ()
+                       if begin < e["step"] and (end is None or e["step"] < end)]
+    for step in steps:
+      if (now := _batch_size_at(data, step)) != size:
+        entries.append({"step": step, "batch_size": now})
+        size = now
+  return entries
+
+
+def _batch_size_at(data: dict, step: int) -> int:
+  """Global rows of step `step` under one `data` config (its batch schedule)."""
+  size = data["batch_size"]
+  for entry in data.get("batch_schedule") or ():
+    if entry["step"] <= step:
+      size = entry["batch_size"]
+  return size
 
 
 def _compose(before: dict | None, mixture: dict, start: int, end: int | None) -> dict:

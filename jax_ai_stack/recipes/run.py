@@ -249,6 +249,7 @@ class _Opened:
   manager: checkpoint.Manager
   plan: kernels.AttentionPlan | None
   choice: kernels.Choice | None
+  placement: sharding.Placement
   train_data: grain.IterDataset | None
   """None: read-only (no data position to restore, nothing to train)."""
   validation: grain.IterDataset | None
@@ -389,6 +390,8 @@ def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: ta
   """The data, attention plan and checkpoint manager; `saved_attention`: the newest
   checkpoint's attention metadata, whose kernel a resume keeps (None: none reads)."""
   task.check_data()  # Bad input is refused before anything in the workdir is opened.
+  placement = sharding.Placement.build(config.mesh, task.batch_axes())
+  placement.check_rows(_batch_rows(config))  # Each size the schedule will reach: now.
   autotune_path = workdir / kernels.AUTOTUNE_FILENAME
   if config.train.autotune_attention and not autotune_path.exists():
     if jax.process_count() > 1:
@@ -423,8 +426,20 @@ def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: ta
     manager.close()
     raise
   return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
-                 choice=choice, train_data=train_data, validation=validation_data,
-                 restore=latest is not None, capture_stderr=capture_stderr)
+                 choice=choice, placement=placement, train_data=train_data,
+                 validation=validation_data, restore=latest is not None,
+                 capture_stderr=capture_stderr)
+
+
+def _batch_rows(config: RecipeConfig) -> list[tuple[str, int]]:
+  """(field, rows) of every batch a step of `config` passes through the model at once (a
+  config without a `data` section: its Task's batches, checked as they come)."""
+  data = getattr(config, "data", None)
+  sizes = data.batch_sizes() if data is not None else []
+  micro = getattr(config.train, "microbatch_size", None)
+  if micro is not None and any(rows > micro for _, rows in sizes):
+    sizes.append(("train.microbatch_size", micro))
+  return sizes
 
 
 def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
@@ -457,13 +472,13 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
     manager.close()
     raise
   return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
-                 choice=choice, train_data=None, validation=data, restore=True,
-                 capture_stderr=capture_stderr)
+                 choice=choice, placement=sharding.Placement.build(config.mesh, task.batch_axes()),
+                 train_data=None, validation=data, restore=True, capture_stderr=capture_stderr)
 
 
 def _assemble(opened: _Opened, *, initial_params=None) -> Run:
   """Model, optimizer and steps, restored into (no initialisation) or initialised."""
-  config, task, plan = opened.config, opened.task, opened.plan
+  config, task, plan, placement = opened.config, opened.task, opened.plan, opened.placement
   finetune = lora.Finetune.of(config)
 
   def create(params=None):
@@ -475,11 +490,11 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
     return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
                                         wrt=finetune.wrt)
 
-  placement = sharding.Placement.build(config.mesh, task.batch_axes())
   model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
   state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
-  train_step, eval_step, abstract = step.make_steps(model, optimizer, task.loss,
-                                                    state_sharding=state_sharding)
+  train_step, eval_step, abstract = step.make_steps(
+      model, optimizer, task.loss, state_sharding=state_sharding,
+      microbatch_size=getattr(config.train, "microbatch_size", None))
   train_data = opened.train_data
   train_batches = iter(train_data) if train_data is not None else None
   restored = None

@@ -121,7 +121,7 @@ def partition_spec(names: Sequence[str | None], shape: Sequence[int], rules: Rul
       also = ", or model.vocab_multiple (the rows are padded to it)" if name == "vocab" else ""
       raise ConfigError(
           f"{what} has shape {tuple(shape)}: dimension {dim} ({name!r}, size {size}) does not "
-          f"divide by mesh axes {'x'.join(axes)} of size {ways}; change the mesh sizes or "
+          f"divide by mesh axes {' x '.join(axes)} of size {ways}; change the mesh sizes or "
           f"mesh.rule_overrides.{name}{also}")
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*spec)
@@ -250,6 +250,13 @@ class Placement:
 
   def state_shardings(self, abstract_state: Any) -> Any:
     return state_shardings(abstract_state, self.mesh, self.rules)
+
+  def check_rows(self, sizes: Sequence[tuple[str, int]]) -> None:
+    """Raises ConfigError, naming the field, for the first (field, global rows) of `sizes`
+    whose rows do not split over the mesh axes a batch's rows are laid out on."""
+    names = next(iter(self.batch_axes.values()), ("batch",))[:1]
+    for field, rows in sizes:
+      partition_spec(names, (rows,), self.rules, self.mesh, what=f"{field}={rows}: the batch")
 
   def layout(self) -> Layout | None:
     """What the model needs to place its activations; None on one device."""

@@ -7,6 +7,12 @@ per step on a CPU); here the graph is split once into a static `graphdef` and a
 updates parameters and optimizer moments in place. The numbers are the same
 bits as `nnx.jit`; benchmarks/train_step.py measures the gap.
 
+A batch larger than `microbatch_size` rows is split into micro-batches whose
+gradients are accumulated inside the one step (a `lax.scan`), so a batch that
+grows (`data.batch_schedule`) past what the devices hold at once still takes
+one optimizer step. Micro-batch i takes every k-th row from row i: on a mesh
+each device keeps its own rows, nothing moves between them.
+
 Under a mesh, `state_sharding` (from `sharding.state_shardings`) fixes where
 every parameter and optimizer moment lives after each step; the batch brings
 its own sharding (a global array), and XLA's SPMD partitioner does the rest.
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -37,7 +44,7 @@ LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 def make_steps(
     model: nnx.Module, optimizer: nnx.Optimizer, loss_fn: LossFn, *,
-    state_sharding: Any = None,
+    state_sharding: Any = None, microbatch_size: int | None = None,
 ) -> tuple[Callable, Callable, nnx.State]:
   """Returns `(train_step, eval_step, state)`.
 
@@ -45,6 +52,8 @@ def make_steps(
   `eval_step(state, batch) -> metrics` runs the model in eval mode (no
   dropout) and changes nothing. `state_sharding`: a NamedSharding per state
   leaf; the new state keeps it and the metrics are replicated.
+  `microbatch_size`: the most rows one forward and backward pass takes (it must
+  divide each batch's rows); None: the whole batch at once.
   """
   model.eval()
   eval_graphdef, _ = nnx.split((model, optimizer))
@@ -67,13 +76,46 @@ def make_steps(
     model, optimizer = nnx.merge(graphdef, state)
     # Only what the optimizer updates (all parameters, or LoRA adapters) is differentiated.
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-    (loss, aux), grads = grad_fn(model, batch)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if microbatch_size is None or rows <= microbatch_size:
+      (loss, aux), grads = grad_fn(model, batch)
+    else:
+      loss, aux, grads = _accumulate(grad_fn, model, optimizer.wrt, batch,
+                                     rows // microbatch_size)
     optimizer.update(model, grads)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
     return nnx.state((model, optimizer)), metrics
 
   train_step = jax.jit(train_step_fn, donate_argnums=0, **train_placement)
   return train_step, eval_step, state
+
+
+def _accumulate(grad_fn, model: nnx.Module, wrt, batch: Batch, count: int):
+  """(loss, aux, grads) of `batch` from `count` micro-batches, scanned.
+
+  The micro-batches are weighted by their "tokens" metric where the loss
+  reports one (an LM's mean over unpadded tokens: the result is the whole
+  batch's mean), else equally. Gradients are summed in float32; the other
+  aux metrics are averaged with the same weights and "tokens" is summed.
+  """
+  split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), batch)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+  def body(carry, micro):
+    model, summed = carry
+    (loss, aux), grads = grad_fn(model, micro)
+    weight = aux["tokens"].astype(jnp.float32) if "tokens" in aux else jnp.ones((), jnp.float32)
+    summed = jax.tree.map(lambda s, g: s + g.astype(jnp.float32) * weight, summed, grads)
+    return (model, summed), (loss, aux, weight)
+
+  params = nnx.state(model, wrt)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  (_, summed), (losses, aux, weights) = body((model, zeros), split)
+  total = weights.sum()
+  grads = jax.tree.map(lambda s, p: (s / total).astype(p.dtype), summed, params)
+  mean = lambda v: jnp.tensordot(weights, v.astype(jnp.float32), axes=1) / total
+  aux = {k: v.sum() if k == "tokens" else mean(v) for k, v in aux.items()}
+  return mean(losses), aux, grads
 
 
 def merge(model: nnx.Module, optimizer: nnx.Optimizer, state: nnx.State) -> None:

@@ -51,6 +51,7 @@ from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import compile_cache, distributed, optim, phases, profile, record, step
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
+from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
                                           plot, read_metrics)
@@ -170,6 +171,8 @@ class Trainer(Run):
     """
     fetched_metrics = jax.device_get([m for _, m in pending])
     step_time = (time.perf_counter() - since) / len(pending)
+    data = getattr(self.config, "data", None)  # Items scale with a scheduled batch size.
+    batches = BatchSchedule.of(data) if data is not None else None
     records = []
     for number, fetched in zip([n for n, _ in pending], fetched_metrics):
       metrics = {k: float(v) for k, v in fetched.items()}
@@ -180,8 +183,11 @@ class Trainer(Run):
             f"(step {self.manager.latest_step()}) is kept in {self.manager.directory}"
         )
       metrics.pop("tokens", None)
+      items = self.task.items_per_step
+      if batches is not None:
+        items *= batches.size(number - 1) / data.batch_size
       records.append((number, {**metrics, "step_time": step_time,
-                               "throughput": self.task.items_per_step / max(step_time, 1e-9)}))
+                               "throughput": items / max(step_time, 1e-9)}))
     return records
 
   def eval_due(self) -> bool:

@@ -37,9 +37,10 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
+_SUBMODULES = ("batch_schedule", "cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
                "pipeline", "sources", "token_cache", "tokenizers")
 _EXPORTS = {
+    "BatchSchedule": "batch_schedule",
     "DataConfig": "config",
     "MixtureConfig": "config",
     "MixtureRows": "mixture",

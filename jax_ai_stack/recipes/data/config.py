@@ -117,6 +117,16 @@ class MixtureConfig:
 
 
 @config_dataclass
+class BatchStage:
+  """From `step` on, `batch_size` rows per step (`data.batch_schedule`)."""
+
+  step: int = 1
+  """The first step with this batch size, counted as the logs count steps done (> 0)."""
+  batch_size: int = 8
+  """Global rows per step from `step` on."""
+
+
+@config_dataclass
 class DataConfig:
   """What a run reads and how it is batched (the `data` section of a recipe).
 
@@ -141,6 +151,9 @@ class DataConfig:
   """Tokens per example (T); targets are the inputs shifted by one."""
   batch_size: int = 8
   """GLOBAL batch size; each process gets batch_size // process_count rows."""
+  batch_schedule: tuple[BatchStage, ...] = ()
+  """Batch sizes that change at named steps, [{step: 1000, batch_size: 16}, ...]: each from
+  its step on (`data.batch_size` before the first). Evaluation keeps `data.batch_size`."""
   packing: bool = False
   """False: windows of seq_len+1 over the token stream; True: documents packed with segment ids."""
   validation_fraction: float | None = None
@@ -168,6 +181,15 @@ class DataConfig:
       raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
     if self.batch_size < 1:
       raise ConfigError(f"data.batch_size must be >= 1, got {self.batch_size}")
+    for i, stage in enumerate(self.batch_schedule):
+      where = f"data.batch_schedule[{i}]"
+      if stage.batch_size < 1:
+        raise ConfigError(f"{where}.batch_size must be >= 1, got {stage.batch_size}")
+      before = self.batch_schedule[i - 1].step if i else 0
+      if stage.step <= before:
+        raise ConfigError(f"{where}.step={stage.step} goes back in time: it must come after "
+                          + (f"the entry before (step {before})" if i else
+                             "step 0 (data.batch_size is the batch until the first entry)"))
     if self.num_workers < 0:
       raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
     if self.prefetch_batches < 0:
@@ -195,6 +217,13 @@ class DataConfig:
                         "data.paths and data.cache unset")
     if self.tokenizer != "byte" and not self.tokenizer_path:
       raise ConfigError(f"data.tokenizer_path: tokenizer={self.tokenizer!r} needs a file")
+
+  def batch_sizes(self) -> list[tuple[str, int]]:
+    """(field, global rows) of each batch size a run reads: what must divide by the
+    processes and by the mesh's data-parallel ways."""
+    return [("data.batch_size", self.batch_size)] + [
+        (f"data.batch_schedule[{i}].batch_size", stage.batch_size)
+        for i, stage in enumerate(self.batch_schedule)]
 
   def component(self, name: str) -> DataConfig:
     """A mixture component's corpus as a config of its own (this one's tokenizer,

@@ -16,7 +16,9 @@ them in one vectorized call:
   machine and NumPy version. Validation is one pass in corpus order, no shuffle.
 * Sharding. Global step s covers stream positions [s*B, (s+1)*B); process p of
   P reads the contiguous block [s*B + p*B/P, s*B + (p+1)*B/P). The processes'
-  batches, concatenated in process order, are exactly the global batch.
+  batches, concatenated in process order, are exactly the global batch. With
+  `data.batch_schedule` the sizes change at named steps and s*B becomes
+  `BatchSchedule.first_row(s)`: the stream is still read in order.
 * Validation drops the remainder: it yields `n // B` full batches (the same
   count on every process), so the last `n % B` examples are not evaluated.
 * State. An iterator's state is Grain's own (`{"next_index": s}` without
@@ -86,6 +88,7 @@ from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
 from jax_ai_stack.recipes.data import mixture as mixture_lib
 from jax_ai_stack.recipes.data import sources
+from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.corpora import load_corpus
 from jax_ai_stack.recipes.data.permutation import hash_uniform, permute
@@ -100,15 +103,16 @@ _MIN_SHARED_MEMORY_BYTES = 1 << 20
 class StepBatches:
   """Global step s -> this process's batch; the function `MapDataset.map` applies.
 
+  `global_batch` is the rows of every step, or a `BatchSchedule` (`data.batch_schedule`)
+  whose sizes change at named steps; the stream's rows are read in order either way.
   Holds no mutable state, so it pickles to worker processes and a restored
   iterator recomputes exactly the batches it would have produced.
   """
 
-  def __init__(self, examples, *, global_batch: int, process_index: int,
+  def __init__(self, examples, *, global_batch: int | BatchSchedule, process_index: int,
                process_count: int, seed: int | None):
     self.examples = examples
-    self.global_batch = global_batch
-    self.local_batch = global_batch // process_count
+    self.schedule = _schedule(global_batch)
     self.process_index = process_index
     self.process_count = process_count
     self.seed = seed  # None: one pass in order, no shuffle
@@ -116,8 +120,7 @@ class StepBatches:
   def example_ids(self, step: int) -> np.ndarray:
     """Example ids of this process's rows of global step `step`."""
     n = self.examples.num_examples
-    start = step * self.global_batch + self.process_index * self.local_batch
-    positions = np.arange(start, start + self.local_batch)
+    positions = _process_rows(self.schedule, step, self.process_index, self.process_count)
     return positions % n if self.seed is None else shuffled_ids(positions, n, self.seed)
 
   def __call__(self, step) -> dict[str, np.ndarray]:
@@ -127,9 +130,23 @@ class StepBatches:
     # Stable across runs and processes (no addresses): Grain logs it, and
     # `grain.DataLoader` compares such reprs when restoring state.
     return (
-        f"StepBatches({self.examples!r}, global_batch={self.global_batch},"
+        f"StepBatches({self.examples!r}, {self.schedule!r},"
         f" process={self.process_index}/{self.process_count}, seed={self.seed})"
     )
+
+
+def _schedule(global_batch: int | BatchSchedule) -> BatchSchedule:
+  if isinstance(global_batch, BatchSchedule):
+    return global_batch
+  return BatchSchedule.constant(global_batch)
+
+
+def _process_rows(schedule: BatchSchedule, step: int, process_index: int,
+                  process_count: int) -> np.ndarray:
+  """Stream rows of this process's contiguous share of global step `step`."""
+  local = schedule.size(step) // process_count
+  start = schedule.first_row(step) + process_index * local
+  return np.arange(start, start + local)
 
 
 def shuffled_ids(positions: np.ndarray, num_examples: int, seed: int) -> np.ndarray:
@@ -153,25 +170,25 @@ class MixtureBatches:
   `StepBatches`: a restored iterator recomputes exactly the same batches.
   """
 
-  def __init__(self, rows: mixture_lib.MixtureRows, examples: dict, *, global_batch: int,
-               process_index: int, process_count: int, seed: int):
+  def __init__(self, rows: mixture_lib.MixtureRows, examples: dict, *,
+               global_batch: int | BatchSchedule, process_index: int, process_count: int,
+               seed: int):
     self.rows, self.examples = rows, examples
-    self.global_batch = global_batch
-    self.local_batch = global_batch // process_count
+    self.schedule = _schedule(global_batch)
     self.process_index, self.process_count = process_index, process_count
     self.seeds = {name: zlib.crc32(f"{seed}/{name}".encode()) for name in examples}
 
   @classmethod
   def build(cls, config: DataConfig, *, seed: int, process_index: int,
             process_count: int) -> MixtureBatches:
-    """The components' train examples and the stages, in rows of this batch size."""
+    """The components' train examples and the stages, in rows of this batch schedule."""
     examples = _per_component(config, lambda component: _examples(component, "train"))
-    return cls(mixture_rows(config, seed), examples, global_batch=config.batch_size,
+    return cls(mixture_rows(config, seed), examples, global_batch=BatchSchedule.of(config),
                process_index=process_index, process_count=process_count, seed=seed)
 
   def __call__(self, step) -> dict[str, np.ndarray]:
-    start = int(step) * self.global_batch + self.process_index * self.local_batch
-    component, position = self.rows.assign(np.arange(start, start + self.local_batch))
+    rows = _process_rows(self.schedule, int(step), self.process_index, self.process_count)
+    component, position = self.rows.assign(rows)
     batch: dict[str, np.ndarray] = {}
     for index, (name, examples) in enumerate(self.examples.items()):
       here = component == index
@@ -180,19 +197,20 @@ class MixtureBatches:
       part = examples(shuffled_ids(position[here], examples.num_examples, self.seeds[name]))
       for key, value in part.items():
         if key not in batch:
-          batch[key] = np.empty((self.local_batch, *value.shape[1:]), value.dtype)
+          batch[key] = np.empty((len(rows), *value.shape[1:]), value.dtype)
         batch[key][here] = value
     return batch
 
   def __repr__(self) -> str:
     return (f"MixtureBatches({self.rows!r}, {list(self.examples.values())!r}, "
-            f"global_batch={self.global_batch}, "
-            f"process={self.process_index}/{self.process_count})")
+            f"{self.schedule!r}, process={self.process_index}/{self.process_count})")
 
 
 def mixture_rows(config: DataConfig, seed: int) -> mixture_lib.MixtureRows:
-  """The rows each component of `config.mixture` feeds: stages from steps to rows (x batch)."""
-  stages = [(stage.step * config.batch_size, config.mixture.weights(stage))
+  """The rows each component of `config.mixture` feeds: stages from steps to rows (through
+  the batch schedule)."""
+  schedule = BatchSchedule.of(config)
+  stages = [(schedule.first_row(stage.step), config.mixture.weights(stage))
             for stage in config.mixture.stages]
   return mixture_lib.MixtureRows(list(config.mixture.components), stages, seed=seed)
 
@@ -374,11 +392,9 @@ def build_dataset(
   if split not in ("train", "validation"):
     raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
   process_index, process_count = _process(process_index, process_count)
-  if config.batch_size % process_count:
-    raise ConfigError(
-        f"data.batch_size={config.batch_size} is not divisible by the"
-        f" process_count={process_count}"
-    )
+  for field, size in config.batch_sizes():
+    if size % process_count:
+      raise ConfigError(f"{field}={size} is not divisible by the process_count={process_count}")
   if config.mixture is not None:
     if split == "validation":
       raise ValueError("a mixture's validation splits are its components': build each with "
@@ -391,7 +407,7 @@ def build_dataset(
     num_steps = sys.maxsize if split == "train" else examples.num_examples // config.batch_size
     batches = StepBatches(
         examples,
-        global_batch=config.batch_size,
+        global_batch=BatchSchedule.of(config) if split == "train" else config.batch_size,
         process_index=process_index,
         process_count=process_count,
         seed=seed if split == "train" else None,

@@ -82,6 +82,12 @@ def _check_image_classification(config: Any) -> None:
     )
 
 
+def _check_custom(config: Any) -> None:
+  if config.data.batch_schedule and not config.data.is_token_source:
+    raise ValueError(f"data.batch_schedule: with data.source={config.data.source!r} the batches "
+                     "come from your Task's `dataset`, which sets their size")
+
+
 LLAMA_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 """The attention and MLP projections of the Llama model."""
 
@@ -90,7 +96,7 @@ FAMILIES: tuple[Family, ...] = (
            lora_modules=LLAMA_PROJECTIONS),
     Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
            _check_image_classification),
-    Family(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask"),
+    Family(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask", _check_custom),
 )
 """Every model family a recipe config can name; the first is the default."""
 

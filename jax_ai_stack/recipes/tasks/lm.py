@@ -95,7 +95,7 @@ class LanguageModel(Task):
     data_config = self.config.data
     if data_config.mixture is None:
       return {}
-    rows = self._mixture_rows.rows_before(step * data_config.batch_size)
+    rows = self._mixture_rows.rows_before(data.BatchSchedule.of(data_config).first_row(step))
     return {f"tokens_{name}": float(n * data_config.seq_len)
             for name, n in zip(self._mixture_rows.names, rows)}
 
