@@ -425,6 +425,29 @@ def test_fine_tune(trained):
   ok(run(FULL_FINETUNE, *TINY, cwd=trained))
 
 
+# ---- README: chat fine-tuning -----------------------------------------------------------
+
+SFT = doc("jax-ai-stack train lm-tiny-sft")
+SFT_JSONL = doc("jax-ai-stack train lm-tiny-sft data.source=chat data.paths=[chats.jsonl]")
+
+
+@pytest.mark.slow
+def test_chat_fine_tuning(tmp_path):
+  """The SFT preset on a tiny base whose positions reach 128 tokens (the stdlib's questions
+  need them), then on a JSONL file of one's own."""
+  tiny = [*TINY, "model.max_seq_len=128", "data.seq_len=128", "train.sample_tokens=4"]
+  ok(run("jax-ai-stack train lm-tiny", *tiny, "train.steps=2", cwd=tmp_path))  # The base.
+  out = ok(run(SFT, *tiny, "train.steps=4", "train.eval_every=4", "train.eval_batches=1",
+               cwd=tmp_path))
+  assert "held-out eval_loss" in out and "before fine-tuning ->" in out
+  (tmp_path / "chats.jsonl").write_text("".join(
+      json.dumps({"prompt": f"Count to {i}.", "completion": " ".join(map(str, range(i)))}) + "\n"
+      for i in range(1, 40)))
+  out = ok(run(SFT_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+               "data.validation_fraction=0.3", cwd=tmp_path))
+  assert (tmp_path / "runs" / "my-sft" / "checkpoints").is_dir()
+
+
 # ---- README and docs/scaling.md: meshes ----------------------------------------------
 
 DRY_RUN = doc("JAX_NUM_CPU_DEVICES=8 jax-ai-stack train lm-tiny mesh.data=1 mesh.fsdp=-1 --dry-run")

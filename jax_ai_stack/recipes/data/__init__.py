@@ -37,10 +37,12 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("batch_schedule", "cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
+_SUBMODULES = ("batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
                "pipeline", "sources", "token_cache", "tokenizers")
 _EXPORTS = {
     "BatchSchedule": "batch_schedule",
+    "ChatRows": "chat",
+    "ChatTemplate": "chat_template",
     "DataConfig": "config",
     "MixtureConfig": "config",
     "MixtureRows": "mixture",

@@ -29,13 +29,16 @@ from typing import Literal
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
-Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "digits", "custom"]
+Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "chat", "chat_stdlib",
+                 "digits", "custom"]
 TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
 _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
 # Sources of documents that become tokens; the others are images with labels.
 TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
+# Conversations rendered with a chat template, the loss on the assistant's tokens (`chat`).
+CHAT_SOURCES = ("chat", "chat_stdlib")
 
 
 @config_dataclass
@@ -136,8 +139,10 @@ class DataConfig:
   """
 
   source: Source = "stdlib"
-  """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; digits;
-  custom: your Task's own `dataset` (with `model.kind: custom`), nothing read here."""
+  """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; chat:
+  JSONL conversations in `paths`; chat_stdlib: question-answer pairs about the standard
+  library's functions; digits; custom: your Task's own `dataset` (with `model.kind: custom`),
+  nothing read here."""
   paths: tuple[str, ...] = ()
   """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.
   stdlib: optional patterns relative to the standard library's root ("logging/*"): only those files."""
@@ -172,6 +177,12 @@ class DataConfig:
   cache: str | None = None
   """A TensorStore token cache (a directory or a kvstore URL such as file:// or memory://)
   read per batch instead of tokenizing into memory; prepared first if missing."""
+  chat_template: str | None = None
+  """chat sources: a .jinja file to render conversations with; None: the tokenizer's own
+  (chat_template.jinja or tokenizer_config.json beside data.tokenizer_path), or the built-in
+  template of the byte tokenizer."""
+  max_bad_lines: int = 0
+  """chat: bad JSONL lines skipped and counted before the first one is an error."""
   mixture: MixtureConfig | None = None
   """Several corpora mixed by weights that change at named steps; they replace `source`,
   `paths`, `text_column`, `max_documents` and `cache`, which stay unset."""
@@ -202,14 +213,19 @@ class DataConfig:
       raise ConfigError(
           f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"
       )
-    if self.source in _PATH_SOURCES and not self.paths:
+    if self.source in (*_PATH_SOURCES, "chat") and not self.paths:
       raise ConfigError(f"data.paths: source={self.source!r} needs at least one file or glob")
-    if self.source not in (*_PATH_SOURCES, "stdlib") and self.paths:
+    if self.source not in (*_PATH_SOURCES, *CHAT_SOURCES, "stdlib") and self.paths:
       raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
     if self.cache is not None and not self.is_token_source:
       raise ConfigError(f"data.cache: source={self.source!r} has no tokens to cache")
+    if self.cache is not None and self.is_chat:
+      raise ConfigError(f"data.cache: source={self.source!r} is rendered and packed in memory; "
+                        "leave data.cache unset")
+    if self.max_bad_lines < 0:
+      raise ConfigError(f"data.max_bad_lines must be >= 0, got {self.max_bad_lines}")
     if self.cache is not None and not self.cache.strip():
       raise ConfigError("data.cache must be a directory or a kvstore URL, got ''")
     if self.mixture is not None and (self.paths or self.cache or self.source != "stdlib"):
@@ -245,7 +261,12 @@ class DataConfig:
   def is_token_source(self) -> bool:
     """True for the text and token sources; False for `digits` (images and labels) and
     `custom` (your Task's batches)."""
-    return self.source in TOKEN_SOURCES
+    return self.source in TOKEN_SOURCES or self.is_chat
+
+  @property
+  def is_chat(self) -> bool:
+    """True for conversations (`chat`, `chat_stdlib`): packed whole, loss on the assistant."""
+    return self.source in CHAT_SOURCES
 
 
 def require_token_source(config: DataConfig, what: str) -> None:

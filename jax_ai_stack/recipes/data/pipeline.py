@@ -84,6 +84,7 @@ import numpy as np
 
 from jax_ai_stack.absl_flags import grain_flags_readable
 from jax_ai_stack.errors import ConfigError, DataError
+from jax_ai_stack.recipes.data import chat
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
 from jax_ai_stack.recipes.data import mixture as mixture_lib
@@ -273,6 +274,8 @@ def _lm_too_small(config: DataConfig, split: Split, corpus: corpus_lib.TokenCorp
 
 
 def _lm_examples(config: DataConfig, split: Split):
+  if config.is_chat:
+    return _chat_examples(config, split)
   corpus = load_corpus(config)[split]
   needed = config.batch_size if split == "validation" else 1  # train wraps around epochs
   examples = None
@@ -284,6 +287,21 @@ def _lm_examples(config: DataConfig, split: Split):
   if examples is None or examples.num_examples < needed:
     raise _lm_too_small(config, split, corpus)
   return examples
+
+
+def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows:
+  rows = chat.load_chat(config)[split]
+  needed = config.batch_size if split == "validation" else 1
+  if rows.num_examples < needed:
+    fraction = config.holdout_fraction
+    fix = (f"raise data.validation_fraction (now {fraction}) or lower data.batch_size"
+           if split == "validation" else f"lower data.validation_fraction (now {fraction})")
+    if rows.stats["dropped"]:
+      fix += (f"; {rows.stats['dropped']} conversations were dropped, their assistant turn "
+              f"beyond data.seq_len + 1 = {config.seq_len + 1} tokens: raise data.seq_len")
+    raise DataError(f"data: the {split} split has {rows.num_examples} packed rows of "
+                    f"conversations and needs {needed}: {fix}, or add conversations ({rows!r})")
+  return rows
 
 
 def _examples(config: DataConfig, split: Split):

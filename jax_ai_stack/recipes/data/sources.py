@@ -66,6 +66,11 @@ def resolve_paths(patterns: tuple[str, ...]) -> list[pathlib.Path]:
   return list(dict.fromkeys(files))  # drop repeats, keep the order
 
 
+def stdlib_root() -> pathlib.Path:
+  """Where this Python's standard library lives."""
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files(patterns: tuple[str, ...] = ()) -> list[pathlib.Path]:
   """The standard library's own .py files, sorted, without site-/dist-packages.
 
@@ -76,7 +81,7 @@ def stdlib_files(patterns: tuple[str, ...] = ()) -> list[pathlib.Path]:
   Raises:
     DataFileNotFoundError: a pattern matches no file.
   """
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  root = stdlib_root()
   files = []
   for directory, subdirs, names in os.walk(root):  # os.walk does not follow symlinks
     subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,6 +58,19 @@ class Tokenizer(abc.ABC):
   @property
   def special_ids(self) -> tuple[int, int, int]:
     return (self.bos_id, self.eos_id, self.pad_id)
+
+  def token_text(self, token_id: int) -> str:
+    """The text that stands for one special id in a chat template (`bos_token`)."""
+    return {self.bos_id: "<|bos|>", self.eos_id: "<|eos|>", self.pad_id: "<|pad|>"}[token_id]
+
+  def encode_rendered(self, text: str) -> np.ndarray:
+    """`encode` of a chat template's output: the BOS and EOS texts in it become their ids
+    (a tokenizer file's other added tokens, `<|im_start|>` say, are its own to match)."""
+    specials = {self.token_text(i): i for i in (self.bos_id, self.eos_id)}
+    parts = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+    ids = [np.asarray([specials[part]], np.int32) if part in specials else self.encode(part)
+           for part in parts if part]
+    return np.concatenate(ids) if ids else np.zeros(0, np.int32)
 
   def __repr__(self) -> str:
     return (
@@ -145,6 +159,10 @@ class HuggingFaceTokenizer(Tokenizer):
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
+  def token_text(self, token_id: int) -> str:
+    text = self._tok.id_to_token(token_id) if token_id < self._base_size else None
+    return text if text is not None else super().token_text(token_id)
+
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
@@ -180,6 +198,11 @@ class SentencePieceTokenizer(Tokenizer):
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+  def token_text(self, token_id: int) -> str:
+    if token_id < self._base_size:
+      return self._sp.id_to_piece(token_id)
+    return super().token_text(token_id)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]

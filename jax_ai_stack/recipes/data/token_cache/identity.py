@@ -50,7 +50,7 @@ def _file_hash(path: pathlib.Path) -> str:
 
 def source_files(config: DataConfig) -> list[pathlib.Path]:
   """The files `config`'s corpus is read from (the standard library's, or `paths`)."""
-  if config.source == "stdlib":
+  if config.source in ("stdlib", "chat_stdlib"):
     return sources.stdlib_files(config.paths)
   return sources.resolve_paths(config.paths)
 

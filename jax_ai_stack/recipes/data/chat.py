@@ -1,0 +1,266 @@
+"""Chat data: conversations rendered with the model's template, the loss on the assistant's tokens.
+
+Sources (`data.source`):
+
+* `chat`: JSONL files (`data.paths`), one conversation per line: `{"messages":
+  [{"role", "content"}, ...]}` (system, user and assistant turns, any number)
+  or `{"prompt", "completion"}` (one user turn, one assistant turn).
+* `chat_stdlib`: instruction pairs made from the Python standard library itself,
+  offline: for each public function with a docstring, "what does `mod.f(args)`
+  do?" answered by the docstring's first line, and the reverse question
+  answered by the call. Both of one function fall on the same split.
+
+Each conversation is rendered by its chat template (`chat_template`), cut into
+its assistant and other pieces, and tokenized piece by piece, so a token's
+`loss_mask` is 1 exactly when it is the assistant's (its end-of-turn token
+included). Rows are packed: conversations whole, in order, each a segment of
+its own (segment ids 1, 2, ...; positions from 0), a row closed when the next
+conversation does not fit, the rest padded (segment 0, no loss). Truncation: a
+conversation longer than `data.seq_len + 1` tokens keeps its first
+`seq_len + 1`; one left with no assistant token to predict is dropped. Both are
+counted and printed. The split is by a hash of each conversation (of each
+function for `chat_stdlib`) against `data.validation_fraction`.
+
+A line that is not a conversation (not JSON, an unknown role, no assistant
+turn, empty content) is an error naming the file and line; up to
+`data.max_bad_lines` of them are skipped and counted instead.
+
+Example: two exchanges packed into one row of 64 tokens (byte tokenizer).
+  >>> from jax_ai_stack.recipes.data.chat_template import BYTE_TEMPLATE, ChatTemplate
+  >>> from jax_ai_stack.recipes.data.tokenizers import ByteTokenizer
+  >>> tokenizer = ByteTokenizer()
+  >>> template = ChatTemplate(BYTE_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
+  >>> talks = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+  ...          [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]]
+  >>> ids, masks = zip(*(tokenize(template, tokenizer, talk) for talk in talks))
+  >>> rows = ChatRows(ids, masks, seq_len=64, pad_id=tokenizer.pad_id, description="two")
+  >>> batch = rows(np.arange(rows.num_examples))
+  >>> tokenizer.decode(batch["targets"][0][batch["loss_mask"][0] > 0])  # The replies, EOS after each.
+  'yo\\n4\\n'
+  >>> int(batch["segment_ids"][0].max()), rows.stats
+  (2, {'conversations': 2, 'truncated': 0, 'dropped': 0})
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import pathlib
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes.data import sources
+from jax_ai_stack.recipes.data.chat_template import ChatTemplate, template_source
+from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.permutation import hash_uniform
+from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+def parse_line(line: str, where: str) -> list[dict]:
+  """One JSONL line as a conversation's messages; DataError naming `where` (file:line)."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+  if isinstance(record, dict) and "messages" in record:
+    messages = record["messages"]
+  elif isinstance(record, dict) and {"prompt", "completion"} <= record.keys():
+    messages = [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]}]
+  else:
+    raise DataError(f"{where}: a line holds \"messages\" (a list of {{role, content}}) or "
+                    "\"prompt\" and \"completion\"")
+  if not isinstance(messages, list) or not messages:
+    raise DataError(f"{where}: \"messages\" must be a non-empty list")
+  for i, message in enumerate(messages):
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+      role = message.get("role") if isinstance(message, dict) else message
+      raise DataError(f"{where}: message {i} has role {role!r}; roles: {', '.join(ROLES)}")
+    if not isinstance(message.get("content"), str) or not message["content"]:
+      raise DataError(f"{where}: message {i} ({message['role']}) has no text content")
+  if not any(m["role"] == "assistant" for m in messages):
+    raise DataError(f"{where}: the conversation has no assistant turn: nothing to learn from")
+  return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def read_jsonl(paths: Sequence[pathlib.Path], max_bad_lines: int) -> tuple[list, int]:
+  """([(key, messages)], lines skipped) of every conversation in `paths`, in order.
+
+  Raises DataError for the first bad line once more than `max_bad_lines` are bad.
+  """
+  conversations, bad = [], []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      for number, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          conversations.append((line, parse_line(line, f"{path}:{number}")))
+        except DataError as e:
+          bad.append(e)
+          if len(bad) > max_bad_lines:
+            more = (f" ({len(bad)} bad lines; data.max_bad_lines={max_bad_lines} skips that "
+                    "many)") if max_bad_lines else " (data.max_bad_lines skips a few bad lines)"
+            raise DataError(f"{bad[0]}{more}") from None
+  return conversations, len(bad)
+
+
+STDLIB_SUMMARY_CHARS, STDLIB_CALL_CHARS = 60, 40
+"""`chat_stdlib` keeps functions whose summary line and call are this short: a pair then fits
+the byte-level presets' 128 tokens."""
+
+
+def stdlib_conversations(patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, list[dict]]]:
+  """(function's qualified name, messages) pairs from the standard library's documented
+  public functions (public modules, tests left out): its summary asked for by its call, and
+  the call by its summary."""
+  for path in sources.stdlib_files(patterns):
+    parts = path.relative_to(sources.stdlib_root()).parts
+    if any(p.startswith("_") and p != "__init__.py" or p in ("test", "tests") for p in parts):
+      continue
+    try:
+      tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):  # A test file written to be broken, say.
+      continue
+    module = _module_name(path)
+    for node in tree.body:
+      if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        continue
+      lines = (ast.get_docstring(node) or "").strip().splitlines()
+      summary = lines[0].strip() if lines else ""
+      call = f"{module}.{node.name}({ast.unparse(node.args)})"
+      if not summary or len(summary) > STDLIB_SUMMARY_CHARS or len(call) > STDLIB_CALL_CHARS:
+        continue
+      key = f"{module}.{node.name}"
+      yield key, [{"role": "user", "content": f"What does `{call}` do?"},
+                  {"role": "assistant", "content": summary}]
+      yield key, [{"role": "user", "content": f"Which function: {summary}"},
+                  {"role": "assistant", "content": f"`{call}`"}]
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(sources.stdlib_root()).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def tokenize(template: ChatTemplate, tokenizer: Tokenizer,
+             messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+  """(ids, mask) of one conversation: mask 1 on the assistant's tokens."""
+  ids, mask = [], []
+  for text, mine in template.pieces(messages):
+    piece = tokenizer.encode_rendered(text)
+    ids.append(piece)
+    mask.append(np.full(len(piece), mine, np.bool_))
+  return np.concatenate(ids).astype(np.int32), np.concatenate(mask)
+
+
+class ChatRows:
+  """Conversations packed into rows of `seq_len` (input, target) pairs, whole and in order.
+
+  Holds the packed rows; example i is row i. `stats` counts the conversations
+  packed, truncated and dropped.
+  """
+
+  def __init__(self, ids: Sequence[np.ndarray], masks: Sequence[np.ndarray], *, seq_len: int,
+               pad_id: int, description: str):
+    self.seq_len, self.description = seq_len, description
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    fill, truncated, dropped = seq_len, 0, 0
+    for tokens, mask in zip(ids, masks):
+      if len(tokens) > seq_len + 1:
+        tokens, mask = tokens[:seq_len + 1], mask[:seq_len + 1]
+        truncated += 1
+      if len(tokens) < 2 or not mask[1:].any():
+        dropped += 1
+        continue
+      if fill + len(tokens) - 1 > seq_len:
+        rows.append([])
+        fill = 0
+      rows[-1].append((tokens, mask))
+      fill += len(tokens) - 1
+    self.stats = {"conversations": sum(map(len, rows)), "truncated": truncated,
+                  "dropped": dropped}
+    self.num_examples = len(rows)
+    shape = (len(rows), seq_len)
+    self._arrays = {"inputs": np.full(shape, pad_id, np.int32),
+                    "targets": np.full(shape, pad_id, np.int32),
+                    "segment_ids": np.zeros(shape, np.int32),
+                    "positions": np.zeros(shape, np.int32),
+                    "loss_mask": np.zeros(shape, np.float32)}
+    for r, row in enumerate(rows):
+      at = 0
+      for segment, (tokens, mask) in enumerate(row, start=1):
+        n = len(tokens) - 1
+        self._arrays["inputs"][r, at:at + n] = tokens[:-1]
+        self._arrays["targets"][r, at:at + n] = tokens[1:]
+        self._arrays["segment_ids"][r, at:at + n] = segment
+        self._arrays["positions"][r, at:at + n] = np.arange(n)
+        self._arrays["loss_mask"][r, at:at + n] = mask[1:]
+        at += n
+
+  def __call__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    return {key: value[ids] for key, value in self._arrays.items()}
+
+  def __repr__(self) -> str:
+    return f"ChatRows({self.description}, rows={self.num_examples}, seq_len={self.seq_len})"
+
+
+def load_chat(config: DataConfig) -> dict[str, ChatRows]:
+  """`{"train": ChatRows, "validation": ChatRows}` of a chat source (built once per config
+  and files, like a token corpus); prints a note when conversations were cut or dropped.
+
+  Raises:
+    DataError: a bad line (file and line number), a template that fails, no conversation.
+  """
+  files = _files(config)
+  stamps = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+  return _load(config, stamps)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
+  del stamps  # Part of the cache key: a changed file is read again.
+  tokenizer = build_tokenizer(config)
+  source, origin = template_source(config.tokenizer_path if config.tokenizer != "byte" else None,
+                                   config.chat_template)
+  template = ChatTemplate(source, bos_token=tokenizer.token_text(tokenizer.bos_id),
+                          eos_token=tokenizer.token_text(tokenizer.eos_id), origin=origin)
+  if config.source == "chat_stdlib":
+    conversations, skipped = list(stdlib_conversations(config.paths)), 0
+    what = "the standard library's functions"
+  else:
+    conversations, skipped = read_jsonl(_files(config), config.max_bad_lines)
+    what = ", ".join(config.paths)
+  if config.max_documents is not None:
+    conversations = conversations[:config.max_documents]
+  if not conversations:
+    raise DataError(f"data: no conversation in {what}")
+  keys = np.array([zlib.crc32(key.encode()) for key, _ in conversations], dtype=np.int64)
+  held_out = hash_uniform(keys, salt=1) < config.holdout_fraction
+  out = {}
+  for split, keep in (("train", ~held_out), ("validation", held_out)):
+    chosen = [messages for (_, messages), k in zip(conversations, keep) if k]
+    ids, masks = zip(*(tokenize(template, tokenizer, m) for m in chosen)) if chosen else ((), ())
+    out[split] = ChatRows(ids, masks, seq_len=config.seq_len, pad_id=tokenizer.pad_id,
+                          description=f"{config.source} {what}, split={split!r}")
+    cut = out[split].stats
+    if cut["truncated"] or cut["dropped"] or (skipped and split == "train"):
+      bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
+      print(f"note: chat {split} split: {cut['conversations']} conversations packed, "
+            f"{cut['truncated']} cut to data.seq_len + 1 = {config.seq_len + 1} tokens, "
+            f"{cut['dropped']} dropped (no assistant token left){bad}", flush=True)
+  return out
+
+
+def _files(config: DataConfig) -> list[pathlib.Path]:
+  if config.source == "chat_stdlib":
+    return sources.stdlib_files(config.paths)
+  return sources.resolve_paths(config.paths)

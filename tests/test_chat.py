@@ -1,0 +1,195 @@
+"""Chat data: JSONL conversations, the loss on the assistant's tokens, packed rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jax_ai_stack.errors import ConfigError, DataError
+from jax_ai_stack.recipes import configlib, train
+from jax_ai_stack.recipes.data import DataConfig, build_dataset
+from jax_ai_stack.recipes.data.chat import (ChatRows, load_chat, read_jsonl,
+                                            stdlib_conversations, tokenize)
+from jax_ai_stack.recipes.data.chat_template import BYTE_TEMPLATE, ChatTemplate
+from jax_ai_stack.recipes.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer
+from data_helpers import read_batches
+from training_helpers import TINY
+
+REFERENCES = pathlib.Path(__file__).parent / "references" / "chat_templates"
+TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}]
+BYTES = ChatTemplate(BYTE_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
+
+
+def _jsonl(path: pathlib.Path, lines) -> str:
+  path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                          for line in lines), encoding="utf-8")
+  return str(path)
+
+
+def test_the_mask_covers_exactly_the_assistant_s_tokens_byte_by_byte():
+  tokenizer = ByteTokenizer()
+  ids, mask = tokenize(BYTES, tokenizer, TALK)
+  text = BYTES.render(TALK)
+  expected = np.zeros(len(ids), bool)  # From the rendered text: the replies and their EOS.
+  for reply in ("hello<|eos|>\n", "4<|eos|>\n"):
+    start = len(tokenizer.encode_rendered(text[:text.index(reply)]))
+    expected[start:start + len(tokenizer.encode_rendered(reply))] = True
+  assert mask.tolist() == expected.tolist()
+  assert ids[mask].tolist() == [*b"hello", 257, 10, ord("4"), 257, 10]
+  assert ids[0] == tokenizer.bos_id and (ids == tokenizer.eos_id).sum() == 2
+
+
+def _qwen_tokenizer(tmp_path) -> HuggingFaceTokenizer:
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=400, special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tok.train_from_iterator([m["content"] for m in TALK] * 20 + ["system user assistant"], trainer)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  return HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_a_tokenizer_file_s_own_turn_tokens_end_each_reply(tmp_path):
+  tokenizer = _qwen_tokenizer(tmp_path)
+  template = ChatTemplate((REFERENCES / "qwen.jinja").read_text(), bos_token="",
+                          eos_token="<|im_end|>")
+  ids, mask = tokenize(template, tokenizer, TALK)
+  end = tokenizer._tok.token_to_id("<|im_end|>")  # pylint: disable=protected-access
+  start = tokenizer._tok.token_to_id("<|im_start|>")  # pylint: disable=protected-access
+  assert (ids == end).sum() == 5 and (ids[mask] == end).sum() == 2  # Each reply's own end.
+  assert start not in ids[mask].tolist()
+  assert tokenizer.decode(ids[mask]).split("\n") == ["hello", "4", ""]
+  whole = np.concatenate([tokenizer.encode(text) for text, _ in template.pieces(TALK)])
+  assert ids.tolist() == whole.tolist()
+
+
+def test_rows_pack_whole_conversations_each_a_segment_and_count_what_is_cut():
+  tokenizer = ByteTokenizer()
+  short = tokenize(BYTES, tokenizer, TALK[1:3])  # 34 tokens: 33 (input, target) pairs.
+  long = tokenize(BYTES, tokenizer, [{"role": "user", "content": "x" * 30},
+                                     {"role": "assistant", "content": "y" * 30}])
+  hopeless = tokenize(BYTES, tokenizer, [{"role": "user", "content": "z" * 80},
+                                         {"role": "assistant", "content": "w"}])
+  conversations = [short, short, long, hopeless, short]
+  rows = ChatRows(*zip(*conversations), seq_len=72, pad_id=tokenizer.pad_id, description="t")
+  assert rows.stats == {"conversations": 4, "truncated": 2, "dropped": 1}
+  batch = rows(np.arange(rows.num_examples))
+  assert rows.num_examples == 3  # [short, short], [long cut to 73 tokens], [short].
+  assert batch["segment_ids"][0].max() == 2 and batch["segment_ids"][1].min() == 1
+  assert (batch["positions"][0][batch["segment_ids"][0] == 2] == np.arange(33)).all()
+  assert batch["inputs"][1].tolist() == long[0][:72].tolist()  # Its first seq_len + 1 tokens.
+  padding = batch["segment_ids"] == 0
+  assert (batch["loss_mask"][padding] == 0).all() and (batch["inputs"][padding] == 258).all()
+  np.testing.assert_array_equal(batch["targets"][0][:33], short[0][1:])
+  np.testing.assert_array_equal(batch["loss_mask"][0][:33], short[1][1:])
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", r"t.jsonl:2: not JSON \(Expecting property name"),
+    ({"messages": [{"role": "robot", "content": "x"}]},
+     r"t.jsonl:2: message 0 has role 'robot'; roles: system, user, assistant"),
+    ({"messages": [{"role": "user", "content": "x"}]},
+     "t.jsonl:2: the conversation has no assistant turn"),
+    ({"text": "x"}, r't.jsonl:2: a line holds "messages"'),
+    ({"prompt": "x", "completion": ""}, r"t.jsonl:2: message 1 \(assistant\) has no text"),
+])
+def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, message):
+  path = _jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "completion": "b"}, line])
+  with pytest.raises(DataError, match=message):
+    read_jsonl([pathlib.Path(path)], max_bad_lines=0)
+
+
+def test_a_few_bad_lines_are_skipped_and_counted_up_to_the_limit(tmp_path):
+  path = pathlib.Path(_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "completion": "b"}, "{",
+                                                    "", "[1]", {"prompt": "c", "completion": "d"}]))
+  conversations, skipped = read_jsonl([path], max_bad_lines=2)
+  assert skipped == 2 and [m[1]["content"] for _, m in conversations] == ["b", "d"]
+  with pytest.raises(DataError, match=r"t.jsonl:2: not JSON .* \(2 bad lines; "
+                                      r"data.max_bad_lines=1 skips that many\)"):
+    read_jsonl([path], max_bad_lines=1)
+
+
+def _config(tmp_path, **fields):
+  lines = [line for i in range(20) for line in (
+      {"messages": [*TALK[:-1], {"role": "assistant", "content": f"{i}"}]},
+      {"prompt": f"Say yes {i} times.", "completion": "yes"})]
+  return DataConfig(**{"source": "chat", "paths": (_jsonl(tmp_path / "c.jsonl", lines),),
+                       "seq_len": 64, "batch_size": 2, "validation_fraction": 0.3,
+                       "prefetch_batches": 0, **fields})
+
+
+def test_chat_batches_come_through_the_pipeline_and_resume(tmp_path):
+  config = _config(tmp_path)
+  batches = read_batches(config, 4)
+  assert set(batches[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_mask"}
+  assert all(0 < b["loss_mask"].sum() < b["loss_mask"].size for b in batches)
+  validation = read_batches(config, split="validation")
+  assert validation and validation[0]["inputs"].shape == (2, 64)
+  splits = load_chat(config)
+  assert splits["train"].stats["conversations"] + splits["validation"].stats["conversations"] == 40
+
+
+def test_a_template_file_of_one_s_own_renders_the_conversations(tmp_path):
+  (tmp_path / "mine.jinja").write_text(
+      "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}")
+  config = _config(tmp_path, chat_template=str(tmp_path / "mine.jinja"))
+  rows = load_chat(config)["train"]
+  text = ByteTokenizer().decode(rows(np.arange(1))["inputs"][0])
+  assert text.startswith("s: Be brief.\nu: hi\na: hello\n")
+
+
+def test_chat_data_is_not_cached_on_disk():
+  with pytest.raises(ConfigError, match="data.cache: source='chat' is rendered and packed"):
+    configlib.from_dict(DataConfig, {"source": "chat", "paths": ["c.jsonl"], "cache": "c/"})
+
+
+def test_the_standard_library_gives_question_and_answer_pairs():
+  pairs = list(stdlib_conversations(("json/*",)))
+  assert pairs and all(len(m) == 2 and m[1]["role"] == "assistant" for _, m in pairs)
+  keys = [key for key, _ in pairs]
+  assert "json.dumps" not in keys or len(pairs[keys.index("json.dumps")][1][0]["content"]) < 80
+  assert all(keys.count(k) == 2 for k in keys)  # Both directions, one split for both.
+
+
+def _cli(*args, cwd):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", *TINY,
+                         *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_a_chat_run_trains_on_the_replies_and_evaluates_them(tmp_path):
+  path = _jsonl(tmp_path / "short.jsonl", [{"prompt": f"{i}", "completion": "ok"} if i % 4
+                                           else {"prompt": f"{i}" * 8, "completion": "long"}
+                                           for i in range(40)])
+  overrides = [f"data.paths=[{path}]", "data.source=chat", "data.seq_len=32",
+               "data.validation_fraction=0.3", "train.steps=4", "train.eval_every=4",
+               "train.sample_tokens=0"]
+  result = _cli("--workdir", str(tmp_path / "run"), *overrides, cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  assert "note: chat train split:" in result.stdout  # The long ones are cut (and dropped).
+  evaluated = [r for r in train.read_metrics(tmp_path / "run") if r["split"] == "eval"]
+  assert evaluated and np.isfinite(evaluated[-1]["eval_loss"])
+
+
+def test_a_bad_line_stops_the_command_in_one_line_naming_it(tmp_path):
+  path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"},
+                                         {"messages": [{"role": "user", "content": "x"}]}])
+  result = _cli("--workdir", str(tmp_path / "run"), "data.source=chat", f"data.paths=[{path}]",
+                cwd=tmp_path)
+  assert result.returncode == 2, result.stderr
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and "bad.jsonl:2: the conversation has no assistant turn" in lines[0]
+  assert not (tmp_path / "run").exists()
