@@ -182,6 +182,20 @@ def test_a_chat_run_trains_on_the_replies_and_evaluates_them(tmp_path):
   assert "note: chat train split:" in result.stdout  # The long ones are cut (and dropped).
   evaluated = [r for r in train.read_metrics(tmp_path / "run") if r["split"] == "eval"]
   assert evaluated and np.isfinite(evaluated[-1]["eval_loss"])
+  questions = _jsonl(tmp_path / "q.jsonl", [{"prompt": "1"}, {"messages": [
+      {"role": "user", "content": "3"}]},
+      {"prompt": "4", "completion": "answered"}])
+  generate = [sys.executable, "-m", "jax_ai_stack.cli", "generate", "--workdir",
+              str(tmp_path / "run"), "--chat", questions, "--max-new-tokens", "2", "--seed", "0"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(generate, capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 2, result.stderr  # The third line is answered already.
+  assert result.stderr.strip().endswith("q.jsonl:3: the last turn is the assistant's; the "
+                                        "model answers a conversation that ends with a user turn")
+  (tmp_path / "q.jsonl").write_text("\n".join((tmp_path / "q.jsonl").read_text().splitlines()[:2]))
+  result = subprocess.run(generate, capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert len(result.stdout.splitlines()) >= 2  # A reply per conversation.
 
 
 def test_a_bad_line_stops_the_command_in_one_line_naming_it(tmp_path):
@@ -193,3 +207,57 @@ def test_a_bad_line_stops_the_command_in_one_line_naming_it(tmp_path):
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and "bad.jsonl:2: the conversation has no assistant turn" in lines[0]
   assert not (tmp_path / "run").exists()
+
+
+def test_a_reply_is_rendered_with_the_generation_prompt_and_stops_at_its_end_of_turn(
+    monkeypatch):
+  from jax_ai_stack.recipes import config as config_lib
+  from jax_ai_stack.recipes.tasks.lm import LanguageModel
+
+  task = LanguageModel(config_lib.load("lm-tiny-sft"))
+  asked = []
+
+  def fake_continue(model, prompt_ids, *args):
+    asked.append(prompt_ids)
+    return np.array([*b"yes", 257, *b"more"], np.int32)  # A reply, EOS, then what follows.
+
+  monkeypatch.setattr(task, "_continue", fake_continue)
+  messages = [{"role": "user", "content": "ok?"}]
+  assert task.chat(None, messages, 8, 0.0, 0) == "yes"
+  rendered = BYTES.render(messages, add_generation_prompt=True)
+  assert rendered.endswith("<|assistant|>\n")
+  assert asked[0].tolist() == ByteTokenizer().encode_rendered(rendered).tolist()
+
+
+def test_a_tokenizer_file_s_turn_tokens_end_a_reply(tmp_path):
+  tokenizer = _qwen_tokenizer(tmp_path)
+  end = tokenizer._tok.token_to_id("<|im_end|>")  # pylint: disable=protected-access
+  assert tokenizer.end_of_turn_ids() == [tokenizer.eos_id, end]
+  assert ByteTokenizer().end_of_turn_ids() == [257]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["lm-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_a_chat_run_of_each_family_resumes_bitwise(preset, tmp_path):
+  from jax_ai_stack.recipes import checkpoint
+  from jax_ai_stack.recipes import config as config_lib
+  from test_families import PRESET_SIZE
+
+  path = _jsonl(tmp_path / "c.jsonl", [{"prompt": f"{i} + 1", "completion": f"{i + 1}"}
+                                       for i in range(60)])
+  settings = config_lib.load(preset, overrides=[
+      *PRESET_SIZE, "data.source=chat", f"data.paths=[{path}]", "data.max_documents=null",
+      *(["model.sliding_window=8"] if preset != "lm-tiny" else []), "train.steps=6",
+      "train.eval_every=6", "train.sample_tokens=0", "checkpoint.save_every=3"])
+  train.run(settings, tmp_path / "whole")
+  train.run(settings, tmp_path / "stopped", stop_after=3)
+  train.run(settings, tmp_path / "stopped")
+  losses = [[(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / w)
+             if r["split"] == "train"] for w in ("whole", "stopped")]
+  assert len(losses[0]) == 6 and losses[0] == losses[1]
+  whole, stopped = (train.Trainer.open_finished(tmp_path / w) for w in ("whole", "stopped"))
+  try:
+    assert checkpoint.tree_equal(whole.state, stopped.state)
+  finally:
+    whole.close()
+    stopped.close()

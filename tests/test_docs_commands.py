@@ -429,6 +429,8 @@ def test_fine_tune(trained):
 
 SFT = doc("jax-ai-stack train lm-tiny-sft")
 SFT_JSONL = doc("jax-ai-stack train lm-tiny-sft data.source=chat data.paths=[chats.jsonl]")
+CHAT = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat --prompt")
+CHAT_FILE = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat questions.jsonl")
 
 
 @pytest.mark.slow
@@ -440,6 +442,10 @@ def test_chat_fine_tuning(tmp_path):
   out = ok(run(SFT, *tiny, "train.steps=4", "train.eval_every=4", "train.eval_batches=1",
                cwd=tmp_path))
   assert "held-out eval_loss" in out and "before fine-tuning ->" in out
+  assert "sample:\nuser: What does" in out  # The end-of-run sample is a reply.
+  ok(run(CHAT, "--max-new-tokens", "4", cwd=tmp_path))
+  (tmp_path / "questions.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": "Bye"}\n')
+  ok(run(CHAT_FILE, "--max-new-tokens", "4", cwd=tmp_path))
   (tmp_path / "chats.jsonl").write_text("".join(
       json.dumps({"prompt": f"Count to {i}.", "completion": " ".join(map(str, range(i)))}) + "\n"
       for i in range(1, 40)))

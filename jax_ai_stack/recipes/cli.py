@@ -31,6 +31,7 @@ import argparse
 import functools
 import json
 import os
+import pathlib
 import secrets
 import sys
 import time
@@ -149,6 +150,11 @@ def register(subparsers) -> None:
                         help="show the libraries' log lines on the console too")
   generate.add_argument("--quantized", metavar="SCHEME",
                         help="run the parameters `quantize --scheme SCHEME` saved in --workdir")
+  generate.add_argument("--chat", nargs="?", const="-", metavar="FILE.jsonl",
+                        help="answer as the assistant: --prompt is a user turn, rendered with "
+                        "the run's chat template, and only the reply is printed, up to its "
+                        "end-of-turn token; with a JSONL file, one reply per line (each a "
+                        "conversation ending with a user turn, or {\"prompt\"})")
   generate.set_defaults(func=run_generate)
 
   evaluate = subparsers.add_parser(
@@ -267,6 +273,21 @@ def _replay(recorded: dict, run_phase) -> dict:
   return record.replay(recorded, run_phase)
 
 
+def _conversations(chat: str, prompt: str) -> list[list[dict]]:
+  """`generate --chat`'s conversations: --prompt as one user turn, or each line of a JSONL file
+  (DataError naming the file and line of a bad one)."""
+  if chat == "-":
+    return [[{"role": "user", "content": prompt}]]
+  from jax_ai_stack.recipes.data import chat as chat_data  # pylint: disable=g-import-not-at-top
+
+  try:
+    lines = pathlib.Path(chat).read_text(encoding="utf-8").splitlines()
+  except OSError as e:
+    raise UsageError(f"--chat {chat}: {e.strerror}") from None
+  return [chat_data.parse_line(line, f"{chat}:{number}", to_answer=True)
+          for number, line in enumerate(lines, start=1) if line.strip()]
+
+
 def _process_index(launch) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -287,10 +308,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
+  conversations = _conversations(args.chat, args.prompt) if args.chat else None
   trainer = _open_finished(args, validation=False, method="decode")
   try:
-    print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, seed=seed,
-                           top_k=args.top_k, top_p=args.top_p))
+    sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
+    if conversations is None:
+      print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, **sampling))
+    for messages in conversations or ():
+      print(trainer.chat(messages, args.max_new_tokens, args.temperature, **sampling))
   finally:
     trainer.close()
   if args.seed is None and seed is not None:

@@ -212,6 +212,16 @@ class Run:
       return self.task.generate(self.inference_model(), prompt, max_new_tokens, temperature,
                                 seed, top_k=top_k, top_p=top_p)
 
+  def chat(self, messages: list[dict], max_new_tokens: int | None, temperature: float, *,
+           seed: int | None = None, top_k: int | None = None,
+           top_p: float | None = None) -> str:
+    """The assistant's reply to `messages` ({role, content} turns ending with a user turn),
+    rendered with the run's chat template; `seed` None: the run's `train.seed`."""
+    seed = self.config.train.seed if seed is None else seed
+    with self.kernel_configs():
+      return self.task.chat(self.inference_model(), messages, max_new_tokens, temperature,
+                            seed, top_k=top_k, top_p=top_p)
+
   def inference_model(self) -> nnx.Module:
     """The model that decodes: a LoRA run's base and adapters merged (Qwix adds
     the adapters only inside `__call__`, not in `decode`)."""

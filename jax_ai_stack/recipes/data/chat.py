@@ -54,7 +54,8 @@ import numpy as np
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import sources
-from jax_ai_stack.recipes.data.chat_template import ChatTemplate, template_source
+from jax_ai_stack.recipes.data import chat_template
+from jax_ai_stack.recipes.data.chat_template import ChatTemplate
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.permutation import hash_uniform
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
@@ -62,8 +63,12 @@ from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 ROLES = ("system", "user", "assistant")
 
 
-def parse_line(line: str, where: str) -> list[dict]:
-  """One JSONL line as a conversation's messages; DataError naming `where` (file:line)."""
+def parse_line(line: str, where: str, *, to_answer: bool = False) -> list[dict]:
+  """One JSONL line as a conversation's messages; DataError naming `where` (file:line).
+
+  `to_answer`: a conversation to reply to (`generate --chat`): it ends with a user turn, and
+  a line may also be `{"prompt"}` alone.
+  """
   try:
     record = json.loads(line)
   except json.JSONDecodeError as e:
@@ -73,6 +78,8 @@ def parse_line(line: str, where: str) -> list[dict]:
   elif isinstance(record, dict) and {"prompt", "completion"} <= record.keys():
     messages = [{"role": "user", "content": record["prompt"]},
                 {"role": "assistant", "content": record["completion"]}]
+  elif to_answer and isinstance(record, dict) and "prompt" in record:
+    messages = [{"role": "user", "content": record["prompt"]}]
   else:
     raise DataError(f"{where}: a line holds \"messages\" (a list of {{role, content}}) or "
                     "\"prompt\" and \"completion\"")
@@ -84,7 +91,10 @@ def parse_line(line: str, where: str) -> list[dict]:
       raise DataError(f"{where}: message {i} has role {role!r}; roles: {', '.join(ROLES)}")
     if not isinstance(message.get("content"), str) or not message["content"]:
       raise DataError(f"{where}: message {i} ({message['role']}) has no text content")
-  if not any(m["role"] == "assistant" for m in messages):
+  if to_answer and messages[-1]["role"] != "user":
+    raise DataError(f"{where}: the last turn is the {messages[-1]['role']}'s; the model "
+                    "answers a conversation that ends with a user turn")
+  if not to_answer and not any(m["role"] == "assistant" for m in messages):
     raise DataError(f"{where}: the conversation has no assistant turn: nothing to learn from")
   return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -229,10 +239,7 @@ def load_chat(config: DataConfig) -> dict[str, ChatRows]:
 def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
   del stamps  # Part of the cache key: a changed file is read again.
   tokenizer = build_tokenizer(config)
-  source, origin = template_source(config.tokenizer_path if config.tokenizer != "byte" else None,
-                                   config.chat_template)
-  template = ChatTemplate(source, bos_token=tokenizer.token_text(tokenizer.bos_id),
-                          eos_token=tokenizer.token_text(tokenizer.eos_id), origin=origin)
+  template = chat_template.for_data(config, tokenizer)
   if config.source == "chat_stdlib":
     conversations, skipped = list(stdlib_conversations(config.paths)), 0
     what = "the standard library's functions"

@@ -163,3 +163,11 @@ def template_source(tokenizer_path: str | None, chat_template: str | None) -> tu
   raise DataError(f"no chat template beside data.tokenizer_path={tokenizer_path!r} (neither "
                   "chat_template.jinja nor a chat_template in tokenizer_config.json): name a "
                   ".jinja file in data.chat_template")
+
+
+def for_data(config, tokenizer) -> ChatTemplate:
+  """The chat template of a `DataConfig` (`template_source`), with `tokenizer`'s BOS and EOS."""
+  source, origin = template_source(
+      config.tokenizer_path if config.tokenizer != "byte" else None, config.chat_template)
+  return ChatTemplate(source, bos_token=tokenizer.token_text(tokenizer.bos_id),
+                      eos_token=tokenizer.token_text(tokenizer.eos_id), origin=origin)

@@ -33,6 +33,8 @@ from jax_ai_stack.recipes.data.sources import DataFileNotFoundError
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
 _EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[SEP]")
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
+# Tokens that end a turn in common chat formats (ChatML, Llama 3, Gemma, Phi).
+_END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>")
 
 
 class Tokenizer(abc.ABC):
@@ -62,6 +64,11 @@ class Tokenizer(abc.ABC):
   def token_text(self, token_id: int) -> str:
     """The text that stands for one special id in a chat template (`bos_token`)."""
     return {self.bos_id: "<|bos|>", self.eos_id: "<|eos|>", self.pad_id: "<|pad|>"}[token_id]
+
+  def end_of_turn_ids(self) -> list[int]:
+    """Ids that end an assistant's turn: EOS, and the turn tokens of the common chat formats
+    that this tokenizer defines (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...)."""
+    return [self.eos_id]
 
   def encode_rendered(self, text: str) -> np.ndarray:
     """`encode` of a chat template's output: the BOS and EOS texts in it become their ids
@@ -162,6 +169,10 @@ class HuggingFaceTokenizer(Tokenizer):
   def token_text(self, token_id: int) -> str:
     text = self._tok.id_to_token(token_id) if token_id < self._base_size else None
     return text if text is not None else super().token_text(token_id)
+
+  def end_of_turn_ids(self) -> list[int]:
+    found = (self._tok.token_to_id(name) for name in _END_OF_TURN_NAMES)
+    return [self.eos_id, *(i for i in found if i is not None and i != self.eos_id)]
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)

@@ -160,8 +160,13 @@ class LanguageModel(Task):
     train = self.config.train
     if not train.sample_tokens:
       return []
-    text = self.generate(model, train.sample_prompt, train.sample_tokens,
-                         train.sample_temperature, train.seed)
+    if self.config.data.is_chat:  # A chat run answers its prompt as a user turn.
+      text = self.chat(model, [{"role": "user", "content": train.sample_prompt}],
+                       train.sample_tokens, train.sample_temperature, train.seed)
+      text = f"user: {train.sample_prompt}\nassistant: {text}"
+    else:
+      text = self.generate(model, train.sample_prompt, train.sample_tokens,
+                           train.sample_temperature, train.seed)
     if workdir is not None:
       write_atomically(workdir / SAMPLE_FILE, text)
     return [f"sample:\n{text}\n"]
@@ -174,6 +179,25 @@ class LanguageModel(Task):
     prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
     if prompt_ids.size == 0:
       prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
+    new = self._continue(model, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p)
+    return tokenizer.decode(np.concatenate([prompt_ids, new]))
+
+  def chat(self, model, messages: list[dict], max_new_tokens: int | None, temperature: float,
+           seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
+    """The assistant's reply to `messages` (ending with a user turn), rendered with the run's
+    chat template and its generation prompt; the reply stops before the first end-of-turn
+    token (the tokenizer's EOS, or a turn token such as `<|im_end|>` its file defines)."""
+    tokenizer = self.tokenizer()
+    prompt = data.chat_template.for_data(self.config.data, tokenizer).render(
+        messages, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode_rendered(prompt)
+    new = self._continue(model, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p)
+    stops = np.isin(new, tokenizer.end_of_turn_ids())
+    return tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new)
+
+  def _continue(self, model, prompt_ids: np.ndarray, max_new_tokens: int | None,
+                temperature: float, seed: int, top_k: int | None, top_p: float | None):
+    """The new token ids after `prompt_ids` (as many as fit `max_seq_len`, with a note)."""
     room = self.config.model.max_seq_len - prompt_ids.size
     if room <= 0:
       raise ConfigError(
@@ -189,4 +213,4 @@ class LanguageModel(Task):
     tokens = generate(model, prompt_ids[None, :], min(max_new_tokens, room),
                       temperature=temperature, top_k=top_k, top_p=top_p,
                       rng=jax.random.key(seed))
-    return tokenizer.decode(np.asarray(tokens[0]))
+    return np.asarray(tokens[0, prompt_ids.size:])
