@@ -433,10 +433,15 @@ CHAT = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat --prompt")
 CHAT_FILE = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat questions.jsonl")
 
 
+DPO = doc("jax-ai-stack train lm-tiny-dpo")
+DPO_JSONL = doc("jax-ai-stack train lm-tiny-dpo data.source=preference data.paths=[pairs.jsonl]")
+
+
 @pytest.mark.slow
-def test_chat_fine_tuning(tmp_path):
+def test_chat_fine_tuning_then_preference_tuning(tmp_path):
   """The SFT preset on a tiny base whose positions reach 128 tokens (the stdlib's questions
-  need them), then on a JSONL file of one's own."""
+  need them), its replies, SFT on a JSONL file of one's own; then the DPO preset on the SFT
+  run (step 0 is the reference itself) and on pairs of one's own."""
   tiny = [*TINY, "model.max_seq_len=128", "data.seq_len=128", "train.sample_tokens=4"]
   ok(run("jax-ai-stack train lm-tiny", *tiny, "train.steps=2", cwd=tmp_path))  # The base.
   out = ok(run(SFT, *tiny, "train.steps=4", "train.eval_every=4", "train.eval_batches=1",
@@ -449,9 +454,19 @@ def test_chat_fine_tuning(tmp_path):
   (tmp_path / "chats.jsonl").write_text("".join(
       json.dumps({"prompt": f"Count to {i}.", "completion": " ".join(map(str, range(i)))}) + "\n"
       for i in range(1, 40)))
-  out = ok(run(SFT_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
-               "data.validation_fraction=0.3", cwd=tmp_path))
+  ok(run(SFT_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+         "data.validation_fraction=0.3", cwd=tmp_path))
   assert (tmp_path / "runs" / "my-sft" / "checkpoints").is_dir()
+
+  out = ok(run(DPO, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+               cwd=tmp_path))
+  assert "before fine-tuning: " in out and "eval_preference_accuracy" in out
+  (tmp_path / "pairs.jsonl").write_text("".join(
+      json.dumps({"prompt": f"Is {i} even?", "chosen": ["no", "yes"][i % 2 == 0],
+                  "rejected": ["yes", "no"][i % 2 == 0]}) + "\n" for i in range(40)))
+  ok(run(DPO_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+         "data.validation_fraction=0.3", cwd=tmp_path))
+  assert (tmp_path / "runs" / "my-dpo" / "checkpoints").is_dir()
 
 
 # ---- README and docs/scaling.md: meshes ----------------------------------------------

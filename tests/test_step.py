@@ -12,7 +12,7 @@ from jax_ai_stack.recipes import step
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import classification_loss
-from jax_ai_stack.recipes.tasks.lm import lm_loss
+from jax_ai_stack.recipes.tasks.objectives import lm_loss
 
 LLAMA = LlamaConfig(vocab_size=259, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                     mlp_dim=64, max_seq_len=32)

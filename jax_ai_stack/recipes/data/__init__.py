@@ -37,13 +37,15 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus", "examples", "mixture", "permutation",
-               "pipeline", "sources", "token_cache", "tokenizers")
+_SUBMODULES = ("batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus",
+               "examples", "mixture", "permutation", "pipeline", "preference", "sources",
+               "token_cache", "tokenizers")
 _EXPORTS = {
     "BatchSchedule": "batch_schedule",
     "ChatRows": "chat",
     "ChatTemplate": "chat_template",
     "DataConfig": "config",
+    "PreferenceRows": "preference",
     "MixtureConfig": "config",
     "MixtureRows": "mixture",
     "TokenCorpus": "corpus",

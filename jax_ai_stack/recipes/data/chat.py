@@ -48,7 +48,8 @@ import functools
 import json
 import pathlib
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data import chat_template
 from jax_ai_stack.recipes.data.chat_template import ChatTemplate
-from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
 from jax_ai_stack.recipes.data.permutation import hash_uniform
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -100,7 +101,13 @@ def parse_line(line: str, where: str, *, to_answer: bool = False) -> list[dict]:
 
 
 def read_jsonl(paths: Sequence[pathlib.Path], max_bad_lines: int) -> tuple[list, int]:
-  """([(key, messages)], lines skipped) of every conversation in `paths`, in order.
+  """([(key, messages)], lines skipped) of every conversation in `paths`, in order."""
+  return read_lines(paths, max_bad_lines, parse_line)
+
+
+def read_lines(paths: Sequence[pathlib.Path], max_bad_lines: int,
+               parse: Callable[[str, str], Any]) -> tuple[list[tuple[str, Any]], int]:
+  """([(line, parse(line, "file:line"))], lines skipped) of every non-blank line in `paths`.
 
   Raises DataError for the first bad line once more than `max_bad_lines` are bad.
   """
@@ -111,7 +118,7 @@ def read_jsonl(paths: Sequence[pathlib.Path], max_bad_lines: int) -> tuple[list,
         if not line.strip():
           continue
         try:
-          conversations.append((line, parse_line(line, f"{path}:{number}")))
+          conversations.append((line, parse(line, f"{path}:{number}")))
         except DataError as e:
           bad.append(e)
           if len(bad) > max_bad_lines:
@@ -230,9 +237,7 @@ def load_chat(config: DataConfig) -> dict[str, ChatRows]:
   Raises:
     DataError: a bad line (file and line number), a template that fails, no conversation.
   """
-  files = _files(config)
-  stamps = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-  return _load(config, stamps)
+  return _load(config, file_stamps(config))
 
 
 @functools.lru_cache(maxsize=2)
@@ -244,30 +249,46 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
     conversations, skipped = list(stdlib_conversations(config.paths)), 0
     what = "the standard library's functions"
   else:
-    conversations, skipped = read_jsonl(_files(config), config.max_bad_lines)
+    conversations, skipped = read_jsonl(source_files(config), config.max_bad_lines)
     what = ", ".join(config.paths)
   if config.max_documents is not None:
     conversations = conversations[:config.max_documents]
   if not conversations:
     raise DataError(f"data: no conversation in {what}")
-  keys = np.array([zlib.crc32(key.encode()) for key, _ in conversations], dtype=np.int64)
-  held_out = hash_uniform(keys, salt=1) < config.holdout_fraction
+  held_out = held_out_by_key([key for key, _ in conversations], config.holdout_fraction, salt=1)
   out = {}
   for split, keep in (("train", ~held_out), ("validation", held_out)):
     chosen = [messages for (_, messages), k in zip(conversations, keep) if k]
     ids, masks = zip(*(tokenize(template, tokenizer, m) for m in chosen)) if chosen else ((), ())
     out[split] = ChatRows(ids, masks, seq_len=config.seq_len, pad_id=tokenizer.pad_id,
                           description=f"{config.source} {what}, split={split!r}")
-    cut = out[split].stats
-    if cut["truncated"] or cut["dropped"] or (skipped and split == "train"):
-      bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
-      print(f"note: chat {split} split: {cut['conversations']} conversations packed, "
-            f"{cut['truncated']} cut to data.seq_len + 1 = {config.seq_len + 1} tokens, "
-            f"{cut['dropped']} dropped (no assistant token left){bad}", flush=True)
+    report(split, out[split].stats, "conversations", config.seq_len, skipped)
   return out
 
 
-def _files(config: DataConfig) -> list[pathlib.Path]:
-  if config.source == "chat_stdlib":
+def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skipped: int) -> None:
+  """Prints what a split lost: `stats[counted]` kept, how many cut and dropped, bad lines."""
+  if stats["truncated"] or stats["dropped"] or (skipped and split == "train"):
+    bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
+    print(f"note: {split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
+          f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
+          f"assistant token left){bad}", flush=True)
+
+
+def file_stamps(config: DataConfig) -> tuple:
+  """(path, size, mtime) of each file a chat or preference source reads: its cache key."""
+  return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(config))
+
+
+def held_out_by_key(keys: Sequence[str], fraction: float, *, salt: int) -> np.ndarray:
+  """Which examples go to validation: a hash of each one's key below `fraction`, so one key
+  (a conversation, a prompt) falls on one side wherever it is in the files."""
+  hashed = np.array([zlib.crc32(key.encode()) for key in keys], dtype=np.int64)
+  return hash_uniform(hashed, salt=salt) < fraction
+
+
+def source_files(config: DataConfig) -> list[pathlib.Path]:
+  """The files a chat or preference source reads (the standard library's, or `paths`)."""
+  if config.source in STDLIB_SOURCES:
     return sources.stdlib_files(config.paths)
   return sources.resolve_paths(config.paths)

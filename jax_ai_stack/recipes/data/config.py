@@ -30,7 +30,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "chat", "chat_stdlib",
-                 "digits", "custom"]
+                 "preference", "preference_stdlib", "digits", "custom"]
 TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
@@ -39,6 +39,10 @@ _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
 TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
 # Conversations rendered with a chat template, the loss on the assistant's tokens (`chat`).
 CHAT_SOURCES = ("chat", "chat_stdlib")
+# Pairs of replies to one prompt, the first preferred: what DPO trains on (`preference`).
+PREFERENCE_SOURCES = ("preference", "preference_stdlib")
+# Sources made from the standard library's own files (`data.paths`: patterns within it).
+STDLIB_SOURCES = ("stdlib", "chat_stdlib", "preference_stdlib")
 
 
 @config_dataclass
@@ -141,7 +145,8 @@ class DataConfig:
   source: Source = "stdlib"
   """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; chat:
   JSONL conversations in `paths`; chat_stdlib: question-answer pairs about the standard
-  library's functions; digits; custom: your Task's own `dataset` (with `model.kind: custom`),
+  library's functions; preference: JSONL pairs of replies (DPO); preference_stdlib: right
+  answers to chat_stdlib's questions over the same answers damaged; digits; custom: your Task's own `dataset` (with `model.kind: custom`),
   nothing read here."""
   paths: tuple[str, ...] = ()
   """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.
@@ -213,9 +218,9 @@ class DataConfig:
       raise ConfigError(
           f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"
       )
-    if self.source in (*_PATH_SOURCES, "chat") and not self.paths:
+    if self.source in (*_PATH_SOURCES, "chat", "preference") and not self.paths:
       raise ConfigError(f"data.paths: source={self.source!r} needs at least one file or glob")
-    if self.source not in (*_PATH_SOURCES, *CHAT_SOURCES, "stdlib") and self.paths:
+    if self.source not in (*_PATH_SOURCES, *CHAT_SOURCES, *PREFERENCE_SOURCES, "stdlib") and self.paths:
       raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
@@ -265,8 +270,13 @@ class DataConfig:
 
   @property
   def is_chat(self) -> bool:
-    """True for conversations (`chat`, `chat_stdlib`): packed whole, loss on the assistant."""
-    return self.source in CHAT_SOURCES
+    """True for conversations rendered with a chat template (chat and preference sources)."""
+    return self.source in (*CHAT_SOURCES, *PREFERENCE_SOURCES)
+
+  @property
+  def is_preference(self) -> bool:
+    """True for preference pairs (`preference`, `preference_stdlib`): DPO's data."""
+    return self.source in PREFERENCE_SOURCES
 
 
 def require_token_source(config: DataConfig, what: str) -> None:

@@ -84,7 +84,7 @@ import numpy as np
 
 from jax_ai_stack.absl_flags import grain_flags_readable
 from jax_ai_stack.errors import ConfigError, DataError
-from jax_ai_stack.recipes.data import chat
+from jax_ai_stack.recipes.data import chat, preference
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
 from jax_ai_stack.recipes.data import mixture as mixture_lib
@@ -289,8 +289,9 @@ def _lm_examples(config: DataConfig, split: Split):
   return examples
 
 
-def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows:
-  rows = chat.load_chat(config)[split]
+def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preference.PreferenceRows:
+  load = preference.load_preferences if config.is_preference else chat.load_chat
+  rows = load(config)[split]
   needed = config.batch_size if split == "validation" else 1
   if rows.num_examples < needed:
     fraction = config.holdout_fraction

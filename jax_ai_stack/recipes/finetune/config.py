@@ -23,9 +23,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 from jax_ai_stack.errors import ConfigError
+from typing import Literal
+
 from jax_ai_stack.recipes.configlib import config_dataclass
 from jax_ai_stack.recipes.tasks.families import FAMILIES
 
@@ -104,12 +108,33 @@ class LoraConfig:
 
 
 @config_dataclass
+class DpoConfig:
+  """Direct preference optimization (`finetune.dpo`): what a run on preference data minimizes."""
+
+  beta: float = 0.1
+  """How far from the reference the model may move: the scale of the log-ratio margin."""
+  loss: Literal["sigmoid", "ipo"] = "sigmoid"
+  """sigmoid: DPO's -log sigmoid(beta margin); ipo: (margin - 1/(2 beta))^2."""
+  label_smoothing: float = 0.0
+  """sigmoid: the share of pairs assumed mislabelled (conservative DPO); 0: plain DPO."""
+
+  def __post_init__(self):
+    if self.beta <= 0:
+      raise ValueError(f"finetune.dpo.beta must be > 0, got {self.beta}")
+    if not 0 <= self.label_smoothing < 0.5:
+      raise ValueError(f"finetune.dpo.label_smoothing must be in [0, 0.5), got "
+                       f"{self.label_smoothing}")
+
+
+@config_dataclass
 class FinetuneConfig:
   base: str | None = None
   """A trained run to start from: its workdir (newest step) or one step directory
   (<workdir>/checkpoints/<step>). None: train from the seed."""
   lora: LoraConfig | None = None
   """Train low-rank adapters only (the base frozen); None: fine-tune every parameter."""
+  dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+  """The DPO loss, for a run on preference data (`data.source: preference`)."""
 
   def __post_init__(self):
     if self.lora is not None and self.base is None:

@@ -119,6 +119,19 @@ def adapter_pairs(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
           for name in flat if name.endswith(_A)}
 
 
+def adapters_off(model: nnx.Module) -> nnx.Module:
+  """`model` as its base computes it: a copy whose adapters' B factors are zero, so each
+  adapted layer adds exactly nothing (DPO's reference, without a second copy of the weights).
+
+  Pure: `model` is not changed, and inside a traced step the copy costs one forward pass.
+  """
+  graphdef, state = nnx.split(model)
+  off = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if any(
+          str(getattr(key, "key", "")).endswith(_B) for key in path) else x, state)
+  return nnx.merge(graphdef, off)
+
+
 def adapter_delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ...]) -> jax.Array:
   """scale * A B in the weight's own shape (Qwix's A holds the weight's input axes, B its output).
 

@@ -21,7 +21,7 @@ from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "classification", "custom", "families", "lm")
+_SUBMODULES = ("base", "classification", "custom", "families", "lm", "objectives")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "ImageClassification": "classification",
     "classification_loss": "classification",
     "LanguageModel": "lm",
-    "lm_loss": "lm",
+    "lm_loss": "objectives",
 }
 
 

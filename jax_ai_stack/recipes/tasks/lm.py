@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import functools
 
-import math
 import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jax_ai_stack import kernels
@@ -33,32 +31,12 @@ from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models import llama
 from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
+from jax_ai_stack.recipes.tasks import objectives
+from jax_ai_stack.recipes.tasks.base import QuantLayers, Task
 
 SAMPLE_FILE = "sample.txt"
 DEFAULT_NEW_TOKENS = 128
 """`generate` without a length: this many new tokens, or as many as fit `max_seq_len`."""
-
-
-def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
-
-  Without a `loss_mask`, padding (segment id 0) is left out.
-  """
-  logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                 positions=batch.get("positions"))
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["targets"]
-  )
-  if "loss_mask" in batch:
-    mask = batch["loss_mask"].astype(jnp.float32)
-  elif "segment_ids" in batch:
-    mask = (batch["segment_ids"] != 0).astype(jnp.float32)
-  else:
-    mask = jnp.ones_like(losses)
-  tokens = jnp.maximum(mask.sum(), 1.0)
-  loss = (losses * mask).sum() / tokens
-  return loss, {"tokens": mask.sum()}
 
 
 class LanguageModel(Task):
@@ -87,8 +65,13 @@ class LanguageModel(Task):
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
     return Llama(self.config.model, rngs=rngs, attention=attention, layout=layout)
 
+  @functools.cached_property
+  def objective(self) -> objectives.NextToken | objectives.DirectPreference:
+    """What the model learns: the next token, or DPO on preference data (`objectives`)."""
+    return objectives.for_config(self.config)
+
   def loss(self, model, batch):
-    return lm_loss(model, batch)
+    return self.objective.loss(model, batch)
 
   def data_metrics(self, step: int) -> dict[str, float]:
     """A mixture's tokens per component so far (`tokens_<name>`)."""
@@ -114,6 +97,8 @@ class LanguageModel(Task):
 
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
     names = ("inputs", "targets", "segment_ids", "positions")
+    if self.config.data.is_preference:  # A pair's sides, on the same devices.
+      names = tuple(f"{side}_{name}" for side in objectives.SIDES for name in names)
     return {name: ("batch", "length") for name in names}
 
   def tokenizer(self) -> data.Tokenizer:
@@ -151,7 +136,7 @@ class LanguageModel(Task):
     return per_row, f"analytic: remat {model.remat}, attention {attention} {kept}"
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
-    return {**means, "eval_perplexity": math.exp(min(means["eval_loss"], 50.0))}
+    return self.objective.evaluation(means)
 
   def artefacts(self) -> list[str]:
     return [SAMPLE_FILE] if self.config.train.sample_tokens else []

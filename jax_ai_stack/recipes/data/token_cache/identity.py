@@ -30,7 +30,7 @@ import numpy as np
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import sources
-from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
 from jax_ai_stack.recipes.data.token_cache.store import READ_BLOCK_TOKENS, _read_block
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer
 
@@ -50,7 +50,7 @@ def _file_hash(path: pathlib.Path) -> str:
 
 def source_files(config: DataConfig) -> list[pathlib.Path]:
   """The files `config`'s corpus is read from (the standard library's, or `paths`)."""
-  if config.source in ("stdlib", "chat_stdlib"):
+  if config.source in STDLIB_SOURCES:
     return sources.stdlib_files(config.paths)
   return sources.resolve_paths(config.paths)
 

@@ -1,0 +1,136 @@
+"""Training objectives of the language-model family: values a Task is built with.
+
+The decoder is one; what it learns differs. `NextToken` is the mean
+cross-entropy of the next token over the tokens a batch's `loss_mask` keeps:
+pretraining on text, and chat fine-tuning (the mask is the assistant's tokens).
+`DirectPreference` is DPO (Rafailov et al., 2023) on preference pairs: with
+log-probabilities of each reply summed over its tokens, for the model being
+trained (pi) and for a frozen reference (ref),
+
+  margin = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
+  loss   = -(1 - eps) log sigmoid(beta margin) - eps log sigmoid(-beta margin)   (sigmoid)
+  loss   = (margin - 1 / (2 beta))^2                                           (ipo)
+
+with eps the label smoothing (conservative DPO). The reference is the model
+with its LoRA adapters switched off (`lora.adapters_off`): the base itself,
+computed by the same weights, so no second copy of the parameters is held.
+The metrics are the mean implicit rewards (beta times each side's log-ratio),
+their margin, the share of pairs whose chosen reply wins (preference
+accuracy), and the policy's mean log-probability of each side.
+
+`for_config` picks the objective from the recipe: preference data trains DPO,
+anything else the next token. A new objective is a class with `loss` and
+`evaluation` here, and the data it reads.
+
+Example: the DPO loss on fixed log-probabilities.
+  >>> loss, metrics = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]),
+  ...                          jnp.array([-2.0]), beta=0.5)
+  >>> round(float(loss), 4), float(metrics["reward_margin"]), float(metrics["preference_accuracy"])
+  (0.3133, 1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+Batch = dict[str, jax.Array]
+SIDES = ("chosen", "rejected")
+
+
+def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
+
+  Without a `loss_mask`, padding (segment id 0) is left out.
+  """
+  logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                 positions=batch.get("positions"))
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["targets"]
+  )
+  if "loss_mask" in batch:
+    mask = batch["loss_mask"].astype(jnp.float32)
+  elif "segment_ids" in batch:
+    mask = (batch["segment_ids"] != 0).astype(jnp.float32)
+  else:
+    mask = jnp.ones_like(losses)
+  tokens = jnp.maximum(mask.sum(), 1.0)
+  loss = (losses * mask).sum() / tokens
+  return loss, {"tokens": mask.sum()}
+
+
+class NextToken:
+  """Next-token prediction on the tokens the batch's `loss_mask` keeps."""
+
+  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return lm_loss(model, batch)
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    return {**means, "eval_perplexity": math.exp(min(means["eval_loss"], 50.0))}
+
+
+def sequence_logps(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """Summed log-probabilities of each pair's chosen and of its rejected reply, [B] each,
+  from one forward pass over both sides' rows."""
+  both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
+          for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+  logits = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"])
+  logps = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                           both["targets"])
+  summed = (logps * both["loss_mask"].astype(jnp.float32)).sum(axis=-1)
+  return jnp.split(summed, 2)
+
+
+def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
+             reference_rejected: jax.Array, *, beta: float, kind: str = "sigmoid",
+             label_smoothing: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(mean DPO loss, metrics) of summed log-probabilities [B] (see the module)."""
+  chosen = policy_chosen - reference_chosen
+  rejected = policy_rejected - reference_rejected
+  margin = chosen - rejected
+  if kind == "ipo":
+    losses = (margin - 1.0 / (2.0 * beta)) ** 2
+  else:
+    losses = (-(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * margin)
+              - label_smoothing * jax.nn.log_sigmoid(-beta * margin))
+  metrics = {"reward_chosen": (beta * chosen).mean(), "reward_rejected": (beta * rejected).mean(),
+             "reward_margin": (beta * margin).mean(),
+             "preference_accuracy": (margin > 0).astype(jnp.float32).mean(),
+             "logp_chosen": policy_chosen.mean(), "logp_rejected": policy_rejected.mean()}
+  return losses.mean(), metrics
+
+
+class DirectPreference:
+  """DPO against a reference computed from the trained model (`reference(model)`)."""
+
+  def __init__(self, *, beta: float, kind: str, label_smoothing: float,
+               reference: Callable[[nnx.Module], nnx.Module]):
+    self.beta, self.kind, self.label_smoothing = beta, kind, label_smoothing
+    self.reference = reference
+
+  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    policy = sequence_logps(model, batch)
+    reference = jax.lax.stop_gradient(sequence_logps(self.reference(model), batch))
+    return dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
+                    label_smoothing=self.label_smoothing)
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    return means
+
+
+def for_config(config: Any) -> NextToken | DirectPreference:
+  """The objective a recipe trains: DPO on preference data (`finetune.dpo`), else the next
+  token."""
+  if not config.data.is_preference:
+    return NextToken()
+  from jax_ai_stack.recipes.finetune import lora  # pylint: disable=g-import-not-at-top
+
+  dpo = config.finetune.dpo
+  return DirectPreference(beta=dpo.beta, kind=dpo.loss, label_smoothing=dpo.label_smoothing,
+                          reference=lora.adapters_off)

@@ -1,0 +1,99 @@
+"""Objectives: the next token, and DPO against the base with its adapters off."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.recipes import config as config_lib
+from jax_ai_stack.recipes.finetune import lora
+from jax_ai_stack.recipes.tasks import objectives
+from jax_ai_stack.recipes.tasks.lm import LanguageModel
+
+RNG = np.random.default_rng(0)
+LOGPS = [RNG.normal(-20, 5, 16).astype(np.float32) for _ in range(4)]
+
+
+def _numpy_dpo(pc, pr, rc, rr, beta, kind, eps):
+  """The DPO, cDPO and IPO losses as their papers write them, in float64 NumPy."""
+  margin = (pc.astype(np.float64) - rc) - (pr - rr)
+  log_sigmoid = lambda x: -np.logaddexp(0.0, -x)
+  if kind == "ipo":
+    return np.mean((margin - 1 / (2 * beta)) ** 2), margin
+  return np.mean(-(1 - eps) * log_sigmoid(beta * margin) - eps * log_sigmoid(-beta * margin)), margin
+
+
+@pytest.mark.parametrize("beta,kind,eps", [(0.1, "sigmoid", 0.0), (0.5, "sigmoid", 0.2),
+                                           (0.1, "ipo", 0.0)])
+def test_the_dpo_loss_equals_numpy_on_fixed_log_probs(beta, kind, eps):
+  loss, metrics = objectives.dpo_loss(*map(jnp.asarray, LOGPS), beta=beta, kind=kind,
+                                      label_smoothing=eps)
+  expected, margin = _numpy_dpo(*LOGPS, beta, kind, eps)
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["reward_margin"]), beta * margin.mean(), rtol=1e-5)
+  assert float(metrics["preference_accuracy"]) == np.mean(margin > 0)
+  np.testing.assert_allclose(float(metrics["reward_chosen"]),
+                             beta * np.mean(LOGPS[0] - LOGPS[2]), rtol=1e-5)
+
+
+TINY = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.mlp_dim=64", "model.max_seq_len=32", "data.seq_len=16",
+        "finetune.base=runs/base", "finetune.lora={rank: 4}"]
+
+
+def _pair_batch():
+  tokens = RNG.integers(0, 256, (2, 2, 16)).astype(np.int32)
+  mask = np.zeros((2, 16), np.float32)
+  mask[:, 6:12] = 1
+  batch = {}
+  for s, side in enumerate(objectives.SIDES):
+    batch.update({f"{side}_inputs": tokens[s], f"{side}_targets": np.roll(tokens[s], -1, 1),
+                  f"{side}_segment_ids": np.ones((2, 16), np.int32),
+                  f"{side}_positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+                  f"{side}_loss_mask": mask})
+  return batch
+
+
+def test_the_reference_is_the_base_bitwise_with_trained_adapters():
+  config = config_lib.load("lm-tiny", overrides=TINY)
+  task = LanguageModel(config)
+  base = task.build_model(0)
+  adapted = lora.add_adapters(task.build_model(0), config.finetune.lora, config.model, 2)
+  graphdef, state = nnx.split(adapted)
+  trained = jax.tree_util.tree_map_with_path(  # Adapters that moved: B no longer zero.
+      lambda path, x: x + 0.5 if "lora" in jax.tree_util.keystr(path) else x, state)
+  adapted = nnx.merge(graphdef, trained)
+  batch = _pair_batch()
+  reference = objectives.sequence_logps(lora.adapters_off(adapted), batch)
+  theirs = objectives.sequence_logps(base, batch)
+  policy = objectives.sequence_logps(adapted, batch)
+  for ours, base_logps, moved in zip(reference, theirs, policy):
+    assert (np.asarray(ours) == np.asarray(base_logps)).all()  # Bitwise.
+    assert not np.allclose(moved, base_logps)  # The adapters do change the policy.
+
+
+def test_sequence_log_probs_sum_the_masked_tokens_of_each_side():
+  config = config_lib.load("lm-tiny", overrides=TINY)
+  model = LanguageModel(config).build_model(0)
+  batch = _pair_batch()
+  chosen, _ = objectives.sequence_logps(model, batch)
+  logits = model(batch["chosen_inputs"], segment_ids=batch["chosen_segment_ids"],
+                 positions=batch["chosen_positions"])
+  logps = jax.nn.log_softmax(logits.astype(jnp.float32))
+  picked = np.take_along_axis(np.asarray(logps), batch["chosen_targets"][..., None], -1)[..., 0]
+  np.testing.assert_allclose(chosen, (picked * batch["chosen_loss_mask"]).sum(-1), rtol=1e-5)
+
+
+def test_the_objective_follows_the_data():
+  assert isinstance(objectives.for_config(config_lib.load("lm-tiny")), objectives.NextToken)
+  dpo = objectives.for_config(config_lib.load("lm-tiny-dpo"))
+  assert isinstance(dpo, objectives.DirectPreference) and dpo.beta == 0.1
+
+
+def test_preference_data_needs_lora_adapters():
+  with pytest.raises(config_lib.ConfigError, match="data.source='preference_stdlib' trains DPO, "
+                                                   "whose reference model is the base"):
+    config_lib.load("lm-tiny-dpo", overrides=["finetune.lora=null"])
