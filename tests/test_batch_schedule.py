@@ -141,6 +141,7 @@ def test_a_size_the_mesh_cannot_split_is_refused_before_anything_is_written(tmp_
   assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 def test_a_grown_batch_in_micro_batches_on_a_mesh_trains_as_on_one_device(tmp_path):
   overrides = [*TINY, "train.steps=4", "train.sample_tokens=0", "train.eval_every=0",
                "data.batch_schedule=[{step: 2, batch_size: 16}]", "train.microbatch_size=8"]

@@ -170,6 +170,7 @@ def _cli(*args, cwd):
                          *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_chat_run_trains_on_the_replies_and_evaluates_them(tmp_path):
   path = _jsonl(tmp_path / "short.jsonl", [{"prompt": f"{i}", "completion": "ok"} if i % 4
                                            else {"prompt": f"{i}" * 8, "completion": "long"}

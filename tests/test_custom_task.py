@@ -129,6 +129,7 @@ def _cli(folder, *args):
                         capture_output=True, text=True, env=env, check=False)
 
 
+@pytest.mark.slow
 def test_the_commands_import_the_task_that_model_task_names(my_model):
   folder, _ = my_model
   (folder / "mine.yaml").write_text(textwrap.dedent("""

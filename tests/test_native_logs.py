@@ -73,6 +73,7 @@ def test_off_it_changes_nothing(tmp_path):
   assert "device count" in console and not logged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True])
 def test_xlas_own_lines_follow_the_rule_through_the_command_line(tmp_path, verbose):
   """TF_CPP_MIN_LOG_LEVEL=0 makes XLA log its devices at INFO from C++."""

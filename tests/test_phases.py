@@ -63,6 +63,7 @@ def test_a_run_resumed_at_the_stage_boundary_with_the_next_settings_equals_the_p
   assert "phase" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_planned_run_killed_at_random_moments_and_resumed_is_the_same_run(planned, tmp_path):
   for step in (2, 7):
     process = start_training(tmp_path, *SHORT, *PLANNED, "train.steps=12")

@@ -9,6 +9,7 @@ from jax_ai_stack.recipes import profile, train
 from training_helpers import tiny_config, train_losses
 
 
+@pytest.mark.slow
 def test_the_profiled_steps_are_traced_and_annotated_and_nothing_else_changes(tmp_path, capsys):
   cfg = tiny_config("train.steps=6", "train.eval_every=0", "train.profile=2:4")
   train.run(cfg, tmp_path / "profiled")
