@@ -36,11 +36,10 @@ def _step(build, loss, batch, microbatch_size, steps=1):
   return jax.device_get(metrics), jax.device_get(state)
 
 
-@pytest.mark.parametrize("microbatch_size", [1, 2, 4])
-def test_micro_batches_weighted_by_tokens_give_the_whole_batch_step(microbatch_size):
+def test_micro_batches_weighted_by_tokens_give_the_whole_batch_step():
   build = lambda: Llama(LLAMA, rngs=nnx.Rngs(0))
   whole, whole_state = _step(build, lm_loss, _lm_batch(), None, steps=2)
-  micro, micro_state = _step(build, lm_loss, _lm_batch(), microbatch_size, steps=2)
+  micro, micro_state = _step(build, lm_loss, _lm_batch(), 2, steps=2)  # 4 micro-batches.
   assert micro["tokens"] == whole["tokens"] == 8 * 16 - 3 * 11
   np.testing.assert_allclose(micro["loss"], whole["loss"], rtol=1e-5)
   np.testing.assert_allclose(micro["grad_norm"], whole["grad_norm"], rtol=1e-4)
