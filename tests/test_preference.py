@@ -111,3 +111,14 @@ def test_a_dpo_run_starts_at_the_base_moves_from_it_and_resumes_bitwise(tmp_path
   losses = [[(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / w)
              if r["split"] == "train"] for w in ("whole", "stopped")]
   assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_pairs_whose_replies_do_not_fit_are_named_when_nothing_is_left(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_text(json.dumps({"prompt": "x" * 80, "chosen": "a", "rejected": "b"}) + "\n")
+  config = DataConfig(source="preference", paths=(str(path),), seq_len=32, batch_size=1,
+                      validation_fraction=0.0, prefetch_batches=0)
+  with pytest.raises(DataError, match=r"the train split has 0 rows of preference pairs and "
+                                      r"needs 1: .*1 preference pairs were dropped, their "
+                                      r"assistant turn beyond data.seq_len \+ 1 = 33 tokens"):
+    read_batches(config, 1)

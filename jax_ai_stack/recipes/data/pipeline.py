@@ -297,11 +297,13 @@ def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preferen
     fraction = config.holdout_fraction
     fix = (f"raise data.validation_fraction (now {fraction}) or lower data.batch_size"
            if split == "validation" else f"lower data.validation_fraction (now {fraction})")
+    what = "preference pairs" if config.is_preference else "conversations"
     if rows.stats["dropped"]:
-      fix += (f"; {rows.stats['dropped']} conversations were dropped, their assistant turn "
+      fix += (f"; {rows.stats['dropped']} {what} were dropped, their assistant turn "
               f"beyond data.seq_len + 1 = {config.seq_len + 1} tokens: raise data.seq_len")
-    raise DataError(f"data: the {split} split has {rows.num_examples} packed rows of "
-                    f"conversations and needs {needed}: {fix}, or add conversations ({rows!r})")
+    rows_of = "rows of preference pairs" if config.is_preference else "packed rows of conversations"
+    raise DataError(f"data: the {split} split has {rows.num_examples} {rows_of} and needs "
+                    f"{needed}: {fix}, or add {what} ({rows!r})")
   return rows
 
 
