@@ -40,7 +40,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
          "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
-         "recipes.finetune.lora", "recipes.finetune.quant")),
+         "recipes.transforms", "recipes.finetune.lora", "recipes.finetune.quant",
+         "recipes.finetune.reference", "recipes.finetune.transforms")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
          "recipes.run", "recipes.train", "recipes.record", "recipes.finetune.ptq",
@@ -191,3 +192,11 @@ def test_no_module_imports_a_layer_above_its_own():
 ])
 def test_layers_are_assigned_most_specific_first(name, layer):
   assert LAYERS[layer_of(name)][0] == layer
+
+
+@pytest.mark.parametrize("name", ["jax_ai_stack.recipes.run", "jax_ai_stack.recipes.train"])
+def test_the_trainer_names_no_fine_tuning(name):
+  """LoRA, QLoRA, QAT and a base to start from reach a run as a model transform (the
+  Task's `model_transforms`) and DPO as an objective: the run and its loop import neither."""
+  named = graph()[name]
+  assert not [t for t in named if t.startswith("jax_ai_stack.recipes.finetune")], named

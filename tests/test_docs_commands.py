@@ -435,6 +435,7 @@ CHAT_FILE = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat questio
 
 DPO = doc("jax-ai-stack train lm-tiny-dpo")
 DPO_JSONL = doc("jax-ai-stack train lm-tiny-dpo data.source=preference data.paths=[pairs.jsonl]")
+DPO_FULL = doc("jax-ai-stack train lm-tiny-dpo finetune.lora=null")
 
 
 @pytest.mark.slow
@@ -467,6 +468,8 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
   ok(run(DPO_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
          "data.validation_fraction=0.3", cwd=tmp_path))
   assert (tmp_path / "runs" / "my-dpo" / "checkpoints").is_dir()
+  out = ok(run(DPO_FULL, *tiny, cwd=tmp_path))
+  assert re.search(r"  reference +\S+ \S+  \(frozen copy of the base", out), out
 
 
 # ---- README and docs/scaling.md: meshes ----------------------------------------------

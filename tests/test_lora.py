@@ -22,7 +22,8 @@ from jax_ai_stack.recipes.finetune import lora, lora_merge
 from jax_ai_stack.recipes.metrics import MetricsLog
 
 from multidevice import run_on_devices
-from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
+from training_helpers import (STEPS, TINY, checkpoint_paths, start_training, tiny_config,
+                              train_losses, wait_for_step)
 
 MERGE_TOLERANCE = 1e-5
 """Logits of W + (alpha/r) A B against W x + (alpha/r) (x A) B: float32 rounding only."""
@@ -57,15 +58,6 @@ def flat(tree) -> dict[str, np.ndarray]:
           for path, v in nnx.to_flat_state(tree)}
 
 
-def checkpoint_paths(workdir) -> list[str]:
-  manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR,
-                                     checkpoint.CheckpointConfig(), read_only=True)
-  try:
-    return list(checkpoint_io._shapes_by_path(manager.item_metadata(manager.latest_step())["state"]))
-  finally:
-    manager.close()
-
-
 def logits(model, tokens):
   return nnx.jit(lambda m, t: m(t))(model, tokens)  # Eagerly, Qwix's interception is slow.
 
@@ -91,8 +83,9 @@ def test_lora_trains_and_saves_only_the_adapters(base, lora_run):
   assert len(moments) == 2 * len(adapters)  # Adam's mu and nu, of the adapters alone.
   saved_model = [p for p in checkpoint_paths(workdir) if p.startswith("0/")]
   assert saved_model and all(p.endswith(("_lora_a", "_lora_b")) for p in saved_model)
-  assert tuned.finetune.base["base"] == str((base / train.CHECKPOINT_DIR).absolute())
-  assert tuned.finetune.base["step"] == STEPS
+  pointer = tuned.transforms.metadata()["finetune"]
+  assert pointer["base"] == str((base / train.CHECKPOINT_DIR).absolute())
+  assert pointer["step"] == STEPS
 
 
 def test_held_out_and_train_loss_drop(lora_run, capsys):
@@ -124,7 +117,8 @@ def test_merge_gives_the_logits_of_base_plus_adapters(lora_run, tmp_path, capsys
   assert not [p for p in checkpoint_paths(out) if "_lora_" in p]  # Plain, full weights.
   tokens = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 7) % 256
   merged, tuned = opened(out), opened(workdir)
-  assert merged.finetune.lora is None and merged.step == STEPS
+  assert merged.config.finetune.lora is None and merged.step == STEPS
+  assert not merged.transforms.metadata() and not nnx.state(merged.model, nnx.LoRAParam)
   np.testing.assert_allclose(logits(merged.model, tokens), logits(tuned.model, tokens),
                              atol=MERGE_TOLERANCE, rtol=MERGE_TOLERANCE)
   assert cli.main(["eval", "--workdir", str(out)]) == 0
@@ -243,7 +237,7 @@ def test_full_fine_tuning_starts_from_the_base(base, lora_run, tmp_path):
   assert first["step"] == 0  # The base on the new text, as LoRA's step 0 (B = 0) sees it.
   assert first["eval_loss"] == pytest.approx(lora_first["eval_loss"], abs=1e-5)
   tuned = opened(tmp_path)
-  assert tuned.finetune.lora is None and tuned.finetune.base["step"] == STEPS
+  assert tuned.transforms.metadata()["finetune"]["step"] == STEPS
   assert not nnx.state(tuned.model, nnx.LoRAParam)  # Every parameter trains: no adapters.
 
 

@@ -1,4 +1,4 @@
-"""Objectives: the next token, and DPO against the base with its adapters off."""
+"""Objectives: the next token, and DPO against the base (adapters off, or a frozen copy)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack.recipes import config as config_lib
-from jax_ai_stack.recipes.finetune import lora
+from jax_ai_stack.recipes.finetune import lora, reference
 from jax_ai_stack.recipes.tasks import objectives
 from jax_ai_stack.recipes.tasks.lm import LanguageModel
 
@@ -87,13 +87,39 @@ def test_sequence_log_probs_sum_the_masked_tokens_of_each_side():
   np.testing.assert_allclose(chosen, (picked * batch["chosen_loss_mask"]).sum(-1), rtol=1e-5)
 
 
+def test_the_frozen_copy_is_the_base_bitwise_after_the_weights_moved():
+  config = config_lib.load("lm-tiny", overrides=TINY[:-1])
+  task = LanguageModel(config)
+  base = task.build_model(0)
+  model = reference.add_frozen_copy(task.build_model(0))
+  graphdef, state = nnx.split(model)
+  moved = jax.tree_util.tree_map_with_path(  # Every parameter trained; the copy is not one.
+      lambda path, x: x if jax.tree_util.keystr(path).startswith("['reference']") else x + 0.01,
+      state)
+  model = nnx.merge(graphdef, moved)
+  batch = _pair_batch()
+  frozen = objectives.sequence_logps(reference.frozen_copy_model(model), batch)
+  for ours, theirs, policy in zip(frozen, objectives.sequence_logps(base, batch),
+                                  objectives.sequence_logps(model, batch)):
+    assert (np.asarray(ours) == np.asarray(theirs)).all()  # Bitwise.
+    assert not np.allclose(policy, theirs)
+  bare = reference.without_frozen_copy(model)
+  assert not nnx.state(bare, reference.Frozen) and nnx.state(model, reference.Frozen)
+  np.testing.assert_array_equal(bare(batch["chosen_inputs"]), model(batch["chosen_inputs"]))
+
+
 def test_the_objective_follows_the_data():
-  assert isinstance(objectives.for_config(config_lib.load("lm-tiny")), objectives.NextToken)
-  dpo = objectives.for_config(config_lib.load("lm-tiny-dpo"))
+  plain = config_lib.load("lm-tiny")
+  assert isinstance(objectives.for_config(plain, lambda m: None), objectives.NextToken)
+  dpo_config = config_lib.load("lm-tiny-dpo")
+  dpo = LanguageModel(dpo_config).objective
   assert isinstance(dpo, objectives.DirectPreference) and dpo.beta == 0.1
+  model = LanguageModel(dpo_config).build_model(0)
+  with pytest.raises(config_lib.ConfigError, match="this run keeps none: set finetune.base"):
+    objectives.for_config(dpo_config, lambda m: None).loss(model, _pair_batch())
 
 
-def test_preference_data_needs_lora_adapters():
+def test_preference_data_needs_a_base():
   with pytest.raises(config_lib.ConfigError, match="data.source='preference_stdlib' trains DPO, "
                                                    "whose reference model is the base"):
-    config_lib.load("lm-tiny-dpo", overrides=["finetune.lora=null"])
+    config_lib.load("lm-tiny-dpo", overrides=["finetune.base=null", "finetune.lora=null"])

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +21,7 @@ from jax_ai_stack.recipes.data.preference import (PreferenceRows, load_preferenc
                                                   read_pairs, stdlib_pairs)
 from jax_ai_stack.recipes.data.tokenizers import ByteTokenizer
 from data_helpers import read_batches
+from training_helpers import checkpoint_paths, train_losses, wait_for_step
 
 BYTES = ChatTemplate(BYTE_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
 TALK = [{"role": "user", "content": "hi"}]
@@ -89,28 +94,92 @@ BASE = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.nu
         "optim.warmup_steps=1", "train.eval_batches=1"]
 
 
-@pytest.mark.slow
-def test_a_dpo_run_starts_at_the_base_moves_from_it_and_resumes_bitwise(tmp_path):
-  path = tmp_path / "p.jsonl"
+@pytest.fixture(scope="module")
+def pairs_and_base(tmp_path_factory):
+  """A JSONL file of 60 pairs ("yes" over "no") and a 2-step lm-tiny base."""
+  tmp = tmp_path_factory.mktemp("dpo")
+  path = tmp / "p.jsonl"
   path.write_text("".join(json.dumps({"prompt": f"{i}", "chosen": "yes", "rejected": "no"})
                           + "\n" for i in range(60)))
   train.run(config_lib.load("lm-tiny", overrides=[*BASE, "data.max_documents=30",
-                                                  "train.steps=2"]), tmp_path / "base")
-  dpo = config_lib.load("lm-tiny-dpo", overrides=[
-      *BASE, "data.source=preference", f"data.paths=[{path}]", f"finetune.base={tmp_path / 'base'}",
-      "finetune.lora={rank: 4}", "train.steps=6", "train.eval_every=3", "checkpoint.save_every=3",
-      "optim.learning_rate=0.01"])
-  train.run(dpo, tmp_path / "whole")
-  train.run(dpo, tmp_path / "stopped", stop_after=3)
-  train.run(dpo, tmp_path / "stopped")
-  records = train.read_metrics(tmp_path / "whole")
-  evals = [r for r in records if r["split"] == "eval"]
+                                                  "train.steps=2"]), tmp / "base")
+  return path, tmp / "base"
+
+
+DPO_STEPS = 8
+
+
+def _dpo_overrides(pairs_and_base, tuning: str) -> list[str]:
+  path, base = pairs_and_base
+  lora = "finetune.lora={rank: 4}" if tuning == "lora" else "finetune.lora=null"
+  return [*BASE, "data.source=preference", f"data.paths=[{path}]", f"finetune.base={base}", lora,
+          f"train.steps={DPO_STEPS}", "train.eval_every=4", "checkpoint.save_every=1",
+          "optim.learning_rate=0.01" if tuning == "lora" else "optim.learning_rate=0.002"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_a_dpo_run_starts_at_the_base_moves_from_it_and_resumes_bitwise_after_a_kill(
+    pairs_and_base, tmp_path, tuning, capsys):
+  """The reference is the base: the adapters off (LoRA), or a frozen copy read again from the
+  base on resume (full fine-tuning), which no checkpoint holds."""
+  overrides = _dpo_overrides(pairs_and_base, tuning)
+  train.run(config_lib.load("lm-tiny-dpo", overrides=overrides), tmp_path / "whole")
+  if tuning == "full":
+    assert "and a frozen copy of the base's, DPO's reference" in capsys.readouterr().out
+  process = subprocess.Popen(
+      [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny-dpo", "--workdir",
+       str(tmp_path / "killed"), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  wait_for_step(process, tmp_path / "killed", 3)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert train_losses(tmp_path / "killed")[-1][0] < DPO_STEPS, "the run finished before the kill"
+  train.run(config_lib.load("lm-tiny-dpo", overrides=overrides), tmp_path / "killed")
+  evals = [r for r in train.read_metrics(tmp_path / "whole") if r["split"] == "eval"]
   assert evals[0]["step"] == 0 and evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
   assert evals[0]["eval_reward_margin"] == 0  # Step 0: the policy is the reference.
   assert evals[-1]["eval_preference_accuracy"] == 1.0 and evals[-1]["eval_loss"] < np.log(2)
-  losses = [[(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / w)
-             if r["split"] == "train"] for w in ("whole", "stopped")]
-  assert len(losses[0]) == 6 and losses[0] == losses[1]
+  assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "killed")
+  assert len(train_losses(tmp_path / "whole")) == DPO_STEPS
+  saved = checkpoint_paths(tmp_path / "killed")
+  assert saved and not [p for p in saved if "reference" in p]  # The copy is never saved.
+
+
+def test_the_dry_run_states_the_frozen_copy_of_full_fine_tuning(pairs_and_base):
+  from jax_ai_stack.recipes import memory
+
+  overrides = _dpo_overrides(pairs_and_base, "full")
+  full = memory.estimate_memory(config_lib.load("lm-tiny-dpo", overrides=overrides), 1,
+                                attention="xla")
+  lora = memory.estimate_memory(config_lib.load("lm-tiny-dpo", overrides=[
+      *overrides, "finetune.lora={rank: 4}"]), 1, attention="xla")
+  assert full.reference == full.parameters > 0 and "  reference " in full.describe()
+  assert lora.reference == 0 and "reference" not in lora.describe()
+  assert lora.optimizer < full.optimizer / 10  # LoRA's optimizer holds the adapters' moments.
+
+
+@pytest.mark.slow
+def test_dpo_trains_another_family_with_its_own_template(pairs_and_base, tmp_path):
+  """Qwen3 (q/k norms, its ChatML-style template for the byte tokenizer's stand-in): the run
+  starts at the reference and learns the preference."""
+  from test_families import PRESET_SIZE
+
+  path, _ = pairs_and_base
+  size = [*PRESET_SIZE, *BASE, "model.max_seq_len=128", "data.seq_len=128"]  # Its system turn.
+  base = config_lib.load("qwen3-tiny", overrides=[*size, "data.max_documents=30",
+                                                  "train.steps=1"])
+  train.run(base, tmp_path / "base")
+  template = pathlib.Path(__file__).parent / "references" / "chat_templates" / "qwen.jinja"
+  dpo = config_lib.load("qwen3-tiny", overrides=[
+      *size, "data.source=preference", f"data.paths=[{path}]",
+      f"data.chat_template={template}", f"finetune.base={tmp_path / 'base'}",
+      "finetune.lora={rank: 4}", "train.steps=6", "train.eval_every=6",
+      "optim.learning_rate=0.01"])
+  train.run(dpo, tmp_path / "dpo")
+  evals = [r for r in train.read_metrics(tmp_path / "dpo") if r["split"] == "eval"]
+  assert evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
+  assert evals[-1]["eval_preference_accuracy"] == 1.0 and evals[-1]["eval_loss"] < np.log(2)
 
 
 def test_pairs_whose_replies_do_not_fit_are_named_when_nothing_is_left(tmp_path):

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from jax_ai_stack.recipes import config, train
+from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes.checkpoint import io as checkpoint_io
 
 TINY = [
     "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
@@ -47,3 +48,13 @@ def wait_for_step(process: subprocess.Popen, workdir: pathlib.Path, step: int) -
     time.sleep(0.02)
   process.kill()
   pytest.fail("training did not reach the step in time")
+
+
+def checkpoint_paths(workdir: pathlib.Path) -> list[str]:
+  """The array paths of the newest checkpoint's state in `workdir`."""
+  manager = checkpoint.build_manager(workdir / train.CHECKPOINT_DIR,
+                                     checkpoint.CheckpointConfig(), read_only=True)
+  try:
+    return list(checkpoint_io._shapes_by_path(manager.item_metadata(manager.latest_step())["state"]))
+  finally:
+    manager.close()

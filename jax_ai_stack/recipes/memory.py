@@ -9,8 +9,11 @@ device it counts:
   abstractly (`nnx.eval_shape`, nothing allocated), the mesh rules give each
   array's `NamedSharding`, and `shard_shape` its per-device block: the same
   numbers as `array.addressable_shards[0].data.nbytes` of the real state.
-* gradients: one per parameter, laid out like it (under `fsdp` XLA
-  reduce-scatters them), so exact in the same way.
+* gradients: one per parameter that trains, laid out like it (under `fsdp`
+  XLA reduce-scatters them), so exact in the same way. The model is the
+  run's, after its transforms (`Task.model_transforms`): with LoRA the
+  optimizer state and gradients are the adapters', and a full fine-tuning
+  DPO run's frozen copy of the base is counted as "reference".
 * gathered weights: a matmul of batch-split activations needs its weight
   whole along the mesh axes that split the batch, so under `fsdp` XLA
   all-gathers it; without remat the gathered copy stays live from the
@@ -55,6 +58,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import optim, sharding, step, tasks
+from jax_ai_stack.recipes.transforms import Frozen
 
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 """What `parse_bytes` accepts: stricter than `pydantic.ByteSize` alone, which reads
@@ -77,6 +81,8 @@ class MemoryPlan:
   """Devices that split the batch (the mesh axes "batch" maps to)."""
   parameters: int
   """The model's state (parameters, and RNG state if it keeps any)."""
+  reference: int
+  """A frozen copy of the base's weights (DPO's reference in full fine-tuning), else 0."""
   optimizer: int
   """The optimizer's state (moments, step count, accumulated gradients)."""
   gradients: int
@@ -99,7 +105,7 @@ class MemoryPlan:
   @property
   def fixed(self) -> int:
     """Bytes that do not depend on the batch size."""
-    return self.parameters + self.optimizer + self.gradients + self.gathered
+    return self.parameters + self.reference + self.optimizer + self.gradients + self.gathered
 
   @property
   def total(self) -> int:
@@ -125,6 +131,8 @@ class MemoryPlan:
         f"global batch {self.batch_size} ({_rows(self.rows_per_device)} per device)",
         "per-device memory plan:",
         f"  parameters   {format_bytes(self.parameters):>11}",
+        *([f"  reference    {format_bytes(self.reference):>11}  (frozen copy of the base: "
+           "DPO's reference)"] if self.reference else []),
         f"  optimizer    {format_bytes(self.optimizer):>11}",
         f"  gradients    {format_bytes(self.gradients):>11}",
         f"  gathered     {format_bytes(self.gathered):>11}  (weights gathered for the matmuls)",
@@ -177,10 +185,12 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   mesh = abstract_mesh(config.mesh, devices) if isinstance(devices, int) else devices
   rules = sharding.logical_rules(config.mesh)
   task = tasks.for_config(config)
+  transforms = task.model_transforms()
 
   def create():
-    model = task.build_model(config.train.seed)
-    return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
+    model = transforms.apply(task.build_model(config.train.seed))
+    return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
+                                        wrt=transforms.wrt)
 
   model, optimizer = nnx.eval_shape(create)
   micro = config.train.microbatch_size
@@ -208,9 +218,11 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   return MemoryPlan(
       mesh=dict(mesh.shape), rules=config.mesh.rules, batch_size=batch_size,
       batch_ways=batch_ways,
-      parameters=device_bytes(nnx.state(model), mesh, rules),
+      parameters=device_bytes(nnx.state(model, nnx.Not(Frozen)), mesh, rules),
+      reference=device_bytes(nnx.state(model, Frozen), mesh, rules),
       optimizer=device_bytes(nnx.state(optimizer), mesh, rules),
-      gradients=device_bytes(params, mesh, rules), gathered=sum(gathered.values()),
+      gradients=device_bytes(nnx.state(model, transforms.wrt), mesh, rules),
+      gathered=sum(gathered.values()),
       activations_per_row=per_row, activations_from=source,
   )
 
@@ -266,7 +278,8 @@ def _measured_activation_bytes(task: tasks.Task, model: nnx.Module, optimizer: n
   backend = jax.default_backend()
   if analysis is None:
     return 0, f"unknown: XLA reports no memory analysis on {backend}"
-  gradients = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  gradients = sum(x.size * x.dtype.itemsize
+                  for x in jax.tree.leaves(nnx.state(model, optimizer.wrt)))
   measured = max(analysis.temp_size_in_bytes - gradients, 0)
   return -(-measured // max(rows, 1)), f"measured: XLA temp bytes of the step on {backend}"
 

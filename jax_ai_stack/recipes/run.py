@@ -45,7 +45,7 @@ from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError
                                  WorkdirError)
 from jax_ai_stack.recipes import checkpoint, configlib, optim, phases, sharding, step, tasks
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
-from jax_ai_stack.recipes.finetune import lora, quant
+from jax_ai_stack.recipes.transforms import ModelTransform
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,9 @@ class Run:
   validation: grain.IterDataset | Mapping[str, grain.IterDataset] | None
   """None when evaluation is off (`train.eval_every=0`) and for generation; by name for
   a data mixture (each component's held-out split)."""
-  finetune: lora.Finetune | None = None
-  """A run from a trained base (`finetune`): what trains, what is saved, the base's pointer."""
+  transforms: ModelTransform = dataclasses.field(default_factory=ModelTransform)
+  """What the run does to the Task's model (`Task.model_transforms`: QAT, a base run, LoRA):
+  what trains, what is saved, what decodes."""
   converted: str | None = None
   """What the restore converted (a step of the other `model.scan_layers` layout), else None."""
   phases: list[dict] = dataclasses.field(default_factory=list)
@@ -187,8 +188,7 @@ class Run:
       metadata["phases"] = self.phases
     if self.attention_choice is not None:
       metadata["attention"] = {**self.attention_choice.to_dict(), "plan": self.attention.to_dict()}
-    if self.finetune is not None and self.finetune.metadata():
-      metadata["finetune"] = self.finetune.metadata()  # The base, which LoRA checkpoints lack.
+    metadata.update(self.transforms.metadata())  # E.g. the base, which LoRA checkpoints lack.
     return metadata
 
   def save(self, *, force: bool) -> bool:
@@ -199,8 +199,8 @@ class Run:
     """
     # Orbax copies the arrays to host memory before save() returns, so the next
     # step may donate (reuse) their buffers; the resume tests check the bits.
-    saved = self.finetune.saved(self.state) if self.finetune is not None else self.state
-    return checkpoint.save(self.manager, self.step, saved, self.train_batches,
+    return checkpoint.save(self.manager, self.step, self.transforms.saved(self.state),
+                           self.train_batches,
                            self.checkpoint_metadata(), force=force)
 
   def generate(self, prompt: str, max_new_tokens: int | None, temperature: float, *,
@@ -223,12 +223,10 @@ class Run:
                             seed, top_k=top_k, top_p=top_p)
 
   def inference_model(self) -> nnx.Module:
-    """The model that decodes: a LoRA run's base and adapters merged (Qwix adds
-    the adapters only inside `__call__`, not in `decode`)."""
-    if self.finetune is None or self.finetune.lora is None:
-      return self.model
-    return lora.merged_model(self.model, lambda: self.task.build_model(
-        self.config.train.seed, self.attention, self.placement.layout()), self.finetune.scale)
+    """The model that decodes (`transforms.inference_model`: a LoRA run's base and adapters
+    merged, since Qwix adds the adapters only inside `__call__`, not in `decode`)."""
+    return self.transforms.inference_model(self.model, lambda: self.task.build_model(
+        self.config.train.seed, self.attention, self.placement.layout()))
 
   def close(self) -> None:
     self.manager.close()
@@ -238,12 +236,8 @@ class Run:
     return self.attention.kernel_configs() if self.attention else contextlib.nullcontext()
 
   def describe(self) -> str:
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
-    if self.finetune is not None and self.finetune.lora is not None:
-      trained = sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.LoRAParam)))
-      n_params = f"{n_params:,} parameters ({trained:,} in LoRA adapters, the rest frozen)"
-    else:
-      n_params = f"{n_params:,} parameters"
+    n_params = self.transforms.describe(self.model) or (
+        f"{sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))):,} parameters")
     return (f"recipe {self.config.name}: {n_params} on {jax.default_backend()} "
             f"({jax.device_count()} device(s), {self.placement.describe()}); "
             f"workdir {self.workdir}")
@@ -489,16 +483,15 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
 def _assemble(opened: _Opened, *, initial_params=None) -> Run:
   """Model, optimizer and steps, restored into (no initialisation) or initialised."""
   config, task, plan, placement = opened.config, opened.task, opened.plan, opened.placement
-  finetune = lora.Finetune.of(config)
+  transforms = task.model_transforms()
 
   def create(params=None):
     model = task.build_model(config.train.seed, plan, placement.layout())
     if params is not None:  # Given parameters: the initialisers become dead code.
       nnx.update(model, params)
-    model = quant.qat(model, config)  # Fake quantization (quant.qat); else unchanged.
-    model = finetune.apply(model)  # LoRA adapters (finetune.lora); else unchanged.
+    model = transforms.apply(model)  # QAT, LoRA adapters, ...; else unchanged.
     return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
-                                        wrt=finetune.wrt)
+                                        wrt=transforms.wrt)
 
   model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
   state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
@@ -512,7 +505,7 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
     try:
-      restored = checkpoint.restore(opened.manager, finetune.saved(abstract), train_batches,
+      restored = checkpoint.restore(opened.manager, transforms.saved(abstract), train_batches,
                                     capture_stderr=opened.capture_stderr)
     except CheckpointMismatchError as e:
       metadata = checkpoint.read_metadata(opened.manager, capture_stderr=opened.capture_stderr)
@@ -524,19 +517,19 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
     # One compiled program that writes each array straight to its devices
     # (eagerly, each initialiser would also compile on its own).
     if initial_params is None:
-      state = jax.jit(lambda: finetune.saved(nnx.state(create())),  # No frozen base init.
-                      out_shardings=finetune.saved(state_sharding))()
+      state = jax.jit(lambda: transforms.saved(nnx.state(create())),  # No frozen base init.
+                      out_shardings=transforms.saved(state_sharding))()
     else:  # Placed by `initial_params`, then donated: one copy on the devices.
       bare = nnx.state(nnx.eval_shape(  # The Task's model, before QAT or adapters.
           lambda: task.build_model(config.train.seed, plan, placement.layout())))
       params = initial_params(jax.tree.map(
           lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
           bare, placement.state_shardings(bare)))
-      state = jax.jit(lambda p: finetune.saved(nnx.state(create(p))),
-                      out_shardings=finetune.saved(state_sharding), donate_argnums=0)(params)
+      state = jax.jit(lambda p: transforms.saved(nnx.state(create(p))),
+                      out_shardings=transforms.saved(state_sharding), donate_argnums=0)(params)
     start = 0
   else:
-    state = jax.device_put(restored.state, finetune.saved(state_sharding))
+    state = jax.device_put(restored.state, transforms.saved(state_sharding))
     start = restored.step
     if start:  # Step 0 (import-hf's) has trained under no config: nothing to keep bitwise.
       _warn_attention_change(restored.metadata, opened.choice)
@@ -545,14 +538,14 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
       raise WorkdirError(  # The newest step did not read (moved aside): its phases were read.
           f"step {restored.step} was restored, not the newest, whose phases this run was set up "
           "with (that step did not read and was moved aside): run the same command again")
-  state = finetune.with_base(state, abstract, state_sharding,
-                             restored.metadata if restored else None, model=model)
+  state = transforms.load(state, abstract, state_sharding,
+                          restored.metadata if restored else None, model=model)
   step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
   return Run(config=config, task=task, workdir=opened.workdir, manager=opened.manager,
              model=model, optimizer=optimizer, train_step=train_step, eval_step=eval_step,
              state=state, step=start, attention=plan, attention_choice=opened.choice,
              placement=placement, train_batches=train_batches, validation=opened.validation,
-             finetune=finetune, converted=restored.converted if restored else None,
+             transforms=transforms, converted=restored.converted if restored else None,
              phases=(opened.resumed.phases if opened.resumed is not None
                      else phases.history(restored.metadata) if restored else []),
              phase_changes=opened.resumed.started if opened.resumed is not None else [])

@@ -52,7 +52,6 @@ from jax_ai_stack.recipes import compile_cache, distributed, optim, phases, prof
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
-from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
                                           plot, read_metrics)
 from jax_ai_stack.recipes.run import CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir
@@ -382,7 +381,7 @@ def run(
       if trainer.missing_artefacts():  # Killed after the last save, before the artefacts.
         _print_lines(trainer.finish())
     else:
-      lora.eval_before(trainer)  # A fine-tuning run: the base's held-out loss, as step 0.
+      trainer.transforms.before_fit(trainer)  # E.g. a fine-tuning run's base, as step 0.
       print("compiling the train step ...", flush=True)
       result = trainer.fit(stop_after=stop_after, on_first_step=report_startup)
       if result["stopped_by"]:
@@ -394,8 +393,7 @@ def run(
     compile_times.stop()
     trainer.close()
   _print_done(result, workdir)
-  if trainer.finetune and trainer.finetune.config.active:
-    _print_lines(lora.eval_change(workdir, config.optim.learning_rate))
+  _print_lines(trainer.transforms.after_fit(trainer))  # E.g. the held-out change.
   return result
 
 

@@ -9,6 +9,8 @@ Modules:
   config      the `finetune` and `quant` sections and the scheme names (no jax)
   quant       Qwix rules of each scheme for the recipe models; `qat` and `ptq` of a model
   lora        adapters on a frozen base, their checkpoints (what a run builds with)
+  reference   a frozen copy of the base: DPO's reference in full fine-tuning
+  transforms  the model transforms a recipe asks for (what `Task.model_transforms` gives)
   lora_merge  `merge`: a LoRA run's adapters folded into a plain run
   ptq         quantize a finished run, compare it with float, save it, serve it
   lora_cli    `jax-ai-stack lora merge`
@@ -24,7 +26,8 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config", "lora", "lora_cli", "lora_merge", "ptq", "quant", "quant_cli")
+_SUBMODULES = ("config", "lora", "lora_cli", "lora_merge", "ptq", "quant", "quant_cli",
+               "reference", "transforms")
 _EXPORTS = {
     "FinetuneConfig": "config",
     "LoraConfig": "config",

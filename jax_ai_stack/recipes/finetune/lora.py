@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 from collections.abc import Callable
@@ -40,7 +39,9 @@ from flax import nnx
 
 from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import checkpoint, tasks
+from jax_ai_stack.recipes.finetune import reference
 from jax_ai_stack.recipes.finetune.config import FinetuneConfig, LoraConfig
+from jax_ai_stack.recipes.transforms import Frozen, ModelTransform
 
 __all__ = ["BaseCheckpointError", "Finetune", "FinetuneConfig", "LoraConfig", "merged_model"]
 
@@ -205,18 +206,21 @@ def checksum(tree: Any) -> jax.Array:
   return total
 
 
-@dataclasses.dataclass
-class Finetune:
-  """What `finetune` changes in a run: the model, what trains, what is saved, the base.
+class Finetune(ModelTransform):
+  """What `finetune` does to a run: the model, what trains, what is saved, the base.
 
   Inactive (`finetune.base` None) it changes nothing. `base` holds the
-  pointer to the loaded base once `with_base` ran (saved in the metadata).
+  pointer to the loaded base once `load` ran (saved in the metadata). A full
+  fine-tuning run on preference data (DPO) keeps a frozen copy of the base as
+  its reference (`reference.add_frozen_copy`); a LoRA run's reference is its
+  base with the adapters off.
   """
 
-  config: FinetuneConfig
-  model_config: Any
-  seed: int
-  base: dict | None = None
+  def __init__(self, config: FinetuneConfig, model_config: Any, seed: int, *,
+               keeps_reference: bool = False):
+    self.config, self.model_config, self.seed = config, model_config, seed
+    self.keeps_reference = keeps_reference
+    self.base: dict | None = None
 
   @classmethod
   def of(cls, recipe: Any) -> Finetune:
@@ -226,7 +230,9 @@ class Finetune:
     if config.lora is not None and getattr(getattr(recipe, "quant", None), "qat", None):
       raise ConfigError("finetune.lora does not combine with quant.qat (Qwix applies one "
                         "provider per model); for a quantized base use finetune.lora.quantize_base")
-    return cls(config, recipe.model, recipe.train.seed)
+    preference = getattr(getattr(recipe, "data", None), "is_preference", False)
+    return cls(config, recipe.model, recipe.train.seed,
+               keeps_reference=config.active and config.lora is None and preference)
 
   @property
   def lora(self) -> LoraConfig | None:
@@ -237,10 +243,11 @@ class Finetune:
     return self.lora.alpha / self.lora.rank
 
   def apply(self, model: nnx.Module) -> nnx.Module:
-    """`model` with adapters (LoRA runs); as it is otherwise."""
-    if self.lora is None:
-      return model
-    return add_adapters(model, self.lora, self.model_config, self.seed + 2)
+    """`model` with adapters (LoRA runs), or with a frozen copy of its weights (DPO's
+    reference in full fine-tuning); as it is otherwise."""
+    if self.lora is not None:
+      return add_adapters(model, self.lora, self.model_config, self.seed + 2)
+    return reference.add_frozen_copy(model) if self.keeps_reference else model
 
   @property
   def wrt(self):
@@ -249,26 +256,28 @@ class Finetune:
 
   def saved(self, state: nnx.State) -> nnx.State:
     """The part of a (model, optimizer) state that checkpoints hold: all but a frozen base."""
-    if self.lora is None:
-      return state
-    return nnx.filter_state(state, nnx.Not(_is_base_weight))
+    if self.lora is not None:
+      return nnx.filter_state(state, nnx.Not(_is_base_weight))
+    return nnx.filter_state(state, nnx.Not(Frozen)) if self.keeps_reference else state
 
-  def with_base(self, state: nnx.State, abstract: nnx.State, shardings: nnx.State,
-                metadata: dict | None, *, model: nnx.Module | None = None) -> nnx.State:
-    """`state` with the base weights read in: always for LoRA, only at the start otherwise.
+  def load(self, state: nnx.State, abstract: nnx.State, shardings: nnx.State,
+           metadata: dict | None, *, model: nnx.Module) -> nnx.State:
+    """`state` with the base weights read in: always for LoRA and for a frozen reference,
+    only at the start otherwise.
 
     `metadata`: the restored checkpoint's (None for a fresh run); a resumed
     run reads the base its pointer names and checks that it did not change.
     `model`: the (abstract) model with adapters; QLoRA quantizes the base as it says.
     """
-    if not self.config.active or (self.lora is None and metadata is not None):
+    fresh = metadata is None
+    if not self.config.active or (self.lora is None and not fresh and not self.keeps_reference):
       self.base = (metadata or {}).get("finetune")
       return state
     which = _is_base_weight if self.lora is not None else _is_model_param
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.filter_state(abstract, which), nnx.filter_state(shardings, which))
     pointer = (metadata or {}).get("finetune")
-    if metadata is not None and not pointer:
+    if not fresh and not pointer:
       raise BaseCheckpointError("the checkpoint has no pointer to its finetune.base run")
     directory, step = ((pathlib.Path(pointer["base"]), pointer["step"]) if pointer
                        else resolve_base(self.config.base))
@@ -283,13 +292,60 @@ class Finetune:
     self.base = {"base": str(directory), "step": step, "checksum": found}
     if quantized:
       weights = _quantized(weights, target, model)
-    if self.lora is None:  # Full fine-tuning starts from the base's weights.
+    if self.lora is not None:
+      return nnx.merge_state(state, weights)
+    parts = []
+    if self.keeps_reference:  # The copy has buffers of its own (the step donates the state).
+      parts.append(_as_frozen(jax.jit(lambda w: jax.tree.map(jnp.copy, w))(weights), abstract))
+    if fresh:  # Full fine-tuning starts from the base's weights.
       state = nnx.filter_state(state, nnx.Not(_is_model_param))
-    return nnx.merge_state(state, weights)
+      parts.append(weights)
+    return nnx.merge_state(state, *parts)
 
-  def metadata(self) -> dict | None:
+  def metadata(self) -> dict[str, Any]:
     """The pointer to the base, for a checkpoint's metadata."""
-    return self.base
+    return {"finetune": self.base} if self.base else {}
+
+  def reference_model(self, model: nnx.Module) -> nnx.Module | None:
+    """DPO's reference: the base, as the adapters-off model or the frozen copy."""
+    if self.lora is not None:
+      return adapters_off(model)
+    return reference.frozen_copy_model(model) if self.keeps_reference else None
+
+  def inference_model(self, model: nnx.Module, plain: Callable[[], nnx.Module]) -> nnx.Module:
+    """A LoRA run's base and adapters merged (Qwix adds the adapters only inside
+    `__call__`, not in `decode`); a full run's model without its frozen copy."""
+    if self.lora is not None:
+      return merged_model(model, plain, self.scale)
+    return reference.without_frozen_copy(model)
+
+  def describe(self, model: nnx.Module) -> str | None:
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if self.lora is not None:
+      trained = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+      return f"{n_params:,} parameters ({trained:,} in LoRA adapters, the rest frozen)"
+    if self.keeps_reference:
+      return f"{n_params:,} parameters (and a frozen copy of the base's, DPO's reference)"
+    return None
+
+  def before_fit(self, run: Any) -> None:
+    if self.config.active:
+      eval_before(run)
+
+  def after_fit(self, run: Any) -> list[str]:
+    if not self.config.active:
+      return []
+    return eval_change(run.workdir, run.config.optim.learning_rate)
+
+
+def _as_frozen(weights: nnx.State, abstract: nnx.State) -> nnx.State:
+  """The model's `weights` (paths (0, *path)) relabelled as the frozen copy's variables."""
+  frozen = dict(nnx.to_flat_state(nnx.filter_state(abstract, Frozen)))
+  out = []
+  for path, variable in nnx.to_flat_state(weights):
+    slot = (path[0], reference.ATTRIBUTE, *map(str, path[1:]))
+    out.append((slot, frozen[slot].replace(variable.get_value())))
+  return nnx.from_flat_state(out)
 
 
 def _float_target(target: nnx.State, dtype: str) -> nnx.State:
@@ -356,9 +412,7 @@ def eval_before(trainer) -> None:
   With LoRA that is the base model itself (B is zero), so the run's later
   evaluations show what fine-tuning changed on the held-out text.
   """
-  if trainer.finetune is None or not trainer.finetune.config.active or trainer.step:
-    return
-  if trainer.validation is None:
+  if trainer.step or trainer.validation is None:
     return
   from jax_ai_stack.recipes import distributed
   from jax_ai_stack.recipes.metrics import MetricsLog, format_metrics

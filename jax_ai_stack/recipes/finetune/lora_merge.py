@@ -49,14 +49,14 @@ def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
     raise WorkdirError(f"{out} already has checkpoints: choose another --out (nothing was changed)")
   run = build_run(None, workdir, mode="read", environ=environ, capture_stderr=capture_stderr)
   try:
-    if run.finetune is None or run.finetune.lora is None:
+    if run.config.finetune.lora is None:
       raise WorkdirError(f"{workdir} is not a LoRA run (no finetune.lora): its checkpoint "
                          "already holds full weights")
     config = dataclasses.replace(run.config, finetune=FinetuneConfig())
     model = run.inference_model()
     optimizer = optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
     metadata = {"step": run.step, "config": configlib.to_dict(config),
-                "merged_from": {"workdir": str(workdir.absolute()), **run.finetune.base}}
+                "merged_from": {"workdir": str(workdir.absolute()), **run.transforms.metadata()["finetune"]}}
     if run.attention_choice is not None:
       metadata["attention"] = {**run.attention_choice.to_dict(), "plan": run.attention.to_dict()}
     step = run.step

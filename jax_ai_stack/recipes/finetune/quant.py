@@ -45,10 +45,11 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import tasks
 from jax_ai_stack.recipes.finetune.config import (
     SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
+from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = [
-    "SCHEMES", "QuantConfig", "SchemeError", "check_scheme", "describe_schemes", "param_bytes",
-    "ptq", "qat", "rules",
+    "SCHEMES", "Qat", "QuantConfig", "SchemeError", "check_scheme", "describe_schemes",
+    "param_bytes", "ptq", "qat", "rules",
 ]
 
 
@@ -117,6 +118,17 @@ def qat(model: nnx.Module, config: Any) -> nnx.Module:
   _refuse_scanned(config.model, "quant.qat")
   return _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
                    tasks.example_inputs(config.model))
+
+
+class Qat(ModelTransform):
+  """`quant.qat` as a run's model transform: the model trains through the fake quantization
+  (nothing else changes: the same parameters, optimizer state and checkpoints)."""
+
+  def __init__(self, config: Any):
+    self.config = config
+
+  def apply(self, model: nnx.Module) -> nnx.Module:
+    return qat(model, self.config)
 
 
 def ptq(model: nnx.Module, scheme: str, model_config: Any, *,

@@ -42,6 +42,7 @@ from jax_ai_stack.recipes import sharding
 from jax_ai_stack.recipes.models.configs import CustomModelConfig
 from jax_ai_stack.recipes.step import Batch, LossFn
 from jax_ai_stack.recipes.tasks.families import family
+from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = ["Batch", "LossFn", "QuantLayers", "Task", "resolve"]
 
@@ -134,6 +135,13 @@ class Task(abc.ABC):
     (a data mixture: the tokens of each component); default: nothing."""
     del step
     return {}
+
+  def model_transforms(self) -> ModelTransform:
+    """What the run does to the model (a `transforms.ModelTransform`, built anew per call: it
+    keeps what it loads); default: what the recipe's `finetune` and `quant` sections ask."""
+    from jax_ai_stack.recipes.finetune import transforms  # pylint: disable=g-import-not-at-top
+
+    return transforms.for_config(self.config)
 
   def check_data(self) -> None:
     """Raises a UserError when the data does not fit the model (e.g. vocabulary)."""

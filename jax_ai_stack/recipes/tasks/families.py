@@ -68,11 +68,11 @@ def _check_language_model(config: Any) -> None:
         "a decoder reads token "
         "corpora (stdlib, text, npy, arrayrecord, parquet)"
     )
-  if config.data.is_preference and config.finetune.lora is None:
+  if config.data.is_preference and config.finetune.base is None:
     raise ValueError(
         f"data.source={config.data.source!r} trains DPO, whose reference model is the base "
-        "with its LoRA adapters off: set finetune.base and finetune.lora (a frozen copy for "
-        "full fine-tuning is not supported)")
+        "the run starts from: set finetune.base (with finetune.lora the reference is the "
+        "base with its adapters off; without, a frozen copy of the base)")
   if config.data.seq_len > config.model.max_seq_len:
     raise ValueError(
         f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"

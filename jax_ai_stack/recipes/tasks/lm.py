@@ -68,7 +68,7 @@ class LanguageModel(Task):
   @functools.cached_property
   def objective(self) -> objectives.NextToken | objectives.DirectPreference:
     """What the model learns: the next token, or DPO on preference data (`objectives`)."""
-    return objectives.for_config(self.config)
+    return objectives.for_config(self.config, self.model_transforms().reference_model)
 
   def loss(self, model, batch):
     return self.objective.loss(model, batch)

@@ -11,9 +11,11 @@ trained (pi) and for a frozen reference (ref),
   loss   = -(1 - eps) log sigmoid(beta margin) - eps log sigmoid(-beta margin)   (sigmoid)
   loss   = (margin - 1 / (2 beta))^2                                           (ipo)
 
-with eps the label smoothing (conservative DPO). The reference is the model
-with its LoRA adapters switched off (`lora.adapters_off`): the base itself,
-computed by the same weights, so no second copy of the parameters is held.
+with eps the label smoothing (conservative DPO). The reference is the base the
+run started from, as the run's model transform gives it
+(`ModelTransform.reference_model`): with LoRA the same weights with the
+adapters switched off (no second copy of the parameters), in full fine-tuning
+a frozen copy of the base's weights (`finetune.reference`).
 The metrics are the mean implicit rewards (beta times each side's log-ratio),
 their margin, the share of pairs whose chosen reply wins (preference
 accuracy), and the policy's mean log-probability of each side.
@@ -39,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from jax_ai_stack.errors import ConfigError
 
 Batch = dict[str, jax.Array]
 SIDES = ("chosen", "rejected")
@@ -110,13 +114,17 @@ class DirectPreference:
   """DPO against a reference computed from the trained model (`reference(model)`)."""
 
   def __init__(self, *, beta: float, kind: str, label_smoothing: float,
-               reference: Callable[[nnx.Module], nnx.Module]):
+               reference: Callable[[nnx.Module], nnx.Module | None]):
     self.beta, self.kind, self.label_smoothing = beta, kind, label_smoothing
     self.reference = reference
 
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     policy = sequence_logps(model, batch)
-    reference = jax.lax.stop_gradient(sequence_logps(self.reference(model), batch))
+    frozen = self.reference(model)
+    if frozen is None:
+      raise ConfigError("DPO needs a reference model and this run keeps none: set "
+                        "finetune.base (the run to start from and compare with)")
+    reference = jax.lax.stop_gradient(sequence_logps(frozen, batch))
     return dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
                     label_smoothing=self.label_smoothing)
 
@@ -124,13 +132,12 @@ class DirectPreference:
     return means
 
 
-def for_config(config: Any) -> NextToken | DirectPreference:
-  """The objective a recipe trains: DPO on preference data (`finetune.dpo`), else the next
-  token."""
+def for_config(config: Any, reference: Callable[[nnx.Module], nnx.Module | None]
+               ) -> NextToken | DirectPreference:
+  """The objective a recipe trains: DPO on preference data (`finetune.dpo`) against the
+  `reference` of the run's model (`ModelTransform.reference_model`), else the next token."""
   if not config.data.is_preference:
     return NextToken()
-  from jax_ai_stack.recipes.finetune import lora  # pylint: disable=g-import-not-at-top
-
   dpo = config.finetune.dpo
   return DirectPreference(beta=dpo.beta, kind=dpo.loss, label_smoothing=dpo.label_smoothing,
-                          reference=lora.adapters_off)
+                          reference=reference)
