@@ -443,6 +443,38 @@ def tree(path: pathlib.Path) -> dict:
   return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
 
 
+WORD_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }} {% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant : {% endif %}")
+
+
+def test_an_imported_model_is_chat_tuned_with_its_tokenizer_s_own_template(tmp_path, capsys):
+  """tokenizer_config.json's chat_template travels with tokenizer.json into the workdir,
+  renders the chat data there, and goes out again with export-hf."""
+  source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))
+  _tokenizer_file(source / "tokenizer.json")
+  (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": WORD_TEMPLATE}))
+  workdir = tmp_path / "run"
+  code, _, err = main(capsys, "import-hf", str(source), "--workdir", str(workdir), *RUN)
+  assert code == 0, err
+  chats = tmp_path / "chats.jsonl"
+  chats.write_text("".join(json.dumps({"prompt": f"def {'x' if i % 2 else 'y'} ( )",
+                                       "completion": "return self"}) + "\n" for i in range(40)))
+  code, out, err = main(capsys, "train", "--config", str(workdir / "config.yaml"), "--workdir",
+                        str(workdir), "train.steps=2", "train.eval_every=2", "data.source=chat",
+                        f"data.paths=[{chats}]", "train.sample_prompt=def x")
+  assert code == 0, err
+  assert (workdir / "tokenizer_config.json").is_file()
+  assert f"note: chat template: {workdir / 'tokenizer_config.json'}'s chat_template" in err
+  assert "sample:\nuser: def x" in out  # The end-of-run sample is a reply, in the template.
+  code, out, err = main(capsys, "generate", "--workdir", str(workdir), "--chat", "--prompt",
+                        "def y ( )", "--max-new-tokens", "3", "--temperature", "0")
+  assert code == 0, err
+  back = tmp_path / "back"
+  assert main(capsys, "export-hf", "--workdir", str(workdir), str(back))[0] == 0
+  assert json.loads((back / "tokenizer_config.json").read_text())["chat_template"] == WORD_TEMPLATE
+
+
 def test_import_eval_generate_train_export_round_trip(tmp_path, capsys):
   source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF), shards=2)
   _tokenizer_file(source / "tokenizer.json")

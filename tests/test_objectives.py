@@ -123,3 +123,41 @@ def test_preference_data_needs_a_base():
   with pytest.raises(config_lib.ConfigError, match="data.source='preference_stdlib' trains DPO, "
                                                    "whose reference model is the base"):
     config_lib.load("lm-tiny-dpo", overrides=["finetune.base=null", "finetune.lora=null"])
+
+
+class _ScaledNextToken(objectives.NextToken):
+  """A new objective of one's own: the next token's loss, scaled, with a metric of its own."""
+
+  def loss(self, model, batch):
+    loss, metrics = objectives.lm_loss(model, batch)
+    return 3.0 * loss, {**metrics, "unscaled": loss}
+
+
+def test_a_run_is_built_with_the_objective_its_task_is_given(tmp_path):
+  from jax_ai_stack.recipes import train
+
+  config = config_lib.load("lm-tiny", overrides=[
+      *TINY[:-2], "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+      "train.sample_tokens=0", "train.progress=false", "data.batch_size=2",
+      "data.max_documents=20"])
+  train.run(config, tmp_path, task=lambda c: LanguageModel(c, objective=_ScaledNextToken()))
+  record = [r for r in train.read_metrics(tmp_path) if r["split"] == "eval"][-1]
+  assert record["eval_loss"] == pytest.approx(3 * record["eval_unscaled"], rel=1e-6)
+  assert record["eval_perplexity"] > 0  # NextToken's evaluation, inherited.
+  assert isinstance(LanguageModel(config).objective, objectives.NextToken)
+
+
+def test_the_image_family_learns_by_the_classification_objective():
+  from jax_ai_stack.recipes import tasks
+
+  task = tasks.for_config(config_lib.load("digits-cnn"))
+  assert isinstance(task.objective, objectives.Classification)
+  model = task.build_model(0)
+  model.eval()  # No dropout: the two calls below see the same logits.
+  images = jnp.asarray(RNG.normal(size=(4, *task.config.model.image_shape)), jnp.float32)
+  labels = jnp.array([0, 1, 2, 3])
+  loss, metrics = task.loss(model, {"images": images, "labels": labels})
+  logits = np.asarray(model(images), np.float64)
+  expected = np.mean(np.log(np.exp(logits).sum(-1)) - logits[np.arange(4), labels])
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+  assert float(metrics["accuracy"]) == np.mean(logits.argmax(-1) == np.asarray(labels))

@@ -10,7 +10,8 @@ data position, metadata with the recipe config), whose model section comes
 from DIR/config.json and whose parameters from DIR's safetensors. The rest
 of the recipe is the preset's (default lm-tiny), then --config, then the
 overrides (e.g. `data.source=text data.paths=[corpus.txt]`, `model.param_dtype=float32`).
-A DIR/tokenizer.json is copied into W and becomes the run's tokenizer. The
+A DIR/tokenizer.json is copied into W and becomes the run's tokenizer, with its
+chat template (DIR/tokenizer_config.json, DIR/chat_template.jinja) where it has one. The
 resolved config is written to W/config.yaml, for `train --config` to continue
 from step 0.
 
@@ -127,7 +128,7 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
   try:
     workdir.mkdir(parents=True, exist_ok=True)
     if copied:
-      shutil.copyfile(tokenizer, workdir / hf.TOKENIZER_FILE)
+      hf.copy_tokenizer(tokenizer, workdir)  # With its chat template, where it has one.
     (workdir / CONFIG_YAML).write_text(
         "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
     run = build_run(config, workdir, mode="train", resume="never",

@@ -47,6 +47,7 @@ import ast
 import functools
 import json
 import pathlib
+import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -262,17 +263,21 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
     ids, masks = zip(*(tokenize(template, tokenizer, m) for m in chosen)) if chosen else ((), ())
     out[split] = ChatRows(ids, masks, seq_len=config.seq_len, pad_id=tokenizer.pad_id,
                           description=f"{config.source} {what}, split={split!r}")
-    report(split, out[split].stats, "conversations", config.seq_len, skipped)
+    report(split, out[split].stats, "conversations", config.seq_len, skipped, template)
   return out
 
 
-def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skipped: int) -> None:
-  """Prints what a split lost: `stats[counted]` kept, how many cut and dropped, bad lines."""
+def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skipped: int,
+           template: chat_template.ChatTemplate) -> None:
+  """Prints (on stderr: `eval` prints JSON on stdout) the template a split was rendered with
+  and what it lost: `stats[counted]` kept, how many cut and dropped, bad lines."""
+  if split == "train":
+    print(f"note: chat template: {template.origin}", file=sys.stderr, flush=True)
   if stats["truncated"] or stats["dropped"] or (skipped and split == "train"):
     bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
     print(f"note: {split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
           f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
-          f"assistant token left){bad}", flush=True)
+          f"assistant token left){bad}", file=sys.stderr, flush=True)
 
 
 def file_stamps(config: DataConfig) -> tuple:

@@ -171,5 +171,5 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, PreferenceRows]:
     chosen = [pair for pair, k in zip(pairs, keep) if k]
     out[split] = PreferenceRows(chosen, template, tokenizer, seq_len=config.seq_len,
                                 description=f"{config.source} {what}, split={split!r}")
-    chat.report(split, out[split].stats, "pairs", config.seq_len, skipped)
+    chat.report(split, out[split].stats, "pairs", config.seq_len, skipped, template)
   return out

@@ -30,7 +30,7 @@ _EXPORTS = {
     "resolve": "base",
     "CustomTask": "custom",
     "ImageClassification": "classification",
-    "classification_loss": "classification",
+    "classification_loss": "objectives",
     "LanguageModel": "lm",
     "lm_loss": "objectives",
 }

@@ -82,8 +82,12 @@ class Task(abc.ABC):
   """The model's methods that quantization can intercept ("decode": it generates
   token by token); a quantized model that lacks the one asked for runs `__call__`."""
 
-  def __init__(self, config: Any):
+  def __init__(self, config: Any, *, objective: Any = None):
+    """`objective`: what the model learns (`tasks.objectives`), for a family whose loss
+    asks one (`LanguageModel`, `ImageClassification`); None: the one the config asks."""
     self.config = config
+    if objective is not None:
+      self.objective = objective  # Takes the place of the family's default.
 
   @classmethod
   def for_config(cls, config: Any) -> Task:

@@ -12,23 +12,16 @@ Example:
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes import data, sharding
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
-from jax_ai_stack.recipes.tasks.base import Batch, QuantLayers, Task
-
-
-def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean cross-entropy of class logits, with accuracy for the logs."""
-  logits = model(batch["images"])
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-  accuracy = (logits.argmax(-1) == batch["labels"]).mean()
-  return loss, {"accuracy": accuracy}
+from jax_ai_stack.recipes.tasks import objectives
+from jax_ai_stack.recipes.tasks.base import QuantLayers, Task
 
 
 class ImageClassification(Task):
@@ -49,8 +42,16 @@ class ImageClassification(Task):
     del attention, layout  # No attention in a CNN; XLA places its small activations.
     return CNN(self.config.model, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
+  @functools.cached_property
+  def objective(self) -> objectives.Classification:
+    """What the model learns (`objectives`): the class, by cross-entropy."""
+    return objectives.Classification()
+
   def loss(self, model, batch):
-    return classification_loss(model, batch)
+    return self.objective.loss(model, batch)
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    return self.objective.evaluation(means)
 
   def dataset(self, split: str, seed: int):
     return data.build_dataset(self.config.data, split=split, seed=seed)

@@ -1,5 +1,12 @@
-"""Training objectives of the language-model family: values a Task is built with.
+"""Training objectives: what a model learns, a value its Task is built with.
 
+An objective has `loss(model, batch) -> (loss, metrics)` and `evaluation(means)`
+(derived held-out metrics). A Task gets the one its config asks for
+(`for_config`), or the one it is given: `LanguageModel(config, objective=...)`,
+passed to `build_run(config, task=...)`. A new objective is a class here (or in
+a module of one's own) and the data it reads, plus a preset.
+
+`Classification` is the cross-entropy of class logits (the image family).
 The decoder is one; what it learns differs. `NextToken` is the mean
 cross-entropy of the next token over the tokens a batch's `loss_mask` keeps:
 pretraining on text, and chat fine-tuning (the mask is the assistant's tokens).
@@ -46,6 +53,25 @@ from jax_ai_stack.errors import ConfigError
 
 Batch = dict[str, jax.Array]
 SIDES = ("chosen", "rejected")
+
+
+def classification_loss(model: nnx.Module, batch: Batch
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean cross-entropy of class logits, with accuracy for the logs."""
+  logits = model(batch["images"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+  accuracy = (logits.argmax(-1) == batch["labels"]).mean()
+  return loss, {"accuracy": accuracy}
+
+
+class Classification:
+  """Cross-entropy of class logits from `batch["images"]` against `batch["labels"]`."""
+
+  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return classification_loss(model, batch)
+
+  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    return means
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

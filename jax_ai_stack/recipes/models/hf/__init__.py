@@ -50,6 +50,7 @@ _EXPORTS = {
     "hf_config": "config_json", "llama_fields": "config_json", "read_config": "config_json",
     "decoder_fields": "config_json",
     "CONFIG_FILE": "layout", "INDEX_FILE": "layout", "TOKENIZER_FILE": "layout",
+    "TOKENIZER_COMPANIONS": "layout", "copy_tokenizer": "layout",
     "WEIGHTS_FILE": "layout", "Tensor": "layout", "tensors": "layout",
     "PROGRESS_MIN_BYTES": "reader", "Stored": "reader", "check_weights": "reader",
     "load_model": "reader", "load_params": "reader", "read_index": "reader",

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pathlib
+import shutil
 
 import numpy as np
 from flax import nnx, traverse_util
@@ -28,6 +31,19 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja")
+"""Files beside tokenizer.json that travel with it (import, export): they hold the chat
+template that chat data is rendered with (`data.chat_template`)."""
+
+
+def copy_tokenizer(tokenizer: str | os.PathLike, directory: str | os.PathLike) -> None:
+  """Copies a tokenizer.json, and its `TOKENIZER_COMPANIONS` where they exist, into
+  `directory` (as tokenizer.json: the chat template is found beside it)."""
+  tokenizer, directory = pathlib.Path(tokenizer), pathlib.Path(directory)
+  shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
+  for name in TOKENIZER_COMPANIONS:
+    if (tokenizer.parent / name).is_file():
+      shutil.copyfile(tokenizer.parent / name, directory / name)
 
 
 def _safetensors():

@@ -30,7 +30,7 @@ from jax_ai_stack import atomic
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes.models.hf.config_json import hf_config
 from jax_ai_stack.recipes.models.hf.layout import (
-    CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE, Tensor, _safetensors, tensors)
+    CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, Tensor, _safetensors, copy_tokenizer, tensors)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
@@ -52,7 +52,7 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
 
   One `model.safetensors`, or above `max_shard_bytes` shards plus their index
   (a tensor larger than the limit gets a shard of its own). `tokenizer`: a
-  tokenizer.json to copy in; `token_ids`: e.g. bos_token_id for config.json.
+  tokenizer.json to copy in (with its chat template files); `token_ids`: e.g. bos_token_id for config.json.
   The directory appears complete or not at all: it is written beside `out`
   and renamed into place.
 
@@ -88,7 +88,7 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
     (staging / CONFIG_FILE).write_text(
         json.dumps(hf_config(config, **dict(token_ids or {})), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None:
-      shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
+      copy_tokenizer(tokenizer, staging)
     for file in staging.iterdir():  # Shareable as a directory made by hand would be.
       os.chmod(file, atomic.new_file_mode())
     os.chmod(staging, atomic.new_directory_mode())
