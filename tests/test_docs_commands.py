@@ -425,6 +425,16 @@ def test_fine_tune(trained):
   ok(run(FULL_FINETUNE, *TINY, cwd=trained))
 
 
+# ---- README: mixture of experts -----------------------------------------------------------
+
+MOE = doc("jax-ai-stack train moe-tiny")
+
+
+def test_mixture_of_experts(tmp_path):
+  out = ok(run(MOE, *TINY, "model.moe.num_experts=4", cwd=tmp_path))
+  assert "grouped matmul: " in out and "eval_router_aux_loss" in out
+
+
 # ---- README: chat fine-tuning -----------------------------------------------------------
 
 SFT = doc("jax-ai-stack train lm-tiny-sft")

@@ -1,4 +1,5 @@
-"""Attention kernels chosen per backend. `attention` is the one entry point.
+"""Attention kernels chosen per backend. `attention` is the one entry point; the
+grouped matmul of mixture-of-experts layers is `grouped_matmul`.
 
 Which kernels may run is an explicit, immutable `AttentionPlan`, which
 `resolve_plan` builds once from the settings (an implementation name, the
@@ -27,6 +28,7 @@ Modules, one job each:
   autotune_file    the autotune file, read into a plan
   autotuning       `autotune`: measuring the choice
   cli              `jax-ai-stack kernels`
+  experts          MoE experts' grouped matmul: tokamax, XLA or the dense reference
 
 Example:
   >>> from jax_ai_stack import kernels
@@ -52,6 +54,7 @@ _EXPORTS = {
     "AutotuneError": "autotune_file",
     "Backend": "request",
     "Choice": "choice",
+    "GROUPED_MATMULS": "experts",
     "ENV_VAR": "resolve",
     "IMPLEMENTATIONS": "table",
     "Implementation": "table",
@@ -64,7 +67,9 @@ _EXPORTS = {
     "attention": "attention",
     "autotune": "autotuning",
     "autotune_unsupported_reason": "autotuning",
+    "choose_grouped_matmul": "experts",
     "clear_cache": "plan",
+    "grouped_matmul": "experts",
     "load_plan": "autotune_file",
     "parse_implementation": "selection",
     "plan_for_run": "resolve",
@@ -74,7 +79,8 @@ _EXPORTS = {
     "workdir_autotune_file": "resolve",
 }
 _SUBMODULES = (
-    "autotune_file", "autotuning", "blocked", "choice", "cli", "implementations", "names",
+    "autotune_file", "autotuning", "blocked", "choice", "cli", "experts",
+    "implementations", "names",
     "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
 )  # And `attention`, whose name the function takes.
 __all__ = list(_EXPORTS)

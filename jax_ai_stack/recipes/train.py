@@ -372,6 +372,7 @@ def run(
       log.info("%s", trainer.attention_choice.report())
       choice = trainer.attention_choice
       print(f"attention: {choice.name} ({choice.source})", flush=True)
+    _print_lines(trainer.task.kernel_report())
     if trainer.converted:
       print(trainer.converted, flush=True)
     if trainer.step >= config.train.steps:

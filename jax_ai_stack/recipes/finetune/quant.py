@@ -45,6 +45,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import tasks
 from jax_ai_stack.recipes.finetune.config import (
     SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
+from jax_ai_stack.recipes.models.configs import MOE_KINDS
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = [
@@ -74,7 +75,7 @@ def _layers() -> dict[str, tasks.QuantLayers]:
   for family in tasks.FAMILIES:
     layers = family.task_class().quant_layers
     if layers is not None:
-      found.update(dict.fromkeys(family.kinds, layers))
+      found.update(dict.fromkeys((k for k in family.kinds if k not in MOE_KINDS), layers))
   return found
 
 
@@ -88,6 +89,10 @@ def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
     ConfigError: the family of `model_kind` names no layers to quantize.
   """
   spec = _SCHEMES[check_scheme(scheme)]
+  if model_kind in MOE_KINDS:
+    raise ConfigError(f"quantization does not support mixture-of-experts models yet "
+                      f"(model.kind={model_kind!r}): Qwix quantizes layers, and the experts are "
+                      "the stacked weights of one grouped matmul")
   known = _layers()
   if model_kind not in known:
     raise ConfigError(f"quantization has no rules for model.kind={model_kind!r}; "

@@ -3,7 +3,8 @@
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
 in `configs`, which imports no jax; `rope` holds the rotary embeddings,
-`decoding` sampling with the KV cache (`generate`), `activation_memory` what a
+`decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
+feed-forward layers (Mixtral, Qwen3-MoE), `activation_memory` what a
 Llama keeps for the backward pass; `hf` reads and writes Hugging Face Llama
 directories (config.json + safetensors); `layer_stack` converts a Llama between
 the unrolled and the scanned (`scan_layers`) layouts.
@@ -20,11 +21,12 @@ from __future__ import annotations
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("llama", "activation_memory", "cnn", "configs", "decoding", "hf", "layer_stack",
-               "rope")
+               "moe", "rope")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",
     "RopeScaling": "configs",
+    "MoeConfig": "configs",
     "KVCache": "llama",
     "generate": "decoding",
     "apply_rope": "rope",

@@ -59,12 +59,17 @@ class RopeScaling:
       )
 
 
-DecoderKind = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
+DecoderKind = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
+                      "qwen3_moe"]
+MOE_KINDS = ("mixtral", "qwen3_moe")
+"""The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
+GroupedMatmul = Literal["auto", "tokamax", "xla", "dense"]
 LayerType = Literal["full", "sliding"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True),
+    "qwen3_moe": dict(qk_norm=True),
     "gemma2": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh"),
     "gemma3": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
                    qk_norm=True),
@@ -77,6 +82,8 @@ KIND_FREE: dict[str, tuple[str, ...]] = {
     "qwen2": ("layer_types", "sliding_window"),
     "qwen3": ("qkv_bias", "layer_types", "sliding_window"),
     "mistral": ("sliding_window",),
+    "mixtral": ("sliding_window",),
+    "qwen3_moe": ("qkv_bias", "layer_types", "sliding_window"),
     "gemma2": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "layer_types", "sliding_window"),
     "gemma3": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
@@ -89,6 +96,47 @@ SWITCHES = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "embed_scale", "
             "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "layer_types",
             "sliding_window", "local_rope_theta")
 """The architectural switches of `DecoderConfig`, in the order its docstring lists them."""
+
+
+@config_dataclass
+class MoeConfig:
+  """Mixture-of-experts feed-forward layers (`model.moe`; Mixtral, Qwen3-MoE).
+
+  A router scores each token against every expert (softmax in float32) and its
+  `num_experts_per_tok` best experts (ties: the lower index) each run their own
+  gated MLP on it; their outputs are summed, weighted by the router.
+  """
+
+  num_experts: Annotated[int, pydantic.Field(ge=2)] = 8
+  """Experts per MoE layer."""
+  num_experts_per_tok: PositiveInt = 2
+  """Experts each token is sent to (top-k)."""
+  expert_mlp_dim: PositiveInt | None = None
+  """Hidden units of each expert's gated MLP (Qwen3-MoE's moe_intermediate_size);
+  None: `mlp_dim` (Mixtral's intermediate_size)."""
+  norm_topk_prob: bool = True
+  """Renormalise the chosen experts' router weights to sum to 1 (Mixtral always;
+  Qwen3-MoE as its config says)."""
+  router_aux_loss_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.01
+  """Weight of the Switch load-balancing loss, E * sum_e(tokens share_e * mean prob_e),
+  1 when balanced, added to the training loss."""
+  router_z_loss_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0
+  """Weight of the router z-loss, mean(logsumexp(router logits)^2) (ST-MoE)."""
+  dense_layers: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
+  """Layers whose feed-forward stays a dense MLP (Qwen3-MoE's mlp_only_layers)."""
+  sparse_step: PositiveInt = 1
+  """Layer i is a MoE layer when (i + 1) % sparse_step == 0 and it is not in
+  `dense_layers` (Qwen3-MoE's decoder_sparse_step)."""
+  grouped_matmul: GroupedMatmul = "auto"
+  """How the experts run: "tokamax" (tokamax.ragged_dot: Mosaic/Triton on GPU and TPU,
+  XLA on CPU), "xla" (jax.lax.ragged_dot), "dense" (every expert on every token,
+  masked: the reference); "auto": tokamax, else xla."""
+
+  def __post_init__(self):
+    if self.num_experts_per_tok > self.num_experts:
+      raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is above "
+                       f"moe.num_experts={self.num_experts}: a token cannot pick more experts "
+                       "than there are")
 
 
 @config_dataclass
@@ -125,6 +173,9 @@ class DecoderConfig:
   """Features per head (even, for RoPE); None means d_model // num_heads."""
   mlp_dim: PositiveInt = 384
   """Hidden units of the gated MLP."""
+  moe: MoeConfig | None = None
+  """Mixture-of-experts feed-forward layers (kinds mixtral and qwen3_moe, which need
+  it); None: every layer's MLP is dense."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
   rope_scaling: RopeScaling | None = None
@@ -238,9 +289,36 @@ class DecoderConfig:
                        f"{self.num_layers} needs one per layer")
     if "sliding" in self.resolved_layer_types and self.sliding_window is None:
       raise ValueError("layer_types names 'sliding' layers but sliding_window is not set")
+    if (self.kind in MOE_KINDS) != (self.moe is not None):
+      raise ValueError(f"kind={self.kind!r} " + (
+          "is a mixture of experts: set model.moe (e.g. model.moe.num_experts=8)"
+          if self.moe is None else "has dense MLPs: model.moe needs kind mixtral or qwen3_moe"))
+    if self.moe is not None:
+      wrong = [i for i in self.moe.dense_layers if i >= self.num_layers]
+      if wrong:
+        raise ValueError(f"moe.dense_layers names layer {wrong[0]}; the layers are 0.."
+                         f"{self.num_layers - 1}")
+      if self.scan_layers and len(set(self.moe_layers)) > 1:
+        raise ValueError("scan_layers needs identical blocks; moe.dense_layers / moe.sparse_step "
+                         "mix dense and MoE layers (set model.scan_layers=false)")
     if self.scan_layers and len(set(self.resolved_layer_types)) > 1:
       raise ValueError("scan_layers needs identical blocks; layer_types mixes full and sliding "
                        "layers (set model.scan_layers=false)")
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """Whether each layer's feed-forward is a mixture of experts."""
+    moe = self.moe
+    if moe is None:
+      return (False,) * self.num_layers
+    return tuple((i + 1) % moe.sparse_step == 0 and i not in moe.dense_layers
+                 for i in range(self.num_layers))
+
+  @property
+  def expert_mlp_dim(self) -> int:
+    """Hidden units of each expert (`moe.expert_mlp_dim`, else `mlp_dim`)."""
+    return (self.moe.expert_mlp_dim if self.moe and self.moe.expert_mlp_dim
+            else self.mlp_dim)
 
   @property
   def resolved_layer_types(self) -> tuple[str, ...]:
@@ -285,26 +363,34 @@ class DecoderConfig:
     h = self.resolved_head_dim
     norms = (4 if self.post_norms else 2) * self.d_model + (2 * h if self.qk_norm else 0)
     biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
-    blocks = self.num_layers * (self._block_matmul_params() + norms + biases)
+    blocks = sum(self._block_matmul_params(layer, active=False) + norms + biases
+                 for layer in range(self.num_layers))
     head = 0 if self.tie_embeddings else embed
     return embed + blocks + self.d_model + head  # + the final norm
 
   def flops_per_token(self, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), as PaLM counts them for MFU.
 
-    6 per weight of every matmul (the output head is one, tied or not, with its
-    padded rows, which it computes; the embedding lookup is not) plus
+    6 per weight of every matmul a token goes through (the output head is one, tied
+    or not, with its padded rows, which it computes; the embedding lookup is not;
+    of a MoE layer the router and the `num_experts_per_tok` experts it picks) plus
     12 * layers * heads * head_dim * seq_len for the attention scores and their
     weighted sum, not halved for the causal mask.
     """
-    matmul_weights = (self.num_layers * self._block_matmul_params()
+    matmul_weights = (sum(self._block_matmul_params(layer, active=True)
+                          for layer in range(self.num_layers))
                       + self.padded_vocab_size * self.d_model)
     attention = 12 * self.num_layers * self.num_heads * self.resolved_head_dim * seq_len
     return 6 * matmul_weights + attention
 
-  def _block_matmul_params(self) -> int:
+  def _block_matmul_params(self, layer: int, *, active: bool) -> int:
+    """Matmul weights of `layer`: all of them, or (`active`) those one token uses."""
     d, h = self.d_model, self.resolved_head_dim
-    return d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * self.mlp_dim
+    attention = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if not self.moe_layers[layer]:
+      return attention + 3 * d * self.mlp_dim
+    experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
+    return attention + d * self.moe.num_experts + experts * 3 * d * self.expert_mlp_dim
 
   @classmethod
   def tiny(cls, **overrides) -> DecoderConfig:

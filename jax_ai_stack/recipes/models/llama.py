@@ -72,6 +72,7 @@ from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
 from jax_ai_stack.recipes.models.configs import (  # noqa: F401
     DType, LlamaConfig, RematPolicy, RopeScaling)
+from jax_ai_stack.recipes.models.moe import MoE, MoeStats
 from jax_ai_stack.recipes.models.rope import (  # noqa: F401
     RopeTables, apply_rope, rope_inv_freq, rope_tables, rotate)
 
@@ -289,6 +290,8 @@ class Block(nnx.Module):
   """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
 
   With `post_norms` (Gemma 2/3) each branch's output is normed before its add.
+  The MLP is a mixture of experts (`moe.MoE`) in the layers `config.moe_layers`
+  names; the block then also returns the layer's `moe.MoeStats` (else None).
   """
 
   def __init__(self, config: LlamaConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
@@ -297,7 +300,7 @@ class Block(nnx.Module):
     self.attention = Attention(config, attention, rngs=rngs, layer=layer,
                                sharding=layout.attention() if layout else None)
     self.mlp_norm = rms_norm(config, rngs)
-    self.mlp = MLP(config, rngs=rngs)
+    self.mlp = MoE(config, rngs=rngs) if config.moe_layers[layer] else MLP(config, rngs=rngs)
     if config.post_norms:
       self.post_attention_norm = rms_norm(config, rngs)
       self.post_mlp_norm = rms_norm(config, rngs)
@@ -310,10 +313,12 @@ class Block(nnx.Module):
     if self.post_attention_norm is not None:
       h = self.post_attention_norm(h)
     x = x + _constrain(self.layout, h)
-    h = self.mlp(self.mlp_norm(x))
+    h, stats = self.mlp(self.mlp_norm(x)), None
+    if isinstance(self.mlp, MoE):
+      h, stats = h
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
-    return x + _constrain(self.layout, h), new_cache
+    return x + _constrain(self.layout, h), new_cache, stats
 
 
 def _constrain(layout: Layout | None, x: jax.Array) -> jax.Array:
@@ -322,8 +327,9 @@ def _constrain(layout: Layout | None, x: jax.Array) -> jax.Array:
 
 
 def _block_output(block: Block, x, rope, segment_ids):
-  """A block's output without the cache, in a form `nnx.remat` can wrap."""
-  return block(x, rope, segment_ids)[0]
+  """A block's output and MoE stats without the cache, in a form `nnx.remat` can wrap."""
+  x, _, stats = block(x, rope, segment_ids)
+  return x, stats
 
 
 def _stacked_blocks(config: LlamaConfig, attention, rngs: nnx.Rngs, layout) -> Block:
@@ -340,11 +346,13 @@ def _stacked_blocks(config: LlamaConfig, attention, rngs: nnx.Rngs, layout) -> B
 def _scan_blocks(run_block, blocks: Block, x, rope, segment_ids):
   """x through every layer of the stacked `blocks`, one traced block for all."""
 
-  @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata=_STACKED)
+  @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0),
+            transform_metadata=_STACKED)
   def body(x, block, rope, segment_ids):
     return run_block(block, x, rope, segment_ids)
 
-  return body(x, blocks, rope, segment_ids)
+  x, stats = body(x, blocks, rope, segment_ids)
+  return x, [] if stats is None else [jax.tree.map(lambda s: s.mean(axis=0), stats)]
 
 
 def _scan_decode(blocks: Block, x, rope, cache: KVCache):
@@ -356,7 +364,7 @@ def _scan_decode(blocks: Block, x, rope, cache: KVCache):
   @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0, 0),
             transform_metadata=_STACKED)
   def body(x, block, k, v, rope, length):
-    x, (k, v) = block(x, rope, cache=(k, v, length))
+    x, (k, v), _ = block(x, rope, cache=(k, v, length))
     return x, k, v
 
   return body(x, blocks, keys, values, rope, cache.length)
@@ -412,7 +420,8 @@ class Llama(nnx.Module):
       *,
       segment_ids: jax.Array | None = None,
       positions: jax.Array | None = None,
-  ) -> jax.Array:
+      with_moe_losses: bool = False,
+  ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Logits [B, T, vocab] (float32) for int tokens [B, T].
 
     Args:
@@ -421,6 +430,8 @@ class Llama(nnx.Module):
         tokens attend only within their own segment. None: one document.
       positions: [B, T] position of each token within its document (restarting
         at 0 in each one); drives RoPE. None: arange(T) in every row.
+      with_moe_losses: also return the MoE layers' losses and metrics (`moe_losses`;
+        {} for a dense model), as (logits, losses).
     """
     _check_tokens(tokens, segment_ids=segment_ids, positions=positions)
     if positions is None:
@@ -432,11 +443,14 @@ class Llama(nnx.Module):
     else:
       run_block = nnx.remat(_block_output, policy=_REMAT_POLICIES[self.config.remat])
     if self.config.scan_layers:  # Identical blocks (the config checks): layer 0's RoPE.
-      x = _scan_blocks(run_block, self.layers, x, ropes[0], segment_ids)
+      x, stats = _scan_blocks(run_block, self.layers, x, ropes[0], segment_ids)
     else:
+      stats = []
       for block, rope in zip(self.layers, ropes):
-        x = run_block(block, x, rope, segment_ids)
-    return self._logits(x)
+        x, layer_stats = run_block(block, x, rope, segment_ids)
+        stats += [layer_stats] if layer_stats is not None else []
+    logits = self._logits(x)
+    return (logits, moe_losses(self.config, stats)) if with_moe_losses else logits
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     """An empty KV cache for `batch_size` rows of up to `max_length` tokens."""
@@ -463,7 +477,7 @@ class Llama(nnx.Module):
       return self._logits(x), KVCache(keys, values, cache.length + t)
     keys, values = [], []
     for i, (block, rope) in enumerate(zip(self.layers, ropes)):
-      x, (k, v) = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length))
+      x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length))
       keys.append(k)
       values.append(v)
     return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
@@ -494,6 +508,20 @@ class Llama(nnx.Module):
     if (cap := self.config.final_logit_softcap) is not None:
       logits = cap * jnp.tanh(logits / cap)
     return logits
+
+
+def moe_losses(config: LlamaConfig, stats: list[MoeStats]) -> dict[str, jax.Array]:
+  """The MoE layers' stats as a loss and metrics: `moe_loss` (what training adds:
+  router_aux_loss_coef * balance + router_z_loss_coef * z), the balance and z losses
+  (mean over the MoE layers) and each expert's mean token share, `expert_share_<e>`."""
+  if not stats:
+    return {}
+  mean = jax.tree.map(lambda *s: sum(s) / len(s), *stats)
+  moe = config.moe
+  out = {"moe_loss": moe.router_aux_loss_coef * mean.balance_loss
+                     + moe.router_z_loss_coef * mean.z_loss,
+         "router_aux_loss": mean.balance_loss, "router_z_loss": mean.z_loss}
+  return {**out, **{f"expert_share_{e}": mean.share[e] for e in range(moe.num_experts)}}
 
 
 def _zero_padding(init, axis: int, vocab_size: int):

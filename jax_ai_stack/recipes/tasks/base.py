@@ -173,6 +173,11 @@ class Task(abc.ABC):
     """Derived metrics (e.g. perplexity) from the mean eval metrics."""
     return means
 
+  def kernel_report(self) -> list[str]:
+    """Lines saying which kernels beyond attention the model runs, and why (the trainer
+    prints them at start-up); default: none."""
+    return []
+
   def finish(self, model: nnx.Module, workdir: pathlib.Path | None) -> list[str]:
     """Writes the end-of-run artefacts into `workdir`; returns lines to print.
 

@@ -129,14 +129,24 @@ class LanguageModel(Task):
         logits_soft_cap=model.attn_logit_softcap,
     )
 
-  def activation_bytes(self, ways, attention) -> tuple[int, str]:
+  def activation_bytes(self, ways, attention) -> tuple[int, str] | None:
     model = self.config.model
+    if model.moe is not None:  # Rows per expert vary: the memory plan measures the step.
+      return None
     per_row = llama.activation_bytes(model, self.config.data.seq_len, ways, attention)
     kept = "keeps T x T scores" if attention in llama.MATERIALIZING_ATTENTION else "(flash)"
     return per_row, f"analytic: remat {model.remat}, attention {attention} {kept}"
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return self.objective.evaluation(means)
+
+  def kernel_report(self) -> list[str]:
+    """The experts' grouped matmul of a mixture-of-experts model (`kernels.experts`)."""
+    moe = self.config.model.moe
+    if moe is None:
+      return []
+    name, why = kernels.choose_grouped_matmul(moe.grouped_matmul)
+    return [f"grouped matmul: {name} ({why})"]
 
   def artefacts(self) -> list[str]:
     return [SAMPLE_FILE] if self.config.train.sample_tokens else []

@@ -77,10 +77,12 @@ class Classification:
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
 
-  Without a `loss_mask`, padding (segment id 0) is left out.
+  Without a `loss_mask`, padding (segment id 0) is left out. A mixture-of-experts
+  model's router losses are added (`llama.moe_losses`); the cross-entropy alone is
+  then the metric `lm_loss`, beside the router's metrics.
   """
-  logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                 positions=batch.get("positions"))
+  logits, moe = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                      positions=batch.get("positions"), with_moe_losses=True)
   losses = optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), batch["targets"]
   )
@@ -92,7 +94,10 @@ def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.A
     mask = jnp.ones_like(losses)
   tokens = jnp.maximum(mask.sum(), 1.0)
   loss = (losses * mask).sum() / tokens
-  return loss, {"tokens": mask.sum()}
+  if not moe:
+    return loss, {"tokens": mask.sum()}
+  router = {k: v for k, v in moe.items() if k != "moe_loss"}
+  return loss + moe["moe_loss"], {"tokens": mask.sum(), "lm_loss": loss, **router}
 
 
 class NextToken:
@@ -102,7 +107,9 @@ class NextToken:
     return lm_loss(model, batch)
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
-    return {**means, "eval_perplexity": math.exp(min(means["eval_loss"], 50.0))}
+    """Perplexity of the cross-entropy (`eval_lm_loss` where router losses were added)."""
+    loss = means.get("eval_lm_loss", means["eval_loss"])
+    return {**means, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
 def sequence_logps(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:

@@ -37,11 +37,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def writes(model: nnx.Module) -> bool:
-  """Whether `save` can write `model`: a `Llama` (the one model Hugging Face's Llama
-  layout holds; `export-hf` refuses the others)."""
+  """Whether `save` can write `model`: a dense `Llama` (the decoder whose layouts the
+  families hold; `export-hf` refuses the others, mixtures of experts too, for now)."""
   from jax_ai_stack.recipes.models.llama import Llama
 
-  return isinstance(model, Llama)
+  return isinstance(model, Llama) and model.config.moe is None
 
 
 def save(model: nnx.Module, out: str | os.PathLike, *,

@@ -1,0 +1,189 @@
+"""Mixture-of-experts layers: routing, the grouped matmul against its dense reference, the
+layer against a per-token loop, mixed dense and MoE layers, the router losses in training,
+and the moe-tiny preset training and resuming bitwise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack import cli, kernels
+from jax_ai_stack.recipes import config as config_lib
+from jax_ai_stack.recipes import train
+from jax_ai_stack.recipes.models import layer_stack, moe
+from jax_ai_stack.recipes.models.configs import DecoderConfig, MoeConfig
+from jax_ai_stack.recipes.models.llama import Llama
+from jax_ai_stack.recipes.tasks.objectives import lm_loss
+
+RNG = np.random.default_rng(0)
+
+
+def _config(**moe_fields) -> DecoderConfig:
+  fields = dict(num_experts=4, num_experts_per_tok=2, **moe_fields)
+  return DecoderConfig(kind="mixtral", num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
+                       mlp_dim=24, max_seq_len=32, moe=MoeConfig(**fields))
+
+
+def test_routing_takes_the_top_k_and_a_tie_goes_to_the_lower_index():
+  logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
+  routing = moe.route(logits, 2, normalize=True)
+  assert routing.experts.tolist() == [[1, 2], [0, 1]]  # Tied 2.0s: 1 first; tied 0.0s: 1.
+  np.testing.assert_allclose(routing.weights.sum(-1), 1.0, rtol=1e-6)
+  raw = moe.route(logits, 2, normalize=False).weights
+  probs = jax.nn.softmax(logits)
+  np.testing.assert_allclose(raw[1], [probs[1, 0], probs[1, 1]], rtol=1e-6)
+
+
+def test_the_balance_loss_and_shares_equal_numpy():
+  logits = RNG.normal(size=(64, 8)).astype(np.float32)
+  stats = moe.route(jnp.asarray(logits), 2, normalize=True).stats
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  top = np.argsort(-probs, axis=-1, kind="stable")[:, :2]
+  share = np.bincount(top.ravel(), minlength=8) / top.size
+  np.testing.assert_allclose(stats.share, share, rtol=1e-6)
+  np.testing.assert_allclose(stats.balance_loss, 8 * np.sum(share * probs.mean(0)), rtol=1e-5)
+  z = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(stats.z_loss, np.mean(z ** 2), rtol=1e-5)
+  balanced = moe.route(jnp.zeros((8, 4)), 1, normalize=True).stats  # Uniform router.
+  assert float(balanced.balance_loss) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("implementation", ["tokamax", "xla"])
+def test_the_grouped_matmul_equals_its_dense_reference_with_its_gradients(implementation):
+  lhs = jnp.asarray(RNG.normal(size=(20, 6)), jnp.float32)
+  rhs = jnp.asarray(RNG.normal(size=(4, 6, 5)), jnp.float32)
+  sizes = jnp.array([7, 0, 9, 2], jnp.int32)  # An empty group; rows 18, 19 in none.
+
+  def run(name):
+    f = lambda l, r: (kernels.grouped_matmul(l, r, sizes, implementation=name) ** 2).sum()
+    return kernels.grouped_matmul(lhs, rhs, sizes, implementation=name), jax.grad(
+        f, argnums=(0, 1))(lhs, rhs)
+
+  (out, grads), (reference, reference_grads) = run(implementation), run("dense")
+  np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+  assert not np.asarray(out[18:]).any()
+  for ours, theirs in zip(grads, reference_grads):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_grouped_matmul_is_named():
+  with pytest.raises(ValueError, match="unknown grouped matmul 'cuda'; choose auto or one of"):
+    kernels.choose_grouped_matmul("cuda")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_layer_equals_a_loop_over_tokens_and_their_experts(normalize):
+  config = _config(norm_topk_prob=normalize)
+  layer = moe.MoE(config, rngs=nnx.Rngs(1))
+  x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
+  y, _ = layer(x)
+  router = np.asarray(layer.router.kernel[...])
+  gate, up, down = (np.asarray(w[...], np.float64) for w in
+                    (layer.gate_proj, layer.up_proj, layer.down_proj))
+  expected = np.zeros((10, 16))
+  for n, token in enumerate(np.asarray(x, np.float64).reshape(10, 16)):
+    probs = np.exp(token @ router) / np.exp(token @ router).sum()
+    picked = np.argsort(-probs, kind="stable")[:2]
+    weights = probs[picked] / (probs[picked].sum() if normalize else 1.0)
+    for e, w in zip(picked, weights):
+      hidden = token @ gate[e]
+      expected[n] += w * ((hidden / (1 + np.exp(-hidden)) * (token @ up[e])) @ down[e])
+  np.testing.assert_allclose(np.asarray(y).reshape(10, 16), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_and_moe_layers_mix_as_the_config_says():
+  config = DecoderConfig(kind="qwen3_moe", num_layers=4, d_model=16, num_heads=2,
+                         num_kv_heads=1, mlp_dim=24, moe=MoeConfig(
+                             num_experts=4, expert_mlp_dim=8, sparse_step=2, dense_layers=(3,)))
+  assert config.moe_layers == (False, True, False, False)
+  model = Llama(config, rngs=nnx.Rngs(0))
+  assert [type(block.mlp).__name__ for block in model.layers] == ["MLP", "MoE", "MLP", "MLP"]
+  assert model.layers[1].mlp.gate_proj.shape == (4, 16, 8)
+  assert config.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  _, losses = model(jnp.zeros((1, 8), jnp.int32), with_moe_losses=True)
+  assert losses["moe_loss"] == pytest.approx(0.01 * float(losses["router_aux_loss"]))
+  assert sum(float(losses[f"expert_share_{e}"]) for e in range(4)) == pytest.approx(1.0)
+
+
+def test_scanned_experts_compute_what_unrolled_ones_do():
+  model = Llama(_config(), rngs=nnx.Rngs(0))
+  scanned = layer_stack.convert(model, scan_layers=True)
+  tokens = jnp.asarray(RNG.integers(0, 259, (2, 12)), jnp.int32)
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
+  (loss, metrics), (scan_loss, scan_metrics) = lm_loss(model, batch), lm_loss(scanned, batch)
+  np.testing.assert_allclose(scan_loss, loss, rtol=1e-5)
+  for name in ("lm_loss", "router_aux_loss", "router_z_loss", "expert_share_3"):
+    np.testing.assert_allclose(scan_metrics[name], metrics[name], rtol=1e-5)
+  assert float(loss) > float(metrics["lm_loss"])  # The router's loss is in what trains.
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.num_experts_per_tok=9"], "moe.num_experts_per_tok=9 is above moe.num_experts=8"),
+    (["model.moe=null"], "kind='mixtral' is a mixture of experts: set model.moe"),
+    (["model.moe.dense_layers=[4]"], "moe.dense_layers names layer 4; the layers are 0..3"),
+])
+def test_a_bad_moe_config_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
+  assert cli.main(["train", "moe-tiny", "--workdir", str(tmp_path), *overrides]) == 2
+  err = capsys.readouterr().err
+  assert message in err and len(err.strip().splitlines()) == 1
+  assert not any(tmp_path.iterdir())
+
+
+def test_a_dense_kind_refuses_experts():
+  with pytest.raises(config_lib.ConfigError, match="kind='llama' has dense MLPs"):
+    config_lib.load("lm-tiny", overrides=["model.moe={num_experts: 4}"])
+
+
+SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.mlp_dim=32", "model.max_seq_len=32", "model.moe.num_experts=4",
+         "data.seq_len=32", "data.batch_size=4", "data.max_documents=30",
+         "data.validation_fraction=0.2", "train.eval_batches=1", "train.progress=false",
+         "train.sample_tokens=0", "optim.warmup_steps=1", "train.steps=8", "train.eval_every=4",
+         "checkpoint.save_every=4"]
+
+
+@pytest.mark.slow
+def test_moe_tiny_trains_logs_its_router_and_resumes_bitwise(tmp_path, capsys):
+  config = config_lib.load("moe-tiny", overrides=SMALL)
+  train.run(config, tmp_path / "whole")
+  assert "grouped matmul: tokamax (auto: tokamax.ragged_dot" in capsys.readouterr().out
+  train.run(config, tmp_path / "stopped", stop_after=4)
+  train.run(config, tmp_path / "stopped")
+  records = {w: train.read_metrics(tmp_path / w) for w in ("whole", "stopped")}
+  losses = {w: [(r["step"], r["loss"]) for r in rs if r["split"] == "train"]
+            for w, rs in records.items()}
+  assert len(losses["whole"]) == 8 and losses["whole"] == losses["stopped"]
+  assert losses["whole"][-1][1] < losses["whole"][0][1]
+  evals = [r for r in records["whole"] if r["split"] == "eval"]
+  assert {"eval_router_aux_loss", "eval_router_z_loss", "eval_lm_loss",
+          "eval_expert_share_0"} <= evals[-1].keys()
+  assert evals[-1]["eval_perplexity"] == pytest.approx(np.exp(evals[-1]["eval_lm_loss"]))
+
+
+def test_the_memory_plan_of_a_moe_model_is_measured():
+  from jax_ai_stack.recipes import memory
+
+  plan = memory.estimate_memory(config_lib.load("moe-tiny", overrides=SMALL), 1)
+  assert plan.activations_from.startswith("measured") and plan.activations_per_row > 0
+
+
+@pytest.mark.slow
+def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tmp_path, capsys):
+  from jax_ai_stack.recipes.finetune import lora
+
+  train.run(config_lib.load("moe-tiny", overrides=[*SMALL, "train.steps=2"]), tmp_path / "base")
+  tuned = config_lib.load("moe-tiny", overrides=[
+      *SMALL, "train.steps=2", f"finetune.base={tmp_path / 'base'}", "finetune.lora.rank=4"])
+  train.run(tuned, tmp_path / "lora")
+  run = train.Trainer.open_finished(tmp_path / "lora")
+  try:
+    adapted = lora.adapter_pairs(run.model)
+  finally:
+    run.close()
+  assert adapted and all("/attention/" in name for name in adapted), sorted(adapted)
+  assert cli.main(["train", "moe-tiny", "--workdir", str(tmp_path / "qat"), *SMALL,
+                   "quant.qat=w8"]) == 2
+  assert "quantization does not support mixture-of-experts models yet" in capsys.readouterr().err
