@@ -201,6 +201,15 @@ def test_quant_quick_reports_every_scheme_smaller_than_float(tmp_path):
   assert variants["w4"]["param_bytes"] < variants["w8"]["param_bytes"]
 
 
+def test_moe_quick_times_each_grouped_matmul_against_the_dense_mlp(tmp_path):
+  results = _run_quick("moe", tmp_path)
+  variants = results["variants"]
+  assert list(variants) == ["dense", "moe-tokamax", "moe-xla", "moe-dense"]
+  assert variants["dense"]["vs_dense"] == 1 and all(v["ms_per_pass"] > 0 for v in variants.values())
+  assert results["best_grouped_matmul"] in ("moe-tokamax", "moe-xla")
+  assert results["best_vs_dense"]["value"] == variants[results["best_grouped_matmul"]]["vs_dense"]
+
+
 def test_lora_quick_reports_fewer_trainable_parameters_than_full(tmp_path):
   results = _run_quick("lora", tmp_path)
   size = results["sizes"]["quick"]

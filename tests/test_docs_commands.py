@@ -430,6 +430,7 @@ def test_fine_tune(trained):
 MOE = doc("jax-ai-stack train moe-tiny")
 
 
+@pytest.mark.slow
 def test_mixture_of_experts(tmp_path):
   out = ok(run(MOE, *TINY, "model.moe.num_experts=4", cwd=tmp_path))
   assert "grouped matmul: " in out and "eval_router_aux_loss" in out

@@ -448,6 +448,7 @@ WORD_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
                  "{% if add_generation_prompt %}assistant : {% endif %}")
 
 
+@pytest.mark.slow
 def test_an_imported_model_is_chat_tuned_with_its_tokenizer_s_own_template(tmp_path, capsys):
   """tokenizer_config.json's chat_template travels with tokenizer.json into the workdir,
   renders the chat data there, and goes out again with export-hf."""

@@ -33,7 +33,10 @@ def test_table_names_every_implementation_and_the_true_choice(capsys):
     assert f" {name} " in out
   truth = kernels.select(
       kernels.Request.from_shapes((2, 64, 4, 16), (2, 64, 2, 16), "float32", segment_ids=True))
-  assert f"* {truth.name} " in out and out.rstrip().endswith(f"Chosen: {truth.name} (deterministic)")
+  assert f"* {truth.name} " in out and f"Chosen: {truth.name} (deterministic)\n" in out
+  grouped = kernels.choose_grouped_matmul("auto")
+  assert out.rstrip().endswith(f"grouped matmul (MoE experts): {grouped[0]} ({grouped[1]}); a "
+                               "recipe sets model.moe.grouped_matmul")
   assert "q [2,64,4,16] k/v [2,64,2,16] float32, causal, segment_ids" in out
   assert "runs on gpu, not cpu" in out
 
@@ -128,4 +131,4 @@ def test_with_no_shape_it_shows_the_default_recipe_s_attention(capsys):
   assert (f"q [{r.batch},{r.q_len},{r.num_heads},{r.head_dim}] "
           f"k/v [{r.batch},{r.kv_len},{r.num_kv_heads},{r.head_dim}] float32, causal, "
           "segment_ids") in out
-  assert out.rstrip().endswith(f"Chosen: {kernels.select(request).name} (deterministic)")
+  assert f"Chosen: {kernels.select(request).name} (deterministic)\n" in out

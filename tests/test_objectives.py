@@ -133,6 +133,7 @@ class _ScaledNextToken(objectives.NextToken):
     return 3.0 * loss, {**metrics, "unscaled": loss}
 
 
+@pytest.mark.slow
 def test_a_run_is_built_with_the_objective_its_task_is_given(tmp_path):
   from jax_ai_stack.recipes import train
 

@@ -153,6 +153,7 @@ def _autotune(request, workdir: str) -> int:
 
 def run_kernels(args: argparse.Namespace) -> int:
   from jax_ai_stack.kernels import request as request_lib
+  from jax_ai_stack.kernels.experts import choose_grouped_matmul
   from jax_ai_stack.kernels.resolve import resolve_plan
 
   shapes = parse_shape(args.shape or default_recipe_shape(), args.kv_len)
@@ -165,6 +166,9 @@ def run_kernels(args: argparse.Namespace) -> int:
   choice = plan.report(request, backend=backend)
 
   print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
+  if not args.json:  # Mixture-of-experts layers' other kernel (`experts`).
+    name, why = choose_grouped_matmul("auto")
+    print(f"grouped matmul (MoE experts): {name} ({why}); a recipe sets model.moe.grouped_matmul")
   if choice.name is None:
     print("error: no attention implementation fits; see the table above", file=sys.stderr)
     return 1

@@ -58,9 +58,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   """[M, N]: row block g of `lhs` [M, K] times `rhs[g]` [K, N] (`jax.lax.ragged_dot`)."""
   name, _ = choose_grouped_matmul(implementation)
   if name == "tokamax":
-    import tokamax  # pylint: disable=g-import-not-at-top
+    from jax_ai_stack.kernels.implementations import import_tokamax  # pylint: disable=g-import-not-at-top
 
-    return tokamax.ragged_dot(lhs, rhs, group_sizes,
+    return import_tokamax().ragged_dot(lhs, rhs, group_sizes,
                               preferred_element_type=preferred_element_type)
   if name == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes,
