@@ -22,6 +22,7 @@ Example: what would run on a TPU (simulated here) for a small shape.
   * xla                  yes
   ...
   Chosen: xla (...)
+  grouped matmul (MoE experts): ...
   0
 """
 
