@@ -2,7 +2,8 @@
 
 For each decoder family, a tiny random model whose config turns on every switch
 the family has (biases, q/k norms, soft caps, a sliding window shorter than the
-sequence, local and global layers, an explicit head_dim, linear RoPE scaling),
+sequence, local and global layers, an explicit head_dim, linear RoPE scaling,
+experts with and without renormalised router weights, a dense layer among sparse ones),
 saved as transformers saves it, plus its float32 logits on fixed tokens and its
 greedy continuation of a prompt:
 
@@ -53,7 +54,19 @@ CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                             "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=7,
+        tie_word_embeddings=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, head_dim=12, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=False,
+        tie_word_embeddings=True)),
 }
+
+
+ORDER = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
+         "qwen3_moe"]
+"""Every reference, in the order that gives each its seed."""
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> None:
@@ -102,8 +115,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("names", nargs="*", help="families to write (default: all)")
   args = parser.parse_args()
-  wanted = args.names or [*CONFIGS, "gemma3-conditional"]
-  for seed, name in enumerate([*CONFIGS, "gemma3-conditional"]):
+  wanted = args.names or ORDER
+  for seed, name in enumerate(ORDER):  # The seed is the place: new names go last.
     if name not in wanted:
       continue
     if name == "gemma3-conditional":

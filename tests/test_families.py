@@ -1,4 +1,5 @@
-"""The decoder families (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) against transformers' outputs.
+"""The decoder families (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE) against
+transformers' outputs.
 
 The reference files in tests/references/hf/ were written by
 scripts/make_hf_references.py with transformers (which CI does not install):
@@ -28,7 +29,9 @@ from jax_ai_stack.recipes.models.llama import Llama
 from multidevice import run_on_devices
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
-FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
+            "qwen3_moe"]
+CAUSAL = [name for name in FAMILIES if name != "gemma3-conditional"]
 ATOL = 1e-4
 """float32 logits of about 5 in magnitude, summed in another order than torch's."""
 
@@ -54,7 +57,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
 
 def test_each_reference_exercises_its_family_s_switches():
   """The references would tell a missing switch apart: each is on in some config."""
-  configs = {name: hf.load_model(REFERENCES / name).config for name in FAMILIES[:5]}
+  configs = {name: hf.load_model(REFERENCES / name).config for name in CAUSAL}
   seq_len = _reference("qwen2")["tokens"].shape[1]
   assert configs["qwen2"].qkv_bias and set(configs["qwen2"].layer_types) == {"full", "sliding"}
   assert configs["qwen3"].qk_norm and configs["qwen3"].head_dim == 12
@@ -65,6 +68,10 @@ def test_each_reference_exercises_its_family_s_switches():
   assert gemma3.qk_norm and gemma3.local_rope_theta != gemma3.rope_theta
   assert gemma3.rope_scaling.kind == "linear" and gemma3.layer_types.count("full") == 1
   assert all(c.sliding_window < seq_len for c in configs.values() if c.sliding_window)
+  mixtral, qwen3_moe = configs["mixtral"], configs["qwen3_moe"]
+  assert mixtral.moe.norm_topk_prob and all(mixtral.moe_layers) and mixtral.sliding_window
+  assert not qwen3_moe.moe.norm_topk_prob and qwen3_moe.moe_layers == (True, False, True)
+  assert qwen3_moe.expert_mlp_dim != qwen3_moe.mlp_dim and qwen3_moe.qk_norm
 
 
 def _with(config: DecoderConfig, **changes) -> DecoderConfig:
@@ -181,7 +188,7 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
       meshes = {{"fsdp": MeshConfig(rules="fsdp", data=2, fsdp=4),
                 "fsdp_tp": MeshConfig(rules="fsdp_tp", data=1, fsdp=4, tensor=2)}}
       out = {{}}
-      for name in {FAMILIES[:5]!r}:
+      for name in {CAUSAL!r}:
         directory = {str(REFERENCES)!r} + "/" + name
         tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
         tokens = jnp.concatenate([tokens] * 4)  # Rows for the data and fsdp axes.
@@ -205,7 +212,7 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
               "devices": len(logits.sharding.device_set)}}
       print(json.dumps(out))
   """)
-  assert len(results) == 10
+  assert len(results) == 2 * len(CAUSAL)
   for name, result in results.items():
     assert result["devices"] == 8, name
     assert result["logits"] < 1e-5, (name, result)
@@ -244,9 +251,12 @@ def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> path
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("qwen3", {"architectures": ["Qwen3MoeForCausalLM"]},
-     r"architectures=\['Qwen3MoeForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
+    ("qwen3", {"architectures": ["DeepseekV3ForCausalLM"]},
+     r"architectures=\['DeepseekV3ForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
      r"Qwen2ForCausalLM"),
+    ("mixtral", {"router_jitter_noise": 0.1},
+     "router_jitter_noise=0.1 is not supported: the router here adds no noise"),
+    ("qwen3_moe", {"num_experts_per_tok": 5}, "moe.num_experts_per_tok=5 is above moe.num_experts=4"),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
      "rope_parameters=.* is not supported: of the RoPE types only default, llama3, linear"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),

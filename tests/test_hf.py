@@ -237,7 +237,7 @@ def test_bfloat16_tensors_are_cast_to_the_parameter_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("architectures", ["MixtralForCausalLM"]),
+    ("architectures", ["DeepseekV3ForCausalLM"]),
     ("model_type", "mistral"),
     ("hidden_act", "gelu"),
     ("rope_scaling", {"rope_type": "longrope", "factor": 8.0}),

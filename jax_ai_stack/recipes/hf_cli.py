@@ -199,8 +199,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
   try:
     if not hf.writes(trainer.model):
       raise UsageError(f"{workdir} trained a {trainer.config.model.kind} model; export-hf "
-                       "writes the dense decoder families (llama, qwen2, qwen3, mistral, "
-                       "gemma2, gemma3) only, not yet mixtures of experts")
+                       "writes the decoder families (llama, qwen2, qwen3, mistral, gemma2, "
+                       "gemma3, mixtral, qwen3_moe) only")
     data = trainer.config.data
     tokenizer, token_ids = None, {}
     if data.tokenizer == "huggingface":

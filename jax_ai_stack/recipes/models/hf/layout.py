@@ -73,6 +73,13 @@ class Tensor:
   vocab: tuple[int, int] | None = None
   """(axis, vocab_size) of the embedding and head: our array has padded rows on
   that axis (`padded_vocab_size`), Hugging Face's exactly vocab_size."""
+  expert: int | None = None
+  """The expert whose slice [expert] of a parameter stacked [E, ...] this tensor holds
+  (the shapes below are then the slice's); None: the whole parameter."""
+
+  def piece(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of what this tensor holds of a parameter of `shape`."""
+    return tuple(shape[1:]) if self.expert is not None else tuple(shape)
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     shape = self._unpadded(shape)
@@ -146,13 +153,28 @@ def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
     if config.qk_norm:
       out += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
               for x in "qk"]
-    out += [Tensor(hf + f"mlp.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"), 1)
-            for x in ("gate", "up", "down")]
+    out += _mlp_tensors(config, i, hf, ours)
     out += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
             for norm, theirs in norms.items()]
   out.append(Tensor(prefix + "norm.weight", ("final_norm", "scale")))
   if not config.tie_embeddings:
     out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1, vocab=(1, config.vocab_size)))
+  return out
+
+
+def _mlp_tensors(config: LlamaConfig, layer: int, hf: str, ours: tuple) -> list[Tensor]:
+  """Layer `layer`'s feed-forward: a dense MLP, or a router and each expert's weights."""
+  from jax_ai_stack.recipes.models.hf import families
+
+  if not config.moe_layers[layer]:
+    return [Tensor(hf + f"mlp.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"), 1)
+            for x in ("gate", "up", "down")]
+  experts = families.for_kind(config.kind).experts
+  block = hf + experts.block + "."
+  out = [Tensor(block + f"{experts.router}.weight", (*ours, "mlp", "router", "kernel"), 1)]
+  for j in range(config.moe.num_experts):
+    out += [Tensor(block + f"experts.{j}.{theirs}.weight", (*ours, "mlp", weight), 1, expert=j)
+            for weight, theirs in experts.weights.items()]
   return out
 
 

@@ -110,7 +110,7 @@ def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str
   for tensor in needed:
     if tensor.name not in stored:
       raise ModelFileError(f"{directory}: tensor {tensor.name!r} is missing")
-    found, expected = stored[tensor.name], tensor.hf_shape(shapes[tensor.path])
+    found, expected = stored[tensor.name], tensor.hf_shape(tensor.piece(shapes[tensor.path]))
     if found.shape != expected:
       raise ModelFileError(f"{found.file}: tensor {tensor.name!r} has shape {found.shape}, "
                            f"expected {expected} from the model config")
@@ -148,6 +148,7 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
     raise ValueError(f"target is not the parameter state of Llama(config): {sorted(leaves)}")
   total = sum(math.prod(stored[t.name].shape) * _itemsize(stored[t.name].dtype) for t in needed)
   values: dict[tuple, jax.Array] = {}
+  experts: dict[tuple, list[np.ndarray]] = {}  # A stacked parameter's slices read so far.
   handles: dict[pathlib.Path, Any] = {}
   from tqdm import tqdm
 
@@ -162,9 +163,14 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
         array = handles[entry.file].get_tensor(tensor.name)
       except Exception as e:  # noqa: BLE001 - SafetensorError: truncated data, say.
         raise ModelFileError(f"{entry.file}: tensor {tensor.name!r} is not readable: {e}") from None
-      array = tensor.to_model(array, tuple(leaf.shape)).astype(leaf.dtype, copy=False)
+      array = tensor.to_model(array, tensor.piece(leaf.shape)).astype(leaf.dtype, copy=False)
+      if tensor.expert is not None:  # One expert's slice: placed when all are read.
+        experts.setdefault(tensor.path, []).append(array)
+        if len(experts[tensor.path]) < leaf.shape[0]:
+          continue
+        array = np.stack(experts.pop(tensor.path))
       values[tensor.path] = _place(array, getattr(leaf, "sharding", None))
-      del array  # One tensor on the host at a time.
+      del array  # One tensor (or one stacked parameter) on the host at a time.
       progress.update(math.prod(entry.shape) * _itemsize(entry.dtype))
   filled = jax.tree.map(lambda x: x, target)
   nnx.replace_by_pure_dict(filled, traverse_util.unflatten_dict(values))

@@ -37,11 +37,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def writes(model: nnx.Module) -> bool:
-  """Whether `save` can write `model`: a dense `Llama` (the decoder whose layouts the
-  families hold; `export-hf` refuses the others, mixtures of experts too, for now)."""
+  """Whether `save` can write `model`: a `Llama` (the decoder whose layouts the families
+  hold; `export-hf` refuses the others)."""
   from jax_ai_stack.recipes.models.llama import Llama
 
-  return isinstance(model, Llama) and model.config.moe is None
+  return isinstance(model, Llama)
 
 
 def save(model: nnx.Module, out: str | os.PathLike, *,
@@ -76,7 +76,8 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
     for i, shard in enumerate(shards):
       file = (WEIGHTS_FILE if len(shards) == 1
               else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-      host = {t.name: t.to_hf(np.asarray(jax.device_get(params[t.path]))) for t in shard}
+      host = {t.name: t.to_hf(np.asarray(jax.device_get(_piece(params[t.path], t))))
+              for t in shard}
       st.numpy.save_file(host, str(staging / file), metadata={"format": "pt"})
       weight_map.update({name: file for name in host})
       total += sum(array.nbytes for array in host.values())
@@ -101,13 +102,18 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
   return sorted(p.name for p in out.iterdir())
 
 
+def _piece(array: jax.Array, tensor: Tensor) -> jax.Array:
+  """What `tensor` holds of the parameter `array`: one expert's slice, or all of it."""
+  return array if tensor.expert is None else array[tensor.expert]
+
+
 def _plan_shards(needed: list[Tensor], params: Mapping[tuple, jax.Array],
                  max_bytes: int) -> list[list[Tensor]]:
   """Tensors in order, cut into consecutive groups of at most `max_bytes`."""
   shards: list[list[Tensor]] = [[]]
   size = 0
   for tensor in needed:
-    nbytes = params[tensor.path].nbytes
+    nbytes = _piece(params[tensor.path], tensor).nbytes
     if shards[-1] and size + nbytes > max_bytes:
       shards.append([])
       size = 0

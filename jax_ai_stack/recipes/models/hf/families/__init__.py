@@ -39,6 +39,18 @@ def _nothing(*_) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+  """Where a mixture-of-experts family keeps a sparse layer's tensors, under `layers.{i}.`."""
+
+  block: str
+  """The MoE block's attribute: `block_sparse_moe` (Mixtral), `mlp` (Qwen3-MoE)."""
+  router: str
+  """The router's attribute in the block (`<block>.<router>.weight`, [E, d_model])."""
+  weights: Mapping[str, str]
+  """Our expert weights -> their names (`<block>.experts.{j}.<name>.weight`)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class HFFamily:
   """One Hugging Face architecture as the decoder sees it."""
 
@@ -60,12 +72,15 @@ class HFFamily:
   """That activation (the one `DecoderConfig.mlp_activation` of this kind computes)."""
   norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_NORMS)
   """Our norm attributes of a block -> their Hugging Face names."""
+  experts: Experts | None = None
+  """A mixture-of-experts family's tensor names; None: dense MLPs only."""
 
 
 _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-            "Gemma3ForConditionalGeneration": "gemma3"}
+            "Gemma3ForConditionalGeneration": "gemma3", "MixtralForCausalLM": "mixtral",
+            "Qwen3MoeForCausalLM": "qwen3_moe"}
 """Architecture name -> the module (in this package) of its family."""
 
 ARCHITECTURES = tuple(_MODULES)
@@ -115,4 +130,5 @@ def write_layer_types(config: Any) -> list[str]:
 
 
 __getattr__, __dir__ = lazy_attributes(
-    __name__, ("gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"), {})
+    __name__, ("gemma2", "gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"),
+    {})
