@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -58,3 +59,16 @@ def checkpoint_paths(workdir: pathlib.Path) -> list[str]:
     return list(checkpoint_io._shapes_by_path(manager.item_metadata(manager.latest_step())["state"]))
   finally:
     manager.close()
+
+
+def kill_at_step(preset: str, workdir: pathlib.Path, overrides: list[str], step: int) -> int:
+  """`jax-ai-stack train preset` in a subprocess, SIGKILLed once it has logged `step`;
+  returns the last step it logged."""
+  process = subprocess.Popen(
+      [sys.executable, "-m", "jax_ai_stack.cli", "train", preset, "--workdir", str(workdir),
+       *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  wait_for_step(process, workdir, step)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  return train_losses(workdir)[-1][0]
