@@ -4,7 +4,7 @@ In one process, on the same tokens, it times the jitted forward and backward
 pass (gradients of every weight) of
 
   moe-<impl>  `models.moe.MoE`: E experts of F hidden units, k per token, each
-              grouped matmul run by <impl> (tokamax, xla; `kernels.grouped_matmul`)
+              grouped matmul run by <impl> (tokamax, xla, blocked; `kernels.grouped_matmul`)
   moe-dense   the same layer with every expert on every token, masked (the
               reference: E / k times the expert FLOPs)
   dense       a dense gated MLP of k * F hidden units: what one token computes in
@@ -60,7 +60,7 @@ def layers(size: dict[str, int]) -> dict[str, nnx.Module]:
   rngs = lambda: nnx.Rngs(0)  # noqa: E731
   with eager_sharding_scope():  # No mesh: the logical axis names stay metadata.
     out = {"dense": MLP(_config(size, dense=True), rngs=rngs())}
-  for impl in ("tokamax", "xla", "dense"):
+  for impl in ("tokamax", "xla", "blocked", "dense"):
     out[f"moe-{impl}"] = MoE(_config(size, impl), rngs=rngs())
   return out
 
@@ -99,7 +99,7 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
   variants = {name: {"ms_per_pass": statistics.median(ms),
                      "vs_dense": statistics.median(ms) / base, "ms_rounds": ms}
               for name, ms in times.items()}
-  best = min(("moe-tokamax", "moe-xla"), key=lambda n: variants[n]["ms_per_pass"])
+  best = min(("moe-tokamax", "moe-xla", "moe-blocked"), key=lambda n: variants[n]["ms_per_pass"])
   return {"variants": variants, "best_grouped_matmul": best,
           "best_vs_dense": common.target(variants[best]["vs_dense"], TARGET_VS_DENSE)}
 

@@ -204,9 +204,9 @@ def test_quant_quick_reports_every_scheme_smaller_than_float(tmp_path):
 def test_moe_quick_times_each_grouped_matmul_against_the_dense_mlp(tmp_path):
   results = _run_quick("moe", tmp_path)
   variants = results["variants"]
-  assert list(variants) == ["dense", "moe-tokamax", "moe-xla", "moe-dense"]
+  assert list(variants) == ["dense", "moe-tokamax", "moe-xla", "moe-blocked", "moe-dense"]
   assert variants["dense"]["vs_dense"] == 1 and all(v["ms_per_pass"] > 0 for v in variants.values())
-  assert results["best_grouped_matmul"] in ("moe-tokamax", "moe-xla")
+  assert results["best_grouped_matmul"] in ("moe-tokamax", "moe-xla", "moe-blocked")
   assert results["best_vs_dense"]["value"] == variants[results["best_grouped_matmul"]]["vs_dense"]
 
 

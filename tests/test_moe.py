@@ -51,7 +51,7 @@ def test_the_balance_loss_and_shares_equal_numpy():
   assert float(balanced.balance_loss) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("implementation", ["tokamax", "xla"])
+@pytest.mark.parametrize("implementation", ["tokamax", "xla", "blocked"])
 def test_the_grouped_matmul_equals_its_dense_reference_with_its_gradients(implementation):
   lhs = jnp.asarray(RNG.normal(size=(20, 6)), jnp.float32)
   rhs = jnp.asarray(RNG.normal(size=(4, 6, 5)), jnp.float32)
@@ -67,6 +67,19 @@ def test_the_grouped_matmul_equals_its_dense_reference_with_its_gradients(implem
   assert not np.asarray(out[18:]).any()
   for ours, theirs in zip(grads, reference_grads):
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_the_blocked_matmul_on_cpu_and_tokamax_elsewhere():
+  assert kernels.choose_grouped_matmul("auto", "cpu")[0] == "blocked"
+  assert kernels.choose_grouped_matmul("auto", "gpu")[0] == "tokamax"
+  assert kernels.choose_grouped_matmul("xla", "cpu") == ("xla", "requested: jax.lax.ragged_dot")
+
+
+@pytest.mark.parametrize("rows, groups, block", [(8192, 8, 128), (2048, 8, 64), (20, 4, 8)])
+def test_blocks_are_a_power_of_two_near_a_quarter_of_a_group(rows, groups, block):
+  from jax_ai_stack.kernels import experts
+
+  assert experts.block_rows(rows, groups) == block
 
 
 def test_an_unknown_grouped_matmul_is_named():
@@ -149,7 +162,7 @@ SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.n
 def test_moe_tiny_trains_logs_its_router_and_resumes_bitwise(tmp_path, capsys):
   config = config_lib.load("moe-tiny", overrides=SMALL)
   train.run(config, tmp_path / "whole")
-  assert "grouped matmul: tokamax (auto: tokamax.ragged_dot" in capsys.readouterr().out
+  assert "grouped matmul: blocked (auto on cpu: " in capsys.readouterr().out
   train.run(config, tmp_path / "stopped", stop_after=4)
   train.run(config, tmp_path / "stopped")
   records = {w: train.read_metrics(tmp_path / w) for w in ("whole", "stopped")}

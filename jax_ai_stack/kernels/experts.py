@@ -3,11 +3,15 @@
 `grouped_matmul(lhs, rhs, group_sizes)` multiplies consecutive row groups of
 lhs [M, K] (the tokens sorted by expert, `group_sizes[g]` rows for expert g)
 by their expert's rhs[g] [K, N]; rows past the groups' sum give zeros. It has
-the API of `jax.lax.ragged_dot`. Implementations, in the order "auto" tries:
+the API of `jax.lax.ragged_dot`. Implementations ("auto": blocked on CPU, else
+tokamax):
 
   tokamax  `tokamax.ragged_dot`: tokamax picks Mosaic (TPU, Hopper GPUs), Triton (GPU)
            or XLA (CPU) itself, falling back along that order
   xla      `jax.lax.ragged_dot`
+  blocked  each group's rows padded to whole blocks and one batched matmul over the
+           blocks (MegaBlocks' layout): XLA:CPU's ragged_dot costs about every group on
+           every row, this about the rows' own FLOPs plus the padding
   dense    every expert on every row, masked to its group: G times the FLOPs; the
            reference the others are tested against, never chosen by "auto"
 
@@ -32,13 +36,18 @@ import jax.numpy as jnp
 
 __all__ = ["GROUPED_MATMULS", "choose_grouped_matmul", "grouped_matmul"]
 
-GROUPED_MATMULS = ("tokamax", "xla", "dense")
+GROUPED_MATMULS = ("tokamax", "xla", "blocked", "dense")
 _WHY = {"tokamax": "tokamax.ragged_dot, which picks Mosaic, Triton or XLA itself",
-        "xla": "jax.lax.ragged_dot", "dense": "every expert on every row: the reference"}
+        "xla": "jax.lax.ragged_dot",
+        "blocked": "each expert's rows padded to blocks, one batched matmul over the blocks",
+        "dense": "every expert on every row: the reference"}
 
 
-def choose_grouped_matmul(requested: str = "auto") -> tuple[str, str]:
-  """(implementation, why) for `requested` ("auto" or one of `GROUPED_MATMULS`).
+def choose_grouped_matmul(requested: str = "auto", platform: str | None = None
+                          ) -> tuple[str, str]:
+  """(implementation, why) for `requested` ("auto" or one of `GROUPED_MATMULS`) on
+  `platform` (None: JAX's default backend). "auto": `blocked` on CPU, else tokamax
+  where installed, else xla.
 
   Raises ValueError naming the implementations for an unknown name.
   """
@@ -47,9 +56,13 @@ def choose_grouped_matmul(requested: str = "auto") -> tuple[str, str]:
                      f"{', '.join(GROUPED_MATMULS)}")
   if requested != "auto":
     return requested, f"requested: {_WHY[requested]}"
+  platform = platform or jax.default_backend()
+  if platform == "cpu":
+    return "blocked", (f"auto on cpu: {_WHY['blocked']} (XLA:CPU's ragged_dot costs about "
+                       "every group on every row: benchmarks/moe.py)")
   if importlib.util.find_spec("tokamax") is not None:
-    return "tokamax", f"auto: {_WHY['tokamax']}"
-  return "xla", f"auto: tokamax is not installed; {_WHY['xla']}"
+    return "tokamax", f"auto on {platform}: {_WHY['tokamax']}"
+  return "xla", f"auto on {platform}: tokamax is not installed; {_WHY['xla']}"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -65,8 +78,41 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if name == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes,
                               preferred_element_type=preferred_element_type)
+  if name == "blocked":
+    return _blocked(lhs, rhs, group_sizes, preferred_element_type)
   ends = jnp.cumsum(group_sizes)
   group = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right")  # G past the end.
   every = jnp.einsum("mk,gkn->gmn", lhs, rhs, preferred_element_type=preferred_element_type)
   mask = group[None, :] == jnp.arange(rhs.shape[0])[:, None]
   return jnp.where(mask[..., None], every, 0).sum(axis=0).astype(every.dtype)
+
+
+def block_rows(rows: int, groups: int) -> int:
+  """Rows per block of `_blocked`: a power of two near rows / (4 groups), from 8 to 128,
+  so that padding each group to whole blocks adds about a quarter at most."""
+  target = max(rows // (4 * groups), 1)
+  return int(min(128, max(8, 1 << (target.bit_length() - 1))))
+
+
+def _blocked(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+             preferred_element_type) -> jax.Array:
+  """Each group's rows padded to whole blocks, one batched matmul over the blocks, each
+  block against its group's weight (MegaBlocks' layout): about the FLOPs of the rows,
+  where XLA:CPU's ragged_dot pays for every group on every row."""
+  rows, groups = lhs.shape[0], rhs.shape[0]
+  block = block_rows(rows, groups)
+  blocks = -(-(rows + groups * (block - 1)) // block)
+  sizes = group_sizes.astype(jnp.int32)
+  padded = -(-sizes // block) * block
+  starts, padded_starts = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
+  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right")  # groups: none.
+  valid = group < groups
+  group = jnp.minimum(group, groups - 1)
+  slot = jnp.where(valid, padded_starts[group] + jnp.arange(rows) - starts[group], blocks * block)
+  x = jnp.zeros((blocks * block, lhs.shape[1]), lhs.dtype).at[slot].set(lhs, mode="drop")
+  owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * block, side="right")
+  weights = rhs[jnp.minimum(owner, groups - 1)]  # [blocks, K, N]; blocks past the end: zeros.
+  y = jnp.einsum("bmk,bkn->bmn", x.reshape(blocks, block, -1), weights,
+                 preferred_element_type=preferred_element_type)
+  y = y.reshape(blocks * block, -1)
+  return jnp.where(valid[:, None], y[jnp.minimum(slot, blocks * block - 1)], 0).astype(y.dtype)

@@ -200,8 +200,7 @@ class Run:
     # Orbax copies the arrays to host memory before save() returns, so the next
     # step may donate (reuse) their buffers; the resume tests check the bits.
     return checkpoint.save(self.manager, self.step, self.transforms.saved(self.state),
-                           self.train_batches,
-                           self.checkpoint_metadata(), force=force)
+                           self.train_batches, self.checkpoint_metadata(), force=force)
 
   def generate(self, prompt: str, max_new_tokens: int | None, temperature: float, *,
                seed: int | None = None, top_k: int | None = None,

@@ -63,7 +63,7 @@ DecoderKind = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", 
                       "qwen3_moe"]
 MOE_KINDS = ("mixtral", "qwen3_moe")
 """The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
-GroupedMatmul = Literal["auto", "tokamax", "xla", "dense"]
+GroupedMatmul = Literal["auto", "tokamax", "xla", "blocked", "dense"]
 LayerType = Literal["full", "sliding"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -129,8 +129,9 @@ class MoeConfig:
   `dense_layers` (Qwen3-MoE's decoder_sparse_step)."""
   grouped_matmul: GroupedMatmul = "auto"
   """How the experts run: "tokamax" (tokamax.ragged_dot: Mosaic/Triton on GPU and TPU,
-  XLA on CPU), "xla" (jax.lax.ragged_dot), "dense" (every expert on every token,
-  masked: the reference); "auto": tokamax, else xla."""
+  XLA on CPU), "xla" (jax.lax.ragged_dot), "blocked" (each expert's rows padded to
+  blocks, one batched matmul: the fast one on CPU), "dense" (every expert on every
+  token, masked: the reference); "auto": blocked on CPU, else tokamax (`kernels.experts`)."""
 
   def __post_init__(self):
     if self.num_experts_per_tok > self.num_experts:

@@ -7,8 +7,8 @@ weights renormalised to sum to 1 when `norm_topk_prob`. Every expert is a
 gated MLP, down(act(gate(x)) * up(x)), its weights stacked [E, ...]. The N*k
 (token, expert) pairs are sorted by expert (a stable sort) and each of the
 three matmuls runs as one grouped matmul over the sorted rows
-(`kernels.grouped_matmul`: tokamax's ragged_dot, XLA's, or the dense
-reference); nothing is dropped, whatever the load. The outputs go back to
+(`kernels.grouped_matmul`: tokamax's ragged_dot, XLA's, rows padded to blocks
+of one batched matmul, or the dense reference); nothing is dropped, whatever the load. The outputs go back to
 token order and are summed with the router's weights, in a fixed order (no
 scatter-add), so the result does not depend on the device's atomics.
 
