@@ -1,4 +1,5 @@
-"""What every benchmark script shares: the header of its record, --out, the JSON write.
+"""What every benchmark script shares: the header of its record, --out, the JSON write, and
+timing variants in interleaved rounds.
 
 The scripts run as `python benchmarks/<name>.py`, which puts this folder on
 `sys.path`, so they `import common`; tests/test_benchmarks.py puts the folder
@@ -20,6 +21,8 @@ import importlib.metadata
 import json
 import pathlib
 import platform
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
@@ -97,6 +100,24 @@ def write(results: dict[str, Any], out: pathlib.Path) -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(results, indent=2) + "\n")
   print(f"wrote {out}")
+
+
+def interleaved_ms(calls: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+  """{name: ms of each round} of each call (already compiled), its result waited for.
+
+  The calls take turns to go first, round by round, so that noise from other
+  processes hits them alike.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  names = list(calls)
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      started = time.perf_counter()
+      jax.block_until_ready(calls[name]())
+      times[name].append(1e3 * (time.perf_counter() - started))
+  return times
 
 
 def positive_int(text: str) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,23 +88,23 @@ def bench_size(name: str, rounds: int) -> dict[str, Any]:
     train_step, state, trainable, opt_bytes = build(model_config, adapters)
     state, metrics = train_step(state, batch)  # Compile.
     jax.block_until_ready(metrics)
-    variants[variant] = {"step": train_step, "state": state, "times": [],
+    variants[variant] = {"step": train_step, "state": state,
                          "trainable_params": trainable, "optimizer_state_bytes": opt_bytes,
                          "first_loss": float(metrics["loss"])}
   total = variants["full"]["trainable_params"]
-  for r in range(rounds):
-    order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
-    for variant in order:  # Taking turns to go first.
-      v = variants[variant]
-      started = time.perf_counter()
+
+  def step_of(v):
+    def step():
       v["state"], metrics = v["step"](v["state"], batch)
-      jax.block_until_ready(metrics)
-      v["times"].append(time.perf_counter() - started)
-  full_ms = statistics.median(variants["full"]["times"]) * 1e3
+      return metrics
+    return step
+
+  times = common.interleaved_ms({name: step_of(v) for name, v in variants.items()}, rounds)
+  full_ms = statistics.median(times["full"])
   out = {"model_params": total, "tokens_per_step": seq_len * batch_size, "rank": RANK,
          "rounds": rounds, "variants": {}}
   for variant, v in variants.items():
-    ms = statistics.median(v["times"]) * 1e3
+    ms = statistics.median(times[variant])
     out["variants"][variant] = {
         "trainable_params": v["trainable_params"],
         "trainable_fraction": v["trainable_params"] / total,

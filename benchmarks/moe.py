@@ -24,9 +24,9 @@ tokamax's Mosaic / Triton kernels.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,17 +81,10 @@ def bench(size: dict[str, int], rounds: int) -> dict[str, list[float]]:
   x = jnp.asarray(np.random.default_rng(0).normal(size=(size["tokens"], size["d_model"])),
                   jnp.float32)
   runs = {name: pass_of(layer) for name, layer in layers(size).items()}
-  for run, state in runs.values():
-    jax.block_until_ready(run(state, x))  # Compiles.
-  times = {name: [] for name in runs}
-  names = list(runs)
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:  # Take turns to go first.
-      run, state = runs[name]
-      started = time.perf_counter()
-      jax.block_until_ready(run(state, x))
-      times[name].append(1e3 * (time.perf_counter() - started))
-  return times
+  calls = {name: functools.partial(run, state, x) for name, (run, state) in runs.items()}
+  for call in calls.values():
+    jax.block_until_ready(call())  # Compiles.
+  return common.interleaved_ms(calls, rounds)
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, Any]:

@@ -28,10 +28,10 @@ model and its first validation batch instead.
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,16 +84,10 @@ def forward(model: nnx.Module):
 def bench(models: dict[str, nnx.Module], batch, rounds: int) -> dict[str, dict[str, Any]]:
   runs = {name: forward(model) for name, model in models.items()}
   losses = {name: float(run(state, batch)) for name, (run, state) in runs.items()}  # Compiles.
-  times = {name: [] for name in runs}
-  names = list(runs)
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:  # Take turns to go first.
-      run, state = runs[name]
-      started = time.perf_counter()
-      jax.block_until_ready(run(state, batch))
-      times[name].append(time.perf_counter() - started)
-  return {name: {"loss": losses[name], "ms": [1e3 * t for t in times[name]],
-                 "param_bytes": quant.param_bytes(models[name])} for name in names}
+  times = common.interleaved_ms(
+      {name: functools.partial(run, state, batch) for name, (run, state) in runs.items()}, rounds)
+  return {name: {"loss": losses[name], "ms": times[name],
+                 "param_bytes": quant.param_bytes(models[name])} for name in runs}
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

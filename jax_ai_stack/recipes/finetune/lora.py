@@ -343,7 +343,7 @@ def _as_frozen(weights: nnx.State, abstract: nnx.State) -> nnx.State:
   frozen = dict(nnx.to_flat_state(nnx.filter_state(abstract, Frozen)))
   out = []
   for path, variable in nnx.to_flat_state(weights):
-    slot = (path[0], reference.ATTRIBUTE, *map(str, path[1:]))
+    slot = (path[0], *reference.copy_path(path[1:]))  # path[0]: the model, of (model, optimizer).
     out.append((slot, frozen[slot].replace(variable.get_value())))
   return nnx.from_flat_state(out)
 

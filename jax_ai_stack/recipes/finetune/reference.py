@@ -28,10 +28,16 @@ from flax import nnx
 
 from jax_ai_stack.recipes.transforms import Frozen
 
-__all__ = ["ATTRIBUTE", "Frozen", "add_frozen_copy", "frozen_copy_model", "without_frozen_copy"]
+__all__ = ["ATTRIBUTE", "Frozen", "add_frozen_copy", "copy_path", "frozen_copy_model",
+           "without_frozen_copy"]
 
 ATTRIBUTE = "reference"
 """The model attribute that holds the copy (state paths `reference/<weight's path>`)."""
+
+
+def copy_path(path: tuple) -> tuple:
+  """The path, in the model's state, of the copy of the weight at `path`."""
+  return (ATTRIBUTE, *map(str, path))
 
 
 def _copy(tree: Any) -> Any:
@@ -56,7 +62,7 @@ def frozen_copy_model(model: nnx.Module) -> nnx.Module:
   out = []
   for path, variable in flat.items():
     if isinstance(variable, nnx.Param) and path[0] != ATTRIBUTE:
-      variable = variable.replace(flat[(ATTRIBUTE, *map(str, path))].get_value())
+      variable = variable.replace(flat[copy_path(path)].get_value())
     out.append((path, variable))
   return nnx.merge(graphdef, nnx.from_flat_state(out))
 

@@ -72,7 +72,7 @@ from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
 from jax_ai_stack.recipes.models.configs import (  # noqa: F401
     DType, LlamaConfig, RematPolicy, RopeScaling)
-from jax_ai_stack.recipes.models.moe import MoE, MoeStats
+from jax_ai_stack.recipes.models.moe import ACTIVATIONS, MoE, MoeStats
 from jax_ai_stack.recipes.models.rope import (  # noqa: F401
     RopeTables, apply_rope, rope_inv_freq, rope_tables, rotate)
 
@@ -226,9 +226,6 @@ def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Arra
   return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-_ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
 class MLP(nnx.Module):
   """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
 
@@ -251,7 +248,7 @@ class MLP(nnx.Module):
     self.activation = config.mlp_activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    act = _ACTIVATIONS[self.activation]
+    act = ACTIVATIONS[self.activation]
     return on_tokens(lambda x: self.down_proj(act(self.gate_proj(x)) * self.up_proj(x)), x)
 
 

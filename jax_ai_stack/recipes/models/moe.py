@@ -42,7 +42,7 @@ from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 
-__all__ = ["MoE", "MoeStats", "route"]
+__all__ = ["ACTIVATIONS", "MoE", "MoeStats", "route"]
 
 
 class MoeStats(NamedTuple):
@@ -58,6 +58,8 @@ class Routing(NamedTuple):
   """[N, k] the experts each token goes to."""
   weights: jax.Array
   """[N, k] float32, their router weights."""
+  sizes: jax.Array
+  """[E] int32, how many of the N*k assignments each expert got (the grouped matmul's groups)."""
   stats: MoeStats
 
 
@@ -69,14 +71,15 @@ def route(logits: jax.Array, k: int, normalize: bool) -> Routing:
   weights, experts = jax.lax.top_k(probs, k)
   if normalize:
     weights = weights / weights.sum(axis=-1, keepdims=True)
-  counts = jnp.zeros(num_experts, jnp.float32).at[experts.reshape(-1)].add(1.0)
-  share = counts / experts.size
+  sizes = jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(1)
+  share = sizes.astype(jnp.float32) / experts.size
   balance = num_experts * jnp.sum(share * probs.mean(axis=0))
   z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-  return Routing(experts, weights, MoeStats(balance, z_loss, share))
+  return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share))
 
 
-_ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+"""The gate's activation of a gated MLP (`DecoderConfig.mlp_activation`), dense or expert."""
 
 
 class MoE(nnx.Module):
@@ -112,13 +115,12 @@ class MoE(nnx.Module):
     flat = routing.experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
     order = jnp.argsort(flat, stable=True)
     rows = tokens[order // self.k].astype(self.dtype)
-    sizes = jnp.zeros(self.gate_proj.shape[0], jnp.int32).at[flat].add(1)
 
     def matmul(lhs, weights):
-      return kernels.grouped_matmul(lhs, weights[...].astype(self.dtype), sizes,
+      return kernels.grouped_matmul(lhs, weights[...].astype(self.dtype), routing.sizes,
                                     implementation=self.implementation)
 
-    hidden = _ACTIVATIONS[self.activation](matmul(rows, self.gate_proj)) * matmul(rows, self.up_proj)
+    hidden = ACTIVATIONS[self.activation](matmul(rows, self.gate_proj)) * matmul(rows, self.up_proj)
     out = matmul(hidden, self.down_proj)
     out = out[jnp.argsort(order)].reshape(*routing.experts.shape, -1)  # [N, k, D], token order.
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), routing.weights).astype(x.dtype)
