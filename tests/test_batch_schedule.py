@@ -128,7 +128,7 @@ def _cli(*args, devices):
 @pytest.mark.parametrize("args,message", [
     (["data.batch_schedule=[{step: 5, batch_size: 6}]"],
      "data.batch_schedule[0].batch_size=6: the batch has shape (6,): dimension 0 ('batch', size 6) "
-     "does not divide by mesh axes data x fsdp of size 4"),
+     "does not divide by mesh axes data x fsdp x expert of size 4"),
     (["data.batch_schedule=[{step: 5, batch_size: 8}]", "train.microbatch_size=2"],
      "train.microbatch_size=2: the batch has shape (2,)"),
 ])

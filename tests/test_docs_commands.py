@@ -486,6 +486,8 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
 # ---- README and docs/scaling.md: meshes ----------------------------------------------
 
 DRY_RUN = doc("JAX_NUM_CPU_DEVICES=8 jax-ai-stack train lm-tiny mesh.data=1 mesh.fsdp=-1 --dry-run")
+EXPERT_DRY_RUN = doc("JAX_NUM_CPU_DEVICES=8 jax-ai-stack train moe-tiny mesh.data=1 "
+                     "mesh.expert=-1 --dry-run")
 ONE_HOST = doc("jax-ai-stack train lm-small mesh.fsdp=-1 mesh.tensor=2 mesh.rules=fsdp_tp")
 AUTO = doc("jax-ai-stack train lm-small mesh.data=4 mesh.fsdp=-1 --distributed auto")
 SCALING_AUTO = doc("jax-ai-stack train lm-small --workdir /shared/runs/lm-small mesh.data=4 "
@@ -496,9 +498,16 @@ SCALING_EXPLICIT = doc("jax-ai-stack train lm-small --workdir /shared/runs/lm-sm
 
 def test_mesh_dry_runs(tmp_path):
   out = ok(run(DRY_RUN, cwd=tmp_path))
-  assert "mesh data 1 x fsdp 8 x tensor 1 (8 devices)" in out
+  assert "mesh data 1 x fsdp 8 x expert 1 x tensor 1 (8 devices)" in out
   out = ok(run(ONE_HOST, "--dry-run", cwd=tmp_path, devices=8))
-  assert "mesh data 1 x fsdp 4 x tensor 2 (8 devices), rules fsdp_tp" in out
+  assert "mesh data 1 x fsdp 4 x expert 1 x tensor 2 (8 devices), rules fsdp_tp" in out
+  assert not (tmp_path / "runs").exists()
+
+
+def test_the_expert_parallel_dry_run_splits_the_experts(tmp_path):
+  out = ok(run(EXPERT_DRY_RUN, cwd=tmp_path))
+  assert "mesh data 1 x fsdp 1 x expert 8 x tensor 1 (8 devices), rules fsdp" in out
+  assert re.search(r"gathered +0 B", out), out
   assert not (tmp_path / "runs").exists()
 
 
@@ -515,7 +524,7 @@ def test_cluster_commands_resolve(tmp_path):
   """What a cluster launch runs cannot start here (it waits for its hosts); its config does."""
   for command in (AUTO, SCALING_AUTO, SCALING_EXPLICIT):
     printed = ok(run(command, "--print-config", cwd=tmp_path, env={"RANK": "0"}))
-    assert "data: 4\n  fsdp: -1\n  tensor: 1" in printed, command
+    assert "data: 4\n  fsdp: -1\n  expert: 1\n  tensor: 1" in printed, command
 
 
 # ---- README: kernels, doctor, constraints --------------------------------------------
@@ -611,4 +620,4 @@ def test_an_override_rest_wins_over_a_saved_config(tmp_path):
 def test_two_explicit_rests_are_an_error(tmp_path):
   code, _, err = run("jax-ai-stack train lm-small mesh.data=-1 mesh.fsdp=-1", "--print-config",
                      cwd=tmp_path)
-  assert code == 2 and "at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1" in err
+  assert code == 2 and "at most one of mesh.data, mesh.fsdp, mesh.expert, mesh.tensor may be -1" in err

@@ -152,7 +152,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
                         "--device-memory", "1GiB", cwd=tmp_path)
   assert result.returncode == 0, result.stdout + result.stderr
   out = result.stdout
-  assert "mesh data 1 x fsdp 8 x tensor 1 (8 devices), rules fsdp" in out
+  assert "mesh data 1 x fsdp 8 x expert 1 x tensor 1 (8 devices), rules fsdp" in out
   for line in ("parameters", "optimizer", "gradients", "gathered", "activations", "total"):
     assert f"  {line} " in out
   assert "device memory 1.00 GiB: this batch fits; largest global batch" in out
@@ -160,7 +160,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["mesh.data=3"], "mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 = 3 devices, but there are 8"),
+    (["mesh.data=3"], "mesh.data=3 x mesh.fsdp=1 x mesh.expert=1 x mesh.tensor=1 = 3 devices, but there are 8"),
     (["mesh.rules=fsdp_tp", "mesh.data=2", "mesh.tensor=4"], "does not divide by mesh axes tensor"),
     (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
 ], ids=["mesh-does-not-fit", "not-divisible", "bad-size"])

@@ -1,8 +1,11 @@
 """Mixture-of-experts layers: routing, the grouped matmul against its dense reference, the
 layer against a per-token loop, mixed dense and MoE layers, the router losses in training,
-and the moe-tiny preset training and resuming bitwise."""
+the moe-tiny preset training and resuming bitwise, and expert parallelism on 8 simulated
+devices against one device."""
 
 from __future__ import annotations
+
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,9 @@ from jax_ai_stack.recipes.models import layer_stack, moe
 from jax_ai_stack.recipes.models.configs import DecoderConfig, MoeConfig
 from jax_ai_stack.recipes.models.llama import Llama
 from jax_ai_stack.recipes.tasks.objectives import lm_loss
+from multidevice import run_on_devices
+
+REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
 
 RNG = np.random.default_rng(0)
 
@@ -137,6 +143,7 @@ def test_scanned_experts_compute_what_unrolled_ones_do():
     (["model.moe.num_experts_per_tok=9"], "moe.num_experts_per_tok=9 is above moe.num_experts=8"),
     (["model.moe=null"], "kind='mixtral' is a mixture of experts: set model.moe"),
     (["model.moe.dense_layers=[4]"], "moe.dense_layers names layer 4; the layers are 0..3"),
+    (["mesh.expert=3"], "mesh.expert=3 does not divide model.moe.num_experts=8"),
 ])
 def test_a_bad_moe_config_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
   assert cli.main(["train", "moe-tiny", "--workdir", str(tmp_path), *overrides]) == 2
@@ -200,3 +207,119 @@ def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tm
   assert cli.main(["train", "moe-tiny", "--workdir", str(tmp_path / "qat"), *SMALL,
                    "quant.qat=w8"]) == 2
   assert "quantization does not support mixture-of-experts models yet" in capsys.readouterr().err
+
+
+def test_the_memory_plan_keeps_experts_split_over_the_expert_axis():
+  """Under expert parallelism each device holds 1/8 of the experts and gathers none of
+  them (tokens travel instead); the other weights are replicated, as under `dp`."""
+  from jax_ai_stack.recipes import memory
+
+  def plan(*mesh):
+    return memory.estimate_memory(config_lib.load("moe-tiny", overrides=[*SMALL, *mesh,
+                                                                         "data.batch_size=8"]), 8)
+
+  experts, replicated = plan("model.moe.num_experts=8", "mesh.data=1", "mesh.expert=8"), plan(
+      "model.moe.num_experts=8", "mesh.data=8")
+  eight = config_lib.load("moe-tiny", overrides=[*SMALL, "model.moe.num_experts=8"]).model
+  model = nnx.eval_shape(lambda: Llama(eight, rngs=nnx.Rngs(0)))
+  stacked = sum(x.size * x.dtype.itemsize for path, x in
+                jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+                if "mlp" in jax.tree_util.keystr(path) and x.ndim == 3)
+  assert stacked and replicated.parameters - experts.parameters == stacked - stacked // 8
+  assert experts.gathered == 0 and experts.mesh["expert"] == 8
+  with pytest.raises(config_lib.ConfigError, match=r"\('experts', size 4\) does not divide by "
+                                                   "mesh axes expert of size 8"):
+    plan("mesh.data=1", "mesh.expert=-1")  # 4 experts; the rest of the devices is 8.
+
+
+@pytest.mark.slow
+def test_experts_split_over_the_expert_axis_compute_what_one_device_does():
+  """The Mixtral and Qwen3-MoE reference checkpoints on 8 simulated devices with their
+  experts split over `expert` (alone with `data`; with fsdp and tensor under fsdp_tp):
+  logits and gradients equal one device's, for a batch split over the expert axis and
+  for one row (replicated: no token exchange, the experts' outputs summed), and the
+  step exchanges tokens inside a shard_map."""
+  results = run_on_devices(f"""
+      import json
+      import jax, jax.numpy as jnp, numpy as np, optax
+      from flax import nnx
+      from jax_ai_stack.recipes import sharding
+      from jax_ai_stack.recipes.models import hf
+      from jax_ai_stack.recipes.models.configs import DecoderConfig
+      from jax_ai_stack.recipes.models.llama import Llama
+      from jax_ai_stack.recipes.sharding_config import MeshConfig
+
+      def loss(model, tokens):
+        logits = model(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1], tokens[:, 1:]).mean(), logits
+
+      @nnx.jit
+      def logits_and_grads(model, tokens):
+        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model, tokens)
+        return logits, grads
+
+      def differences(model, tokens, one):
+        logits, grads = logits_and_grads(model, tokens)
+        return {{"logits": float(jnp.abs(logits - one[0]).max()),
+                 "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+                              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(one[1])))}}
+
+      meshes = {{"data 2 x expert 4": MeshConfig(data=2, expert=4),
+                "fsdp 2 x expert 2 x tensor 2": MeshConfig(rules="fsdp_tp", data=1, fsdp=2,
+                                                           expert=2, tensor=2)}}
+      out = {{}}
+      for name in ("mixtral", "qwen3_moe"):
+        directory = {str(REFERENCES)!r} + "/" + name
+        tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
+        tokens = jnp.concatenate([tokens] * 8)
+        one = hf.load_model(directory)
+        expected = {{rows: logits_and_grads(one, tokens[:rows]) for rows in (len(tokens), 1)}}
+        config = DecoderConfig(**hf.read_config(directory))
+        for mesh_name, mesh_config in meshes.items():
+          mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
+          model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
+                                               layout=sharding.Layout.of(mesh, rules)))
+          params = nnx.state(model)
+          abstract = jax.tree.map(
+              lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+              params, sharding.state_shardings(params, mesh, rules))
+          nnx.update(model, hf.load_params(directory, config, abstract))
+          program = str(jax.make_jaxpr(lambda m, t: loss(m, t)[0])(model, tokens))
+          out[name + ", " + mesh_name] = {{
+              "batch": differences(model, tokens, expected[len(tokens)]),
+              "one row": differences(model, tokens[:1], expected[1]),
+              "experts": str(model.layers[0].mlp.gate_proj.get_value().sharding.spec[0]),
+              "exchange": all(p in program for p in ("shard_map", "all_gather", "reduce_scatter"))}}
+      print(json.dumps(out))
+  """)
+  assert len(results) == 4
+  for name, result in results.items():
+    for rows in ("batch", "one row"):
+      assert result[rows]["logits"] < 1e-5, (name, rows, result)
+      assert result[rows]["grads"] < 1e-4, (name, rows, result)
+    assert result["experts"] == "expert" and result["exchange"], (name, result)
+
+
+@pytest.mark.slow
+def test_moe_tiny_trains_expert_parallel_like_one_device_and_resumes_bitwise(tmp_path):
+  """moe-tiny on 8 simulated devices, experts over `expert` and MLPs over `tensor`: the
+  one-device losses (not bitwise: sums in another order), and a run stopped at step 4
+  and resumed on the mesh equals, bitwise, the one that never stopped."""
+  small = [*SMALL, "model.num_kv_heads=2"]  # A head per tensor device.
+  train.run(config_lib.load("moe-tiny", overrides=small), tmp_path / "one")
+  expected = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  mesh = ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.expert=4", "mesh.tensor=2"]
+  result = run_on_devices(f"""
+      import json
+      from jax_ai_stack.recipes import config, train
+      config = config.load("moe-tiny", overrides={[*small, *mesh]!r})
+      runs = {{"whole": {str(tmp_path / "whole")!r}, "stopped": {str(tmp_path / "stopped")!r}}}
+      train.run(config, runs["whole"])
+      train.run(config, runs["stopped"], stop_after=4)
+      train.run(config, runs["stopped"])
+      print(json.dumps({{name: [r["loss"] for r in train.read_metrics(workdir)
+                               if r["split"] == "train"] for name, workdir in runs.items()}}))
+  """)
+  assert len(result["whole"]) == 8 and result["stopped"] == result["whole"]
+  np.testing.assert_allclose(result["whole"], expected, rtol=2e-5)

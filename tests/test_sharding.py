@@ -16,13 +16,13 @@ from multidevice import run_on_devices
 
 
 def test_one_size_may_be_the_rest_of_the_devices():
-  assert sharding.mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert sharding.mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
   assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=2), 8) == {
-      "data": 1, "fsdp": 4, "tensor": 2}
+      "data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
 
 
 def test_sizes_that_do_not_fit_the_devices_say_both_numbers():
-  with pytest.raises(ConfigError, match=r"mesh.data=2 x mesh.fsdp=3 x mesh.tensor=1 = 6 devices, "
+  with pytest.raises(ConfigError, match=r"mesh.data=2 x mesh.fsdp=3 x mesh.expert=1 x mesh.tensor=1 = 6 devices, "
                                         r"but there are 8"):
     sharding.mesh_shape(MeshConfig(data=2, fsdp=3), 8)
   with pytest.raises(ConfigError, match="cannot fill 8 devices"):
@@ -44,7 +44,7 @@ def test_rule_overrides_replace_the_rule_set_s_entry():
 
 
 def test_a_dimension_that_does_not_divide_names_the_parameter_shape_and_axis():
-  mesh = jax.sharding.AbstractMesh((1, 4, 2), sharding.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh((1, 4, 1, 2), sharding.MESH_AXES)
   rules = sharding.logical_rules(MeshConfig(rules="fsdp_tp"))
   assert sharding.partition_spec(("embed", "mlp"), (8, 6), rules, mesh, what="w") == (
       jax.sharding.PartitionSpec("fsdp", "tensor"))
@@ -77,7 +77,7 @@ def test_each_rule_set_places_parameters_and_their_optimizer_state():
       state = nnx.state(nnx.eval_shape(create))
       out = {}
       for rules, sizes in [("dp", {}), ("fsdp", {"data": 2, "fsdp": 4}),
-                           ("fsdp_tp", {"data": 1, "fsdp": 4, "tensor": 2})]:
+                           ("fsdp_tp", {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2})]:
         mesh_config = sharding.MeshConfig(rules=rules, **sizes)
         mesh = sharding.build_mesh(mesh_config)
         shardings = sharding.state_shardings(state, mesh, sharding.logical_rules(mesh_config))
@@ -114,7 +114,7 @@ def test_process_shares_become_one_global_batch():
                         "shards": len(batch["inputs"].addressable_shards),
                         "rows": np.asarray(batch["inputs"]).tolist()}))
   """)
-  assert rows["spec"] == [["data", "fsdp"], None] and rows["shards"] == 8
+  assert rows["spec"] == [["data", "fsdp", "expert"], None] and rows["shards"] == 8
   assert rows["rows"] == np.arange(24).reshape(8, 3).tolist()
 
 
@@ -296,14 +296,14 @@ def test_a_checkpoint_restores_bitwise_onto_another_mesh(tmp_path, caplog):
     trainer.close()
     print(json.dumps({{**_restored_as_saved(trainer, {str(saved)!r}), "warnings": warnings}}))
   """)
-  assert second["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  assert second["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
   assert second["q_proj"] == [["fsdp", "tensor", None]] * 3
 
   with caplog.at_level("WARNING", logger="jax_ai_stack"):
     trainer = train.Trainer.open(tiny_config(*MESH_TINY), workdir)  # This process: one device.
     trainer.close()
   one = {**_restored_as_saved(trainer, saved), "warnings": [r.getMessage() for r in caplog.records]}
-  assert one["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+  assert one["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
   for result in (second, one):
     assert result["step"] == 4 and result["leaves"] and result["laid_out"], result
     assert result["differ"] == [], result

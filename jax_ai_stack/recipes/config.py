@@ -140,7 +140,7 @@ class RecipeConfig:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   """Steps, seed, evaluation, resume, the final sample."""
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-  """The device mesh (data x fsdp x tensor) and the rules that place arrays on it."""
+  """The device mesh (data x fsdp x expert x tensor) and the rules that place arrays on it."""
   finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
   """Start from a trained run (`base`): every parameter, or LoRA adapters only (`lora`)."""
   quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)

@@ -33,7 +33,7 @@ Example:
   >>> from jax_ai_stack.recipes import config
   >>> plan = estimate_memory(config.load("lm-tiny"), 8, attention="xla")
   >>> plan.mesh, plan.rows_per_device
-  ({'data': 8, 'fsdp': 1, 'tensor': 1}, 1)
+  ({'data': 8, 'fsdp': 1, 'expert': 1, 'tensor': 1}, 1)
   >>> format_bytes(plan.parameters), format_bytes(plan.optimizer)  # AdamW: two moments.
   ('3.19 MiB', '6.38 MiB')
   >>> plan.max_batch_size(parse_bytes("1GiB")) > plan.batch_size
@@ -71,7 +71,7 @@ class MemoryPlan:
   """Per-device bytes of one training step of a recipe on a mesh."""
 
   mesh: Mapping[str, int]
-  """Each mesh axis's size (data, fsdp, tensor)."""
+  """Each mesh axis's size (data, fsdp, expert, tensor)."""
   rules: str
   """The rule set that places the arrays (`mesh.rules`)."""
   batch_size: int
@@ -155,7 +155,7 @@ def _rows(n: int) -> str:
 
 
 def abstract_mesh(config: sharding.MeshConfig, device_count: int) -> AbstractMesh:
-  """The run's `data x fsdp x tensor` mesh for `device_count` devices, without devices."""
+  """The run's `data x fsdp x expert x tensor` mesh for `device_count` devices, without devices."""
   shape = sharding.mesh_shape(config, device_count)
   return AbstractMesh(tuple(shape.values()), tuple(shape),
                       axis_types=(AxisType.Auto,) * len(shape))
@@ -244,9 +244,13 @@ def _shard_bytes(abstract_state: Any, mesh: Mesh | AbstractMesh,
 
 def _gathered_bytes(params: Any, mesh: Mesh | AbstractMesh,
                     rules: sharding.Rules) -> dict[str, int]:
-  """Per parameter split over a mesh axis of the batch: its bytes gathered over those axes."""
+  """Per parameter split over a mesh axis of the batch: its bytes gathered over those axes.
+
+  Not over the experts' axes: expert parallelism sends tokens to the experts' devices
+  and keeps each expert where it lives (`models.moe`)."""
   batch = set(rules.get("batch", ()))
-  whole = {name: tuple(a for a in axes if a not in batch) for name, axes in rules.items()}
+  whole = {name: tuple(a for a in axes if a not in batch or name == "experts")
+           for name, axes in rules.items()}
   split, gathered = _shard_bytes(params, mesh, rules), _shard_bytes(params, mesh, whole)
   return {path: n for path, n in gathered.items() if n != split[path]}
 

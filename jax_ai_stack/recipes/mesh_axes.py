@@ -5,13 +5,14 @@
 
 Example:
   >>> MESH_AXES, REST
-  (('data', 'fsdp', 'tensor'), -1)
+  (('data', 'fsdp', 'expert', 'tensor'), -1)
 """
 
 from __future__ import annotations
 
-MESH_AXES = ("data", "fsdp", "tensor")
-"""The mesh's axis names, outermost first (data parallelism crosses hosts)."""
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+"""The mesh's axis names, outermost first (data parallelism crosses hosts; tensor
+parallelism, the most talkative, innermost; the experts' token exchange next to it)."""
 
 REST = -1
 """A mesh size meaning "the devices the other axes leave"; at most one axis has it."""

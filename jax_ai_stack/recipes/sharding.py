@@ -3,12 +3,14 @@
 Models name each dimension of their parameters with a logical axis
 (`nnx.with_partitioning`: "embed", "heads", "mlp", "vocab", ...) and each Task
 names the dimensions of a batch ("batch", "length", ...). A rule set maps those
-names onto the axes of one device mesh, `data x fsdp x tensor`:
+names onto the axes of one device mesh, `data x fsdp x expert x tensor`:
 
 * `dp`: the batch is split over every device, parameters are replicated.
-* `fsdp`: the batch is split over `data` and `fsdp`; parameters and optimizer
-  state are split along "embed" over `fsdp` (ZeRO-3 style: XLA gathers each
-  weight for its matmul and reduce-scatters its gradient).
+* `fsdp`: the batch is split over `data`, `fsdp` and `expert`; parameters and
+  optimizer state are split along "embed" over `fsdp` (ZeRO-3 style: XLA
+  gathers each weight for its matmul and reduce-scatters its gradient), and a
+  mixture-of-experts layer's experts over `expert` (expert parallelism: each
+  device runs its own experts on the tokens routed to them, `models.moe`).
 * `fsdp_tp`: as `fsdp`, plus heads, MLP and vocabulary dimensions split over
   `tensor` (Megatron-style tensor parallelism).
 
@@ -27,7 +29,7 @@ tells attention where q, k, v live (`kernels.AttentionSharding`).
 Example:
   >>> config = MeshConfig(data=1, fsdp=-1, rules="fsdp")
   >>> mesh_shape(config, device_count=8)
-  {'data': 1, 'fsdp': 8, 'tensor': 1}
+  {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}
   >>> logical_rules(config)["embed"]
   ('fsdp',)
 """
@@ -50,12 +52,13 @@ from jax_ai_stack.recipes.sharding_config import MESH_AXES, MeshConfig
 
 Rules = Mapping[str, tuple[str, ...]]
 
-_BATCH = {"batch": ("data", "fsdp")}
+_BATCH = {"batch": ("data", "fsdp", "expert")}
 RULE_SETS: Mapping[str, Rules] = {
-    "dp": {"batch": ("data", "fsdp")},
-    "fsdp": {**_BATCH, "embed": ("fsdp",)},
+    "dp": _BATCH,
+    "fsdp": {**_BATCH, "embed": ("fsdp",), "experts": ("expert",)},
     "fsdp_tp": {
-        **_BATCH, "embed": ("fsdp",), "heads": ("tensor",), "kv_heads": ("tensor",),
+        **_BATCH, "embed": ("fsdp",), "experts": ("expert",),
+        "heads": ("tensor",), "kv_heads": ("tensor",),
         "mlp": ("tensor",), "vocab": ("tensor",), "classes": ("tensor",),
     },
 }
@@ -84,7 +87,7 @@ def _describe(sizes: Mapping[str, int]) -> str:
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """The `data x fsdp x tensor` mesh over `devices` (default: all), Auto axes."""
+  """The `data x fsdp x expert x tensor` mesh over `devices` (default: all), Auto axes."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(config, len(devices))
   return jax.make_mesh(tuple(shape.values()), MESH_AXES,
@@ -189,10 +192,10 @@ class Layout:
   exactly its single-device program.
 
   Example:
-    >>> mesh = jax.sharding.AbstractMesh((2, 1, 2), MESH_AXES)
+    >>> mesh = jax.sharding.AbstractMesh((2, 1, 1, 2), MESH_AXES)
     >>> layout = Layout.of(mesh, logical_rules(MeshConfig(rules="fsdp_tp")))
     >>> layout.spec(("batch", "length", None), (8, 16, 32))
-    P(('data', 'fsdp'), None, None)
+    P(('data', 'fsdp', 'expert'), None, None)
     >>> layout.spec(("batch", "length", None), (1, 16, 32))  # One prompt: replicated.
     P(None, None, None)
     >>> layout.attention().heads

@@ -37,6 +37,9 @@ class MeshConfig:
   """Data-parallel replicas (the outermost axis: it may cross hosts)."""
   fsdp: int = 1
   """Devices that split parameters, gradients and optimizer state (and the batch)."""
+  expert: int = 1
+  """Devices that split a mixture-of-experts layer's experts (expert parallelism), and the
+  batch like `data` elsewhere; must divide `model.moe.num_experts`."""
   tensor: int = 1
   """Devices that split heads, MLP and vocabulary dimensions (tensor parallelism)."""
   rules: Literal["dp", "fsdp", "fsdp_tp"] = "fsdp"
@@ -48,13 +51,14 @@ class MeshConfig:
   @pydantic.model_validator(mode="before")
   @classmethod
   def _explicit_rest_wins(cls, data: Any) -> Any:
-    """`fsdp` or `tensor` given as -1 takes the rest from `data`'s default -1."""
+    """Another axis given as -1 takes the rest from `data`'s default -1."""
+    others = [axis for axis in MESH_AXES if axis != "data"]
     if isinstance(data, pydantic_core.ArgsKwargs):
       kwargs = data.kwargs or {}
-      if "data" not in kwargs and REST in (kwargs.get("fsdp"), kwargs.get("tensor")):
+      if "data" not in kwargs and REST in [kwargs.get(axis) for axis in others]:
         return pydantic_core.ArgsKwargs(data.args, {**kwargs, "data": 1})
     elif isinstance(data, dict):
-      if "data" not in data and REST in (data.get("fsdp"), data.get("tensor")):
+      if "data" not in data and REST in [data.get(axis) for axis in others]:
         return {**data, "data": 1}
     return data
 
@@ -64,7 +68,8 @@ class MeshConfig:
       if size == 0 or size < -1:
         raise ValueError(f"mesh.{axis} must be >= 1 or -1 (the rest), got {size}")
     if list(sizes.values()).count(-1) > 1:
-      raise ValueError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+      raise ValueError("at most one of " + ", ".join(f"mesh.{a}" for a in MESH_AXES)
+                       + " may be -1")
     for name, axes in self.rule_overrides.items():
       unknown = [a for a in axes if a not in MESH_AXES]
       if unknown:

@@ -17,8 +17,17 @@ E * sum_e(f_e * P_e), with f_e the share of the N*k assignments expert e got
 and P_e its mean router probability (1 when balanced), the router z-loss
 mean(logsumexp(logits)^2), and each expert's share f_e.
 
-Logical axes: "experts" for the expert dimension (replicated unless a rule
-maps it), then "embed" and "mlp" as in the dense MLP.
+Logical axes: "experts" for the expert dimension, then "embed" and "mlp" as in
+the dense MLP. Where a layout maps "experts" onto mesh axes of more than one
+device (`mesh.expert`), the layer runs expert-parallel, inside `jax.shard_map`:
+each device gathers the tokens of the devices that share its other
+coordinates (an all-gather over the expert axes, Megatron's "allgather"
+dispatcher), runs its own experts on the tokens routed to them, and the
+weighted outputs go back to their tokens' devices summed (a reduce-scatter).
+Each expert's weights stay on their device whole along "embed" (gathered over
+`fsdp`, like every weight under fsdp) and split along "mlp" over `tensor`
+(partial sums, added in the same reduction). The buffer is dropless: its rows
+are every gathered (token, expert) pair, so one device could take them all.
 
 Example:
   >>> from flax import nnx
@@ -32,7 +41,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +51,9 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.configs import DecoderConfig
+
+if TYPE_CHECKING:
+  from jax_ai_stack.recipes.sharding import Layout
 
 __all__ = ["ACTIVATIONS", "MoE", "MoeStats", "route"]
 
@@ -85,9 +98,10 @@ ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approxima
 class MoE(nnx.Module):
   """A dropless mixture of `config.moe.num_experts` gated MLPs (see the module)."""
 
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, layout: Layout | None = None):
     with eager_sharding_scope():  # Built alone (tests, notebooks): no mesh needed.
       self._build(config, rngs)
+    self.layout = layout
 
   def _build(self, config: DecoderConfig, rngs: nnx.Rngs) -> None:
     moe = config.moe
@@ -112,16 +126,85 @@ class MoE(nnx.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
     tokens = x.reshape(-1, x.shape[-1])
     routing = route(self.router(tokens), self.k, self.normalize)
-    flat = routing.experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
+    weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+    if _expert_ways(self.layout) > 1:
+      y = self._expert_parallel(x, routing, weights)
+    else:
+      y = self._experts(tokens, routing.experts, routing.weights, routing.sizes, weights)
+    return y.astype(x.dtype).reshape(x.shape), routing.stats
+
+  def _experts(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array,
+               sizes: jax.Array, params: tuple[jax.Array, ...], first=0) -> jax.Array:
+    """[N, D] float32: each token's weighted sum over its experts among `params`' (gate,
+    up, down, stacked [E_local, ...]: experts `first` ... `first + E_local - 1`, whose
+    assignment counts are `sizes`); experts elsewhere add nothing."""
+    gate, up, down = params
+    flat = experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
     order = jnp.argsort(flat, stable=True)
+    if not isinstance(first, int) or first:  # This device's experts' rows first.
+      order = jnp.roll(order, -jnp.sum(flat < first))
     rows = tokens[order // self.k].astype(self.dtype)
 
-    def matmul(lhs, weights):
-      return kernels.grouped_matmul(lhs, weights[...].astype(self.dtype), routing.sizes,
-                                    implementation=self.implementation)
+    def matmul(lhs, stacked):
+      return kernels.grouped_matmul(lhs, stacked, sizes, implementation=self.implementation)
 
-    hidden = ACTIVATIONS[self.activation](matmul(rows, self.gate_proj)) * matmul(rows, self.up_proj)
-    out = matmul(hidden, self.down_proj)
-    out = out[jnp.argsort(order)].reshape(*routing.experts.shape, -1)  # [N, k, D], token order.
-    y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), routing.weights).astype(x.dtype)
-    return y.reshape(x.shape), routing.stats
+    hidden = ACTIVATIONS[self.activation](matmul(rows, gate)) * matmul(rows, up)
+    out = matmul(hidden, down)  # Rows past this device's experts: zeros.
+    out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
+    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
+
+  def _expert_parallel(self, x: jax.Array, routing: Routing,
+                       params: tuple[jax.Array, ...]) -> jax.Array:
+    """The layer's output with the experts split over the layout's expert axes (see the
+    module): one `jax.shard_map` over the whole mesh."""
+    layout, (batch, length, _) = self.layout, x.shape
+    rules = dict(layout.rules)
+    expert_axes = tuple(rules["experts"])
+    token_spec = layout.spec(("batch", None, None), x.shape)
+    token_axes = _axes(token_spec[0])
+    mlp_axes = tuple(a for a in rules.get("mlp", ())
+                     if a not in (*rules.get("batch", ()), *expert_axes))
+    gather = tuple(a for a in token_axes if a in expert_axes)
+    reduce = tuple(a for a in expert_axes if a not in gather) + mlp_axes
+    local_experts = params[0].shape[0] // _expert_ways(layout)
+    k = self.k
+
+    def shard(x, experts, weights, gate, up, down):
+      tokens, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
+      if gather:
+        tokens, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True)
+                                    for a in (tokens, experts, weights))
+      first = jax.lax.axis_index(expert_axes) * local_experts
+      mine = experts.reshape(-1) - first
+      sizes = jnp.zeros(local_experts, jnp.int32).at[
+          jnp.where((mine >= 0) & (mine < local_experts), mine, local_experts)].add(1, mode="drop")
+      y = self._experts(tokens, experts, weights, sizes, (gate, up, down), first)
+      if reduce:
+        y = jax.lax.psum(y, reduce)
+      if gather:
+        y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+      return y.reshape(x.shape)
+
+    spec = jax.sharding.PartitionSpec
+    per_token = spec(token_spec[0], None, None)
+    in_proj, out_proj = (spec(expert_axes, None, mlp_axes or None),
+                         spec(expert_axes, mlp_axes or None, None))
+    # check_vma=False: the grouped matmul may be an opaque kernel (tokamax's custom VJP).
+    return jax.shard_map(
+        shard, mesh=layout.mesh, check_vma=False,
+        in_specs=(per_token, per_token, per_token, in_proj, in_proj, out_proj),
+        out_specs=per_token,
+    )(x, routing.experts.reshape(batch, length, k), routing.weights.reshape(batch, length, k),
+      *params)
+
+
+def _expert_ways(layout: Layout | None) -> int:
+  """Devices the experts are split over (1 without a layout or an "experts" rule)."""
+  if layout is None:
+    return 1
+  return math.prod(layout.mesh.shape[a] for a in dict(layout.rules).get("experts", ()))
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry (None, an axis or a tuple of axes) as a tuple of axes."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

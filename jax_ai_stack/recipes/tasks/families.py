@@ -77,6 +77,11 @@ def _check_language_model(config: Any) -> None:
     raise ValueError(
         f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
     )
+  moe, expert = config.model.moe, config.mesh.expert
+  if moe is not None and expert > 1 and moe.num_experts % expert:
+    raise ValueError(
+        f"mesh.expert={expert} does not divide model.moe.num_experts={moe.num_experts}: "
+        "each device of the expert axis holds the same number of experts")
 
 
 def _check_image_classification(config: Any) -> None:
