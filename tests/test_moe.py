@@ -57,6 +57,21 @@ def test_the_balance_loss_and_shares_equal_numpy():
   assert float(balanced.balance_loss) == pytest.approx(1.0)
 
 
+def test_the_router_statistics_leave_out_padding():
+  """Padding (segment id 0) is routed, but the balance loss, the z-loss and the shares
+  are those of the batch without it."""
+  layer = moe.MoE(_config(), rngs=nnx.Rngs(0))
+  x = jnp.asarray(RNG.normal(size=(2, 6, 16)), jnp.float32)
+  segment_ids = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 2, 2, 2, 2]])
+  y, stats = layer(x, segment_ids)
+  kept = jnp.concatenate([x[0, :4], x[1]])[None]
+  y_kept, expected = layer(kept)
+  for ours, theirs in zip(stats, expected):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  np.testing.assert_allclose(y[0, :4], y_kept[0, :4], rtol=1e-6)  # Outputs: as before.
+  assert not np.allclose(layer(x)[1].share, stats.share)  # Counting padding would differ.
+
+
 @pytest.mark.parametrize("implementation", ["tokamax", "xla", "blocked"])
 def test_the_grouped_matmul_equals_its_dense_reference_with_its_gradients(implementation):
   lhs = jnp.asarray(RNG.normal(size=(20, 6)), jnp.float32)

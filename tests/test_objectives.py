@@ -162,3 +162,18 @@ def test_the_image_family_learns_by_the_classification_objective():
   expected = np.mean(np.log(np.exp(logits).sum(-1)) - logits[np.arange(4), labels])
   np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
   assert float(metrics["accuracy"]) == np.mean(logits.argmax(-1) == np.asarray(labels))
+
+
+def test_dpo_on_a_mixture_of_experts_adds_the_router_losses():
+  """As next-token training does: the loss is DPO's plus the router's, and the metrics
+  hold the DPO loss alone (`dpo_loss`) beside the router's."""
+  config = config_lib.load("moe-tiny", overrides=[*TINY[:-2], "model.moe.num_experts=4",
+                                                  "model.moe.router_z_loss_coef=0.001"])
+  model = LanguageModel(config).build_model(0)
+  objective = objectives.DirectPreference(beta=0.1, kind="sigmoid", label_smoothing=0.0,
+                                          reference=lambda m: m)  # Policy = reference.
+  loss, metrics = objective.loss(model, _pair_batch())
+  router = 0.01 * metrics["router_aux_loss"] + 0.001 * metrics["router_z_loss"]
+  assert float(metrics["dpo_loss"]) == pytest.approx(np.log(2), rel=1e-6)
+  assert float(router) > 0 and float(loss) == pytest.approx(np.log(2) + float(router), rel=1e-6)
+  assert "expert_share_3" in metrics

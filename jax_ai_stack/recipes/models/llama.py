@@ -311,9 +311,10 @@ class Block(nnx.Module):
     if self.post_attention_norm is not None:
       h = self.post_attention_norm(h)
     x = x + _constrain(self.layout, h)
-    h, stats = self.mlp(self.mlp_norm(x)), None
     if isinstance(self.mlp, MoE):
-      h, stats = h
+      h, stats = self.mlp(self.mlp_norm(x), segment_ids)
+    else:
+      h, stats = self.mlp(self.mlp_norm(x)), None
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     return x + _constrain(self.layout, h), new_cache, stats

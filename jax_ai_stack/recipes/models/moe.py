@@ -76,8 +76,14 @@ class Routing(NamedTuple):
   stats: MoeStats
 
 
-def route(logits: jax.Array, k: int, normalize: bool) -> Routing:
-  """Top-k routing of router `logits` [N, E] (any float dtype; softmax in float32)."""
+def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None = None
+          ) -> Routing:
+  """Top-k routing of router `logits` [N, E] (any float dtype; softmax in float32).
+
+  `counted` [N] (bool): the tokens the statistics and losses are over (None: all).
+  Padding is routed and computed like any token, but it would pull the balance
+  loss towards whichever experts padding prefers, so the caller leaves it out.
+  """
   logits = logits.astype(jnp.float32)
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)
@@ -85,9 +91,16 @@ def route(logits: jax.Array, k: int, normalize: bool) -> Routing:
   if normalize:
     weights = weights / weights.sum(axis=-1, keepdims=True)
   sizes = jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(1)
-  share = sizes.astype(jnp.float32) / experts.size
-  balance = num_experts * jnp.sum(share * probs.mean(axis=0))
-  z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  z = jax.nn.logsumexp(logits, axis=-1) ** 2
+  if counted is None:
+    share, mean_probs, z_loss = sizes.astype(jnp.float32) / experts.size, probs.mean(0), z.mean()
+  else:
+    weight = counted.astype(jnp.float32)
+    tokens = jnp.maximum(weight.sum(), 1.0)
+    picks = jnp.zeros(num_experts, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(weight, k))
+    share, mean_probs = picks / (tokens * k), (probs * weight[:, None]).sum(0) / tokens
+    z_loss = (z * weight).sum() / tokens
+  balance = num_experts * jnp.sum(share * mean_probs)
   return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share))
 
 
@@ -123,9 +136,13 @@ class MoE(nnx.Module):
     self.dtype = jnp.dtype(config.dtype)
     self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul)[0]
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, MoeStats]:
+    """`x` [B, T, D] -> (the layer's output, its router's stats); `segment_ids` [B, T]:
+    the statistics leave out padding (segment id 0)."""
     tokens = x.reshape(-1, x.shape[-1])
-    routing = route(self.router(tokens), self.k, self.normalize)
+    counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
+    routing = route(self.router(tokens), self.k, self.normalize, counted)
     weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
     if _expert_ways(self.layout) > 1:
       y = self._expert_parallel(x, routing, weights)

@@ -112,16 +112,21 @@ class NextToken:
     return {**means, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
-def sequence_logps(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def sequence_logps(model: nnx.Module, batch: Batch, *, with_moe_losses: bool = False
+                   ) -> tuple[jax.Array, ...]:
   """Summed log-probabilities of each pair's chosen and of its rejected reply, [B] each,
-  from one forward pass over both sides' rows."""
+  from one forward pass over both sides' rows; `with_moe_losses`: and the MoE layers'
+  losses and metrics (`llama.moe_losses`; {} for a dense model) as a third value."""
   both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
           for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  logits = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"])
+  out = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"],
+              **({"with_moe_losses": True} if with_moe_losses else {}))
+  logits, moe = out if with_moe_losses else (out, None)
   logps = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                            both["targets"])
   summed = (logps * both["loss_mask"].astype(jnp.float32)).sum(axis=-1)
-  return jnp.split(summed, 2)
+  chosen, rejected = jnp.split(summed, 2)
+  return (chosen, rejected, moe) if with_moe_losses else (chosen, rejected)
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
@@ -152,14 +157,20 @@ class DirectPreference:
     self.reference = reference
 
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    policy = sequence_logps(model, batch)
+    """The DPO loss; a mixture of experts' router losses are added (as in `lm_loss`),
+    the DPO loss alone is then the metric `dpo_loss`."""
+    *policy, moe = sequence_logps(model, batch, with_moe_losses=True)
     frozen = self.reference(model)
     if frozen is None:
       raise ConfigError("DPO needs a reference model and this run keeps none: set "
                         "finetune.base (the run to start from and compare with)")
     reference = jax.lax.stop_gradient(sequence_logps(frozen, batch))
-    return dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
-                    label_smoothing=self.label_smoothing)
+    loss, metrics = dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
+                             label_smoothing=self.label_smoothing)
+    if not moe:
+      return loss, metrics
+    router = {k: v for k, v in moe.items() if k != "moe_loss"}
+    return loss + moe["moe_loss"], {**metrics, "dpo_loss": loss, **router}
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return means
