@@ -493,7 +493,14 @@ class Llama(nnx.Module):
     return out
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed(tokens)
+    if self.layout is None:
+      x = self.embed(tokens)
+    else:  # `nnx.Embed`'s lookup from the table made whole first (XLA gathers it anyway),
+      # so that the rows come out split like the tokens: looked up in the split table,
+      # they came out split along d_model, and XLA replicated them to split them again.
+      (table,) = self.embed.promote_dtype((self.embed.embedding[...],), dtype=self.embed.dtype,
+                                          inexact=False)
+      x = jnp.take(self.layout.constrain(table, (None, None)), tokens, axis=0)
     if self.config.embed_scale:  # Gemma's sqrt(d_model), rounded to the compute dtype.
       x = x * jnp.asarray(self.config.d_model ** 0.5, x.dtype)
     return _constrain(self.layout, x)
