@@ -161,9 +161,10 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
   gradient of a next-token loss equal the one-device model's, and q_proj is split.
 
   Not bitwise: a sharded matmul sums in another order (partial sums, then an
-  all-reduce), so float32 results differ in the last bits. And XLA does not replicate
-  the embedding's rows to split them again (it did under data x fsdp x tensor, with
-  the rows looked up in a table split along d_model).
+  all-reduce), so float32 results differ in the last bits. And XLA never replicates
+  an array to split it again ("Involuntary full rematerialization"): it did with the
+  embedding's rows under data x fsdp x tensor (looked up in a table split along
+  d_model) and with a MoE layer's tokens (sorted by expert across the devices).
   """
   results, stderr = run_on_devices(f"""
       import json
@@ -214,8 +215,7 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
               "devices": len(logits.sharding.device_set)}}
       print(json.dumps(out))
   """, with_stderr=True)
-  remats = [line for line in stderr.splitlines() if "Involuntary full rematerialization" in line]
-  assert not [line for line in remats if "HLO operation %gather" in line], remats
+  assert "Involuntary full rematerialization" not in stderr, stderr
   assert len(results) == 2 * len(CAUSAL)
   for name, result in results.items():
     assert result["devices"] == 8, name

@@ -18,10 +18,11 @@ and P_e its mean router probability (1 when balanced), the router z-loss
 mean(logsumexp(logits)^2), and each expert's share f_e.
 
 Logical axes: "experts" for the expert dimension, then "embed" and "mlp" as in
-the dense MLP. Where a layout maps "experts" onto mesh axes of more than one
-device (`mesh.expert`), the layer runs expert-parallel, inside `jax.shard_map`:
-each device gathers the tokens of the devices that share its other
-coordinates (an all-gather over the expert axes, Megatron's "allgather"
+the dense MLP. On a mesh (given a layout) the layer runs inside `jax.shard_map`,
+each device sorting its own tokens: left to XLA, the sort by expert spans every
+device's tokens, which XLA replicates for it. Where the layout maps "experts"
+onto mesh axes (`mesh.expert`), the layer runs expert-parallel: each device
+gathers the tokens of the devices that share its other coordinates (an all-gather over the expert axes, Megatron's "allgather"
 dispatcher), runs its own experts on the tokens routed to them, and the
 weighted outputs go back to their tokens' devices summed (a reduce-scatter).
 Each expert's weights stay on their device whole along "embed" (gathered over
@@ -144,8 +145,8 @@ class MoE(nnx.Module):
     counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
     routing = route(self.router(tokens), self.k, self.normalize, counted)
     weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
-    if _expert_ways(self.layout) > 1:
-      y = self._expert_parallel(x, routing, weights)
+    if self.layout is not None:
+      y = self._on_mesh(x, routing, weights)
     else:
       y = self._experts(tokens, routing.experts, routing.weights, routing.sizes, weights)
     return y.astype(x.dtype).reshape(x.shape), routing.stats
@@ -170,20 +171,21 @@ class MoE(nnx.Module):
     out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
-  def _expert_parallel(self, x: jax.Array, routing: Routing,
-                       params: tuple[jax.Array, ...]) -> jax.Array:
-    """The layer's output with the experts split over the layout's expert axes (see the
-    module): one `jax.shard_map` over the whole mesh."""
+  def _on_mesh(self, x: jax.Array, routing: Routing, params: tuple[jax.Array, ...]
+               ) -> jax.Array:
+    """The layer's output on the layout's mesh, with the experts split over its expert
+    axes if any (see the module): one `jax.shard_map` over the whole mesh. Without
+    expert axes each device runs every expert on its own tokens."""
     layout, (batch, length, _) = self.layout, x.shape
     rules = dict(layout.rules)
-    expert_axes = tuple(rules["experts"])
+    expert_axes = tuple(rules.get("experts", ()))
     token_spec = layout.spec(("batch", None, None), x.shape)
     token_axes = _axes(token_spec[0])
     mlp_axes = tuple(a for a in rules.get("mlp", ())
                      if a not in (*rules.get("batch", ()), *expert_axes))
     gather = tuple(a for a in token_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes if a not in gather) + mlp_axes
-    local_experts = params[0].shape[0] // _expert_ways(layout)
+    local_experts = params[0].shape[0] // math.prod(layout.mesh.shape[a] for a in expert_axes)
     k = self.k
 
     def shard(x, experts, weights, gate, up, down):
@@ -191,7 +193,7 @@ class MoE(nnx.Module):
       if gather:
         tokens, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True)
                                     for a in (tokens, experts, weights))
-      first = jax.lax.axis_index(expert_axes) * local_experts
+      first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
       mine = experts.reshape(-1) - first
       sizes = jnp.zeros(local_experts, jnp.int32).at[
           jnp.where((mine >= 0) & (mine < local_experts), mine, local_experts)].add(1, mode="drop")
@@ -204,8 +206,8 @@ class MoE(nnx.Module):
 
     spec = jax.sharding.PartitionSpec
     per_token = spec(token_spec[0], None, None)
-    in_proj, out_proj = (spec(expert_axes, None, mlp_axes or None),
-                         spec(expert_axes, mlp_axes or None, None))
+    in_proj, out_proj = (spec(expert_axes or None, None, mlp_axes or None),
+                         spec(expert_axes or None, mlp_axes or None, None))
     # check_vma=False: the grouped matmul may be an opaque kernel (tokamax's custom VJP).
     return jax.shard_map(
         shard, mesh=layout.mesh, check_vma=False,
@@ -213,13 +215,6 @@ class MoE(nnx.Module):
         out_specs=per_token,
     )(x, routing.experts.reshape(batch, length, k), routing.weights.reshape(batch, length, k),
       *params)
-
-
-def _expert_ways(layout: Layout | None) -> int:
-  """Devices the experts are split over (1 without a layout or an "experts" rule)."""
-  if layout is None:
-    return 1
-  return math.prod(layout.mesh.shape[a] for a in dict(layout.rules).get("experts", ()))
 
 
 def _axes(entry) -> tuple[str, ...]:
