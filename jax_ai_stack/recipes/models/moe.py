@@ -22,9 +22,10 @@ the dense MLP. On a mesh (given a layout) the layer runs inside `jax.shard_map`,
 each device sorting its own tokens: left to XLA, the sort by expert spans every
 device's tokens, which XLA replicates for it. Where the layout maps "experts"
 onto mesh axes (`mesh.expert`), the layer runs expert-parallel: each device
-gathers the tokens of the devices that share its other coordinates (an all-gather over the expert axes, Megatron's "allgather"
-dispatcher), runs its own experts on the tokens routed to them, and the
-weighted outputs go back to their tokens' devices summed (a reduce-scatter).
+gathers the tokens of the devices that share its other coordinates (an
+all-gather over the expert axes, Megatron's "allgather" dispatcher), runs its
+own experts on the tokens routed to them, and the weighted outputs go back to
+their tokens' devices summed (a reduce-scatter).
 Each expert's weights stay on their device whole along "embed" (gathered over
 `fsdp`, like every weight under fsdp) and split along "mlp" over `tensor`
 (partial sums, added in the same reduction). The buffer is dropless: its rows
@@ -144,22 +145,24 @@ class MoE(nnx.Module):
     tokens = x.reshape(-1, x.shape[-1])
     counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
     routing = route(self.router(tokens), self.k, self.normalize, counted)
-    weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+    params = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
     if self.layout is not None:
-      y = self._on_mesh(x, routing, weights)
+      y = self._on_mesh(x, routing, params)
     else:
-      y = self._experts(tokens, routing.experts, routing.weights, routing.sizes, weights)
+      y = self._experts(tokens, routing.experts, routing.weights, routing.sizes, params)
     return y.astype(x.dtype).reshape(x.shape), routing.stats
 
   def _experts(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array,
-               sizes: jax.Array, params: tuple[jax.Array, ...], first=0) -> jax.Array:
+               sizes: jax.Array, params: tuple[jax.Array, ...],
+               first: jax.Array | int = 0) -> jax.Array:
     """[N, D] float32: each token's weighted sum over its experts among `params`' (gate,
     up, down, stacked [E_local, ...]: experts `first` ... `first + E_local - 1`, whose
     assignment counts are `sizes`); experts elsewhere add nothing."""
     gate, up, down = params
     flat = experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
     order = jnp.argsort(flat, stable=True)
-    if not isinstance(first, int) or first:  # This device's experts' rows first.
+    some = not isinstance(first, int) or first != 0
+    if some:  # Some of the experts (expert parallelism): theirs are the first rows.
       order = jnp.roll(order, -jnp.sum(flat < first))
     rows = tokens[order // self.k].astype(self.dtype)
 
@@ -167,7 +170,9 @@ class MoE(nnx.Module):
       return kernels.grouped_matmul(lhs, stacked, sizes, implementation=self.implementation)
 
     hidden = ACTIVATIONS[self.activation](matmul(rows, gate)) * matmul(rows, up)
-    out = matmul(hidden, down)  # Rows past this device's experts: zeros.
+    out = matmul(hidden, down)
+    if some:  # Rows past these experts' groups: zeros (tokamax's Triton kernel may not write them).
+      out = jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
     out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
