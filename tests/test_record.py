@@ -32,6 +32,7 @@ def three_phases(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_the_record_lists_each_phase_and_what_it_ran_on(three_phases):
   recorded = json.loads((three_phases / record.RECORD_FILE).read_text())
   assert [p["step"] for p in recorded["phases"]] == [0, 4, 8]

@@ -122,6 +122,7 @@ MESH_TINY = ["data.batch_size=8", "model.num_heads=4", "model.num_kv_heads=2",
              "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"]
 
 
+@pytest.mark.every_row  # What jax's partitioner does with each rule set changes with jax.
 def test_each_rule_set_trains_like_one_device(tmp_path):
   """lm-tiny for 4 steps on 8 devices under each rule set: the one-device losses.
 

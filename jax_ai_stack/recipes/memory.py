@@ -155,7 +155,7 @@ def _rows(n: int) -> str:
 
 
 def abstract_mesh(config: sharding.MeshConfig, device_count: int) -> AbstractMesh:
-  """The run's `data x fsdp x expert x tensor` mesh for `device_count` devices, without devices."""
+  """The run's `data x fsdp x expert x tensor` mesh for `device_count` devices, no devices."""
   shape = sharding.mesh_shape(config, device_count)
   return AbstractMesh(tuple(shape.values()), tuple(shape),
                       axis_types=(AxisType.Auto,) * len(shape))

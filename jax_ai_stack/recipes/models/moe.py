@@ -145,7 +145,8 @@ class MoE(nnx.Module):
     tokens = x.reshape(-1, x.shape[-1])
     counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
     routing = route(self.router(tokens), self.k, self.normalize, counted)
-    params = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+    params = tuple(w[...].astype(self.dtype)
+                   for w in (self.gate_proj, self.up_proj, self.down_proj))
     if self.layout is not None:
       y = self._on_mesh(x, routing, params)
     else:
@@ -171,7 +172,7 @@ class MoE(nnx.Module):
 
     hidden = ACTIVATIONS[self.activation](matmul(rows, gate)) * matmul(rows, up)
     out = matmul(hidden, down)
-    if some:  # Rows past these experts' groups: zeros (tokamax's Triton kernel may not write them).
+    if some:  # Rows past these experts' groups: zeros (tokamax's Triton kernel skips them).
       out = jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
     out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)

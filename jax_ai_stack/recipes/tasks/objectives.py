@@ -94,10 +94,19 @@ def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.A
     mask = jnp.ones_like(losses)
   tokens = jnp.maximum(mask.sum(), 1.0)
   loss = (losses * mask).sum() / tokens
+  return with_router_losses(loss, {"tokens": mask.sum()}, moe, alone="lm_loss")
+
+
+def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array],
+                       moe: dict[str, jax.Array], *, alone: str
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`loss` plus a mixture of experts' router losses (`llama.moe_losses`: {} for a dense
+  model, which keeps `loss` and `metrics` as they are), with `loss` alone as the metric
+  `alone` beside the router's metrics."""
   if not moe:
-    return loss, {"tokens": mask.sum()}
+    return loss, metrics
   router = {k: v for k, v in moe.items() if k != "moe_loss"}
-  return loss + moe["moe_loss"], {"tokens": mask.sum(), "lm_loss": loss, **router}
+  return loss + moe["moe_loss"], {**metrics, alone: loss, **router}
 
 
 class NextToken:
@@ -120,7 +129,7 @@ def sequence_logps(model: nnx.Module, batch: Batch, *, with_moe_losses: bool = F
   both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
           for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
   out = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"],
-              **({"with_moe_losses": True} if with_moe_losses else {}))
+              with_moe_losses=with_moe_losses)
   logits, moe = out if with_moe_losses else (out, None)
   logps = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                            both["targets"])
@@ -167,10 +176,7 @@ class DirectPreference:
     reference = jax.lax.stop_gradient(sequence_logps(frozen, batch))
     loss, metrics = dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
                              label_smoothing=self.label_smoothing)
-    if not moe:
-      return loss, metrics
-    router = {k: v for k, v in moe.items() if k != "moe_loss"}
-    return loss + moe["moe_loss"], {**metrics, "dpo_loss": loss, **router}
+    return with_router_losses(loss, metrics, moe, alone="dpo_loss")
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return means
