@@ -3,6 +3,9 @@
 The rest of the suite keeps its one device: JAX fixes the device count when it
 starts, so a test that needs a mesh runs its body in a fresh interpreter with
 `JAX_NUM_CPU_DEVICES` set and reads back what the body prints as JSON.
+
+The snippets that compare a Hugging Face reference checkpoint on a mesh with one
+device share the rest of this module (`sys.path.insert(0, <tests>)`, then import it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,11 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
 
 
 def run_on_devices(code: str, devices: int = 8, timeout: int = 600, *,
@@ -29,3 +37,43 @@ def run_on_devices(code: str, devices: int = 8, timeout: int = 600, *,
     raise AssertionError(f"the {devices}-device snippet failed:\n{result.stdout}\n{result.stderr}")
   printed = json.loads(result.stdout.strip().splitlines()[-1])
   return (printed, result.stderr) if with_stderr else printed
+
+
+def next_token_loss(model: nnx.Module, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(mean next-token cross-entropy, logits) of `tokens` [B, T]."""
+  logits = model(tokens)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], tokens[:, 1:]).mean(), logits
+
+
+@nnx.jit
+def logits_and_grads(model: nnx.Module, tokens: jax.Array):
+  """The logits of `tokens` and the gradient of `next_token_loss`."""
+  (_, logits), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, tokens)
+  return logits, grads
+
+
+def grads_difference(grads, expected) -> float:
+  """The largest difference of two gradients, leaf by leaf relative to `expected`'s max."""
+  return max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(b).max() + 1e-12))
+             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)))
+
+
+def load_on_mesh(directory: str, mesh_config):
+  """The Hugging Face checkpoint in `directory` read straight onto the mesh of
+  `mesh_config` (a `MeshConfig`), each tensor placed by its rule set, as a fine-tuning
+  run's import does; the model holds the mesh's layout."""
+  from jax_ai_stack.recipes import sharding
+  from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.models.configs import DecoderConfig
+  from jax_ai_stack.recipes.models.llama import Llama
+
+  config = DecoderConfig(**hf.read_config(directory))
+  mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
+  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
+                                       layout=sharding.Layout.of(mesh, rules)))
+  params = nnx.state(model)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          params, sharding.state_shardings(params, mesh, rules))
+  nnx.update(model, hf.load_params(directory, config, abstract))
+  return model

@@ -167,26 +167,12 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
   d_model) and with a MoE layer's tokens (sorted by expert across the devices).
   """
   results, stderr = run_on_devices(f"""
-      import json
-      import jax, jax.numpy as jnp, numpy as np, optax
-      from flax import nnx
-      from jax_ai_stack.recipes import sharding
+      import json, sys
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      import jax.numpy as jnp, numpy as np
       from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.models.configs import DecoderConfig
-      from jax_ai_stack.recipes.models.llama import Llama
       from jax_ai_stack.recipes.sharding_config import MeshConfig
-
-      @nnx.jit
-      def logits_and_grads(model, tokens):
-        def loss(model):
-          logits = model(tokens)
-          return optax.softmax_cross_entropy_with_integer_labels(
-              logits[:, :-1], tokens[:, 1:]).mean(), logits
-        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-        return logits, grads
-
-      def flat(grads):
-        return [np.asarray(g) for g in jax.tree.leaves(grads)]
+      from multidevice import grads_difference, load_on_mesh, logits_and_grads
 
       meshes = {{"fsdp": MeshConfig(rules="fsdp", data=2, fsdp=4),
                 "fsdp_tp": MeshConfig(rules="fsdp_tp", data=2, fsdp=2, tensor=2)}}
@@ -196,21 +182,12 @@ def test_every_family_on_8_devices_under_fsdp_and_fsdp_tp_equals_one_device():
         tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
         tokens = jnp.concatenate([tokens] * 4)  # Rows for the data and fsdp axes.
         one_logits, one_grads = logits_and_grads(hf.load_model(directory), tokens)
-        config = DecoderConfig(**hf.read_config(directory))
         for mesh_name, mesh_config in meshes.items():
-          mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
-          model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
-                                               layout=sharding.Layout.of(mesh, rules)))
-          params = nnx.state(model)
-          abstract = jax.tree.map(
-              lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-              params, sharding.state_shardings(params, mesh, rules))
-          nnx.update(model, hf.load_params(directory, config, abstract))
+          model = load_on_mesh(directory, mesh_config)
           logits, grads = logits_and_grads(model, tokens)
           out[name + " " + mesh_name] = {{
               "logits": float(jnp.abs(logits - one_logits).max()),
-              "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
-                           for a, b in zip(flat(grads), flat(one_grads))),
+              "grads": grads_difference(grads, one_grads),
               "q_proj": list(model.layers[0].attention.q_proj.kernel.get_value().sharding.spec),
               "devices": len(logits.sharding.device_set)}}
       print(json.dumps(out))

@@ -258,30 +258,17 @@ def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
   for one row (replicated: no token exchange, the experts' outputs summed), and the
   step exchanges tokens inside a shard_map."""
   results = run_on_devices(f"""
-      import json
-      import jax, jax.numpy as jnp, numpy as np, optax
-      from flax import nnx
-      from jax_ai_stack.recipes import sharding
+      import json, sys
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      import jax, jax.numpy as jnp, numpy as np
       from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.models.configs import DecoderConfig
-      from jax_ai_stack.recipes.models.llama import Llama
       from jax_ai_stack.recipes.sharding_config import MeshConfig
-
-      def loss(model, tokens):
-        logits = model(tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits[:, :-1], tokens[:, 1:]).mean(), logits
-
-      @nnx.jit
-      def logits_and_grads(model, tokens):
-        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model, tokens)
-        return logits, grads
+      from multidevice import grads_difference, load_on_mesh, logits_and_grads, next_token_loss
 
       def differences(model, tokens, one):
         logits, grads = logits_and_grads(model, tokens)
         return {{"logits": float(jnp.abs(logits - one[0]).max()),
-                 "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
-                              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(one[1])))}}
+                 "grads": grads_difference(grads, one[1])}}
 
       meshes = {{"data 2 x expert 4": MeshConfig(data=2, expert=4),
                 "fsdp 2 x expert 2 x tensor 2": MeshConfig(rules="fsdp_tp", data=1, fsdp=2,
@@ -292,17 +279,9 @@ def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
       tokens = jnp.concatenate([tokens] * 8)
       one = hf.load_model(directory)
       expected = {{rows: logits_and_grads(one, tokens[:rows]) for rows in (len(tokens), 1)}}
-      config = DecoderConfig(**hf.read_config(directory))
       for mesh_name, mesh_config in meshes.items():
-        mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
-        model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
-                                             layout=sharding.Layout.of(mesh, rules)))
-        params = nnx.state(model)
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            params, sharding.state_shardings(params, mesh, rules))
-        nnx.update(model, hf.load_params(directory, config, abstract))
-        program = str(jax.make_jaxpr(lambda m, t: loss(m, t)[0])(model, tokens))
+        model = load_on_mesh(directory, mesh_config)
+        program = str(jax.make_jaxpr(lambda m, t: next_token_loss(m, t)[0])(model, tokens))
         out[mesh_name] = {{
             "batch": differences(model, tokens, expected[len(tokens)]),
             "one row": differences(model, tokens[:1], expected[1]),
