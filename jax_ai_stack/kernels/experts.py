@@ -73,8 +73,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if name == "tokamax":
     from jax_ai_stack.kernels.implementations import import_tokamax  # pylint: disable=g-import-not-at-top
 
-    return import_tokamax().ragged_dot(lhs, rhs, group_sizes,
-                              preferred_element_type=preferred_element_type)
+    out = import_tokamax().ragged_dot(lhs, rhs, group_sizes,
+                                      preferred_element_type=preferred_element_type)
+    # Rows past the groups: zeros, as promised (tokamax's Triton kernel skips them).
+    return jnp.where((jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None], out, 0)
   if name == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes,
                               preferred_element_type=preferred_element_type)

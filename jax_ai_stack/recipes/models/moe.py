@@ -162,8 +162,7 @@ class MoE(nnx.Module):
     gate, up, down = params
     flat = experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
     order = jnp.argsort(flat, stable=True)
-    some = not isinstance(first, int) or first != 0
-    if some:  # Some of the experts (expert parallelism): theirs are the first rows.
+    if not isinstance(first, int) or first != 0:  # Expert parallelism: its rows first.
       order = jnp.roll(order, -jnp.sum(flat < first))
     rows = tokens[order // self.k].astype(self.dtype)
 
@@ -171,9 +170,7 @@ class MoE(nnx.Module):
       return kernels.grouped_matmul(lhs, stacked, sizes, implementation=self.implementation)
 
     hidden = ACTIVATIONS[self.activation](matmul(rows, gate)) * matmul(rows, up)
-    out = matmul(hidden, down)
-    if some:  # Rows past these experts' groups: zeros (tokamax's Triton kernel skips them).
-      out = jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
+    out = matmul(hidden, down)  # Rows past these experts' groups: zeros.
     out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
