@@ -400,51 +400,65 @@ def step_section(size, rounds: int, min_chunk_seconds: float, matmul_n: int,
 
 def judge(record: dict[str, Any]) -> dict[str, Any]:
   """The record's targets: each ratio judged (None: not measured here), each bitwise check."""
-  step, det = record["model_step"], record["determinism"]
+  step, det = record.get("model_step", {}), record.get("determinism", {})
+  trainer_ms = record.get("trainer_step_ms")
   values = {
       "recipe step / torch.compile step": (step["recipe_ms"] / step["torch_compile_ms"]
-                                           if step["torch_compile_ms"] else None),
-      "MFU / datasheet peak": step["mfu_datasheet"],
-      "Trainer step / bare step": record["trainer_step_ms"] / step["recipe_ms"]
-                                  if record["trainer_step_ms"] else None,
-      "deterministic / non-deterministic throughput": det["throughput_ratio"],
+                                           if step.get("torch_compile_ms") else None),
+      "MFU / datasheet peak": step.get("mfu_datasheet"),
+      "Trainer step / bare step": trainer_ms / step["recipe_ms"] if trainer_ms and step else None,
+      "deterministic / non-deterministic throughput": det.get("throughput_ratio"),
   }
   targets = {name: (common.target(value, TARGETS[name][0], at_least=TARGETS[name][1])
                     if value is not None else None) for name, value in values.items()}
-  for name, value in (("two identical runs bitwise", det["identical_runs_bitwise"]),
-                      ("SIGTERM + resume bitwise", record["resume"]["resumed_bitwise"])):
-    targets[name] = {"value": value, "target": True, "met": value is True}
+  if det:
+    for name, value in (("two identical runs bitwise", det["identical_runs_bitwise"]),
+                        ("SIGTERM + resume bitwise", record["resume"]["resumed_bitwise"])):
+      targets[name] = {"value": value, "target": True, "met": value is True}
   return targets
 
 
 def markdown(record: dict[str, Any]) -> str:
-  """The record as a Markdown table (and the attention kernels' own), with its device."""
-  step, det, kern = record["model_step"], record["determinism"], record["kernels"]
+  """The record as a Markdown table (and the attention kernels' own), with its device.
+
+  A section not run (--sections) has no rows; its targets read "not measured here".
+  """
   versions = ", ".join(f"{k} {v}" for k, v in [("jax", record["jax"]),
                                                 ("jaxlib", record["jaxlib"]),
                                                 *record["jax_plugins"].items(),
                                                 ("torch", record["torch"] or "not installed")])
   ms = lambda v: f"{v:.1f} ms" if v is not None else "n/a"  # noqa: E731
   ms_of_s = lambda v: ms(v * 1e3 if v is not None else None)  # noqa: E731
-  rows = [
-      ("kernels", "attention (training request)", f"{kern['chosen']}; fallbacks "
-       f"{', '.join(kern['fallbacks'])}; step deterministic: {kern['deterministic']}", "", ""),
-      ("model step", "recipe bare step", ms(step["recipe_ms"]), "", ""),
-      ("model step", "Trainer step (`jax-ai-stack train`)", ms(record["trainer_step_ms"]), "", ""),
-      ("model step", "torch.compile / eager step",
-       f"{ms(step['torch_compile_ms'])} / {ms(step['torch_eager_ms'])}"
-       + ("" if step["torch_compile_ms"] else f" ({step['torch']})"), "", ""),
-      ("model step", "achieved", f"{step['achieved_tflops']:.3g} TFLOP/s", "", ""),
-      ("model step", "MFU vs measured matmul peak",
-       f"{step['mfu_measured']:.3f} (peak {step['matmul_peak_tflops']:.3g} TFLOP/s)", "", ""),
-      ("startup", "first step, cold / cached cache",
-       f"{record['startup']['cold_first_step_s']:.1f} s / "
-       f"{record['startup']['cached_first_step_s']:.1f} s", "", ""),
-      ("determinism", "deterministic / non-deterministic step",
-       f"{ms_of_s(det['deterministic_step_s'])} / {ms_of_s(det['nondeterministic_step_s'])}"
-       + (f" ({det['note']})" if det.get("note") else ""), "", ""),
-      ("resume", "SIGTERM at step", str(record["resume"]["stopped_at_step"]), "", ""),
-  ]
+  rows = []
+  if "kernels" in record:
+    kern = record["kernels"]
+    rows.append(("kernels", "attention (training request)", f"{kern['chosen']}; fallbacks "
+                 f"{', '.join(kern['fallbacks'])}; step deterministic: {kern['deterministic']}",
+                 "", ""))
+  step = record.get("model_step")
+  if step:
+    rows += [
+        ("model step", "recipe bare step", ms(step["recipe_ms"]), "", ""),
+        ("model step", "torch.compile / eager step",
+         f"{ms(step['torch_compile_ms'])} / {ms(step['torch_eager_ms'])}"
+         + ("" if step["torch_compile_ms"] else f" ({step['torch']})"), "", ""),
+        ("model step", "achieved", f"{step['achieved_tflops']:.3g} TFLOP/s", "", ""),
+        ("model step", "MFU vs measured matmul peak",
+         f"{step['mfu_measured']:.3f} (peak {step['matmul_peak_tflops']:.3g} TFLOP/s)", "", ""),
+    ]
+  if "determinism" in record:
+    det = record["determinism"]
+    rows += [
+        ("model step", "Trainer step (`jax-ai-stack train`)", ms(record["trainer_step_ms"]),
+         "", ""),
+        ("startup", "first step, cold / cached cache",
+         f"{record['startup']['cold_first_step_s']:.1f} s / "
+         f"{record['startup']['cached_first_step_s']:.1f} s", "", ""),
+        ("determinism", "deterministic / non-deterministic step",
+         f"{ms_of_s(det['deterministic_step_s'])} / {ms_of_s(det['nondeterministic_step_s'])}"
+         + (f" ({det['note']})" if det.get("note") else ""), "", ""),
+        ("resume", "SIGTERM at step", str(record["resume"]["stopped_at_step"]), "", ""),
+    ]
   for name, judged in record["targets"].items():
     if judged is None:
       rows.append(("target", name, "not measured here", "", ""))
@@ -456,23 +470,35 @@ def markdown(record: dict[str, Any]) -> str:
       rows.append(("target", name, f"{judged['value']:.3f}", f"{sign} {judged['target']}",
                    common.verdict(judged["value"], judged["target"],
                                   at_least=judged.get("at_least", False))))
+  size = sizes()[record["size"]]
   lines = [f"{record['device']}, {versions}; size {record['size']} "
-           f"({step['model']['params'] / 1e6:.1f}M parameters, {step['model']['dtype']}, seq "
-           f"{step['seq_len']}, batch {step['batch_size']})", "",
-           "| section | figure | value | target | verdict |", "|---|---|---|---|---|"]
+           f"({size.model.num_params() / 1e6:.1f}M parameters, {size.model.dtype}, seq "
+           f"{size.seq_len}, batch {size.batch_size}); sections {', '.join(record['sections'])}",
+           "", "| section | figure | value | target | verdict |", "|---|---|---|---|---|"]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
-  attention, r = record["attention"], record["attention"]["request"]
-  shape = (f"B{r['batch']} T{r['q_len']} N{r['num_heads']} K{r['num_kv_heads']} "
-           f"H{r['head_dim']} {r['dtype']}")
-  lines += ["", f"Attention forward+backward ({shape}, causal; torch SDPA: "
-            f"{attention['torch_sdpa']}):", "", "| kernel | ms |", "|---|---|"]
-  lines += [f"| {name}{' (what auto runs)' if name == attention['chosen'] else ''} | {t:.2f} |"
-            for name, t in attention["times_ms"].items()]
+  if "attention" in record:
+    attention, r = record["attention"], record["attention"]["request"]
+    shape = (f"B{r['batch']} T{r['q_len']} N{r['num_heads']} K{r['num_kv_heads']} "
+             f"H{r['head_dim']} {r['dtype']}")
+    lines += ["", f"Attention forward+backward ({shape}, causal; torch SDPA: "
+              f"{attention['torch_sdpa']}):", "", "| kernel | ms |", "|---|---|"]
+    lines += [f"| {name}{' (what auto runs)' if name == attention['chosen'] else ''} | {t:.2f} |"
+              for name, t in attention["times_ms"].items()]
   return "\n".join(lines) + "\n"
 
 
+SECTIONS = ("runs", "kernels", "step", "attention")
+"""In the order run: the training children first, before this process holds device memory.
+"runs" (five children) costs the most device time: a short lease runs the others alone."""
+
+
+def progress(message: str) -> None:
+  """One line on stderr as each part ends: a run cut off by a time limit still says how far it got."""
+  print(f"[accelerator] {message}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-  """Every section; see the module docstring for the order and why."""
+  """The chosen sections in SECTIONS' order, the record written after each (see the docstring)."""
   environ = dict(os.environ)  # The children's: nothing this process sets below.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # Room for the children, torch.
   from jax_ai_stack import determinism  # pylint: disable=g-import-not-at-top
@@ -485,31 +511,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   name = "quick" if args.quick else args.size or ("tiny" if platform == "cpu" else "0.76b")
   size, plan = sizes()[name], PLANS[name]
   seconds = {}  # Wall time of each part, to judge what a run costs.
-  started = time.perf_counter()
-  runs = training_runs(size, plan, environ)
-  seconds["training runs"] = time.perf_counter() - started
-  if platform != "gpu":
-    runs["determinism"]["note"] = f"both deterministic on {platform}: XLA's ops are"
   record = {**common.header("accelerator"), **common.versions(), "size": name,
-            "quick": args.quick, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "seconds": seconds}
-  record["kernels"] = kernels_section(size, plan)
-  started = time.perf_counter()
-  with tempfile.TemporaryDirectory() as tmp:
-    record["attention"] = attention_section(size, args.quick, args.torch, pathlib.Path(tmp))
-  seconds["attention"] = time.perf_counter() - started
+            "quick": args.quick, "sections": list(args.sections),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": seconds}
   matmul_n = 256 if args.quick else (2048 if platform == "cpu" else 8192)
-  started = time.perf_counter()
-  with train_step.most_optimizations_disabled(args.quick):
-    record["model_step"] = step_section(size, 2 if args.quick else size.rounds,
-                                        0.0 if args.quick else 0.25, matmul_n, args.torch,
-                                        args.torch_threads)
-  seconds["model step"] = time.perf_counter() - started
-  steady = runs["determinism"]["deterministic_step_s"]
-  record["trainer_step_ms"] = steady * 1e3 if steady else None
-  record.update(runs)
-  record["targets"] = judge(record)
+  parts = {
+      "kernels": lambda: {"kernels": kernels_section(size, plan)},
+      "step": lambda: {"model_step": step_with_optimizations(
+          train_step, size, args, matmul_n)},
+      "attention": lambda: {"attention": attention_in_tmp(size, args)},
+      "runs": lambda: training_runs(size, plan, environ),
+  }
+  for section in SECTIONS:
+    if section not in args.sections:
+      continue
+    started = time.perf_counter()
+    record.update(parts[section]())
+    seconds[section] = time.perf_counter() - started
+    if section == "runs" and platform != "gpu":
+      record["determinism"]["note"] = f"both deterministic on {platform}: XLA's ops are"
+    steady = record.get("determinism", {}).get("deterministic_step_s")
+    record["trainer_step_ms"] = steady * 1e3 if steady else None
+    record["targets"] = judge(record)
+    common.write(record, args.out)  # What is done so far survives a time limit.
+    progress(f"{section}: {seconds[section]:.0f} s (record so far: {args.out})")
   return record
+
+
+def step_with_optimizations(train_step, size, args: argparse.Namespace, matmul_n: int) -> dict:
+  """step_section as the record wants it: --quick disables XLA's optimizations and rounds."""
+  with train_step.most_optimizations_disabled(args.quick):
+    return step_section(size, 2 if args.quick else size.rounds, 0.0 if args.quick else 0.25,
+                        matmul_n, args.torch, args.torch_threads)
+
+
+def attention_in_tmp(size, args: argparse.Namespace) -> dict[str, Any]:
+  with tempfile.TemporaryDirectory() as tmp:
+    return attention_section(size, args.quick, args.torch, pathlib.Path(tmp))
+
+
+def sections_arg(text: str) -> tuple[str, ...]:
+  """--sections: a comma-separated subset of SECTIONS."""
+  chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+  unknown = [part for part in chosen if part not in SECTIONS]
+  if unknown or not chosen:
+    raise argparse.ArgumentTypeError(
+        f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}")
+  return chosen
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -525,6 +573,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--torch-threads", type=common.positive_int, default=None,
                       help="torch.set_num_threads in the PyTorch process (default: torch's); "
                            "1 keeps its CPU timings steady on a busy machine (README)")
+  parser.add_argument("--sections", type=sections_arg, default=SECTIONS,
+                      help="comma-separated, of " + ", ".join(SECTIONS) + " (default: all; "
+                           "'runs', five training children, costs the most device time)")
   parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
   common.add_out_argument(parser, "accelerator")
   return parser.parse_args(argv)

@@ -472,3 +472,31 @@ def test_attention_compares_torch_only_on_the_device_jax_runs_on(monkeypatch):
   request = attention.kernels.Request.from_shapes((1, 8, 2, 4), (1, 8, 2, 4), "float32")
   timer, why = attention.torch_sdpa_timer(request, None, platform="gpu")
   assert timer is None and "no CUDA device" in why
+
+
+@pytest.mark.cpu_backend
+def test_accelerator_runs_only_the_sections_asked_and_writes_after_each(tmp_path):
+  # A device lease too short for the five training runs still gets the step's figures.
+  import subprocess
+
+  out = tmp_path / "accelerator.json"
+  done = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--quick",
+                         "--no-torch", "--sections", "kernels,step", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "[accelerator] kernels:" in done.stderr and "[accelerator] step:" in done.stderr
+  record = json.loads(out.read_text())
+  assert record["sections"] == ["kernels", "step"] and set(record["seconds"]) == {"kernels", "step"}
+  assert record["model_step"]["recipe_ms"] > 0 and "determinism" not in record
+  assert record["targets"]["Trainer step / bare step"] is None
+  markdown = out.with_suffix(".md").read_text()
+  assert "| target | Trainer step / bare step | not measured here |" in markdown
+  assert "first step, cold" not in markdown and "Attention forward+backward" not in markdown
+
+
+def test_accelerator_names_an_unknown_section():
+  import subprocess
+
+  done = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--sections",
+                         "step,warmup"], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2 and "unknown section(s) warmup" in done.stderr
