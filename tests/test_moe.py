@@ -16,7 +16,7 @@ from flax import nnx
 from jax_ai_stack import cli, kernels
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import train
-from jax_ai_stack.recipes.models import layer_stack, moe
+from jax_ai_stack.recipes.models import hf, layer_stack, moe
 from jax_ai_stack.recipes.models.configs import DecoderConfig, MoeConfig
 from jax_ai_stack.recipes.models.llama import Llama
 from jax_ai_stack.recipes.tasks.objectives import lm_loss
@@ -214,11 +214,17 @@ def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tm
       *SMALL, "train.steps=2", f"finetune.base={tmp_path / 'base'}", "finetune.lora.rank=4"])
   train.run(tuned, tmp_path / "lora")
   run = train.Trainer.open_finished(tmp_path / "lora")
+  tokens = jnp.arange(16, dtype=jnp.int32)[None]
   try:
     adapted = lora.adapter_pairs(run.model)
+    logits = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, tokens))
   finally:
     run.close()
   assert adapted and all("/attention/" in name for name in adapted), sorted(adapted)
+  # Exported, the adapters are merged: the Mixtral directory computes what the run does.
+  assert cli.main(["export-hf", "--workdir", str(tmp_path / "lora"), str(tmp_path / "hf")]) == 0
+  np.testing.assert_allclose(np.asarray(hf.load_model(tmp_path / "hf")(tokens)), logits,
+                             atol=1e-5, rtol=1e-5)
   assert cli.main(["train", "moe-tiny", "--workdir", str(tmp_path / "qat"), *SMALL,
                    "quant.qat=w8"]) == 2
   assert "quantization does not support mixture-of-experts models yet" in capsys.readouterr().err

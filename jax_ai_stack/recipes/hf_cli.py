@@ -40,6 +40,7 @@ import argparse
 import os
 import pathlib
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 
 from jax_ai_stack import logs
@@ -194,6 +195,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
 
   out = pathlib.Path(out)
   _empty_or_missing(out, "output directory")
+  _refuse_quantized(pathlib.Path(workdir))
   trainer = build_run(None, workdir, mode="read", environ=os.environ,
                       capture_stderr=capture_stderr)
   try:
@@ -209,10 +211,26 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
       token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     if max_shard_bytes is None:
       max_shard_bytes = hf.DEFAULT_MAX_SHARD_BYTES
-    return trainer.step, hf.save(trainer.model, out, max_shard_bytes=max_shard_bytes,
+    model, notes = trainer.exported_model()
+    for note in notes:
+      print(f"note: {note}", file=sys.stderr, flush=True)
+    return trainer.step, hf.save(model, out, max_shard_bytes=max_shard_bytes,
                                  tokenizer=tokenizer, token_ids=token_ids)
   finally:
     trainer.close()
+
+
+def _refuse_quantized(workdir: pathlib.Path) -> None:
+  """A `jax-ai-stack quantize` result (<run>/quantized/<scheme>) holds int8/int4 values and
+  scales, which no Hugging Face architecture of ours holds: the float run is what exports."""
+  from jax_ai_stack.recipes.run import CHECKPOINT_DIR
+
+  run = workdir.parent.parent
+  if workdir.parent.name == "quantized" and (run / CHECKPOINT_DIR).is_dir():
+    raise UsageError(f"{workdir} holds Qwix-quantized weights ({workdir.name}: integer values "
+                     "and scales), which a Hugging Face model directory of these architectures "
+                     f"cannot hold; export the float run instead: jax-ai-stack export-hf "
+                     f"--workdir {run} OUT")
 
 
 def run_export(args: argparse.Namespace) -> int:

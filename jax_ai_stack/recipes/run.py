@@ -224,8 +224,16 @@ class Run:
   def inference_model(self) -> nnx.Module:
     """The model that decodes (`transforms.inference_model`: a LoRA run's base and adapters
     merged, since Qwix adds the adapters only inside `__call__`, not in `decode`)."""
-    return self.transforms.inference_model(self.model, lambda: self.task.build_model(
-        self.config.train.seed, self.attention, self.placement.layout()))
+    return self.transforms.inference_model(self.model, self._plain_model)
+
+  def exported_model(self) -> tuple[nnx.Module, list[str]]:
+    """The model `export-hf` writes (a LoRA run's merged; a QLoRA run's into its float base)
+    and one line for each way it differs from what the run computes."""
+    return self.transforms.exported_model(self.model, self._plain_model)
+
+  def _plain_model(self) -> nnx.Module:
+    """The Task's model, untransformed (its values are replaced by the caller)."""
+    return self.task.build_model(self.config.train.seed, self.attention, self.placement.layout())
 
   def close(self) -> None:
     self.manager.close()

@@ -14,6 +14,7 @@ calls its hooks at fixed points of a run:
   metadata()                 what a checkpoint records beside the arrays
   reference_model(model)     the frozen model a preference objective compares with
   inference_model(model, plain)   the model that decodes (a LoRA run's, merged)
+  exported_model(model, plain)    the model export-hf writes, and lines saying how
   describe(model)            how the run's parameter count reads
   before_fit(run), after_fit(run) what is logged and printed around training
 
@@ -80,6 +81,12 @@ class ModelTransform:
     del plain
     return model
 
+  def exported_model(self, model: nnx.Module,
+                     plain: Callable[[], nnx.Module]) -> tuple[nnx.Module, list[str]]:
+    """The model `export-hf` writes (by default the inference model), and one line for each
+    way it differs from what the run computes (a QAT run's float weights, say)."""
+    return self.inference_model(model, plain), []
+
   def describe(self, model: nnx.Module) -> str | None:
     """The run's parameter count in words when it is not simply 'N parameters'."""
     del model
@@ -131,6 +138,13 @@ class Chain(ModelTransform):
     for transform in self.transforms:
       model = transform.inference_model(model, plain)
     return model
+
+  def exported_model(self, model, plain):
+    notes = []
+    for transform in self.transforms:
+      model, said = transform.exported_model(model, plain)
+      notes += said
+    return model, notes
 
   def describe(self, model):
     return next((text for t in self.transforms if (text := t.describe(model))), None)

@@ -144,30 +144,34 @@ def adapter_delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ..
   return delta.reshape(shape)
 
 
-def merged_model(model: nnx.Module, plain: Callable[[], nnx.Module], scale: float) -> nnx.Module:
+def merged_model(model: nnx.Module, plain: Callable[[], nnx.Module], scale: float,
+                 base: nnx.State | None = None) -> nnx.Module:
   """A plain model (no Qwix) whose weights are the base plus `scale` * A B.
 
   `plain` builds the model without adapters (its values are replaced); the
   result decodes like `model` computes (Qwix adds the adapters only inside
   `__call__`), up to float rounding of the merged sum. A QLoRA base is
-  dequantized first, so the merged model is float.
+  dequantized first, so the merged model is float; `base` (the plain model's
+  weights, e.g. the float weights a QLoRA base was quantized from) replaces
+  the model's own base weights where it has them.
   """
   target = nnx.eval_shape(plain)
   graphdef, state = nnx.split(model)
 
-  def merged_state(state):
+  def merged_state(state, base):
     source = nnx.merge(graphdef, state)
     pairs = adapter_pairs(source)
+    given = dict(nnx.to_flat_state(base)) if base is not None else {}
     out = []
     for path, variable in nnx.to_flat_state(nnx.state(target)):
-      value = _float_value(source, path)
+      value = given[path].get_value() if path in given else _float_value(source, path)
       name = "/".join(map(str, path))
       if name in pairs:
         value = value.astype(jnp.float32) + adapter_delta(*pairs[name], scale, value.shape)
       out.append((path, variable.replace(value.astype(variable.get_value().dtype))))
     return nnx.from_flat_state(out)
 
-  nnx.update(target, jax.jit(merged_state)(state))
+  nnx.update(target, jax.jit(merged_state)(state, base))
   return target
 
 
@@ -318,6 +322,38 @@ class Finetune(ModelTransform):
     if self.lora is not None:
       return merged_model(model, plain, self.scale)
     return reference.without_frozen_copy(model)
+
+  def exported_model(self, model: nnx.Module,
+                     plain: Callable[[], nnx.Module]) -> tuple[nnx.Module, list[str]]:
+    """What `export-hf` writes: the adapters merged (a QLoRA run's into the float base it
+    was quantized from, read again from the base run), and a line saying so."""
+    if self.lora is None:
+      return self.inference_model(model, plain), []
+    adapters = f"LoRA adapters (rank {self.lora.rank}, alpha {self.lora.alpha:g})"
+    if self.lora.quantize_base is None:
+      return merged_model(model, plain, self.scale), [f"merged the {adapters} into the base"]
+    base, where = self._float_base(model)
+    return merged_model(model, plain, self.scale, base=base), [
+        f"QLoRA run: merged the {adapters} into the float weights of its base ({where}), "
+        f"not into their {self.lora.quantize_base} quantization the run trained over"]
+
+  def _float_base(self, model: nnx.Module) -> tuple[nnx.State, str]:
+    """The float weights this QLoRA run's base was quantized from, as the pointer in its
+    checkpoint names them (checked against its checksum), and where they were read."""
+    pointer = self.base or {}
+    if not pointer:
+      raise BaseCheckpointError("the checkpoint has no pointer to its finetune.base run")
+    frozen = nnx.filter_state(nnx.state((model,)), _is_base_weight)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          frozen)
+    directory = pathlib.Path(pointer["base"])
+    weights, step = _read_base(directory, pointer["step"],
+                               _float_target(target, self.model_config.param_dtype),
+                               self.config.base)
+    if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
+      raise BaseCheckpointError(f"the base run {directory} step {step} has changed since "
+                                "this run trained over it: restore it to export this run")
+    return weights[0], f"{directory} step {step}"
 
   def describe(self, model: nnx.Module) -> str | None:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -31,13 +31,23 @@ def default_out(workdir: str | pathlib.Path) -> pathlib.Path:
   return workdir.with_name(workdir.name + "-merged")
 
 
+def merged_finetune(config) -> FinetuneConfig:
+  """The merged run's `finetune` section: none (full weights need no base), except on
+  preference data, whose DPO reference stays the LoRA run's base (now a frozen copy, as a
+  full fine-tuning DPO run keeps it), so that the merged run evaluates and trains on."""
+  if not config.data.is_preference:
+    return FinetuneConfig()
+  return dataclasses.replace(config.finetune, lora=None)
+
+
 def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
           environ: Mapping[str, str] | None = None, capture_stderr: bool = False) -> pathlib.Path:
   """Writes a LoRA run's merged weights (base + adapters) as a plain run in `out`.
 
   `out` (default `<workdir>-merged`) is a normal workdir: one checkpoint at the
   LoRA run's step, its config without `finetune`, a fresh optimizer state, so
-  `eval` and `generate` (and further training) work on it without the base.
+  `eval` and `generate` (and further training) work on it without the base (a DPO
+  run's merged run keeps the base as its reference: `merged_finetune`).
   An `out` that already has checkpoints is refused; nothing there changes.
   `environ` and `capture_stderr` are `build_run`'s.
   """
@@ -52,11 +62,14 @@ def merge(workdir: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
     if run.config.finetune.lora is None:
       raise WorkdirError(f"{workdir} is not a LoRA run (no finetune.lora): its checkpoint "
                          "already holds full weights")
-    config = dataclasses.replace(run.config, finetune=FinetuneConfig())
+    pointer = run.transforms.metadata()["finetune"]
+    config = dataclasses.replace(run.config, finetune=merged_finetune(run.config))
     model = run.inference_model()
     optimizer = optim.build_optimizer(config.optim, model, train_steps=config.train.steps)
     metadata = {"step": run.step, "config": configlib.to_dict(config),
-                "merged_from": {"workdir": str(workdir.absolute()), **run.transforms.metadata()["finetune"]}}
+                "merged_from": {"workdir": str(workdir.absolute()), **pointer}}
+    if config.finetune.active:  # A DPO run's reference: the same base, as a frozen copy.
+      metadata["finetune"] = pointer
     if run.attention_choice is not None:
       metadata["attention"] = {**run.attention_choice.to_dict(), "plan": run.attention.to_dict()}
     step = run.step

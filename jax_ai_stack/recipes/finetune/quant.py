@@ -135,6 +135,14 @@ class Qat(ModelTransform):
   def apply(self, model: nnx.Module) -> nnx.Module:
     return qat(model, self.config)
 
+  def exported_model(self, model, plain):
+    scheme = getattr(getattr(self.config, "quant", None), "qat", None)
+    if scheme is None:
+      return model, []
+    return model, [f"QAT run: exported its float weights; the {scheme} fake quantization it "
+                   f"trained through is not applied (jax-ai-stack quantize makes the "
+                   f"{scheme} model)"]
+
 
 def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
         method: str = "__call__") -> nnx.Module:
