@@ -166,3 +166,20 @@ def test_a_missing_tokenizer_package_names_the_extra(tmp_path, monkeypatch, kind
   (tmp_path / "tok").write_text("{}")
   with pytest.raises(MissingExtraError, match=rf"'{package}' .*jax-ai-stack\[tokenizers\]"):
     build_tokenizer(DataConfig(tokenizer=kind, tokenizer_path=str(tmp_path / "tok")))
+
+
+def test_a_prompt_gets_bos_where_the_file_s_post_processor_adds_it(tmp_path):
+  """Gemma's and Llama 3's tokenizer.json add BOS in their post-processor, as transformers'
+  `tokenizer(text)` does; `encode` (for corpora, which add their own BOS) does not."""
+  import tokenizers
+  from tokenizers import processors
+
+  path = _hf_file(tmp_path)
+  tok = tokenizers.Tokenizer.from_file(path)
+  plain = HuggingFaceTokenizer(path)
+  np.testing.assert_array_equal(plain.encode_prompt("the fox"), plain.encode("the fox"))
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  tok.save(path)
+  with_bos = HuggingFaceTokenizer(path)
+  assert with_bos.encode_prompt("the fox").tolist() == [1, *with_bos.encode("the fox").tolist()]
+  assert ByteTokenizer().encode_prompt("hé").tolist() == [104, 195, 169]

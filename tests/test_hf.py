@@ -476,6 +476,45 @@ def test_an_imported_model_is_chat_tuned_with_its_tokenizer_s_own_template(tmp_p
   assert json.loads((back / "tokenizer_config.json").read_text())["chat_template"] == WORD_TEMPLATE
 
 
+QWEN_WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *WORDS[4:]]
+GEMMA_WORDS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", *WORDS[4:]]
+
+
+@pytest.mark.parametrize("words, ids, generation, exported_eos", [
+    # Qwen3: EOS is <|im_end|>, no BOS, PAD <|endoftext|>; generation_config lists both stops.
+    (QWEN_WORDS, {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0},
+     {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "top_k": 20}, [2, 0]),
+    # Gemma 3: two EOS ids in config.json, no generation_config.json: ours lists the stops.
+    (GEMMA_WORDS, {"bos_token_id": 2, "eos_token_id": [1, 5], "pad_token_id": 0}, None, [1, 5]),
+], ids=["qwen", "gemma"])
+def test_the_tokenizer_s_ids_travel_through_import_and_export_unchanged(
+    tmp_path, capsys, words, ids, generation, exported_eos):
+  source = write_hf(tmp_path / "hf", {**TINY_HF, **ids}, hf_weights(TINY_HF))
+  _tokenizer_file(source / "tokenizer.json", words)
+  if generation is not None:
+    (source / "generation_config.json").write_text(json.dumps(generation))
+  code, _, err = main(capsys, "import-hf", str(source), "--workdir", str(tmp_path / "run"), *RUN)
+  assert code == 0, err
+  code, _, err = main(capsys, "export-hf", "--workdir", str(tmp_path / "run"), str(tmp_path / "out"))
+  assert code == 0, err
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert {key: config[key] for key in ids} == ids
+  exported = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+  assert exported == {**(generation or {key: v for key, v in ids.items() if v is not None}),
+                      "eos_token_id": exported_eos}
+
+
+def test_a_tokenizer_without_source_ids_exports_its_own_and_its_turn_stops(tmp_path, capsys):
+  source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))
+  _tokenizer_file(source / "tokenizer.json", QWEN_WORDS)  # <|endoftext|> is EOS by its name.
+  assert main(capsys, "import-hf", str(source), "--workdir", str(tmp_path / "run"), *RUN)[0] == 0
+  assert main(capsys, "export-hf", "--workdir", str(tmp_path / "run"), str(tmp_path / "out"))[0] == 0
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 0, 0)
+  generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+  assert generation["eos_token_id"] == [0, 2]  # EOS, then <|im_end|>: where --chat stops.
+
+
 def test_import_eval_generate_train_export_round_trip(tmp_path, capsys):
   source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF), shards=2)
   _tokenizer_file(source / "tokenizer.json")
@@ -656,3 +695,25 @@ def test_a_model_made_by_transformers_imports_and_exports_with_its_logits(tmp_pa
   with torch.no_grad():
     again = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   assert np.abs(again - expected).max() < TOLERANCE
+
+
+def test_generate_encodes_a_prompt_with_the_bos_its_tokenizer_adds(tmp_path, monkeypatch):
+  """Gemma's tokenizer.json adds <bos> in its post-processor: transformers' prompt ids."""
+  import tokenizers
+  from tokenizers import processors
+
+  from jax_ai_stack.recipes import config as config_lib
+  from jax_ai_stack.recipes import tasks
+
+  path = tmp_path / "tokenizer.json"
+  _tokenizer_file(path, GEMMA_WORDS)
+  tok = tokenizers.Tokenizer.from_file(str(path))
+  tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                     special_tokens=[("<bos>", 2)])
+  tok.save(str(path))
+  task = tasks.for_config(config_lib.load("lm-tiny", overrides=[
+      "data.tokenizer=huggingface", f"data.tokenizer_path={path}", "model.vocab_size=40"]))
+  seen = []
+  monkeypatch.setattr(task, "_continue", lambda model, ids, *args: seen.append(ids) or ids[:0])
+  task.generate(None, "def x", 1, 0.0, 0)
+  assert seen[0].tolist() == [2, GEMMA_WORDS.index("def"), GEMMA_WORDS.index("x")]

@@ -11,7 +11,9 @@ from DIR/config.json and whose parameters from DIR's safetensors. The rest
 of the recipe is the preset's (default lm-tiny), then --config, then the
 overrides (e.g. `data.source=text data.paths=[corpus.txt]`, `model.param_dtype=float32`).
 A DIR/tokenizer.json is copied into W and becomes the run's tokenizer, with its
-chat template (DIR/tokenizer_config.json, DIR/chat_template.jinja) where it has one. The
+chat template (DIR/tokenizer_config.json, DIR/chat_template.jinja) where it has one, and
+config.json's special-token ids and DIR/generation_config.json, which `export-hf` writes
+back unchanged (`hf.special_tokens`). The
 resolved config is written to W/config.yaml, for `train --config` to continue
 from step 0.
 
@@ -106,6 +108,7 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
   from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.models.hf import special_tokens
   from jax_ai_stack.recipes.run import build_run
 
   source = pathlib.Path(directory)
@@ -130,6 +133,7 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
     workdir.mkdir(parents=True, exist_ok=True)
     if copied:
       hf.copy_tokenizer(tokenizer, workdir)  # With its chat template, where it has one.
+      special_tokens.keep(source, workdir)  # config.json's token ids, generation_config.json.
     (workdir / CONFIG_YAML).write_text(
         "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
     run = build_run(config, workdir, mode="train", resume="never",
@@ -191,6 +195,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
   written and the files.
   """
   from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.models.hf import special_tokens
   from jax_ai_stack.recipes.run import build_run
 
   out = pathlib.Path(out)
@@ -204,18 +209,21 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
                        "writes the decoder families (llama, qwen2, qwen3, mistral, gemma2, "
                        "gemma3, mixtral, qwen3_moe) only")
     data = trainer.config.data
-    tokenizer, token_ids = None, {}
+    tokenizer, token_ids, generation = None, {}, None
     if data.tokenizer == "huggingface":
       tok = trainer.task.tokenizer()
       tokenizer = data.tokenizer_path
-      token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+      token_ids, generation = special_tokens.for_export(
+          tokenizer, bos=tok.bos_id, eos=tok.eos_id, pad=tok.pad_id,
+          end_of_turn=tok.end_of_turn_ids())
     if max_shard_bytes is None:
       max_shard_bytes = hf.DEFAULT_MAX_SHARD_BYTES
     model, notes = trainer.exported_model()
     for note in notes:
       print(f"note: {note}", file=sys.stderr, flush=True)
     return trainer.step, hf.save(model, out, max_shard_bytes=max_shard_bytes,
-                                 tokenizer=tokenizer, token_ids=token_ids)
+                                 tokenizer=tokenizer, token_ids=token_ids,
+                                 generation_config=generation)
   finally:
     trainer.close()
 

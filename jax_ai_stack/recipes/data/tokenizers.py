@@ -53,6 +53,12 @@ class Tokenizer(abc.ABC):
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """The text of `ids`; special and padding ids are skipped."""
 
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """A prompt's ids as the tokenizer's own file encodes it (a Hugging Face tokenizer.json's
+    post-processor adds BOS where its model expects one, Gemma's and Llama 3's); plain
+    `encode` where the file has no such rule."""
+    return self.encode(text)
+
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     """`encode` of each text; subclasses batch it in native code where they can."""
     return [self.encode(text) for text in texts]
@@ -165,6 +171,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=np.int32)
 
   def token_text(self, token_id: int) -> str:
     text = self._tok.id_to_token(token_id) if token_id < self._base_size else None

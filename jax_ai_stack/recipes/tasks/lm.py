@@ -171,7 +171,7 @@ class LanguageModel(Task):
     """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
     `max_seq_len` is reached first: a note says so); None: 128, or as many as fit."""
     tokenizer = self.tokenizer()
-    prompt_ids = np.asarray(tokenizer.encode(prompt), dtype=np.int32)
+    prompt_ids = tokenizer.encode_prompt(prompt)  # BOS where the tokenizer adds one.
     if prompt_ids.size == 0:
       prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
     new = self._continue(model, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p)

@@ -29,7 +29,8 @@ each device only its part.
 
 One job per module: `layout` (the directory's files; each tensor's name and
 layout, shared by both directions), `config_json` (config.json <->
-`LlamaConfig`), `reader` (checking and loading weights) and `writer` (`save`).
+`LlamaConfig`), `reader` (checking and loading weights), `special_tokens` (the
+tokenizer's ids and generation config, kept and written back) and `writer` (`save`).
 The names below load from them on first use, so importing the package pays
 for no jax.
 
@@ -45,7 +46,7 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config_json", "families", "layout", "reader", "writer")
+_SUBMODULES = ("config_json", "families", "layout", "reader", "special_tokens", "writer")
 _EXPORTS = {
     "hf_config": "config_json", "llama_fields": "config_json", "read_config": "config_json",
     "decoder_fields": "config_json",

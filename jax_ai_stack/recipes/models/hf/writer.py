@@ -21,6 +21,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,6 +32,7 @@ from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes.models.hf.config_json import hf_config
 from jax_ai_stack.recipes.models.hf.layout import (
     CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, Tensor, _safetensors, copy_tokenizer, tensors)
+from jax_ai_stack.recipes.models.hf.special_tokens import GENERATION_FILE
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
@@ -47,12 +49,14 @@ def writes(model: nnx.Module) -> bool:
 def save(model: nnx.Module, out: str | os.PathLike, *,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
          tokenizer: str | os.PathLike | None = None,
-         token_ids: Mapping[str, int] | None = None) -> list[str]:
+         token_ids: Mapping[str, Any] | None = None,
+         generation_config: Mapping[str, Any] | None = None) -> list[str]:
   """Writes `model` (a `Llama`) as a Hugging Face directory `out`; returns its file names.
 
   One `model.safetensors`, or above `max_shard_bytes` shards plus their index
   (a tensor larger than the limit gets a shard of its own). `tokenizer`: a
-  tokenizer.json to copy in (with its chat template files); `token_ids`: e.g. bos_token_id for config.json.
+  tokenizer.json to copy in (with its chat template files); `token_ids`: e.g. bos_token_id for
+  config.json; `generation_config`: generation_config.json's contents.
   The directory appears complete or not at all: it is written beside `out`
   and renamed into place.
 
@@ -90,6 +94,9 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
         json.dumps(hf_config(config, **dict(token_ids or {})), indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None:
       copy_tokenizer(tokenizer, staging)
+    if generation_config is not None:
+      (staging / GENERATION_FILE).write_text(json.dumps(dict(generation_config), indent=2) + "\n",
+                                             encoding="utf-8")
     for file in staging.iterdir():  # Shareable as a directory made by hand would be.
       os.chmod(file, atomic.new_file_mode())
     os.chmod(staging, atomic.new_directory_mode())
