@@ -153,3 +153,21 @@ def test_a_dpo_run_exports_its_policy_and_lora_merge_keeps_its_reference(
   out, err = capsys.readouterr()
   assert code == 0, err
   assert "eval_preference_accuracy" in json.loads(out)
+
+
+def test_a_lora_run_is_a_base_its_adapters_merged_as_it_loads(base, pairs, tmp_path, capsys):
+  """SFT with LoRA, then DPO with LoRA on top of it: the second stage starts at the first's
+  model (its adapters merged into its base), says so, and resumes reading it the same way."""
+  train.run(tiny_config(*lora_overrides(base)), tmp_path / "sft")
+  overrides = [f"finetune.base={tmp_path / 'sft'}", "data.source=preference",
+               f"data.paths=[{pairs}]", "data.seq_len=32", "data.validation_fraction=0.3",
+               "finetune.lora={rank: 2}", "train.eval_every=0", "train.sample_tokens=0",
+               "train.steps=2", "optim.learning_rate=1e-12"]  # B stays ~0 after a step.
+  train.run(tiny_config(*overrides), tmp_path / "dpo", stop_after=1)
+  err = capsys.readouterr().err
+  assert (f"note: finetune.base={str(tmp_path / 'sft')!r} is a LoRA run: its adapters (rank 4, "
+          f"alpha 8) are merged into its base ({base / 'checkpoints'} step 30) as it loads") in err
+  np.testing.assert_allclose(run_logits(tmp_path / "dpo"), run_logits(tmp_path / "sft"),
+                             atol=TOLERANCE, rtol=TOLERANCE)
+  train.run(tiny_config(*overrides), tmp_path / "dpo")  # Resumed: the base is read again.
+  assert [r["step"] for r in train.read_metrics(tmp_path / "dpo") if r["split"] == "train"] == [1, 2]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -428,6 +429,9 @@ def _read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
     elif step not in steps:
       raise BaseCheckpointError(f"step {step} of the base run {directory} is gone "
                                 f"(finetune.base={origin!r}); steps there: {sorted(steps)}")
+    adapted = _lora_section(checkpoint.read_metadata(manager, step))
+    if adapted is not None:  # A LoRA run: its own base, with its adapters merged in.
+      return _merged_lora_base(manager, step, adapted, target, origin), step
     try:
       weights = checkpoint.restore_subset(manager, step, target,
                                           what=f"the base run finetune.base={origin!r}")
@@ -440,6 +444,64 @@ def _read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
     return weights, step
   finally:
     manager.close()
+
+
+def _lora_section(metadata: dict) -> tuple[dict, dict] | None:
+  """(finetune.lora, the pointer to its base) of a LoRA run's checkpoint metadata, else None."""
+  finetune = (metadata.get("config") or {}).get("finetune") or {}
+  if finetune.get("lora") is None:
+    return None
+  return finetune["lora"], metadata.get("finetune") or {}
+
+
+def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nnx.State,
+                      origin: str) -> nnx.State:
+  """A LoRA run as a base: its own base's float weights (read as a base is, checksum
+  checked) plus (alpha / r) A B of the adapters it saved, in `target`'s shapes."""
+  config, pointer = adapted
+  if not pointer:
+    raise BaseCheckpointError(f"finetune.base={origin!r} is a LoRA run whose checkpoint has "
+                              "no pointer to its own base")
+  inner = pathlib.Path(pointer["base"])
+  weights, inner_step = _read_base(inner, pointer["step"], target, origin)
+  if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
+    raise BaseCheckpointError(f"the base {inner} step {inner_step} of the LoRA run "
+                              f"finetune.base={origin!r} has changed since it trained")
+  stored = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                manager.item_metadata(step)["state"])}
+  flat = dict(nnx.to_flat_state(weights))
+  adapters = []
+  for path, variable in flat.items():
+    for suffix in (_A, _B):
+      leaf = stored.get("/".join(map(str, path[:-1] + (path[-1] + suffix,))))
+      if leaf is not None:
+        sharding = variable.get_value().sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+          sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        adapters.append((path[:-1] + (path[-1] + suffix,), nnx.LoRAParam(
+            jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding))))
+  read = dict(nnx.to_flat_state(checkpoint.restore_subset(
+      manager, step, nnx.from_flat_state(adapters),
+      what=f"the adapters of the LoRA run finetune.base={origin!r}")))
+  scale = config["alpha"] / config["rank"]
+
+  @jax.jit
+  def merge(values, read):
+    out = dict(values)
+    for path, value in values.items():
+      a, b = (read.get(path[:-1] + (path[-1] + suffix,)) for suffix in (_A, _B))
+      if a is not None:
+        out[path] = (value.astype(jnp.float32) + adapter_delta(a, b, scale, value.shape)
+                     ).astype(value.dtype)
+    return out
+
+  merged = merge({path: v.get_value() for path, v in flat.items()},
+                 {path: v.get_value() for path, v in read.items()})
+  print(f"note: finetune.base={origin!r} is a LoRA run: its adapters (rank {config['rank']}, "
+        f"alpha {config['alpha']:g}) are merged into its base ({inner} step {inner_step}) "
+        "as it loads", file=sys.stderr, flush=True)
+  return nnx.from_flat_state([(path, flat[path].replace(merged[path])) for path in flat])
 
 
 def eval_before(trainer) -> None:
