@@ -104,7 +104,12 @@ def _ctrl_c_exits(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = build_parser()
+  try:
+    parser = build_parser()  # Imports each command's module: a Ctrl-C may land in it.
+  except KeyboardInterrupt:
+    command = next(iter(sys.argv[1:] if argv is None else argv), "")
+    print(_interrupted(command).replace("stack : ", "stack: "), file=sys.stderr)
+    return INTERRUPTED_EXIT_CODE
   args, extra = parser.parse_known_args(argv)
   if extra and not getattr(args, "accepts_overrides", False):
     # The subcommand's own usage, not the top-level one.
