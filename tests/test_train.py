@@ -44,6 +44,8 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
   metadata = checkpoint.read_metadata(manager)
   assert metadata["step"] == STEPS and metadata["config"]["train"]["steps"] == STEPS
   manager.close()
+  # The resolved config, whole: `train --config W/config.yaml` runs it again.
+  assert config.load(None, config_file=workdir / run_lib.CONFIG_FILE) == tiny_config()
 
 
 def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):

@@ -48,9 +48,6 @@ from collections.abc import Mapping, Sequence
 from jax_ai_stack import logs
 from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
 
-CONFIG_YAML = "config.yaml"
-
-
 def register(subparsers) -> None:
   importer = subparsers.add_parser(
       "import-hf", help="import a Hugging Face model directory as a run's step 0",
@@ -105,11 +102,10 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
   Returns the run's `RecipeConfig` (also written to `workdir/config.yaml`);
   `finetune.base=<workdir>` fine-tunes it, `train --config` continues it.
   """
-  from jax_ai_stack.recipes import configlib
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.hf import special_tokens
-  from jax_ai_stack.recipes.run import build_run
+  from jax_ai_stack.recipes.run import build_run, write_config
 
   source = pathlib.Path(directory)
   workdir = pathlib.Path(workdir).absolute()
@@ -134,8 +130,7 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
     if copied:
       hf.copy_tokenizer(tokenizer, workdir)  # With its chat template, where it has one.
       special_tokens.keep(source, workdir)  # config.json's token ids, generation_config.json.
-    (workdir / CONFIG_YAML).write_text(
-        "preset: none\n" + configlib.to_yaml(config), encoding="utf-8")
+    write_config(workdir, config)
     run = build_run(config, workdir, mode="train", resume="never",
                     environ=os.environ if environ is None else environ,
                     initial_params=lambda target: hf.load_params(source, config.model, target))
@@ -155,11 +150,13 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
 
 def run_import(args: argparse.Namespace) -> int:
   logs.status(f"importing {args.directory} into {args.workdir} ...")
+  from jax_ai_stack.recipes.run import CONFIG_FILE
+
   config = import_hf(args.directory, args.workdir, preset=args.preset, config_file=args.config,
                      overrides=args.overrides)
   workdir = pathlib.Path(args.workdir).absolute()
   print(f"imported {args.directory} ({config.model.num_params():,} parameters) into {workdir} "
-        f"as step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_YAML} --workdir "
+        f"as step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_FILE} --workdir "
         f"{workdir} train.steps=N")
   return 0
 

@@ -51,11 +51,13 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 """The workdir's subdirectory of Orbax steps."""
+CONFIG_FILE = "config.yaml"
+"""The workdir's resolved config: `train --config W/config.yaml` runs it again."""
 
 Mode = Literal["train", "read"]
 TaskArg = Union[tasks.Task, Callable[[RecipeConfig], tasks.Task], None]
 """A run's Task: given, built from the config by a function, or None (the config's)."""
-__all__ = ["CHECKPOINT_DIR", "Run", "build_run", "prepare_workdir"]
+__all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "Run", "build_run", "prepare_workdir", "write_config"]
 
 
 def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
@@ -73,6 +75,13 @@ def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
     probe.unlink()
   except OSError as e:
     raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+
+
+def write_config(workdir: pathlib.Path, config: RecipeConfig) -> None:
+  """The resolved `config` as `workdir`/config.yaml (whole, so no preset is merged under it)."""
+  from jax_ai_stack.atomic import write_atomically
+
+  write_atomically(pathlib.Path(workdir) / CONFIG_FILE, "preset: none\n" + configlib.to_yaml(config))
 
 
 def _warn_attention_change(metadata: dict, choice: kernels.Choice | None) -> None:

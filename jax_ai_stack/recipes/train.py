@@ -54,7 +54,8 @@ from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
                                           plot, read_metrics)
-from jax_ai_stack.recipes.run import CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir
+from jax_ai_stack.recipes.run import (CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir,
+                                     write_config)
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +356,7 @@ def run(
     on_open()
   if distributed.is_primary():
     record.update(trainer)  # record.json: this phase, what it runs on, its data files.
+    write_config(workdir, config)  # config.yaml: `train --config` runs this phase again.
   init_s = time.perf_counter() - started
 
   def report_startup():
