@@ -285,6 +285,7 @@ def test_a_mixture_and_a_profile(tmp_path):
 PHASED = [doc(f"jax-ai-stack train lm-tiny --config phase{i}.yaml --workdir runs/phased")
           for i in (1, 2, 3)]
 PHASED_REPLAY = doc("jax-ai-stack train --replay runs/phased/record.json")
+PLANNED_STOP = doc("jax-ai-stack train lm-tiny --config phase1.yaml --workdir runs/planned")
 PHASED_PROFILE = doc("jax-ai-stack train lm-tiny train.steps=20 train.profile=10:15")
 
 
@@ -311,6 +312,8 @@ def test_the_adaptive_runs_guide(tmp_path):
   runs = tmp_path / "runs"
   assert len(train_losses(runs / "replayed")) == 6
   assert train_losses(runs / "replayed") == train_losses(runs / "phased")
+  out = ok(run(PLANNED_STOP, *TINY, "--stop-after", "2", cwd=tmp_path))  # The doc's 200, at 2.
+  assert "stopped at step 2 (stop_after=2); checkpoint saved." in out
   out = ok(run(PHASED_PROFILE, *TINY, "train.steps=3", "train.profile=2:3", cwd=tmp_path))
   assert "xprof --logdir runs/profiled/profile" in out
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
 from jax_ai_stack import cli
-from jax_ai_stack.recipes import checkpoint, record, train
-from training_helpers import tiny_config, train_losses
+from jax_ai_stack.recipes import checkpoint, configlib, record, train
+from training_helpers import STEPS, TINY, tiny_config, train_losses
 
 COMPONENTS = "{logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}"
 SHORT = ["train.eval_every=4", "checkpoint.save_every=2", "train.sample_tokens=0"]
@@ -52,6 +53,8 @@ def test_a_replay_ends_with_the_same_bits(three_phases, tmp_path, capsys):
   out = capsys.readouterr().out
   assert "note:" not in out  # Same machine, same versions, same files.
   assert "phase 2 from step 4" in out and "phase 3 from step 8" in out
+  assert "replay: phase 1 of 3 ended at step 4; phase 2 begins" in out
+  assert "Run the same command again" not in out  # Between phases nothing stopped.
   assert train_losses(replayed) == train_losses(three_phases)
   done, original = train.Trainer.open_finished(replayed), train.Trainer.open_finished(three_phases)
   try:
@@ -87,3 +90,59 @@ def test_bad_replays_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args
   monkeypatch.chdir(tmp_path)
   assert cli.main(["train", *args]) == 2
   assert error in capsys.readouterr().err
+
+
+def _record(*phases) -> dict:
+  return {"format": record.FORMAT, "phases": [
+      {"step": step, "config": configlib.to_dict(tiny_config(*extra))} for step, *extra in phases]}
+
+
+def _without(phase: dict, dotted: str) -> dict:
+  section, _, field = dotted.partition(".")
+  config = {**phase["config"]}
+  if field:
+    config[section] = {k: v for k, v in config[section].items() if k != field}
+  else:
+    del config[section]
+  return {**phase, "config": config}
+
+
+@pytest.mark.parametrize("damage, error", [
+    (lambda r: {**r, "phases": [r["phases"][0], {"config": r["phases"][1]["config"]}]},
+     'r.json: phase 2 has no "step"'),
+    (lambda r: {**r, "phases": r["phases"][::-1]},
+     "r.json: phase 1 begins at step 4: a run's first phase begins at step 0"),
+    (lambda r: {**r, "phases": [r["phases"][0], r["phases"][1], {**r["phases"][1], "step": 2}]},
+     "r.json: phase 3 begins at step 2, not after phase 2 (step 4)"),
+    (lambda r: {**r, "phases": [r["phases"][0], _without(r["phases"][1], "optim")]},
+     "r.json: phase 2 (from step 4): its config has no optim;"),
+    (lambda r: {**r, "phases": [_without(r["phases"][0], "train.steps"), r["phases"][1]]},
+     "r.json: phase 1 (from step 0): its config has no train.steps;"),
+    (lambda r: {**r, "phases": [r["phases"][0], {"step": 4, "config": {
+        **r["phases"][1]["config"], "train": {**r["phases"][1]["config"]["train"], "steps": 0}}}]},
+     "r.json: phase 2 (from step 4)"),
+], ids=["no-step", "first-not-0", "out-of-order", "section-removed", "field-removed", "invalid"])
+def test_a_damaged_record_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys, damage,
+                                                         error):
+  monkeypatch.chdir(tmp_path)
+  whole = _record((0, "train.steps=4"), (4, "train.steps=8", "optim.learning_rate=1e-3"))
+  pathlib.Path("r.json").write_text(json.dumps(damage(whole)))
+  assert cli.main(["train", "--replay", "r.json", "--workdir", "w"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and error in err[0], err
+  assert not pathlib.Path("w").exists()  # Nothing written.
+
+
+def test_stop_after_ends_a_phase_at_a_planned_step_and_keeps_the_schedule(reference, tmp_path,
+                                                                           capsys):
+  """`--stop-after` saves and exits 0 without touching train.steps: the run resumed from
+  there ends with the bits of the run that never stopped (the schedule kept its horizon)."""
+  command = ["train", "lm-tiny", "--workdir", str(tmp_path), *TINY, f"train.steps={STEPS}"]
+  assert cli.main([*command, "--stop-after", "10"]) == 0
+  out = capsys.readouterr().out
+  assert "stopped at step 10 (stop_after=10); checkpoint saved." in out
+  assert "Run the same command again" not in out
+  assert cli.main([*command, "--stop-after", "10"]) == 0  # Already there: nothing to do.
+  assert "already at stop_after=10: nothing to do" in capsys.readouterr().out
+  assert cli.main(command) == 0
+  assert train_losses(tmp_path) == train_losses(reference[0])

@@ -57,7 +57,8 @@ A process waits --distributed-timeout (default 120 s) for the others at start;
 once running, a process silent for --heartbeat-timeout (default 10 s: killed,
 or its host lost) stops the others, each printing one line that names it.
 
-Exit status: 0 trained (or already finished); 2 bad input (one line says what);
+Exit status: 0 trained (or already finished, or stopped at --stop-after, saved);
+2 bad input (one line says what);
 130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, after saving a checkpoint
 (run the same command again to resume); 75 stopped by a preemption (SIGTERM
 to a process of a multi-process job: every process saves the same step; a
@@ -102,6 +103,10 @@ def register(subparsers) -> None:
   train.add_argument("--replay", metavar="RECORD",
                      help="re-run every phase of a run's record.json into a new --workdir "
                      "(the configs come from the record: no preset, --config or overrides)")
+  train.add_argument("--stop-after", type=int, metavar="STEP",
+                     help="stop after this step and save, as a preemption would, without "
+                     "changing train.steps (a decaying schedule keeps its horizon): a planned "
+                     "phase boundary; exits 0, and the next train command goes on from there")
   train.add_argument("--dry-run", action="store_true",
                      help="print the mesh and the per-device memory plan, then exit (trains nothing)")
   train.add_argument("--device-memory", metavar="SIZE",
@@ -206,6 +211,10 @@ def run_train(args: argparse.Namespace) -> int:
       args.distributed, coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, timeout_s=args.distributed_timeout,
       heartbeat_timeout_s=args.heartbeat_timeout)
+  if args.stop_after is not None and (args.replay or args.stop_after < 1):
+    raise UsageError(f"--stop-after {args.stop_after}: " + (
+        "a replay stops where the record's phases began; leave --stop-after out"
+        if args.replay else "give a step >= 1"))
   replayed = _replayed_record(args)
   config = load_config(args) if replayed is None else replayed[0]
   if args.print_config:
@@ -233,22 +242,23 @@ def run_train(args: argparse.Namespace) -> int:
                                 capture_stderr=True)
   try:
     if replayed is None:
-      result = run_phase(config)
+      result = run_phase(config, stop_after=args.stop_after)
     else:
       result = _replay(replayed[1], run_phase)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
   stopped_by = result["stopped_by"]
-  return STOPPED_EXIT_CODES.get(stopped_by, _OTHER_STOP_EXIT_CODE) if stopped_by else 0
+  if not stopped_by or stopped_by == f"stop_after={args.stop_after}":  # Done, or as planned.
+    return 0
+  return STOPPED_EXIT_CODES.get(stopped_by, _OTHER_STOP_EXIT_CODE)
 
 
 def _replayed_record(args: argparse.Namespace):
-  """(first phase's config, record) for `--replay`; None without it."""
+  """(first phase's config, (record, every phase's config)) for `--replay`; None without it."""
   if not args.replay:
     return None
-  from jax_ai_stack.recipes import configlib, record
-  from jax_ai_stack.recipes.config import RecipeConfig
+  from jax_ai_stack.recipes import record
 
   if not args.workdir:
     raise UsageError("--replay needs --workdir: a new workdir to re-run the record's phases in")
@@ -256,21 +266,21 @@ def _replayed_record(args: argparse.Namespace):
     raise UsageError("--replay takes every config from the record: no preset, --config or "
                      "overrides")
   recorded = record.read(args.replay)
-  first = configlib.from_dict(RecipeConfig, recorded["phases"][0]["config"],
-                              source=f"{args.replay}'s phase 1")
-  return first, recorded
+  configs = record.checked_configs(recorded, args.replay)  # All of it, before anything runs.
+  return configs[0], (recorded, configs)
 
 
-def _replay(recorded: dict, run_phase) -> dict:
-  """Every phase of `recorded`, after naming what differs from where it ran."""
+def _replay(replayed: tuple[dict, list], run_phase) -> dict:
+  """Every phase of the record, after naming what differs from where it ran."""
   from jax_ai_stack.recipes import record
 
+  recorded, configs = replayed
   differences = record.differences(recorded)
   for line in differences:
     print(f"note: {line}", flush=True)
   if differences:
     print("note: the replay runs, but cannot promise the recorded bits", flush=True)
-  return record.replay(recorded, run_phase)
+  return record.replay(recorded, configs, run_phase)
 
 
 def _conversations(chat: str, prompt: str) -> list[list[dict]]:

@@ -9,8 +9,10 @@ first process writes it when a run opens and when a phase begins.
 `jax-ai-stack train --replay RECORD --workdir NEW` (`replay`) trains each phase
 in turn, stopping where the next began, so a run that went through several
 phases is re-run from its record alone; on the same backend it ends with
-bitwise the same parameters. Before it starts, each difference from the record
-(a package version, a data file, the backend or the device count) is named.
+bitwise the same parameters. Before it starts, the whole record is checked
+(`checked_configs`: each phase's step, their order, each config complete and
+valid) and each difference from where it ran (a package version, a data file,
+the backend or the device count) is named.
 
 Fingerprints: a file's hash is computed once; a later record keeps it while the
 file's size and modification time are unchanged (as the token cache does).
@@ -79,6 +81,48 @@ def read(path: str | pathlib.Path) -> dict:
   return record
 
 
+def checked_configs(record: dict, path: str | pathlib.Path) -> list[RecipeConfig]:
+  """Each phase's config of `record`, validated, before anything runs: UsageError (one line
+  naming the file, the phase and the field) for a phase without its step, phases out of
+  order, or a config that is incomplete (a section or field removed: it would run on a
+  default the phase never had) or invalid."""
+  configs, last = [], None
+  for i, phase in enumerate(record["phases"], start=1):
+    where = f"{path}: phase {i}"
+    step = phase.get("step") if isinstance(phase, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise UsageError(f"{where} has no \"step\" (the step it began at, a whole number >= 0)")
+    if last is None and step != 0:
+      raise UsageError(f"{where} begins at step {step}: a run's first phase begins at step 0")
+    if last is not None and step <= last:
+      raise UsageError(f"{where} begins at step {step}, not after phase {i - 1} (step {last}): "
+                       "a record lists its phases in the order they ran")
+    if not isinstance(phase.get("config"), dict):
+      raise UsageError(f"{where} (from step {step}) has no \"config\"")
+    config = configlib.from_dict(RecipeConfig, phase["config"],
+                                 source=f"{where} (from step {step})")
+    missing = _missing(configlib.to_dict(config), phase["config"])
+    if missing:
+      more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+      raise UsageError(f"{where} (from step {step}): its config has no {', '.join(missing[:3])}"
+                       f"{more}; a record holds every field a phase ran with, so a replay "
+                       "never runs on a default the phase did not have: restore them")
+    configs.append(config)
+    last = step
+  return configs
+
+
+def _missing(full: dict, given: dict, prefix: str = "") -> list[str]:
+  """Dotted names of `full`'s fields that `given` lacks (a whole section by its name)."""
+  found = []
+  for key, value in full.items():
+    if key not in given:
+      found.append(f"{prefix}{key}")
+    elif isinstance(value, dict) and isinstance(given[key], dict):
+      found += _missing(value, given[key], f"{prefix}{key}.")
+  return found
+
+
 def update(run: Any) -> dict:
   """`run`'s record, written into its workdir: each phase as the record had it, a new
   one (or one whose config changed at its first step) described now."""
@@ -145,17 +189,20 @@ def differences(record: dict) -> list[str]:
   return found
 
 
-def replay(record: dict, train_phase: Callable[..., dict]) -> dict:
-  """Trains each phase of `record` in turn: `train_phase(config, stop_after=...)` (a
-  `train.run` with its workdir), stopping at the step where the next phase began.
-  Returns the last phase's result (a stop by a signal ends the replay there)."""
+def replay(record: dict, configs: list[RecipeConfig],
+           train_phase: Callable[..., dict]) -> dict:
+  """Trains each phase of `record` in turn, with its `configs` (`checked_configs`):
+  `train_phase(config, stop_after=...)` (a `train.run` with its workdir), stopping at
+  the step where the next phase began. Returns the last phase's result (a stop by a
+  signal ends the replay there)."""
   phases = record["phases"]
   result: dict = {}
-  for i, phase in enumerate(phases):
-    config = configlib.from_dict(RecipeConfig, phase["config"],
-                                 source=f"the record's phase {i + 1}")
+  for i, config in enumerate(configs):
     stop = phases[i + 1]["step"] if i + 1 < len(phases) else None
     result = train_phase(config, stop_after=stop)
     if result.get("stopped_by") and result["stopped_by"] != f"stop_after={stop}":
       return result  # Stopped by a signal: run the replay again to go on.
+    if stop is not None:
+      print(f"replay: phase {i + 1} of {len(phases)} ended at step {stop}; phase {i + 2} "
+            "begins", flush=True)
   return result

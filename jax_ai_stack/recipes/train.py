@@ -383,13 +383,19 @@ def run(
       result = {**_final_metrics(workdir), "step": trainer.step, "stopped_by": None}
       if trainer.missing_artefacts():  # Killed after the last save, before the artefacts.
         _print_lines(trainer.finish())
+    elif stop_after is not None and trainer.step >= stop_after:
+      print(f"resumed from step {trainer.step}; already at stop_after={stop_after}: nothing "
+            "to do", flush=True)
+      return {**_final_metrics(workdir), "step": trainer.step,
+              "stopped_by": f"stop_after={stop_after}"}
     else:
       trainer.transforms.before_fit(trainer)  # E.g. a fine-tuning run's base, as step 0.
       print("compiling the train step ...", flush=True)
       result = trainer.fit(stop_after=stop_after, on_first_step=report_startup)
       if result["stopped_by"]:
-        print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved. "
-              "Run the same command again to resume.", flush=True)
+        planned = result["stopped_by"] == f"stop_after={stop_after}"  # The caller goes on.
+        print(f"stopped at step {result['step']} ({result['stopped_by']}); checkpoint saved."
+              + ("" if planned else " Run the same command again to resume."), flush=True)
         return result
       _print_lines(trainer.finish())
   finally:
