@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted(command: str) -> str:
-  return f"jax-ai-stack {command}: interrupted (Ctrl-C)"
+  return f"jax-ai-stack{' ' + command if command else ''}: interrupted (Ctrl-C)"
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()  # Imports each command's module: a Ctrl-C may land in it.
   except KeyboardInterrupt:
     command = next(iter(sys.argv[1:] if argv is None else argv), "")
-    print(_interrupted(command).replace("stack : ", "stack: "), file=sys.stderr)
+    print(_interrupted(command), file=sys.stderr)
     return INTERRUPTED_EXIT_CODE
   args, extra = parser.parse_known_args(argv)
   if extra and not getattr(args, "accepts_overrides", False):
