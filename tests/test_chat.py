@@ -181,6 +181,7 @@ def test_a_chat_run_trains_on_the_replies_and_evaluates_them(tmp_path):
   result = _cli("--workdir", str(tmp_path / "run"), *overrides, cwd=tmp_path)
   assert result.returncode == 0, result.stderr
   assert "note: train split:" in result.stderr  # The long ones are cut (and dropped).
+  assert "note: validation split: " in result.stderr  # Its counts too, though it lost nothing.
   assert "note: chat template: the built-in chat template" in result.stderr
   evaluated = [r for r in train.read_metrics(tmp_path / "run") if r["split"] == "eval"]
   assert evaluated and np.isfinite(evaluated[-1]["eval_loss"])

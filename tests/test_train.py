@@ -87,7 +87,13 @@ def test_finished_run_resumes_instantly(reference, capsys):
   ref_dir, _ = reference
   before = train_losses(ref_dir)
   result = train.run(tiny_config(), ref_dir)
-  assert "nothing to do" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "nothing to do" in out
+  model = tiny_config().model  # 259 byte ids in 384 rows (model.vocab_multiple=128), tied.
+  rows = model.padded_vocab_size - model.vocab_size
+  assert model.tie_embeddings and rows == 125
+  assert (f"{model.num_params():,} parameters, of which {rows * model.d_model:,} in 125 rows of "
+          "vocabulary padding (259 -> 384, model.vocab_multiple=128)") in out
   assert result["step"] == STEPS
   assert train_losses(ref_dir) == before
 

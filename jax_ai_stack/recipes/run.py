@@ -254,9 +254,21 @@ class Run:
   def describe(self) -> str:
     n_params = self.transforms.describe(self.model) or (
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))):,} parameters")
-    return (f"recipe {self.config.name}: {n_params} on {jax.default_backend()} "
-            f"({jax.device_count()} device(s), {self.placement.describe()}); "
-            f"workdir {self.workdir}")
+    return (f"recipe {self.config.name}: {n_params}{_vocabulary_padding(self.config.model)} on "
+            f"{jax.default_backend()} ({jax.device_count()} device(s), "
+            f"{self.placement.describe()}); workdir {self.workdir}")
+
+
+def _vocabulary_padding(model: Any) -> str:
+  """', of which N in R vocabulary rows of padding' when the embedding (and head) hold rows
+  past `vocab_size` (`model.vocab_multiple`): parameters that never see a token."""
+  padded = getattr(model, "padded_vocab_size", None)
+  if padded is None or padded == model.vocab_size:
+    return ""
+  rows = padded - model.vocab_size
+  tables = 1 if model.tie_embeddings else 2
+  return (f", of which {rows * model.d_model * tables:,} in {rows} rows of vocabulary padding "
+          f"({model.vocab_size} -> {padded}, model.vocab_multiple={model.vocab_multiple})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -270,14 +270,14 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
 def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skipped: int,
            template: chat_template.ChatTemplate) -> None:
   """Prints (on stderr: `eval` prints JSON on stdout) the template a split was rendered with
-  and what it lost: `stats[counted]` kept, how many cut and dropped, bad lines."""
+  and what it kept and lost, always (a split that silently lost nothing reads the same as
+  one never loaded): `stats[counted]` kept, how many cut and dropped, bad lines."""
   if split == "train":
     print(f"note: chat template: {template.origin}", file=sys.stderr, flush=True)
-  if stats["truncated"] or stats["dropped"] or (skipped and split == "train"):
-    bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
-    print(f"note: {split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
-          f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
-          f"assistant token left){bad}", file=sys.stderr, flush=True)
+  bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
+  print(f"note: {split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
+        f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
+        f"assistant token left){bad}", file=sys.stderr, flush=True)
 
 
 def file_stamps(config: DataConfig) -> tuple:
