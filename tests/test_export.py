@@ -170,4 +170,5 @@ def test_a_lora_run_is_a_base_its_adapters_merged_as_it_loads(base, pairs, tmp_p
   np.testing.assert_allclose(run_logits(tmp_path / "dpo"), run_logits(tmp_path / "sft"),
                              atol=TOLERANCE, rtol=TOLERANCE)
   train.run(tiny_config(*overrides), tmp_path / "dpo")  # Resumed: the base is read again.
-  assert [r["step"] for r in train.read_metrics(tmp_path / "dpo") if r["split"] == "train"] == [1, 2]
+  steps = [r["step"] for r in train.read_metrics(tmp_path / "dpo") if r["split"] == "train"]
+  assert steps == [1, 2]

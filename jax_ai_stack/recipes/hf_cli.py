@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from jax_ai_stack import logs
 from jax_ai_stack.errors import ModelFileError, UsageError, WorkdirError
 
+
 def register(subparsers) -> None:
   importer = subparsers.add_parser(
       "import-hf", help="import a Hugging Face model directory as a run's step 0",
@@ -228,10 +229,11 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
 def _refuse_quantized(workdir: pathlib.Path) -> None:
   """A `jax-ai-stack quantize` result (<run>/quantized/<scheme>) holds int8/int4 values and
   scales, which no Hugging Face architecture of ours holds: the float run is what exports."""
+  from jax_ai_stack.recipes.finetune.ptq import QUANTIZED_DIR
   from jax_ai_stack.recipes.run import CHECKPOINT_DIR
 
   run = workdir.parent.parent
-  if workdir.parent.name == "quantized" and (run / CHECKPOINT_DIR).is_dir():
+  if workdir.parent.name == QUANTIZED_DIR and (run / CHECKPOINT_DIR).is_dir():
     raise UsageError(f"{workdir} holds Qwix-quantized weights ({workdir.name}: integer values "
                      "and scales), which a Hugging Face model directory of these architectures "
                      f"cannot hold; export the float run instead: jax-ai-stack export-hf "

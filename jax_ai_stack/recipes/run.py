@@ -41,6 +41,7 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import determinism, kernels
+from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
                                  WorkdirError)
 from jax_ai_stack.recipes import checkpoint, configlib, optim, phases, sharding, step, tasks
@@ -79,9 +80,8 @@ def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
 
 def write_config(workdir: pathlib.Path, config: RecipeConfig) -> None:
   """The resolved `config` as `workdir`/config.yaml (whole, so no preset is merged under it)."""
-  from jax_ai_stack.atomic import write_atomically
-
-  write_atomically(pathlib.Path(workdir) / CONFIG_FILE, "preset: none\n" + configlib.to_yaml(config))
+  write_atomically(pathlib.Path(workdir) / CONFIG_FILE,
+                   "preset: none\n" + configlib.to_yaml(config))
 
 
 def _warn_attention_change(metadata: dict, choice: kernels.Choice | None) -> None:

@@ -145,6 +145,12 @@ def adapter_delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ..
   return delta.reshape(shape)
 
 
+def with_delta(weight: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """`weight` + scale * A B, summed in float32 and returned in `weight`'s dtype."""
+  merged = weight.astype(jnp.float32) + adapter_delta(a, b, scale, weight.shape)
+  return merged.astype(weight.dtype)
+
+
 def merged_model(model: nnx.Module, plain: Callable[[], nnx.Module], scale: float,
                  base: nnx.State | None = None) -> nnx.Module:
   """A plain model (no Qwix) whose weights are the base plus `scale` * A B.
@@ -168,7 +174,7 @@ def merged_model(model: nnx.Module, plain: Callable[[], nnx.Module], scale: floa
       value = given[path].get_value() if path in given else _float_value(source, path)
       name = "/".join(map(str, path))
       if name in pairs:
-        value = value.astype(jnp.float32) + adapter_delta(*pairs[name], scale, value.shape)
+        value = with_delta(value, *pairs[name], scale)
       out.append((path, variable.replace(value.astype(variable.get_value().dtype))))
     return nnx.from_flat_state(out)
 
@@ -347,14 +353,9 @@ class Finetune(ModelTransform):
     frozen = nnx.filter_state(nnx.state((model,)), _is_base_weight)
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           frozen)
-    directory = pathlib.Path(pointer["base"])
-    weights, step = _read_base(directory, pointer["step"],
-                               _float_target(target, self.model_config.param_dtype),
-                               self.config.base)
-    if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
-      raise BaseCheckpointError(f"the base run {directory} step {step} has changed since "
-                                "this run trained over it: restore it to export this run")
-    return weights[0], f"{directory} step {step}"
+    weights, where = _read_pointed(pointer, _float_target(target, self.model_config.param_dtype),
+                                   self.config.base)
+    return weights[0], where
 
   def describe(self, model: nnx.Module) -> str | None:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -446,6 +447,17 @@ def _read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
     manager.close()
 
 
+def _read_pointed(pointer: dict, target: nnx.State, origin: str) -> tuple[nnx.State, str]:
+  """The base weights a checkpoint's pointer names (read as a base is, into `target`),
+  checked against the pointer's checksum; and 'DIR step N', where they were read."""
+  directory = pathlib.Path(pointer["base"])
+  weights, step = _read_base(directory, pointer["step"], target, origin)
+  if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
+    raise BaseCheckpointError(f"the base run {directory} step {step} has changed since the run "
+                              f"over it trained (finetune.base={origin!r}): restore it")
+  return weights, f"{directory} step {step}"
+
+
 def _lora_section(metadata: dict) -> tuple[dict, dict] | None:
   """(finetune.lora, the pointer to its base) of a LoRA run's checkpoint metadata, else None."""
   finetune = (metadata.get("config") or {}).get("finetune") or {}
@@ -462,11 +474,7 @@ def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nn
   if not pointer:
     raise BaseCheckpointError(f"finetune.base={origin!r} is a LoRA run whose checkpoint has "
                               "no pointer to its own base")
-  inner = pathlib.Path(pointer["base"])
-  weights, inner_step = _read_base(inner, pointer["step"], target, origin)
-  if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
-    raise BaseCheckpointError(f"the base {inner} step {inner_step} of the LoRA run "
-                              f"finetune.base={origin!r} has changed since it trained")
+  weights, where = _read_pointed(pointer, target, origin)
   stored = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(
                 manager.item_metadata(step)["state"])}
@@ -492,15 +500,14 @@ def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nn
     for path, value in values.items():
       a, b = (read.get(path[:-1] + (path[-1] + suffix,)) for suffix in (_A, _B))
       if a is not None:
-        out[path] = (value.astype(jnp.float32) + adapter_delta(a, b, scale, value.shape)
-                     ).astype(value.dtype)
+        out[path] = with_delta(value, a, b, scale)
     return out
 
   merged = merge({path: v.get_value() for path, v in flat.items()},
                  {path: v.get_value() for path, v in read.items()})
   print(f"note: finetune.base={origin!r} is a LoRA run: its adapters (rank {config['rank']}, "
-        f"alpha {config['alpha']:g}) are merged into its base ({inner} step {inner_step}) "
-        "as it loads", file=sys.stderr, flush=True)
+        f"alpha {config['alpha']:g}) are merged into its base ({where}) as it loads",
+        file=sys.stderr, flush=True)
   return nnx.from_flat_state([(path, flat[path].replace(merged[path])) for path in flat])
 
 
