@@ -76,6 +76,7 @@ RUN: set[str] = set()
 def doc(start: str) -> str:
   """The doc command `start`, or the one that starts with it; recorded as run by this file."""
   found = [c for _, c in COMMANDS if c == start] or [c for _, c in COMMANDS if c.startswith(start)]
+  found = list(dict.fromkeys(found))  # The same command in two files is one command.
   RUN.update(found)
   return found[0] if len(found) == 1 else f"<{len(found)} doc commands start with {start!r}>"
 
@@ -321,20 +322,26 @@ def test_the_adaptive_runs_guide(tmp_path):
 # ---- README: Hugging Face ------------------------------------------------------------
 
 IMPORT_HF = doc("jax-ai-stack import-hf path/to/Llama-dir")
-FINETUNE_HF = doc("jax-ai-stack train --config runs/llama/config.yaml")
+FINETUNE_HF = doc("jax-ai-stack train --config runs/llama/config.yaml --workdir runs/llama ")
 EXPORT_HF = doc("jax-ai-stack export-hf --workdir runs/llama exported/")
+SFT_HF = doc("jax-ai-stack train --config runs/llama/config.yaml --workdir runs/llama-sft")
+DPO_HF = doc("jax-ai-stack train --config runs/llama-sft/config.yaml --workdir runs/llama-dpo")
+MERGE_HF = doc("jax-ai-stack lora merge --workdir runs/llama-dpo")
+EXPORT_CHAT_HF = doc("jax-ai-stack export-hf --workdir runs/llama-chat")
 
 
+@pytest.mark.slow
 def test_hugging_face_on_a_small_file(tmp_path):
   """import-hf as written, on a notes.txt of 3 KB: its validation split has no full batch,
-  so the run says so and does not evaluate; eval takes a data override for that run."""
+  so the run says so and does not evaluate; eval takes a data override for that run. Then
+  the chat SFT -> DPO -> merge -> export chain, whose export computes the DPO run's logits."""
   from test_hf import TINY_HF, hf_weights, write_hf
 
   config = {**TINY_HF, "vocab_size": 259, "max_position_embeddings": 128}  # Byte-level.
   write_hf(tmp_path / "path" / "to" / "Llama-dir", config, hf_weights(config))
   write_text_corpus(tmp_path / "notes.txt", 3)
   out = ok(run(IMPORT_HF, cwd=tmp_path))
-  assert "evaluation is off for this run" in out
+  assert "no held-out evaluation in this run (train.eval_every=0): the validation split" in out
   ok(run(FINETUNE_HF, "train.steps=2", "train.progress=false", "train.sample_tokens=4",
          cwd=tmp_path))
   ok(run(EXPORT_HF, cwd=tmp_path))
@@ -348,12 +355,26 @@ def test_hugging_face_on_a_small_file(tmp_path):
   assert code == 0, err
   assert "eval_loss" in json.loads(out) and "may now hold text the run trained on" in err
 
+  write_chats_and_pairs(tmp_path)
+  stage = ["data.validation_fraction=0.3", "train.steps=2", "train.eval_every=2",
+           "train.eval_batches=1", "train.progress=false", "train.sample_tokens=4"]
+  assert "held-out eval_loss" in ok(run(SFT_HF, *stage, cwd=tmp_path))
+  assert "is a LoRA run: its adapters" in ok(run(DPO_HF, *stage, cwd=tmp_path))
+  ok(run(MERGE_HF, cwd=tmp_path))
+  ok(run(EXPORT_CHAT_HF, cwd=tmp_path))
+  assert_export_is_the_run(tmp_path / "runs" / "llama-dpo", tmp_path / "exported-chat")
+
 
 GUIDE_IMPORT = doc("jax-ai-stack import-hf Qwen3-0.6B --workdir runs/qwen3")
 GUIDE_EVAL = doc("jax-ai-stack eval --workdir runs/qwen3")
 GUIDE_LORA = doc("jax-ai-stack train --config runs/qwen3/config.yaml --workdir runs/qwen3-lora")
 GUIDE_MERGE = doc("jax-ai-stack lora merge --workdir runs/qwen3-lora")
 GUIDE_EXPORT = doc("jax-ai-stack export-hf --workdir runs/qwen3-merged")
+GUIDE_SFT = doc("jax-ai-stack train --config runs/qwen3/config.yaml --workdir runs/qwen3-sft")
+GUIDE_DPO = doc("jax-ai-stack train --config runs/qwen3-sft/config.yaml --workdir runs/qwen3-dpo")
+GUIDE_CHAT = doc("jax-ai-stack generate --workdir runs/qwen3-dpo --chat")
+GUIDE_CHAT_MERGE = doc("jax-ai-stack lora merge --workdir runs/qwen3-dpo")
+GUIDE_CHAT_EXPORT = doc("jax-ai-stack export-hf --workdir runs/qwen3-chat")
 
 
 @pytest.mark.slow
@@ -384,6 +405,42 @@ def test_the_hugging_face_guide_on_a_tiny_qwen3(tmp_path):
   ok(run(GUIDE_EXPORT, cwd=tmp_path))
   exported = json.loads((tmp_path / "Qwen3-0.6B-notes" / "config.json").read_text())
   assert exported["architectures"] == ["Qwen3ForCausalLM"] and exported["vocab_size"] == 259
+
+  # From the imported base to a chat model: SFT with LoRA, DPO on top, merged, exported.
+  write_chats_and_pairs(tmp_path)
+  stage = ["data.seq_len=64", "model.max_seq_len=64", "data.validation_fraction=0.3",
+           "train.steps=2", "train.eval_every=2", "train.eval_batches=1"]
+  out = ok(run(GUIDE_SFT, *stage, cwd=tmp_path))
+  assert "held-out eval_loss" in out and "LoRA adapters" in out
+  out = ok(run(GUIDE_DPO, *stage, cwd=tmp_path))
+  assert "finetune.base='runs/qwen3-sft' is a LoRA run" in out
+  assert "eval_preference_accuracy" in out
+  ok(run(GUIDE_CHAT, "--max-new-tokens", "4", cwd=tmp_path))
+  ok(run(GUIDE_CHAT_MERGE, cwd=tmp_path))
+  ok(run(GUIDE_CHAT_EXPORT, cwd=tmp_path))
+  assert_export_is_the_run(tmp_path / "runs" / "qwen3-dpo", tmp_path / "Qwen3-0.6B-chat")
+
+
+def write_chats_and_pairs(directory: pathlib.Path) -> None:
+  """chats.jsonl (prompt/completion) and pairs.jsonl (prompt/chosen/rejected), 40 lines each."""
+  (directory / "chats.jsonl").write_text("".join(
+      json.dumps({"prompt": f"Count to {i}.", "completion": " ".join(map(str, range(i)))}) + "\n"
+      for i in range(1, 41)))
+  (directory / "pairs.jsonl").write_text("".join(
+      json.dumps({"prompt": f"Is {i} even?", "chosen": ["no", "yes"][i % 2 == 0],
+                  "rejected": ["yes", "no"][i % 2 == 0]}) + "\n" for i in range(40)))
+
+
+def assert_export_is_the_run(workdir: pathlib.Path, exported: pathlib.Path) -> None:
+  """The exported directory's model (`hf.load_model`) computes the run's own logits."""
+  from jax_ai_stack.recipes.models import hf
+  from jax_ai_stack.recipes.train import Trainer
+
+  tokens = np.arange(12, dtype=np.int32)[None] % 250 + 3
+  trainer = Trainer.open_finished(workdir)
+  want = np.asarray(trainer.inference_model()(tokens))[..., :259]
+  got = np.asarray(hf.load_model(exported)(tokens))[..., :259]
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_eval_refuses_a_model_override(trained):
@@ -466,9 +523,7 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
   ok(run(CHAT, "--max-new-tokens", "4", cwd=tmp_path))
   (tmp_path / "questions.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": "Bye"}\n')
   ok(run(CHAT_FILE, "--max-new-tokens", "4", cwd=tmp_path))
-  (tmp_path / "chats.jsonl").write_text("".join(
-      json.dumps({"prompt": f"Count to {i}.", "completion": " ".join(map(str, range(i)))}) + "\n"
-      for i in range(1, 40)))
+  write_chats_and_pairs(tmp_path)
   ok(run(SFT_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
          "data.validation_fraction=0.3", cwd=tmp_path))
   assert (tmp_path / "runs" / "my-sft" / "checkpoints").is_dir()
@@ -476,9 +531,6 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
   out = ok(run(DPO, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                cwd=tmp_path))
   assert "before fine-tuning: " in out and "eval_preference_accuracy" in out
-  (tmp_path / "pairs.jsonl").write_text("".join(
-      json.dumps({"prompt": f"Is {i} even?", "chosen": ["no", "yes"][i % 2 == 0],
-                  "rejected": ["yes", "no"][i % 2 == 0]}) + "\n" for i in range(40)))
   ok(run(DPO_JSONL, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
          "data.validation_fraction=0.3", cwd=tmp_path))
   assert (tmp_path / "runs" / "my-dpo" / "checkpoints").is_dir()
