@@ -193,3 +193,13 @@ def status(text: str, stream=None) -> None:
   stream = stream if stream is not None else sys.stderr
   if stream.isatty():
     print(text, file=stream, flush=True)
+
+
+def note(text: str) -> None:
+  """`note: text` as a line of its own on stderr, for what a person should know that is not
+  an error (stdout stays the command's result: `eval`'s JSON, `generate`'s text). What
+  stdout holds is written first, so the note never runs onto a line of it in a terminal
+  or a log both streams go to."""
+  sys.stdout.flush()
+  print(f"note: {text}", file=sys.stderr, flush=True)
+

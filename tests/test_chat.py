@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -98,7 +100,7 @@ def test_rows_pack_whole_conversations_each_a_segment_and_count_what_is_cut():
 
 
 @pytest.mark.parametrize("line,message", [
-    ("{not json", r"t.jsonl:2: not JSON \(Expecting property name"),
+    ("{not json", r"t.jsonl:2: not JSON \(Expecting property name .* at column 2\)"),  # The line's.
     ({"messages": [{"role": "robot", "content": "x"}]},
      r"t.jsonl:2: message 0 has role 'robot'; roles: system, user, assistant"),
     ({"messages": [{"role": "user", "content": "x"}]},
@@ -140,6 +142,25 @@ def test_chat_batches_come_through_the_pipeline_and_resume(tmp_path):
   assert validation and validation[0]["inputs"].shape == (2, 64)
   splits = load_chat(config)
   assert splits["train"].stats["conversations"] + splits["validation"].stats["conversations"] == 40
+
+
+@pytest.mark.parametrize("source", ["chat", "preference"])
+def test_a_set_too_small_to_hold_out_a_batch_names_a_fraction_that_does(source, tmp_path):
+  replies = [("yes", "no") if i % 2 else ("no", "yes") for i in range(60)]
+  path = _jsonl(tmp_path / "small.jsonl", [
+      {"prompt": f"Is {i} odd?", **({"completion": reply} if source == "chat" else
+                                   {"chosen": reply, "rejected": other})}
+      for i, (reply, other) in enumerate(replies)])
+  config = _config(tmp_path, source=source, paths=(path,), batch_size=4,
+                   validation_fraction=0.02)
+  with pytest.raises(DataError) as raised:
+    read_batches(config, split="validation")
+  fraction = re.search(r"data.validation_fraction=([\d.]+) holds out about a batch "
+                       r"\(now 0.02\), or lower data.batch_size", str(raised.value))
+  assert fraction, raised.value
+  held_out = read_batches(dataclasses.replace(config, validation_fraction=float(fraction[1])),
+                          split="validation")
+  assert held_out and {len(column) for column in held_out[0].values()} == {4}
 
 
 def test_a_template_file_of_one_s_own_renders_the_conversations(tmp_path):

@@ -2,6 +2,8 @@
 
 import io
 import logging
+import subprocess
+import sys
 
 from jax_ai_stack import cli, logs
 
@@ -98,3 +100,12 @@ def test_held_records_reach_the_file_only_once_released(tmp_path):
         logging.getLogger("orbax").info("after")
   assert released.read_text().count("before the run opened") == 1 and "after" in released.read_text()
   assert not dropped.parent.exists()  # A command that failed early wrote nothing there.
+
+
+def test_a_note_is_a_line_of_its_own_after_what_stdout_already_holds():
+  """stdout into a pipe is block-buffered: without the flush, the note would come first."""
+  program = ("from jax_ai_stack import logs\n"
+             "print('result'); logs.note('the run kept no held-out split'); print('more')")
+  out = subprocess.run([sys.executable, "-c", program], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, check=True).stdout
+  assert out.splitlines() == ["result", "note: the run kept no held-out split", "more"]

@@ -50,8 +50,8 @@ def test_a_replay_ends_with_the_same_bits(three_phases, tmp_path, capsys):
   replayed = tmp_path / "replayed"
   assert cli.main(["train", "--replay", str(three_phases / record.RECORD_FILE),
                    "--workdir", str(replayed)]) == 0
-  out = capsys.readouterr().out
-  assert "note:" not in out  # Same machine, same versions, same files.
+  out, err = capsys.readouterr()
+  assert "note:" not in out + err  # Same machine, same versions, same files.
   assert "phase 2 from step 4" in out and "phase 3 from step 8" in out
   assert "replay: phase 1 of 3 ended at step 4; phase 2 begins" in out
   assert "Run the same command again" not in out  # Between phases nothing stopped.
@@ -65,6 +65,21 @@ def test_a_replay_ends_with_the_same_bits(three_phases, tmp_path, capsys):
     original.close()
 
 
+def test_an_interrupted_replay_run_again_goes_on_from_its_phase(three_phases, tmp_path, capsys):
+  replayed = tmp_path / "replayed"
+  train.run(PHASES[0], replayed)
+  train.run(PHASES[1], replayed, stop_after=6)  # As if killed in phase 2, saved at step 6.
+  capsys.readouterr()
+  assert cli.main(["train", "--replay", str(three_phases / record.RECORD_FILE),
+                   "--workdir", str(replayed)]) == 0
+  out = capsys.readouterr().out
+  assert "phase 1 of 3 ended" not in out and "resumed from step 6" in out
+  assert "replay: phase 2 of 3 ended at step 8; phase 3 begins" in out
+  phases = json.loads((replayed / record.RECORD_FILE).read_text())["phases"]
+  assert [p["step"] for p in phases] == [0, 4, 8]  # No phase of phase 1's config at step 6.
+  assert train_losses(replayed) == train_losses(three_phases)
+
+
 def test_a_changed_data_file_is_named_before_the_replay(tmp_path, capsys):
   corpus = tmp_path / "notes"
   corpus.mkdir()
@@ -76,9 +91,9 @@ def test_a_changed_data_file_is_named_before_the_replay(tmp_path, capsys):
   (corpus / "1.txt").write_text("changed\n" * 100)
   assert cli.main(["train", "--replay", str(tmp_path / "run" / record.RECORD_FILE),
                    "--workdir", str(tmp_path / "again")]) == 0
-  out = capsys.readouterr().out
-  assert f"note: phase 1 (from step 0): data file {corpus / '1.txt'} changed" in out
-  assert "cannot promise the recorded bits" in out
+  err = capsys.readouterr().err  # Notes go to stderr, each on a line of its own.
+  assert f"note: phase 1 (from step 0): data file {corpus / '1.txt'} changed\n" in err
+  assert "note: the replay runs, but cannot promise the recorded bits\n" in err
 
 
 @pytest.mark.parametrize("args,error", [

@@ -244,7 +244,7 @@ def run_train(args: argparse.Namespace) -> int:
     if replayed is None:
       result = run_phase(config, stop_after=args.stop_after)
     else:
-      result = _replay(replayed[1], run_phase)
+      result = _replay(replayed[1], run_phase, train.saved_step(workdir))
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
@@ -270,17 +270,18 @@ def _replayed_record(args: argparse.Namespace):
   return configs[0], (recorded, configs)
 
 
-def _replay(replayed: tuple[dict, list], run_phase) -> dict:
-  """Every phase of the record, after naming what differs from where it ran."""
+def _replay(replayed: tuple[dict, list], run_phase, saved_step: int | None) -> dict:
+  """Every phase of the record not yet past `saved_step` (the workdir's newest checkpoint),
+  after naming what differs from where it ran."""
   from jax_ai_stack.recipes import record
 
   recorded, configs = replayed
   differences = record.differences(recorded)
   for line in differences:
-    print(f"note: {line}", flush=True)
+    logs.note(line)
   if differences:
-    print("note: the replay runs, but cannot promise the recorded bits", flush=True)
-  return record.replay(recorded, configs, run_phase)
+    logs.note("the replay runs, but cannot promise the recorded bits")
+  return record.replay(recorded, configs, run_phase, saved_step=saved_step)
 
 
 def _conversations(chat: str, prompt: str) -> list[list[dict]]:
@@ -351,9 +352,8 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
       raise UsageError(f"{key}: {args.command} takes data.* overrides and train.eval_batches "
                        "over the run's saved config; the rest is the trained run's")
     if key in ("data.validation_fraction", "data.split_chunk_tokens"):
-      print(f"note: {item} over the run's saved config: the validation split is chosen by hash "
-            "below the fraction, so it may now hold text the run trained on",
-            file=sys.stderr, flush=True)
+      logs.note(f"{item} over the run's saved config: the validation split is chosen by hash "
+                "below the fraction, so it may now hold text the run trained on")
   return overrides
 
 

@@ -42,7 +42,6 @@ import argparse
 import os
 import pathlib
 import shutil
-import sys
 from collections.abc import Mapping, Sequence
 
 from jax_ai_stack import logs
@@ -218,7 +217,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
       max_shard_bytes = hf.DEFAULT_MAX_SHARD_BYTES
     model, notes = trainer.exported_model()
     for note in notes:
-      print(f"note: {note}", file=sys.stderr, flush=True)
+      logs.note(note)
     return trainer.step, hf.save(model, out, max_shard_bytes=max_shard_bytes,
                                  tokenizer=tokenizer, token_ids=token_ids,
                                  generation_config=generation)

@@ -190,15 +190,21 @@ def differences(record: dict) -> list[str]:
 
 
 def replay(record: dict, configs: list[RecipeConfig],
-           train_phase: Callable[..., dict]) -> dict:
+           train_phase: Callable[..., dict], *, saved_step: int | None = None) -> dict:
   """Trains each phase of `record` in turn, with its `configs` (`checked_configs`):
   `train_phase(config, stop_after=...)` (a `train.run` with its workdir), stopping at
   the step where the next phase began. Returns the last phase's result (a stop by a
-  signal ends the replay there)."""
+  signal ends the replay there).
+
+  `saved_step`: the workdir's newest checkpoint (an interrupted replay run again); the
+  phases that ended by it are passed over, so none runs on a later phase's state.
+  """
   phases = record["phases"]
   result: dict = {}
   for i, config in enumerate(configs):
     stop = phases[i + 1]["step"] if i + 1 < len(phases) else None
+    if stop is not None and saved_step is not None and saved_step >= stop:
+      continue
     result = train_phase(config, stop_after=stop)
     if result.get("stopped_by") and result["stopped_by"] != f"stop_after={stop}":
       return result  # Stopped by a signal: run the replay again to go on.

@@ -40,7 +40,7 @@ import grain
 import jax
 from flax import nnx
 
-from jax_ai_stack import determinism, kernels
+from jax_ai_stack import determinism, kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
                                  WorkdirError)
@@ -442,7 +442,8 @@ def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: ta
       validation_data = task.dataset("validation", config.train.seed)
     except DataError as e:  # The train split loaded: the held-out one is too small.
       config = _without_evaluation(config)
-      print(f"note: evaluation is off for this run (train.eval_every=0): {e}", flush=True)
+      logs.note("no held-out evaluation in this run (train.eval_every=0): "
+                + str(e).removeprefix("data: "))
   manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
   try:
     latest = manager.latest_step()

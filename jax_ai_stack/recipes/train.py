@@ -316,6 +316,20 @@ def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) ->
   return pathlib.Path(workdir or pathlib.Path("runs") / config.name)
 
 
+def saved_step(workdir: str | pathlib.Path) -> int | None:
+  """The newest checkpoint's step in `workdir`, None without one."""
+  directory = pathlib.Path(workdir) / CHECKPOINT_DIR
+  if not directory.is_dir():
+    return None
+  from jax_ai_stack.recipes import checkpoint
+
+  manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig(), read_only=True)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
 def run(
     config: RecipeConfig,
     workdir: str | pathlib.Path | None = None,

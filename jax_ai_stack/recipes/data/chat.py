@@ -47,13 +47,13 @@ import ast
 import functools
 import json
 import pathlib
-import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data import chat_template
@@ -273,11 +273,11 @@ def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skippe
   and what it kept and lost, always (a split that silently lost nothing reads the same as
   one never loaded): `stats[counted]` kept, how many cut and dropped, bad lines."""
   if split == "train":
-    print(f"note: chat template: {template.origin}", file=sys.stderr, flush=True)
+    logs.note(f"chat template: {template.origin}")
   bad = f", {skipped} bad lines skipped" if skipped and split == "train" else ""
-  print(f"note: {split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
-        f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
-        f"assistant token left){bad}", file=sys.stderr, flush=True)
+  logs.note(f"{split} split: {stats[counted]} {counted} kept, {stats['truncated']} cut "
+            f"to data.seq_len + 1 = {seq_len + 1} tokens, {stats['dropped']} dropped (no "
+            f"assistant token left){bad}")
 
 
 def file_stamps(config: DataConfig) -> tuple:

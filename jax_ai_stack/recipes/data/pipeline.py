@@ -74,6 +74,7 @@ Example: step batches over an in-memory token array, then a pipeline over a
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 import weakref
 import zlib
@@ -291,12 +292,13 @@ def _lm_examples(config: DataConfig, split: Split):
 
 def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preference.PreferenceRows:
   load = preference.load_preferences if config.is_preference else chat.load_chat
-  rows = load(config)[split]
+  splits = load(config)
+  rows = splits[split]
   needed = config.batch_size if split == "validation" else 1
   if rows.num_examples < needed:
     fraction = config.holdout_fraction
-    fix = (f"raise data.validation_fraction (now {fraction}) or lower data.batch_size"
-           if split == "validation" else f"lower data.validation_fraction (now {fraction})")
+    fix = (_holdout_fix(splits, config) if split == "validation"
+           else f"lower data.validation_fraction (now {fraction})")
     what = "preference pairs" if config.is_preference else "conversations"
     if rows.stats["dropped"]:
       fix += (f"; {rows.stats['dropped']} {what} were dropped, their assistant turn "
@@ -305,6 +307,22 @@ def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preferen
     raise DataError(f"data: the {split} split has {rows.num_examples} {rows_of} and needs "
                     f"{needed}: {fix}, or add {what} ({rows!r})")
   return rows
+
+
+def _holdout_fix(splits: dict, config: DataConfig) -> str:
+  """How to hold out a batch of a chat or preference set: a `data.validation_fraction` that
+  should (the split is by hash: two standard deviations of its count and two more), or the
+  batch size."""
+  counted = "pairs" if config.is_preference else "conversations"
+  kept = {split: rows.stats[counted] for split, rows in splits.items()}
+  per_row = kept["train"] / max(splits["train"].num_examples, 1)  # Packed: several a row.
+  needed = config.batch_size * per_row
+  wanted = (needed + 2 * math.sqrt(needed) + 2) / max(sum(kept.values()), 1)
+  now = f"(now {config.holdout_fraction})"
+  if wanted > 0.5:
+    return f"lower data.batch_size (now {config.batch_size}) {now}"
+  return (f"data.validation_fraction={math.ceil(wanted * 100) / 100:g} holds out about a batch "
+          f"{now}, or lower data.batch_size")
 
 
 def _examples(config: DataConfig, split: Split):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import checkpoint, tasks
 from jax_ai_stack.recipes.finetune import reference
@@ -505,9 +505,8 @@ def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nn
 
   merged = merge({path: v.get_value() for path, v in flat.items()},
                  {path: v.get_value() for path, v in read.items()})
-  print(f"note: finetune.base={origin!r} is a LoRA run: its adapters (rank {config['rank']}, "
-        f"alpha {config['alpha']:g}) are merged into its base ({where}) as it loads",
-        file=sys.stderr, flush=True)
+  logs.note(f"finetune.base={origin!r} is a LoRA run: its adapters (rank {config['rank']}, "
+            f"alpha {config['alpha']:g}) are merged into its base ({where}) as it loads")
   return nnx.from_flat_state([(path, flat[path].replace(merged[path])) for path in flat])
 
 

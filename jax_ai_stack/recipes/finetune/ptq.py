@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jax_ai_stack import logs
 from jax_ai_stack.errors import UsageError, WorkdirError
 from jax_ai_stack.recipes import checkpoint
 from jax_ai_stack.recipes.finetune import quant
@@ -149,9 +149,9 @@ def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool
         raise WorkdirError(f"no complete quantized step in {directory}: run `jax-ai-stack "
                            f"quantize --workdir {workdir} --scheme {scheme}` again")
       if step != trainer.step:
-        print(f"note: the {scheme} parameters in {directory} were quantized from step {step}; the "
-              f"run is at step {trainer.step}: run `jax-ai-stack quantize` again to update them",
-              file=sys.stderr)
+        logs.note(f"the {scheme} parameters in {directory} were quantized from step {step}; "
+                  f"the run is at step {trainer.step}: run `jax-ai-stack quantize` again to "
+                  "update them")
       abstract = nnx.state(model, nnx.Param)
       restored = manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(nnx.to_pure_dict(abstract))))

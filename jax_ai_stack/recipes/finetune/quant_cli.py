@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
@@ -68,8 +67,8 @@ def run_quantize(args: argparse.Namespace) -> int:
   except DataError as e:
     raise with_split_hint(e, args) from None
   if report.trained.startswith("qat") and report.trained != f"qat {report.scheme}":
-    print(f"note: the run trained for {report.trained}; quantized to {report.scheme}, which "
-          "QAT did not prepare it for")
+    logs.note(f"the run trained for {report.trained}; quantized to {report.scheme}, which "
+              "QAT did not prepare it for")
   print(f"step {report.step}, scheme {report.scheme} ({SCHEMES[report.scheme]}):")
   print(report.table())
   state = "saved" if report.saved else "already saved (same step, same bits)"

@@ -17,14 +17,13 @@ from __future__ import annotations
 import functools
 
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack import kernels
+from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import data, sharding
@@ -202,9 +201,9 @@ class LanguageModel(Task):
     if max_new_tokens is None:
       max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
     if max_new_tokens > room:
-      print(f"note: generating {room} tokens, not {max_new_tokens}: the prompt "
-            f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
-            f"{self.config.model.max_seq_len}", file=sys.stderr)
+      logs.note(f"generating {room} tokens, not {max_new_tokens}: the prompt "
+                f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
+                f"{self.config.model.max_seq_len}")
     tokens = generate(model, prompt_ids[None, :], min(max_new_tokens, room),
                       temperature=temperature, top_k=top_k, top_p=top_p,
                       rng=jax.random.key(seed))
