@@ -44,7 +44,8 @@ def test_a_config_file_alone_merges_over_the_default_preset(tmp_path):
   path = tmp_path / "mine.yaml"
   path.write_text("model:\n  num_layers: 2\ntrain:\n  steps: 10\n")
   loaded, preset = config.load(config_file=path), config.load(config.DEFAULT_PRESET)
-  assert loaded.name == config.DEFAULT_PRESET
+  assert loaded.name == "mine"  # Named after the file: its runs/<name> is not lm-tiny's.
+  assert config.load(config.DEFAULT_PRESET, config_file=path).name == config.DEFAULT_PRESET
   assert loaded.model.num_layers == 2 and loaded.model.d_model == preset.model.d_model
   assert loaded.train.steps == 10 and loaded.optim == preset.optim and loaded.data == preset.data
 
@@ -54,7 +55,8 @@ def test_a_config_file_names_its_base_preset(tmp_path):
   path.write_text("preset: digits-cnn\ntrain:\n  steps: 10\n")
   assert config.load(config_file=path).model.kind == "cnn"
   path.write_text("preset: none\ntrain:\n  steps: 10\n")
-  assert config.load(config_file=path) == config.RecipeConfig(train=config.TrainConfig(steps=10))
+  assert config.load(config_file=path) == config.RecipeConfig(name="mine",
+                                                             train=config.TrainConfig(steps=10))
   assert config.load("lm-tiny", config_file=path).name == "lm-tiny"  # The argument wins.
 
 

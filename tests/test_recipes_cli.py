@@ -42,7 +42,7 @@ def test_a_config_file_alone_merges_over_the_default_preset(tmp_path):
   result = jax_ai_stack("train", "--config", str(partial), "--print-config")
   assert result.returncode == 0, result.stderr
   printed = result.stdout
-  assert "name: lm-tiny" in printed and "num_layers: 2" in printed and "steps: 10" in printed
+  assert "name: my" in printed and "num_layers: 2" in printed and "steps: 10" in printed
   assert "learning_rate: 0.003" in printed and "max_documents: 400" in printed  # The preset's.
 
 

@@ -128,7 +128,8 @@ class RecipeConfig:
   """
 
   name: str = "custom"
-  """The preset this config came from (names the default workdir runs/<name>)."""
+  """The preset, or the config file, this config came from (names the default workdir
+  runs/<name>)."""
   model: ModelConfig = dataclasses.field(default_factory=families.FAMILIES[0].model_config)
   """The model: `kind: llama` (decoder LM) or `kind: cnn` (image classifier)."""
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -209,7 +210,9 @@ def load(
       None: the `preset:` the config file names, else `DEFAULT_PRESET`.
     config_file: a YAML file of fields to change; any section may be partial
       (`model: {num_layers: 6}` keeps the preset's other model fields). A file
-      may name its base with `preset: NAME` (or `none`); `preset` wins.
+      may name its base with `preset: NAME` (or `none`); `preset` wins. Without
+      `preset`, the run is named by the file's `name:`, else after the file
+      (`my.yaml`: my); with it, after the preset.
     overrides: `dotted.field=value` strings, applied last.
 
   Raises:
@@ -217,6 +220,7 @@ def load(
   """
   from_file = configlib.load_yaml(config_file) if config_file is not None else {}
   file_preset = from_file.pop("preset", None)
+  preset_given = preset is not None
   preset = preset or file_preset or DEFAULT_PRESET
   data: dict = {}
   sources = []
@@ -224,7 +228,10 @@ def load(
     data = _preset_data(str(preset))
     sources.append(f"preset {preset}")
   if config_file is not None:
-    data = _merge_section(data, from_file)
+    # Alone, a file without a `name:` names the run (its label, runs/<name>), not the preset
+    # under it: a model of one's own is not "lm-tiny", nor does it resume lm-tiny's workdir.
+    named = {} if preset_given else {"name": pathlib.Path(config_file).stem}
+    data = _merge_section(data, {**named, **from_file})
     sources.append(str(config_file))
   if overrides:
     data = configlib.apply_overrides(data, list(overrides))
