@@ -46,12 +46,12 @@ def _file_vocab_size(path: str) -> int:
   return tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
 
 
-def _sentencepiece_file(tmp_path) -> str:
+def _sentencepiece_file(tmp_path, **options) -> str:
   spm = pytest.importorskip("sentencepiece")
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(TEXTS * 20), model_writer=model, vocab_size=30,
-      model_type="char", minloglevel=2,
+      model_type="char", minloglevel=2, **options,
   )
   path = tmp_path / "sp.model"
   path.write_bytes(model.getvalue())
@@ -107,6 +107,12 @@ def test_sentencepiece_model(tmp_path):
   ids = tok.encode("the quick dog")
   assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "the quick dog"
   np.testing.assert_array_equal(tok.encode_batch(["the quick dog"])[0], ids)
+  assert tok.encode_prompt("the quick dog").tolist() == [tok.bos_id, *ids]  # As transformers'.
+
+
+def test_sentencepiece_model_without_bos_prompts_without_it(tmp_path):
+  tok = SentencePieceTokenizer(_sentencepiece_file(tmp_path, bos_id=-1))
+  np.testing.assert_array_equal(tok.encode_prompt("the quick dog"), tok.encode("the quick dog"))
 
 
 def test_huggingface_file_with_only_eos_reuses_it_for_bos_and_pad(tmp_path):

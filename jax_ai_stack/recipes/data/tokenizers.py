@@ -219,6 +219,11 @@ class SentencePieceTokenizer(Tokenizer):
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.encode(text), dtype=np.int32)
 
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """With BOS first where the model defines one, as transformers' SentencePiece tokenizers
+    (Llama 2's, Gemma's: `add_bos_token`) and SentencePiece's `add_bos` encode a prompt."""
+    return np.asarray(self._sp.encode(text, add_bos=self._sp.bos_id() >= 0), dtype=np.int32)
+
   def token_text(self, token_id: int) -> str:
     if token_id < self._base_size:
       return self._sp.id_to_piece(token_id)
