@@ -63,12 +63,28 @@ class Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class Upstream:
+  """Upstream's jax-ai-stack release that the rows pin a superset of: its core pins and
+  its extras' pins (`tfds`)."""
+
+  version: str
+  packages: dict[str, str]
+  extras: dict[str, dict[str, str]]
+
+  @property
+  def pins(self) -> dict[str, str]:
+    """Every package it pins, its extras' included."""
+    return {**self.packages, **{n: v for extra in self.extras.values() for n, v in extra.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
 class Matrix:
   """All rows, plus which packages belong to which optional extra."""
 
   rows: tuple[Row, ...]
   extras: dict[str, tuple[str, ...]]
   source: str
+  upstream: Upstream | None = None
 
   @property
   def optional_packages(self) -> frozenset[str]:
@@ -130,7 +146,22 @@ def load_matrix(path: str | pathlib.Path | None = None) -> Matrix:
       rows=rows,
       extras={k: tuple(canonical_name(p) for p in v) for k, v in extras.items()},
       source=str(path),
+      upstream=_parse_upstream(path, data.get("upstream")),
   )
+
+
+def _parse_upstream(path: pathlib.Path, raw: object) -> Upstream | None:
+  if raw is None:
+    return None
+  where = f"compatibility matrix {path}, upstream"
+  if not isinstance(raw, dict) or not isinstance(raw.get("packages"), dict) or "version" not in raw:
+    raise MatrixError(f"{where}: needs 'version' and a 'packages' mapping")
+  extras = raw.get("extras") or {}
+  if not isinstance(extras, dict) or not all(isinstance(v, dict) for v in extras.values()):
+    raise MatrixError(f"{where}: 'extras' maps each extra to its packages' versions")
+  pins = lambda packages: {canonical_name(n): str(v) for n, v in packages.items()}  # noqa: E731
+  return Upstream(version=str(raw["version"]), packages=pins(raw["packages"]),
+                  extras={extra: pins(packages) for extra, packages in extras.items()})
 
 
 def _parse_row(path: pathlib.Path, index: int, raw: object) -> Row:

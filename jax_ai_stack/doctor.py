@@ -37,7 +37,8 @@ def register(subparsers) -> None:
   doctor = subparsers.add_parser(
       "doctor", help="compare installed packages with the tested matrix row"
   )
-  doctor.add_argument("--strict", action="store_true", help="exit 1 on any difference")
+  doctor.add_argument("--strict", action="store_true",
+                      help="exit 2 on any difference, naming each package")
   doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
   doctor.add_argument("--matrix", help="matrix file (default: the one shipped)")
   doctor.set_defaults(func=run_doctor)
@@ -95,11 +96,14 @@ def run_doctor(args: argparse.Namespace) -> int:
       ],
       "jax": backend,
       "limitations": list(row.limitations),
+      "upstream": ({"version": matrix.upstream.version, "pins": matrix.upstream.pins}
+                   if matrix.upstream else None),
   }
   if args.json:
     print(json.dumps(report, indent=2))
   else:
     _print_table(report)
+    _print_differences(report)
 
   missing = [s for s in statuses if s.status == "missing"]
   for s in missing:
@@ -108,11 +112,36 @@ def run_doctor(args: argparse.Namespace) -> int:
         f" {s.name}=={s.pinned}); reinstall with: pip install 'jax-ai-stack'",
         file=sys.stderr,
     )
-  if missing:
-    return 2
-  if args.strict and any(s.status == "different" for s in statuses):
-    return 1
-  return 0
+  different = [s for s in statuses if s.status == "different"] if args.strict else []
+  for s in different:
+    print(f"error: {s.name} {s.installed} is installed; row {row.name} pins "
+          f"{s.name}=={s.pinned}", file=sys.stderr)
+  if different:
+    print(f"error: {len(different)} package(s) differ from the tested set: "
+          + _MOVE + " ".join(s.name for s in different),
+          file=sys.stderr)
+  return 2 if missing or different else 0
+
+
+_MOVE = "jax-ai-stack constraints > constraints.txt && pip install -c constraints.txt "
+
+
+def _print_differences(report: dict) -> None:
+  """The packages at another version than the row's, and what the row gives instead; where
+  upstream's jax-ai-stack pins the version found, it says so (a move from upstream)."""
+  different = [p for p in report["packages"] if p["status"] == "different"]
+  if not different:
+    return
+  upstream = report["upstream"] or {"version": None, "pins": {}}
+  print()
+  print(f"Differs from row {report['row']} ({len(different)}): what the row gives instead")
+  width = max(len(p["name"]) for p in different)
+  print(f"{'package':<{width}}  {'installed':<10}  {'row gives':<10}  installed by")
+  for p in different:
+    pinned_upstream = upstream["pins"].get(p["name"]) == p["installed"]
+    origin = f"upstream's jax-ai-stack {upstream['version']}" if pinned_upstream else ""
+    print(f"{p['name']:<{width}}  {p['installed']:<10}  {p['pinned']:<10}  {origin}".rstrip())
+  print("Move to the row: " + _MOVE + " ".join(p["name"] for p in different))
 
 
 def _print_table(report: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,37 @@ def test_doctor_json_reports_packages_and_devices(capsys):
 def test_doctor_strict_fails_on_a_different_version(tmp_path, capsys):
   matrix = _matrix_with(tmp_path, lambda row: row["packages"].update(numpy="1.0.0"))
   assert cli.main(["doctor", "--matrix", matrix]) == 0
-  assert cli.main(["doctor", "--strict", "--matrix", matrix]) == 1
   assert "different" in capsys.readouterr().out
+  assert cli.main(["doctor", "--strict", "--matrix", matrix]) == 2
+  err = capsys.readouterr().err
+  installed = compat.installed_version("numpy")
+  assert (f"error: numpy {installed} is installed; row py{compat.running_python()}-cpu pins "
+          "numpy==1.0.0") in err
+  assert "pip install -c constraints.txt numpy" in err
+
+
+def test_doctor_names_what_upstream_s_pins_differ_in_and_what_the_row_gives(monkeypatch,
+                                                                            capsys):
+  """An environment holding upstream's jax-ai-stack pins: one table of each package at
+  upstream's version and the row's instead; --strict refuses it, naming each."""
+  matrix = compat.load_matrix(ROOT / compat.MATRIX_FILENAME)
+  upstream = matrix.upstream.packages
+  installed = compat.installed_version
+  monkeypatch.setattr(compat, "installed_version", lambda name: upstream.get(name) or installed(name))
+  assert cli.main(["doctor"]) == 0
+  out = capsys.readouterr().out
+  table = out.split("Differs from row ")[1]
+  row = next(r for r in matrix.rows if r.python == compat.running_python()
+             and r.accelerator == "cpu")
+  differing = {n for n, v in upstream.items() if row.packages[n] != v}
+  assert "orbax-export" not in differing and len(differing) >= 6  # All but orbax-export.
+  for name in differing:
+    assert re.search(rf"^{re.escape(name)} +{re.escape(upstream[name])} +"
+                     rf"{re.escape(row.packages[name])} +upstream's jax-ai-stack "
+                     rf"{matrix.upstream.version}$", table, re.M), name
+  assert cli.main(["doctor", "--strict"]) == 2
+  err = capsys.readouterr().err
+  assert all(f"error: {name} {upstream[name]} is installed" in err for name in differing)
 
 
 def test_doctor_names_a_missing_required_package(tmp_path, capsys):

@@ -6,6 +6,7 @@ and checks a property that fails if their versions disagree.
 
 from __future__ import annotations
 
+import chex
 import grain
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,34 @@ def test_grain_pipeline_feeds_nnx_and_its_state_restores_same_batches():
     np.testing.assert_array_equal(got["y"], want["y"])
 
 
+@chex.dataclass
+class _Batch:
+  x: jax.Array
+  y: jax.Array
+
+
+def test_a_chex_dataclass_and_chex_assertions_run_under_jit():
+  """Upstream's meta-package pins chex and its CI tests it: a pytree dataclass and the
+  shape, type and tree assertions, inside a jitted NNX forward pass."""
+  model = MLP(8, 16, 1, rngs=nnx.Rngs(0))
+
+  @nnx.jit
+  def predict(model, batch):
+    chex.assert_shape(batch.x, (None, 8))
+    chex.assert_type(batch.y, float)
+    chex.assert_equal_shape_prefix([batch.x, batch.y], 1)
+    return batch.replace(y=model(batch.x))
+
+  x, y = _regression_data(16)
+  batch = _Batch(x=x, y=y)
+  assert len(jax.tree.leaves(batch)) == 2  # A pytree.
+  predicted = predict(model, batch)
+  chex.assert_trees_all_close(predicted.y, model(x), rtol=1e-6)
+  chex.assert_tree_all_finite(predicted)
+  with pytest.raises(AssertionError, match="shape"):  # Checked while tracing.
+    predict(model, _Batch(x=jnp.ones((4, 3)), y=jnp.ones((4, 1))))
+
+
 def test_qwix_ptq_int8_forward_under_jit_is_close_to_float():
   model = MLP(16, 64, 4, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (8, 16))
@@ -161,3 +190,34 @@ def test_tensorstore_writes_and_reads_an_array(tmp_path):
   reopened = ts.open(spec).result()
   np.testing.assert_array_equal(reopened.read().result(), data)
   np.testing.assert_array_equal(reopened[1:3, 2:5].read().result(), data[1:3, 2:5])
+
+
+def test_orbax_export_serves_a_trained_recipe_model_as_it_computes(tmp_path):
+  """orbax-export's JaxModule around a trained recipe model: the TF SavedModel it writes gives
+  the model's own logits."""
+  tf = pytest.importorskip("tensorflow", reason=(
+      "orbax-export 0.0.8 imports tensorflow, which the tfds extra installs "
+      "(pip install 'jax-ai-stack[tfds]'; CI leaves out its 570 MB wheel)"))
+  from orbax.export import ExportManager, JaxModule, ServingConfig
+
+  from jax_ai_stack.recipes import train
+  from training_helpers import tiny_config
+
+  train.run(tiny_config("train.steps=2", "train.eval_every=0", "train.sample_tokens=0"),
+            tmp_path / "run")
+  trainer = train.Trainer.open_finished(tmp_path / "run")
+  try:
+    model = trainer.inference_model()
+  finally:
+    trainer.close()
+  graphdef, params = nnx.split(model)
+  module = JaxModule(params, lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+  signature = [tf.TensorSpec((1, 8), tf.int32, name="tokens")]
+  ExportManager(module, [ServingConfig("serving_default", input_signature=signature)]).save(
+      str(tmp_path / "saved_model"))
+
+  tokens = np.arange(8, dtype=np.int32)[None] + 3
+  served = tf.saved_model.load(str(tmp_path / "saved_model")).signatures["serving_default"](
+      tokens=tf.constant(tokens))
+  (logits,) = served.values()
+  np.testing.assert_allclose(logits.numpy(), np.asarray(model(tokens)), atol=1e-5, rtol=1e-5)

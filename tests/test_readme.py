@@ -63,3 +63,26 @@ def test_readme_table_matches_the_matrix():
     cells = [c.strip() for c in line.strip("|").split("|")][1:len(columns) + 1]
     assert cells[0] == f"{row.packages['jax']}", row.name
     assert cells == [row.packages[c] for c in columns], row.name
+
+
+def test_the_upstream_table_is_the_matrix_s():
+  """README's "Coming from upstream's jax-ai-stack": upstream's pins and each row's, for every
+  package upstream pins; every one of them is pinned on every row (a superset)."""
+  from jax_ai_stack import compat
+
+  matrix = compat.load_matrix(ROOT / compat.MATRIX_FILENAME)
+  upstream = matrix.upstream
+  section = README.split("## Coming from upstream's jax-ai-stack")[1].split("\n## ")[0]
+  assert f"jax-ai-stack=={upstream.version}" in section
+  cpu = {row.python: row.packages for row in matrix.rows if row.accelerator == "cpu"}
+  assert cpu["3.12"] == cpu["3.13"]  # One column for both.
+  for row in matrix.rows:
+    assert set(upstream.pins) <= set(row.packages), row.name
+  extra_of = {name: extra for extra, names in matrix.extras.items() if extra == "tfds"
+              for name in names}
+  for name, version in upstream.pins.items():
+    label = f"{name} (`{extra_of[name]}`)" if name in extra_of else name
+    line = next((l for l in section.splitlines() if l.startswith(f"| {label} |")), None)
+    assert line is not None, f"{name}: no line in README's upstream table"
+    cells = [c.strip() for c in line.strip("|").split("|")][1:]
+    assert cells == [version, cpu["3.11"][name], cpu["3.12"][name]], name
