@@ -500,3 +500,15 @@ def test_accelerator_names_an_unknown_section():
   done = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--sections",
                          "step,warmup"], capture_output=True, text=True, timeout=120)
   assert done.returncode == 2 and "unknown section(s) warmup" in done.stderr
+
+
+def test_chunked_loss_quick_compares_both_heads_on_memory_time_and_values(tmp_path):
+  results = _run_quick("chunked_loss", tmp_path)
+  memory = results["bytes"]
+  assert memory["chunked"]["temporaries"] < memory["unchunked"]["temporaries"]
+  assert memory["chunked"]["arguments"] == memory["unchunked"]["arguments"]
+  assert results["loss_relative_error"] < 1e-6 and results["grad_relative_error"] < 1e-5
+  assert set(results["targets"]) == {"memory_ratio", "loss_relative_error",
+                                     "grad_relative_error", "time_ratio"}
+  assert results["targets"]["memory_ratio"]["value"] == pytest.approx(
+      memory["chunked"]["temporaries"] / memory["unchunked"]["temporaries"])

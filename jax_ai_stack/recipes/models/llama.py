@@ -66,6 +66,7 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
+from jax_ai_stack.recipes.models.head import LOGPS_CHUNK_TOKENS, target_logps
 # Re-exported: the memory estimate and RoPE were defined here before they had modules.
 from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
     MATERIALIZING_ATTENTION, activation_bytes)
@@ -420,8 +421,12 @@ class Llama(nnx.Module):
       segment_ids: jax.Array | None = None,
       positions: jax.Array | None = None,
       with_moe_losses: bool = False,
+      targets: jax.Array | None = None,
+      chunk_tokens: int = LOGPS_CHUNK_TOKENS,
   ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
-    """Logits [B, T, vocab] (float32) for int tokens [B, T].
+    """Logits [B, T, vocab] (float32) for int tokens [B, T]; with `targets`, the
+    log-probability of each target instead, [B, T] (float32), computed over the sequence
+    in chunks of `chunk_tokens` so that no [B, T, vocab] array exists (`target_logps`).
 
     Args:
       tokens: int token ids [B, T].
@@ -431,6 +436,11 @@ class Llama(nnx.Module):
         at 0 in each one); drives RoPE. None: arange(T) in every row.
       with_moe_losses: also return the MoE layers' losses and metrics (`moe_losses`;
         {} for a dense model), as (logits, losses).
+      targets: int token ids [B, T] whose log-probabilities to return (the next tokens).
+      chunk_tokens: positions of the sequence per chunk of the head (`targets` only).
+
+    The objectives ask for `targets`: Qwix intercepts one method of a model (its LoRA
+    adapters and fake quantization live in `__call__`), so the head runs here too.
     """
     _check_tokens(tokens, segment_ids=segment_ids, positions=positions)
     if positions is None:
@@ -448,8 +458,11 @@ class Llama(nnx.Module):
       for block, rope in zip(self.layers, ropes):
         x, layer_stats = run_block(block, x, rope, segment_ids)
         stats += [layer_stats] if layer_stats is not None else []
-    logits = self._logits(x)
-    return (logits, moe_losses(self.config, stats)) if with_moe_losses else logits
+    if targets is None:
+      out = self._logits(x)
+    else:
+      out = target_logps(self._logits, x, targets, chunk_tokens)
+    return (out, moe_losses(self.config, stats)) if with_moe_losses else out
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     """An empty KV cache for `batch_size` rows of up to `max_length` tokens."""

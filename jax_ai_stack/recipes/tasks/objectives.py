@@ -81,11 +81,10 @@ def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.A
   model's router losses are added (`llama.moe_losses`); the cross-entropy alone is
   then the metric `lm_loss`, beside the router's metrics.
   """
-  logits, moe = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                      positions=batch.get("positions"), with_moe_losses=True)
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["targets"]
-  )
+  logps, moe = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                     positions=batch.get("positions"), with_moe_losses=True,
+                     targets=batch["targets"])  # The head in chunks: no [B, T, V] logits.
+  losses = -logps
   if "loss_mask" in batch:
     mask = batch["loss_mask"].astype(jnp.float32)
   elif "segment_ids" in batch:
@@ -129,10 +128,8 @@ def sequence_logps(model: nnx.Module, batch: Batch, *, with_moe_losses: bool = F
   both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
           for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
   out = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"],
-              with_moe_losses=with_moe_losses)
-  logits, moe = out if with_moe_losses else (out, None)
-  logps = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                           both["targets"])
+              with_moe_losses=with_moe_losses, targets=both["targets"])
+  logps, moe = out if with_moe_losses else (out, None)
   summed = (logps * both["loss_mask"].astype(jnp.float32)).sum(axis=-1)
   chosen, rejected = jnp.split(summed, 2)
   return (chosen, rejected, moe) if with_moe_losses else (chosen, rejected)
