@@ -8,7 +8,8 @@ only) and are left out. A package's `__init__` runs before any of its
 modules, so it may sit no higher than they do.
 
 A cycle is fixed by moving the shared piece down into a module both sides may
-import, not by hiding an import inside a function: those count here too.
+import, not by hiding an import inside a function or in a string: those count here
+too (a "module:Name" that `pkgutil.resolve_name` imports, a lazy export table).
 """
 
 from __future__ import annotations
@@ -107,10 +108,64 @@ def imports(name: str, path: pathlib.Path, is_package: bool, known: dict) -> set
   return {m for m in found if m is not None and m != name}
 
 
-def graph() -> dict[str, set[str]]:
+def lazy_tables(known: dict) -> dict[str, dict[str, str]]:
+  """{package: {attribute: the module it loads}} of each package whose `__init__` builds its
+  attributes lazily (`lazy.lazy_attributes(__name__, _SUBMODULES, _EXPORTS)`)."""
+  tables = {}
+  for name, (path, is_package) in known.items():
+    if not is_package:
+      continue
+    table = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+      if isinstance(node, ast.Assign) and [ast.unparse(x) for x in node.targets] in (
+          ["_SUBMODULES"], ["_EXPORTS"]):
+        value = ast.literal_eval(node.value)
+        pairs = value.items() if isinstance(value, dict) else ((v, v) for v in value)
+        table.update({attribute: f"{name}.{module}" for attribute, module in pairs})
+    if table:
+      tables[name] = table
+  return tables
+
+
+def late_imports(name: str, path: pathlib.Path, known: dict,
+                 tables: dict[str, dict[str, str]]) -> set[str]:
+  """The package's modules `name` loads later than its imports: those it names in strings
+  (a "module:attribute" for `pkgutil.resolve_name`, a dotted path for `importlib`), and
+  those a lazy package loads for it (`from package import Name`, `package.Name`)."""
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  found, bound = set(), {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      module = node.value.partition(":")[0]
+      if module in known and "." in module:  # Not the package's bare name (a logger's).
+        found.add(module)
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      for alias in node.names:
+        if node.module in tables and alias.name in tables[node.module]:
+          found.add(tables[node.module][alias.name])
+        if f"{node.module}.{alias.name}" in tables:
+          bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    elif isinstance(node, ast.Import):
+      bound.update({alias.asname: alias.name for alias in node.names
+                    if alias.asname and alias.name in tables})
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in bound):
+      found.add(tables[bound[node.value.id]].get(node.attr))
+  return {m for m in found if m is not None and m != name}
+
+
+def graph(*, late: bool = False) -> dict[str, set[str]]:
+  """{module: the package's modules it imports}; `late`: and those it loads later
+  (`late_imports`: by a string, through a lazy package)."""
   known = modules()
-  return {name: imports(name, path, is_package, known)
-          for name, (path, is_package) in known.items()}
+  edges = {name: imports(name, path, is_package, known)
+           for name, (path, is_package) in known.items()}
+  if late:
+    tables = lazy_tables(known)
+    for name, (path, _) in known.items():
+      edges[name] |= late_imports(name, path, known, tables)
+  return edges
 
 
 def layer_of(name: str) -> int:
@@ -154,12 +209,21 @@ def test_the_reader_resolves_relative_and_submodule_imports(tmp_path):
                     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  import p.b.c\n"
                     "def f():\n  from p.b import c\n")
   assert imports("p.a", source, False, known) == {"p.b", "p.b.c"}
+  init = tmp_path / "__init__.py"
+  init.write_text('_SUBMODULES = ("c",)\n_EXPORTS = {"Thing": "c"}\n')
+  tables = lazy_tables({"p.b": (init, True)})
+  assert tables == {"p.b": {"c": "p.b.c", "Thing": "p.b.c"}}
+  source.write_text('TASK = "p.a:Thing"\nfrom p import b\nfrom p.b import Thing\n'
+                    'def f():\n  return b.c\nlogger = "p"\n')
+  assert late_imports("p.x", source, known, tables) == {"p.a", "p.b.c"}
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
   assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_the_import_graph_has_no_cycle():
-  cycle = find_cycle(graph())
+  """Imports that run later count: a string resolved into a module, a lazy package's
+  attribute."""
+  cycle = find_cycle(graph(late=True))
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 

@@ -101,7 +101,7 @@ def test_decode_and_generate_match_unrolled(pair):
   logits, cache = scanned.decode(prompt, cache)
   np.testing.assert_allclose(logits, unrolled(prompt), rtol=1e-5, atol=1e-5)
   assert int(cache.length) == 5
-  # A per-layer cache (a tuple, as `tasks.example_inputs` builds) is stacked on the way in.
+  # A per-layer cache (a tuple, as `models.adapting.example_inputs` builds) is stacked on the way in.
   per_layer = unrolled.init_cache(2, 16)
   np.testing.assert_allclose(scanned.decode(prompt, per_layer)[0], logits, rtol=1e-6)
   for temperature in (0.0, 1.0):

@@ -31,7 +31,7 @@ from jax_ai_stack.errors import ConfigError
 from typing import Literal
 
 from jax_ai_stack.recipes.configlib import config_dataclass
-from jax_ai_stack.recipes.tasks.families import FAMILIES
+from jax_ai_stack.recipes.models.configs import DECODER_PROJECTIONS
 
 SCHEMES: dict[str, str] = {
     "w8": "int8 weights",
@@ -72,9 +72,9 @@ class QuantConfig:
 WEIGHT_ONLY = ("w8", "w4")
 """The schemes of `finetune.quant` that quantize weights only: what a QLoRA base may use."""
 
-DEFAULT_MODULES: str = FAMILIES[0].lora_modules
-"""The layers the default model family adapts (`tasks.Family.lora_modules`; for the
-Llama model: its attention and MLP projections)."""
+DEFAULT_MODULES: str = DECODER_PROJECTIONS
+"""The layers LoRA adapts by default: the decoder's attention and MLP projections (the
+model's own, `models.configs`)."""
 
 
 @config_dataclass

@@ -39,9 +39,10 @@ from flax import nnx
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import ConfigError, WorkdirError
-from jax_ai_stack.recipes import checkpoint, tasks
+from jax_ai_stack.recipes import checkpoint
 from jax_ai_stack.recipes.finetune import reference
 from jax_ai_stack.recipes.finetune.config import FinetuneConfig, LoraConfig
+from jax_ai_stack.recipes.models import adapting
 from jax_ai_stack.recipes.transforms import Frozen, ModelTransform
 
 __all__ = ["BaseCheckpointError", "Finetune", "FinetuneConfig", "LoraConfig", "merged_model"]
@@ -101,7 +102,7 @@ def add_adapters(model: nnx.Module, config: LoraConfig, model_config: Any,
   layer_stack.refuse_scanned(model_config, "finetune.lora", "its Qwix rules match per-layer "
                              "module paths (layers/N/...); set model.scan_layers=false")
   provider = qwix.LoraProvider(lora_rules(config, model_config.kind))
-  model = qwix.apply_lora_to_model(model, provider, *tasks.example_inputs(model_config),
+  model = qwix.apply_lora_to_model(model, provider, *adapting.example_inputs(model_config),
                                    rngs=nnx.Rngs(seed))
   pairs = adapter_pairs(model)
   if not pairs:

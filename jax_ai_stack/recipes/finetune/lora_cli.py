@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import UsageError

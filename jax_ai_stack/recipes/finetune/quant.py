@@ -8,7 +8,7 @@ quantization (`ptq`: Qwix's `PtqProvider` replaces each matched weight by an
 int8 or int4 `QArray` with a float32 scale per output channel), so a model
 trained for a scheme converts to exactly that scheme for serving.
 
-Which layers each model family quantizes is its Task's `quant_layers` (the
+Which layers each model quantizes is its config's (`models.adapting.QUANT_LAYERS`: the
 feed-forward weights, the other matmul weights, and convolutions, which only
 w8a8 quantizes: Qwix's PTQ convolution needs quantized activations too,
 `act_qtype == weight_qtype`). What stays float, and why:
@@ -42,9 +42,9 @@ import qwix
 from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import tasks
 from jax_ai_stack.recipes.finetune.config import (
     SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
+from jax_ai_stack.recipes.models import adapting
 from jax_ai_stack.recipes.models.configs import MOE_KINDS
 from jax_ai_stack.recipes.transforms import ModelTransform
 
@@ -69,20 +69,10 @@ _SCHEMES = {
 assert _SCHEMES.keys() == SCHEMES.keys()
 
 
-def _layers() -> dict[str, tasks.QuantLayers]:
-  """{model kind: where Qwix quantizes it} of every family whose Task says (`quant_layers`)."""
-  found = {}
-  for family in tasks.FAMILIES:
-    layers = family.task_class().quant_layers
-    if layers is not None:
-      found.update(dict.fromkeys((k for k in family.kinds if k not in MOE_KINDS), layers))
-  return found
-
-
 def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
   """The Qwix rules of `scheme` for a model of `model_kind` (a family's `model.kind`).
 
-  The module paths are the family's (`Task.quant_layers`).
+  The module paths are the model's (`models.adapting.quant_layers`).
 
   Raises:
     SchemeError: `scheme` is not one of `SCHEMES` (the message lists them).
@@ -93,11 +83,10 @@ def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
     raise ConfigError(f"quantization does not support mixture-of-experts models yet "
                       f"(model.kind={model_kind!r}): Qwix quantizes layers, and the experts are "
                       "the stacked weights of one grouped matmul")
-  known = _layers()
-  if model_kind not in known:
+  layers = adapting.quant_layers(model_kind)
+  if layers is None:
     raise ConfigError(f"quantization has no rules for model.kind={model_kind!r}; "
-                      f"kinds: {', '.join(known)}")
-  layers = known[model_kind]
+                      f"kinds: {', '.join(adapting.quantized_kinds())}")
   out = [
       qwix.QuantizationRule(module_path=layers.mlp, weight_qtype=spec.mlp_weights,
                             act_qtype=spec.activations),
@@ -122,7 +111,7 @@ def qat(model: nnx.Module, config: Any) -> nnx.Module:
     return model
   _refuse_scanned(config.model, "quant.qat")
   return _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
-                   tasks.example_inputs(config.model))
+                   adapting.example_inputs(config.model))
 
 
 class Qat(ModelTransform):
@@ -155,7 +144,7 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
   """
   _refuse_scanned(model_config, "post-training quantization")
   provider = qwix.PtqProvider(rules(scheme, model_config.kind))
-  inputs = tasks.example_inputs(model_config, method)
+  inputs = adapting.example_inputs(model_config, method)
   quantize = lambda m: _quantize(m, provider, inputs, method)  # noqa: E731
   graphdef, state = nnx.split(model)
   # Traced once for the structure, then once compiled for the values: eagerly,

@@ -23,6 +23,9 @@ from pydantic_core import ArgsKwargs
 from jax_ai_stack.kernels import names
 from jax_ai_stack.recipes.configlib import config_dataclass
 
+DECODER_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+"""The decoder's attention and MLP projections: the layers LoRA adapts by default."""
+
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "save_dots"]
 

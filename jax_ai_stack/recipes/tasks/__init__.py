@@ -21,13 +21,13 @@ from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "classification", "custom", "families", "lm", "objectives")
+_SUBMODULES = ("base", "choice", "classification", "custom", "families", "lm", "objectives")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",
     "QuantLayers": "base",
     "Task": "base",
-    "resolve": "base",
+    "resolve": "choice",
     "CustomTask": "custom",
     "ImageClassification": "classification",
     "classification_loss": "objectives",

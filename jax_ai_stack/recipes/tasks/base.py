@@ -27,9 +27,8 @@ Example: what the trainer asks the language-model Task of the lm-tiny preset.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import grain
@@ -37,29 +36,15 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import kernels
-from jax_ai_stack.errors import ConfigError, UsageError
+from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import sharding
+from jax_ai_stack.recipes.models import adapting
+from jax_ai_stack.recipes.models.adapting import QuantLayers
 from jax_ai_stack.recipes.models.configs import CustomModelConfig
 from jax_ai_stack.recipes.step import Batch, LossFn
-from jax_ai_stack.recipes.tasks.families import family
 from jax_ai_stack.recipes.transforms import ModelTransform
 
-__all__ = ["Batch", "LossFn", "QuantLayers", "Task", "resolve"]
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantLayers:
-  """Module-path regexes (Qwix matches them in full) of one family's quantized layers.
-
-  What `finetune.quant` builds a scheme's Qwix rules from (`Task.quant_layers`).
-  """
-
-  mlp: str
-  """The feed-forward weights (int4 in w4)."""
-  other: str
-  """The other matmul weights that are quantized."""
-  convs: str | None = None
-  """Convolutions: quantized only with their activations (w8a8)."""
+__all__ = ["Batch", "LossFn", "QuantLayers", "Task"]
 
 
 class Task(abc.ABC):
@@ -76,8 +61,8 @@ class Task(abc.ABC):
   throughput_unit: ClassVar[str] = "examples"
   """What `items_per_step` counts, for the progress bar and logs."""
   quant_layers: ClassVar[QuantLayers | None] = None
-  """Where Qwix quantizes this family's models (`finetune.quant.rules`); None: nowhere,
-  the family cannot be quantized."""
+  """Where Qwix quantizes this family's models (its model config's, `models.adapting`);
+  None: nowhere, the family cannot be quantized."""
   methods: ClassVar[tuple[str, ...]] = ("__call__",)
   """The model's methods that quantization can intercept ("decode": it generates
   token by token); a quantized model that lacks the one asked for runs `__call__`."""
@@ -105,13 +90,9 @@ class Task(abc.ABC):
 
   @staticmethod
   def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
-    """Zeros of the shapes one call of the model's `method` takes.
-
-    What Qwix needs to run a model once (quantization, LoRA adapters); the
-    values do not matter. A family without it cannot be quantized or adapted.
-    """
-    raise ConfigError(f"{type(model_config).__name__} models give no example inputs: "
-                      "quantization and LoRA do not support this model family")
+    """Zeros of the shapes one call of the model's `method` takes (`models.adapting`:
+    the model owns them); a model that gives none cannot be quantized or adapted."""
+    return adapting.example_inputs(model_config, method)
 
   @abc.abstractmethod
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -198,12 +179,3 @@ class Task(abc.ABC):
     del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
 
-
-def resolve(task: Task | Callable[[Any], Task] | None, config: Any) -> Task:
-  """The Task a run opens with: `task` itself, `task(config)` when it is a function or
-  a Task subclass, else the one `config` names (`tasks.for_config`)."""
-  if isinstance(task, Task):
-    return task
-  if task is not None:
-    return task(config)
-  return family(config.model).task_class().for_config(config)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
 from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes import data, sharding
+from jax_ai_stack.recipes.models import adapting
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
 from jax_ai_stack.recipes.tasks import objectives
-from jax_ai_stack.recipes.tasks.base import QuantLayers, Task
+from jax_ai_stack.recipes.tasks.base import Task
 
 
 class ImageClassification(Task):
@@ -29,13 +29,7 @@ class ImageClassification(Task):
 
   model_config = CNNConfig
   throughput_unit = "examples"
-  # Convolutions only in w8a8: Qwix's PTQ convolution needs quantized activations too.
-  quant_layers = QuantLayers(mlp="hidden", other="classifier", convs=r"convs/\d+")
-
-  @staticmethod
-  def example_inputs(model_config: CNNConfig, method: str = "__call__") -> tuple:
-    del method  # A CNN has one.
-    return (jnp.zeros((1, *model_config.image_shape), jnp.float32),)
+  quant_layers = adapting.QUANT_LAYERS[CNNConfig]
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> CNN:

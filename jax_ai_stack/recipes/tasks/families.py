@@ -20,7 +20,8 @@ import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jax_ai_stack.recipes.models.configs import CNNConfig, CustomModelConfig, LlamaConfig
+from jax_ai_stack.recipes.models.configs import (DECODER_PROJECTIONS, CNNConfig,
+                                                 CustomModelConfig, LlamaConfig)
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
@@ -98,12 +99,9 @@ def _check_custom(config: Any) -> None:
                      "come from your Task's `dataset`, which sets their size")
 
 
-LLAMA_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
-"""The attention and MLP projections of the Llama model."""
-
 FAMILIES: tuple[Family, ...] = (
     Family(LlamaConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model,
-           lora_modules=LLAMA_PROJECTIONS),
+           lora_modules=DECODER_PROJECTIONS),
     Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
            _check_image_classification),
     Family(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask", _check_custom),

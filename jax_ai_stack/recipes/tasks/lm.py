@@ -19,7 +19,6 @@ import functools
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -27,11 +26,11 @@ from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import data, sharding
-from jax_ai_stack.recipes.models import llama
+from jax_ai_stack.recipes.models import adapting, llama
 from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import objectives
-from jax_ai_stack.recipes.tasks.base import QuantLayers, Task
+from jax_ai_stack.recipes.tasks.base import Task
 
 SAMPLE_FILE = "sample.txt"
 DEFAULT_NEW_TOKENS = 128
@@ -43,21 +42,8 @@ class LanguageModel(Task):
 
   model_config = LlamaConfig
   throughput_unit = "tokens"
-  # The token embedding (also the output head when tied) and an untied lm_head
-  # stay float: `jnp.take` cannot read a quantized table.
-  quant_layers = QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
-                             other=r"layers/\d+/attention/(q|k|v|o)_proj")
+  quant_layers = adapting.QUANT_LAYERS[LlamaConfig]
   methods = ("__call__", "decode")  # `decode`: one step of `decoding.generate`, with a KV cache.
-
-  @staticmethod
-  def example_inputs(model_config: LlamaConfig, method: str = "__call__") -> tuple:
-    tokens = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
-    if method != "decode":
-      return (tokens,)
-    c = model_config  # decode also takes a KV cache.
-    zeros = tuple(jnp.zeros((1, tokens.shape[1], c.num_kv_heads, c.resolved_head_dim),
-                            jnp.dtype(c.dtype)) for _ in range(c.num_layers))
-    return tokens, llama.KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> Llama:

@@ -1,0 +1,89 @@
+"""What adapting a model needs, owned by the models: inputs to run it once, and the layers
+Qwix quantizes.
+
+Quantization and LoRA (`finetune`) ask these of a model config, so `finetune`
+imports `models` and never the Tasks that train them (which import `finetune`'s
+transforms back). The layers LoRA adapts by default are the config's own
+(`configs.DECODER_PROJECTIONS`), readable without jax.
+
+Example:
+  >>> from jax_ai_stack.recipes.models.configs import CNNConfig, LlamaConfig
+  >>> [x.shape for x in example_inputs(LlamaConfig.small())]
+  [(1, 8)]
+  >>> quant_layers("cnn").convs
+  'convs/\\d+'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import jax.numpy as jnp
+
+from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes.models.configs import MOE_KINDS, CNNConfig, LlamaConfig
+from jax_ai_stack.recipes.models.llama import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayers:
+  """Module-path regexes (Qwix matches them in full) of one model's quantized layers
+  (what `finetune.quant` builds a scheme's Qwix rules from)."""
+
+  mlp: str
+  """The feed-forward weights (int4 in w4)."""
+  other: str
+  """The other matmul weights that are quantized."""
+  convs: str | None = None
+  """Convolutions: quantized only with their activations (w8a8)."""
+
+
+QUANT_LAYERS: dict[type, QuantLayers] = {
+    # The token embedding (also the output head when tied) and an untied lm_head stay
+    # float: `jnp.take` cannot read a quantized table.
+    LlamaConfig: QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
+                             other=r"layers/\d+/attention/(q|k|v|o)_proj"),
+    # Convolutions only in w8a8: Qwix's PTQ convolution needs quantized activations too.
+    CNNConfig: QuantLayers(mlp="hidden", other="classifier", convs=r"convs/\d+"),
+}
+"""Where Qwix quantizes each model config's models; a config not here is not quantized."""
+
+
+def quant_layers(kind: str) -> QuantLayers | None:
+  """Where Qwix quantizes a model of `kind` (`model.kind`); None: nowhere (a mixture of
+  experts, whose experts are one grouped matmul's stacked weights, or a model of one's own)."""
+  if kind in MOE_KINDS:
+    return None
+  for config, layers in QUANT_LAYERS.items():
+    if kind in typing.get_args(typing.get_type_hints(config)["kind"]):
+      return layers
+  return None
+
+
+def quantized_kinds() -> list[str]:
+  """Every `model.kind` that `quant_layers` knows."""
+  kinds = [kind for config in QUANT_LAYERS
+           for kind in typing.get_args(typing.get_type_hints(config)["kind"])]
+  return [kind for kind in kinds if kind not in MOE_KINDS]
+
+
+def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
+  """Zeros of the shapes one call of the model's `method` takes.
+
+  What Qwix needs to run a model once (quantization, LoRA adapters); the values
+  do not matter. Raises ConfigError for a model that gives none.
+  """
+  if isinstance(model_config, LlamaConfig):
+    tokens = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
+    if method != "decode":
+      return (tokens,)
+    c = model_config  # decode also takes a KV cache.
+    zeros = tuple(jnp.zeros((1, tokens.shape[1], c.num_kv_heads, c.resolved_head_dim),
+                            jnp.dtype(c.dtype)) for _ in range(c.num_layers))
+    return tokens, KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+  if isinstance(model_config, CNNConfig):
+    return (jnp.zeros((1, *model_config.image_shape), jnp.float32),)
+  raise ConfigError(f"{type(model_config).__name__} models give no example inputs: "
+                    "quantization and LoRA do not support this model family")
