@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("llama", "activation_memory", "cnn", "configs", "decoding", "head", "hf", "layer_stack",
-               "moe", "rope")
+_SUBMODULES = ("llama", "activation_memory", "adapting", "cnn", "configs", "decoding", "head",
+               "hf", "layer_stack", "moe", "rope")
 _EXPORTS = {
     "Llama": "llama",
     "LlamaConfig": "configs",

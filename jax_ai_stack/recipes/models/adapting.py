@@ -10,8 +10,8 @@ Example:
   >>> from jax_ai_stack.recipes.models.configs import CNNConfig, LlamaConfig
   >>> [x.shape for x in example_inputs(LlamaConfig.small())]
   [(1, 8)]
-  >>> quant_layers("cnn").convs
-  'convs/\\d+'
+  >>> quant_layers("cnn").other, quant_layers("mixtral")
+  ('classifier', None)
 """
 
 from __future__ import annotations
