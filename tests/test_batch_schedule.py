@@ -108,6 +108,7 @@ def test_a_mixture_stage_starts_at_its_step_after_a_size_change(tmp_path):
   assert [len(b["inputs"]) for b in batches] == [4, 4, 8, 8, 8]
 
 
+@pytest.mark.slow
 def test_a_grown_batch_trains_and_reports_its_throughput(tmp_path):
   config = config_lib.load("lm-tiny", overrides=[
       *TINY, "train.steps=6", "train.log_every=1", "train.sample_tokens=0", "train.eval_every=0",

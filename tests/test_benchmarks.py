@@ -134,6 +134,7 @@ def test_checkpoint_refuses_a_disk_without_room(checkpoint, tmp_path, monkeypatc
   assert list(tmp_path.iterdir()) == []  # Nothing written, the temporary directory removed.
 
 
+@pytest.mark.slow
 def test_token_cache_quick_writes_positive_figures(tmp_path):
   workdir = tmp_path / "disk"
   workdir.mkdir()
@@ -474,6 +475,7 @@ def test_attention_compares_torch_only_on_the_device_jax_runs_on(monkeypatch):
   assert timer is None and "no CUDA device" in why
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_backend
 def test_accelerator_runs_only_the_sections_asked_and_writes_after_each(tmp_path):
   # A device lease too short for the five training runs still gets the step's figures.

@@ -78,6 +78,7 @@ def _leaves(trainer):
   return [np.asarray(x) for x in jax.tree.leaves(trainer.state)]
 
 
+@pytest.mark.slow
 def test_a_model_of_ones_own_resumes_bitwise_and_reopens_read_only(my_model, tmp_path, capsys):
   _, module = my_model
   straight = train.Trainer.open(_config(), tmp_path / "straight", task=module.task)

@@ -189,6 +189,7 @@ def test_a_mixture_replaces_the_single_source(corpora):
     _mixture(corpora, "[{step: 0, weights: {ay: 1}}]", "data.source=text", "data.paths=[x.txt]")
 
 
+@pytest.mark.slow
 def test_a_mixed_run_evaluates_each_component_and_resumes_bitwise(corpora, tmp_path):
   cfg = _mixture(corpora, "[{step: 0, weights: {ay: 3, bee: 1}}, {step: 6, weights: {bee: 1}}]",
                  "train.steps=10", "train.eval_every=5", "checkpoint.save_every=3")

@@ -551,6 +551,7 @@ SCALING_EXPLICIT = doc("jax-ai-stack train lm-small --workdir /shared/runs/lm-sm
                        "mesh.fsdp=-1 --coordinator")
 
 
+@pytest.mark.slow
 def test_mesh_dry_runs(tmp_path):
   out = ok(run(DRY_RUN, cwd=tmp_path))
   assert "mesh data 1 x fsdp 8 x expert 1 x tensor 1 (8 devices)" in out
@@ -559,6 +560,7 @@ def test_mesh_dry_runs(tmp_path):
   assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_the_expert_parallel_dry_run_splits_the_experts(tmp_path):
   out = ok(run(EXPERT_DRY_RUN, cwd=tmp_path))
   assert "mesh data 1 x fsdp 1 x expert 8 x tensor 1 (8 devices), rules fsdp" in out

@@ -56,6 +56,7 @@ def base(reference):
   return reference[0]  # The tiny LM run the trainer tests share.
 
 
+@pytest.mark.slow
 def test_a_lora_run_exports_its_adapters_merged(base, tmp_path, capsys):
   train.run(tiny_config(*lora_overrides(base)), tmp_path / "lora")
   err = export(capsys, tmp_path / "lora", tmp_path / "out")
@@ -65,6 +66,7 @@ def test_a_lora_run_exports_its_adapters_merged(base, tmp_path, capsys):
   assert np.abs(theirs - run_logits(base)).max() > 100 * TOLERANCE  # The adapters did move it.
 
 
+@pytest.mark.slow
 def test_a_qlora_run_merges_into_the_float_base_it_was_quantized_from(base, tmp_path, capsys):
   train.run(tiny_config(*lora_overrides(base, "finetune.lora.quantize_base=w8")), tmp_path / "q")
   err = export(capsys, tmp_path / "q", tmp_path / "out")
@@ -87,6 +89,7 @@ def test_a_qlora_run_merges_into_the_float_base_it_was_quantized_from(base, tmp_
   np.testing.assert_array_equal(np.asarray(exported.embed.embedding.get_value()), embedding)
 
 
+@pytest.mark.slow
 def test_a_qat_run_exports_its_float_weights_and_says_so(base, tmp_path, capsys):
   train.run(tiny_config("quant.qat=w8", *SHORT), tmp_path / "qat")
   err = export(capsys, tmp_path / "qat", tmp_path / "out")
@@ -123,6 +126,7 @@ def pairs(tmp_path_factory):
   return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tuning", ["lora", "full"])
 def test_a_dpo_run_exports_its_policy_and_lora_merge_keeps_its_reference(
     base, pairs, tmp_path, capsys, tuning):
@@ -155,6 +159,7 @@ def test_a_dpo_run_exports_its_policy_and_lora_merge_keeps_its_reference(
   assert "eval_preference_accuracy" in json.loads(out)
 
 
+@pytest.mark.slow
 def test_a_lora_run_is_a_base_its_adapters_merged_as_it_loads(base, pairs, tmp_path, capsys):
   """SFT with LoRA, then DPO with LoRA on top of it: the second stage starts at the first's
   model (its adapters merged into its base), says so, and resumes reading it the same way."""

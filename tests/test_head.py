@@ -40,6 +40,7 @@ def test_chunks_of_any_size_give_the_unchunked_logps_and_gradients(chunk):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])  # Gemma 2: the final soft cap.
 def test_the_model_s_target_logps_are_its_logits_log_softmax(kind):
   """Padded vocabulary rows stay out; one chunk is the unchunked computation, bit for bit."""

@@ -115,6 +115,7 @@ SCAN = ["model.scan_layers=true", "model.num_layers=2", "model.num_heads=4",
         "train.eval_every=3", "train.sample_tokens=4"]
 
 
+@pytest.mark.slow
 def test_scanned_trains_on_one_device_and_on_an_8_device_mesh(tmp_path):
   single = train.run(tiny_config(*SCAN), tmp_path / "one")
   losses = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]

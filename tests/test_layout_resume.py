@@ -72,6 +72,7 @@ def files(directory: pathlib.Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("before, after", [([], [SCANNED]), ([SCANNED], [])],
                          ids=["unrolled-to-scanned", "scanned-to-unrolled"])
+@pytest.mark.slow
 def test_resume_converts_parameters_and_moments_bitwise_then_trains_on(tmp_path, before, after):
   train.run(config(*before), tmp_path, stop_after=2)
   original = saved(tmp_path)
@@ -102,6 +103,7 @@ def test_resume_converts_parameters_and_moments_bitwise_then_trains_on(tmp_path,
   assert layer_stack.is_scanned(pure(finished)[0]) == (not before)
 
 
+@pytest.mark.slow
 def test_unrolled_scanned_unrolled_ends_close_to_a_run_that_never_switched(
     unrolled_run, tmp_path, capsys):
   train.run(config(), tmp_path, stop_after=2)
@@ -136,6 +138,7 @@ def test_a_genuine_mismatch_with_a_flipped_layout_still_exits_2_and_changes_noth
   assert files(unrolled_run) == before
 
 
+@pytest.mark.slow
 def test_a_lora_run_reads_a_scanned_base(tmp_path):
   base = tmp_path / "base"
   train.run(config(SCANNED, "train.steps=2"), base)

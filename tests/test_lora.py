@@ -67,6 +67,7 @@ def steps_on_disk(workdir) -> list[str]:
   return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
 
 
+@pytest.mark.slow
 def test_lora_trains_and_saves_only_the_adapters(base, lora_run):
   workdir, result = lora_run
   assert result["step"] == STEPS
@@ -129,6 +130,7 @@ def test_merge_gives_the_logits_of_base_plus_adapters(lora_run, tmp_path, capsys
   assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_lora_on_an_fsdp_mesh_of_4_devices_trains_like_one_device(base, lora_run, tmp_path):
   """The frozen base is sharded over the mesh and the adapters train across it: the
   same losses as on one device (float32 sums in another order: last bits only)."""
@@ -213,6 +215,7 @@ def test_a_base_that_changed_or_vanished_stops_the_resume(base, tmp_path, capsys
   assert steps_on_disk(run) == saved
 
 
+@pytest.mark.slow
 def test_qlora_trains_adapters_over_an_int8_base(base, tmp_path):
   extra = lora_overrides(base, "finetune.lora.quantize_base=w8", "train.steps=2",
                          "train.eval_every=0", "train.sample_tokens=0")

@@ -30,6 +30,7 @@ ACTIVATION_FACTOR = 1.3
 and 1.13x (fsdp_tp) on CPU."""
 
 
+@pytest.mark.slow
 def test_the_plan_is_the_real_sharded_state_and_near_xla_s_step(tmp_path):
   """On 8 devices, per rule set: parameter, optimizer and gradient bytes equal
   the real arrays' per-device shards (Trainer-built); the estimate from a device
@@ -172,6 +173,7 @@ def test_dry_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_worked_example_in_docs_scaling_is_what_the_function_prints(capsys):
   """docs/scaling.md's Llama-3-8B table is the output of the snippet beneath it."""
   text = (pathlib.Path(__file__).parents[1] / "docs" / "scaling.md").read_text()

@@ -230,6 +230,7 @@ def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tm
   assert "quantization does not support mixture-of-experts models yet" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_memory_plan_keeps_experts_split_over_the_expert_axis():
   """Under expert parallelism each device holds 1/8 of the experts and gathers none of
   them (tokens travel instead); the other weights are replicated, as under `dp`."""

@@ -40,6 +40,7 @@ def planned(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_a_run_resumed_at_the_stage_boundary_with_the_next_settings_equals_the_planned_one(
     planned, tmp_path, capsys):
   first = f"data.mixture={{components: {COMPONENTS}, stages: [{FIRST}]}}"

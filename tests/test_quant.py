@@ -182,6 +182,7 @@ def test_qat_trains_and_converts_to_its_scheme_at_no_cost(qat_run):
   assert abs(delta) < QAT_BOUND
 
 
+@pytest.mark.slow
 def test_qat_resumes_bitwise_after_sigkill(qat_run, tmp_path):
   ref_dir, _ = qat_run
   process = start_training(tmp_path, "quant.qat=w8a8", "train.sample_tokens=0",

@@ -23,6 +23,7 @@ def test_ci_reads_both_commands_from_the_readme(name):
   assert ("jax-ai-stack train" if name == "main" else "pytest") in command
 
 
+@pytest.mark.slow
 def test_notebook_example_runs(tmp_path, monkeypatch):
   code = re.search(r"<!-- notebook example.*?-->\s*```python\n(.*?)```", README, re.S).group(1)
   monkeypatch.chdir(tmp_path)

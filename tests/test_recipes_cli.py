@@ -99,6 +99,7 @@ def test_a_subcommand_s_bad_flag_shows_that_subcommand_s_usage():
   assert "usage: jax-ai-stack doctor" in result.stderr and "--bogus" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_saves_then_exits_with_its_code(tmp_path, sig, code):
   process = start_training(tmp_path, "checkpoint.save_every=1000", "train.steps=100000")
@@ -115,6 +116,7 @@ def test_a_signal_saves_then_exits_with_its_code(tmp_path, sig, code):
   assert trainer.step == stopped_at
 
 
+@pytest.mark.slow
 def test_eval_and_generate_read_a_run_without_writing(reference):
   workdir, _ = reference
   before = tree(workdir)

@@ -177,6 +177,7 @@ def _step_program(trainer) -> str:
   return str(jax.make_jaxpr(trainer.train_step)(trainer.state, batch))
 
 
+@pytest.mark.slow
 def test_fsdp_tp_with_a_pallas_kernel_trains_like_one_device(tmp_path):
   """lm-tiny with `pallas_gpu` (Pallas interpret mode on CPU) under fsdp_tp on
   data 2 x fsdp 2 x tensor 2: the one-device losses (the tolerance above), with
@@ -262,6 +263,7 @@ def _restored_as_saved(trainer, saved: pathlib.Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_bitwise_onto_another_mesh(tmp_path, caplog):
   """Saved under fsdp=8 on 8 devices; opened again (resume auto) under fsdp 4 x
   tensor 2 with the fsdp_tp rules, and on one device: Orbax's sharded restore

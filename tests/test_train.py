@@ -48,6 +48,7 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
   assert config.load(None, config_file=workdir / run_lib.CONFIG_FILE) == tiny_config()
 
 
+@pytest.mark.slow
 def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   ref_dir, _ = reference
   stopped = train.run(tiny_config(), tmp_path, stop_after=7)  # Not a multiple of save_every.
@@ -65,6 +66,7 @@ def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   assert checkpoint.tree_equal(state_a, state_b)
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_saves_then_resume_is_bitwise_identical(reference, tmp_path):
   ref_dir, _ = reference
   process = start_training(tmp_path, "checkpoint.save_every=1")  # A save is always in flight.
@@ -228,6 +230,7 @@ def test_unwritable_workdir_is_named(tmp_path):
     train.run(tiny_config(), blocker / "run")
 
 
+@pytest.mark.slow
 def test_cli_train_eval_generate(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   assert cli.main(["train", "lm-tiny", "--workdir", workdir, *TINY, "train.steps=4"]) == 0
