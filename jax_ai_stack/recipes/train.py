@@ -48,7 +48,8 @@ from flax import nnx
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, optim, phases, profile, record, step
+from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim, phases, profile,
+                                  record, step)
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
@@ -321,8 +322,6 @@ def saved_step(workdir: str | pathlib.Path) -> int | None:
   directory = pathlib.Path(workdir) / CHECKPOINT_DIR
   if not directory.is_dir():
     return None
-  from jax_ai_stack.recipes import checkpoint
-
   manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig(), read_only=True)
   try:
     return manager.latest_step()

@@ -66,13 +66,13 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
-from jax_ai_stack.recipes.models.head import LOGPS_CHUNK_TOKENS, target_logps
 # Re-exported: the memory estimate and RoPE were defined here before they had modules.
 from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
     MATERIALIZING_ATTENTION, activation_bytes)
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
 from jax_ai_stack.recipes.models.configs import (  # noqa: F401
     DType, LlamaConfig, RematPolicy, RopeScaling)
+from jax_ai_stack.recipes.models.head import LOGPS_CHUNK_TOKENS, target_logps
 from jax_ai_stack.recipes.models.moe import ACTIVATIONS, MoE, MoeStats
 from jax_ai_stack.recipes.models.rope import (  # noqa: F401
     RopeTables, apply_rope, rope_inv_freq, rope_tables, rotate)
