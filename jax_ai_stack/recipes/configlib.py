@@ -42,19 +42,22 @@ def config_dataclass(cls: type[T]) -> type[T]:
 
 
 
+def kinds(cls: type) -> tuple[str, ...]:
+  """Every `kind` that tags the config dataclass `cls`: one, or a Literal of several (the
+  decoder's architectures); () for a dataclass without a `kind` field."""
+  for field in dataclasses.fields(cls):
+    if field.name == "kind":
+      hint = typing.get_type_hints(cls)["kind"]
+      return tuple(str(tag) for tag in typing.get_args(hint) or (field.default,))
+  return ()
+
+
 def _union_members(tp: Any) -> dict[str, type]:
   """For a tagged union of config dataclasses: {tag value: dataclass}."""
   while typing.get_origin(tp) is typing.Annotated:
     tp = typing.get_args(tp)[0]
-  members = {}
-  for member in typing.get_args(tp):
-    if dataclasses.is_dataclass(member):
-      for field in dataclasses.fields(member):
-        if field.name == "kind":  # One tag, or a Literal of several (the decoder's kinds).
-          hint = typing.get_type_hints(member)["kind"]
-          for tag in typing.get_args(hint) or (field.default,):
-            members[str(tag)] = member
-  return members
+  return {tag: member for member in typing.get_args(tp) if dataclasses.is_dataclass(member)
+          for tag in kinds(member)}
 
 
 def _walk(cls: Any, loc: tuple[str, ...]) -> tuple[list[str], Any]:

@@ -17,12 +17,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any
 
 import jax.numpy as jnp
 
 from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import MOE_KINDS, CNNConfig, LlamaConfig
 from jax_ai_stack.recipes.models.llama import KVCache
 
@@ -51,22 +51,19 @@ QUANT_LAYERS: dict[type, QuantLayers] = {
 """Where Qwix quantizes each model config's models; a config not here is not quantized."""
 
 
+_BY_KIND = {kind: layers for config, layers in QUANT_LAYERS.items()
+            for kind in configlib.kinds(config) if kind not in MOE_KINDS}
+
+
 def quant_layers(kind: str) -> QuantLayers | None:
   """Where Qwix quantizes a model of `kind` (`model.kind`); None: nowhere (a mixture of
   experts, whose experts are one grouped matmul's stacked weights, or a model of one's own)."""
-  if kind in MOE_KINDS:
-    return None
-  for config, layers in QUANT_LAYERS.items():
-    if kind in typing.get_args(typing.get_type_hints(config)["kind"]):
-      return layers
-  return None
+  return _BY_KIND.get(kind)
 
 
 def quantized_kinds() -> list[str]:
   """Every `model.kind` that `quant_layers` knows."""
-  kinds = [kind for config in QUANT_LAYERS
-           for kind in typing.get_args(typing.get_type_hints(config)["kind"])]
-  return [kind for kind in kinds if kind not in MOE_KINDS]
+  return list(_BY_KIND)
 
 
 def example_inputs(model_config: Any, method: str = "__call__") -> tuple:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import pkgutil
-import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import (DECODER_PROJECTIONS, CNNConfig,
                                                  CustomModelConfig, LlamaConfig)
 
@@ -54,8 +54,7 @@ class Family:
   def kinds(self) -> tuple[str, ...]:
     """Every `model.kind` that tags this family's model config (the decoder has one per
     architecture)."""
-    hint = typing.get_type_hints(self.model_config)["kind"]
-    return typing.get_args(hint) or (self.kind,)
+    return configlib.kinds(self.model_config)
 
   def task_class(self) -> type[Task]:
     """The family's `Task` subclass (imports its module: jax, flax, ...)."""
