@@ -197,7 +197,7 @@ def test_orbax_export_serves_a_trained_recipe_model_as_it_computes(tmp_path):
   the model's own logits."""
   tf = pytest.importorskip("tensorflow", reason=(
       "orbax-export 0.0.8 imports tensorflow, which the tfds extra installs "
-      "(pip install 'jax-ai-stack[tfds]'; CI leaves out its 570 MB wheel)"))
+      "(pip install 'jax-ai-stack[tfds]'; CI installs it on every matrix row)"))
   from orbax.export import ExportManager, JaxModule, ServingConfig
 
   from jax_ai_stack.recipes import train
