@@ -151,6 +151,17 @@ def test_metrics_are_fetched_once_per_log_interval_and_every_step_is_logged(tmp_
   assert records[1]["step_time"] == records[4]["step_time"]  # Shared out over the interval.
 
 
+def test_a_step_that_does_not_save_builds_no_checkpoint_metadata(tmp_path, monkeypatch):
+  # Built per call it cost 8.5 ms a step on an H100, more than a small model's step.
+  built = []
+  metadata = train.Trainer.checkpoint_metadata
+  monkeypatch.setattr(train.Trainer, "checkpoint_metadata",
+                      lambda self: (built.append(self.step), metadata(self))[1])
+  train.run(tiny_config("train.steps=7", "train.sample_tokens=0", "train.eval_every=0",
+                        "checkpoint.save_every=3"), tmp_path)
+  assert built == [1, 3, 6, 7]  # The first save into an empty directory, every 3rd, the last.
+
+
 def test_checkpoint_that_does_not_fit_names_the_parameter_and_changes_nothing(reference, tmp_path):
   ref_dir, _ = reference
   ckpt = ref_dir / train.CHECKPOINT_DIR

@@ -206,6 +206,8 @@ class Run:
     Inside `Trainer.fit` the write goes on in the background; called alone, it
     returns when the step is on disk.
     """
+    if not force and not self.manager.should_save(self.step):
+      return False  # Asked every step: the metadata and state below cost ms each.
     # Orbax copies the arrays to host memory before save() returns, so the next
     # step may donate (reuse) their buffers; the resume tests check the bits.
     return checkpoint.save(self.manager, self.step, self.transforms.saved(self.state),
