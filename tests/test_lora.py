@@ -17,9 +17,8 @@ from flax import nnx
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, config, train
-from jax_ai_stack.recipes.checkpoint import io as checkpoint_io
-from jax_ai_stack.recipes.finetune import lora, lora_merge
-from jax_ai_stack.recipes.metrics import MetricsLog
+from jax_ai_stack.recipes.finetune import lora_merge
+from jax_ai_stack.recipes.metrics import MetricsLog, eval_change
 
 from multidevice import run_on_devices
 from training_helpers import (STEPS, TINY, checkpoint_paths, start_training, tiny_config,
@@ -96,7 +95,7 @@ def test_held_out_and_train_loss_drop(lora_run, capsys):
   assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
   losses = [loss for _, loss in train_losses(workdir)]
   assert np.mean(losses[-5:]) < np.mean(losses[:5])
-  lines = lora.eval_change(workdir, 3e-3)
+  lines = eval_change(workdir, 3e-3)
   assert len(lines) == 1 and "held-out eval_loss" in lines[0]  # It fell: no hint.
 
 
@@ -105,10 +104,10 @@ def test_a_held_out_loss_that_rose_gets_a_learning_rate_hint(tmp_path):
   for step, loss in ((0, 1.880), (50, 1.902), (100, 1.965)):
     log.write(step, "eval", {"eval_loss": loss})
   log.close()
-  change, hint = lora.eval_change(tmp_path, 3e-3)
+  change, hint = eval_change(tmp_path, 3e-3)
   assert change == "held-out eval_loss 1.8800 before fine-tuning -> 1.9650 at step 100"
   assert hint.startswith("hint: held-out loss rose") and "optim.learning_rate=0.0003" in hint
-  assert lora.eval_change(tmp_path / "elsewhere", 3e-3) == []  # No metrics: nothing to say.
+  assert eval_change(tmp_path / "elsewhere", 3e-3) == []  # No metrics: nothing to say.
 
 
 def test_merge_gives_the_logits_of_base_plus_adapters(lora_run, tmp_path, capsys):
@@ -184,7 +183,8 @@ def test_lora_with_qat_is_refused(base, tmp_path, capsys):
   command = ["train", "lm-tiny", "--workdir", str(tmp_path), *TINY, "quant.qat=w8",
              *lora_overrides(base)]
   assert cli.main(command) == 2
-  assert "finetune.lora does not combine with quant.qat" in capsys.readouterr().err
+  assert ("quant.qat=w8 and finetune.lora (a quantized base is finetune.lora.quantize_base) "
+          "each apply a Qwix provider") in capsys.readouterr().err
   assert steps_on_disk(tmp_path) == []
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes.finetune import lora, reference
 from jax_ai_stack.recipes.tasks import objectives
@@ -110,13 +111,16 @@ def test_the_frozen_copy_is_the_base_bitwise_after_the_weights_moved():
 
 def test_the_objective_follows_the_data():
   plain = config_lib.load("lm-tiny")
-  assert isinstance(objectives.for_config(plain, lambda m: None), objectives.NextToken)
+  assert objectives.for_config(plain) == objectives.NextToken()
   dpo_config = config_lib.load("lm-tiny-dpo")
   dpo = LanguageModel(dpo_config).objective
-  assert isinstance(dpo, objectives.DirectPreference) and dpo.beta == 0.1
+  assert dpo == objectives.DirectPreference(beta=0.1) and dpo.needs_reference
   model = LanguageModel(dpo_config).build_model(0)
   with pytest.raises(config_lib.ConfigError, match="this run keeps none: set finetune.base"):
-    objectives.for_config(dpo_config, lambda m: None).loss(model, _pair_batch())
+    objectives.training_loss(dpo, lambda m: None)(model, _pair_batch())
+  with pytest.raises(UsageError, match="NextToken reads tokens data and this "
+                                                  "recipe's data.source='preference_stdlib' gives"):
+    LanguageModel(dpo_config, objective=objectives.NextToken())
 
 
 def test_preference_data_needs_a_base():
@@ -128,8 +132,8 @@ def test_preference_data_needs_a_base():
 class _ScaledNextToken(objectives.NextToken):
   """A new objective of one's own: the next token's loss, scaled, with a metric of its own."""
 
-  def loss(self, model, batch):
-    loss, metrics = objectives.lm_loss(model, batch)
+  def loss(self, model, batch, reference=None):
+    loss, metrics = super().loss(model, batch, reference)
     return 3.0 * loss, {**metrics, "unscaled": loss}
 
 
@@ -170,9 +174,9 @@ def test_dpo_on_a_mixture_of_experts_adds_the_router_losses():
   config = config_lib.load("moe-tiny", overrides=[*TINY[:-2], "model.moe.num_experts=4",
                                                   "model.moe.router_z_loss_coef=0.001"])
   model = LanguageModel(config).build_model(0)
-  objective = objectives.DirectPreference(beta=0.1, kind="sigmoid", label_smoothing=0.0,
-                                          reference=lambda m: m)  # Policy = reference.
-  loss, metrics = objective.loss(model, _pair_batch())
+  objective = objectives.DirectPreference(beta=0.1, kind="sigmoid", label_smoothing=0.0)
+  # Policy = reference, in another object: only the trained model's router losses count.
+  loss, metrics = objectives.training_loss(objective, nnx.clone)(model, _pair_batch())
   router = 0.01 * metrics["router_aux_loss"] + 0.001 * metrics["router_z_loss"]
   assert float(metrics["dpo_loss"]) == pytest.approx(np.log(2), rel=1e-6)
   assert float(router) > 0 and float(loss) == pytest.approx(np.log(2) + float(router), rel=1e-6)

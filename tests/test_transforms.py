@@ -3,24 +3,29 @@
 
 from __future__ import annotations
 
-import jax
 import pytest
 from flax import nnx
 
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes.finetune import reference, transforms as finetune_transforms
 from jax_ai_stack.recipes.tasks.lm import LanguageModel
-from jax_ai_stack.recipes.transforms import Chain, Frozen, ModelTransform
+from jax_ai_stack.recipes.transforms import Chain, Frozen, ModelTransform, TransformConflict
 
 TINY = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
         "model.mlp_dim=64", "model.max_seq_len=32", "data.seq_len=16"]
 
 
 class _Tag(ModelTransform):
-  """Records its name on the model; narrows `wrt` when asked."""
+  """Records its name on the model; narrows `wrt`, gives a reference or a Qwix provider
+  when asked."""
 
-  def __init__(self, name, wrt=nnx.Param, reference=None):
-    self.name, self.wrt, self.ref = name, wrt, reference
+  def __init__(self, name, wrt=nnx.Param, reference=None, qwix=None):
+    self.name, self.wrt, self.ref, self.qwix_provider = name, wrt, reference, qwix
+    self.provides_reference = reference is not None
+
+  @property
+  def label(self):
+    return f"tag {self.name}"
 
   def apply(self, model):
     model.tags = (*getattr(model, "tags", ()), self.name)
@@ -32,18 +37,25 @@ class _Tag(ModelTransform):
   def reference_model(self, model):
     return self.ref
 
-  def after_fit(self, run):
-    return [f"{self.name} done"]
 
-
-def test_a_chain_applies_in_order_and_the_last_narrowing_decides_what_trains():
+def test_a_chain_applies_in_order_and_takes_the_one_narrowing_and_reference():
   chain = Chain([_Tag("a"), _Tag("b", wrt=nnx.LoRAParam, reference="b's"), _Tag("c")])
   model = chain.apply(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
   assert model.tags == ("a", "b", "c")
   assert chain.wrt is nnx.LoRAParam and Chain([_Tag("a")]).wrt is nnx.Param
   assert chain.metadata() == {"a": 1, "b": 1, "c": 1}
   assert chain.reference_model(model) == "b's" and Chain([_Tag("a")]).reference_model(model) is None
-  assert chain.after_fit(None) == ["a done", "b done", "c done"]
+  assert chain.provides_reference and not Chain([_Tag("a")]).provides_reference
+
+
+@pytest.mark.parametrize("first, second, claim", [
+    (dict(wrt=nnx.LoRAParam), dict(wrt=nnx.LoRAParam), "narrow what trains"),
+    (dict(reference="x"), dict(reference="y"), "give the reference model"),
+    (dict(qwix="QtProvider"), dict(qwix="LoraProvider"), "apply a Qwix provider"),
+])
+def test_a_chain_refuses_two_transforms_that_claim_the_same_thing(first, second, claim):
+  with pytest.raises(TransformConflict, match=f"tag b and tag d each {claim}"):
+    Chain([_Tag("a"), _Tag("b", **first), _Tag("c"), _Tag("d", **second)])
 
 
 @pytest.mark.parametrize("overrides, trains, reference_kept", [

@@ -50,7 +50,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import pydantic
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
@@ -206,8 +205,8 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
     attention = _selected_attention(task, environ, autotune_file)
   analytic = task.activation_bytes(ways, attention)
   if analytic is None:
-    per_row, source = _measured_activation_bytes(task, model, optimizer,
-                                                 batch_size // batch_ways)
+    per_row, source = _measured_activation_bytes(task, task.training_loss(transforms), model,
+                                                 optimizer, batch_size // batch_ways)
   else:
     per_row, source = analytic
   remat, layers = getattr(config.model, "remat", "none"), getattr(config.model, "num_layers", 1)
@@ -263,14 +262,14 @@ def _selected_attention(task: tasks.Task, environ: Mapping[str, str] | None,
   return choice.name
 
 
-def _measured_activation_bytes(task: tasks.Task, model: nnx.Module, optimizer: nnx.Optimizer,
-                               rows: int) -> tuple[int, str]:
+def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.Module,
+                               optimizer: nnx.Optimizer, rows: int) -> tuple[int, str]:
   """XLA's temporary bytes of the one-device train step for `rows` rows, less gradients.
 
   The batch's shapes come from the first batch of the train split. Tensor
   parallelism is not taken into account (an overestimate under `fsdp_tp`).
   """
-  train_step, _, state = step.make_steps(model, optimizer, task.loss)
+  train_step, _, state = step.make_steps(model, optimizer, loss)
   iterator = iter(task.dataset("train", task.config.train.seed))
   try:
     first = next(iterator)

@@ -173,3 +173,20 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   path = pathlib.Path(workdir) / PLOT_FILE
   write_atomically(path, png.getvalue())
   return path
+
+
+def eval_change(workdir: str | pathlib.Path, learning_rate: float) -> list[str]:
+  """'held-out eval_loss 2.1 before fine-tuning -> 1.7 at step 200' from a run's
+  metrics.jsonl, if it has both; when the loss rose, a hint about `learning_rate`
+  (a pretraining rate on a trained base undoes what the base learned)."""
+  evals = [r for r in read_metrics(workdir) if r["split"] == "eval" and "eval_loss" in r]
+  if len(evals) < 2 or evals[0]["step"] != 0:
+    return []
+  first, last = evals[0], evals[-1]
+  lines = [f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
+           f"{last['eval_loss']:.4f} at step {last['step']}"]
+  if last["eval_loss"] > first["eval_loss"]:
+    lines.append(f"hint: held-out loss rose; fine-tuning usually takes a learning rate well "
+                 f"below pretraining's: try optim.learning_rate={learning_rate / 10:g} (this run "
+                 f"{learning_rate:g}) or fewer train.steps")
+  return lines

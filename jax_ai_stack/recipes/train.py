@@ -53,8 +53,8 @@ from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim,
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
-from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, format_metrics,
-                                          plot, read_metrics)
+from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, eval_change,
+                                          format_metrics, plot, read_metrics)
 from jax_ai_stack.recipes.run import (CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir,
                                      write_config)
 
@@ -190,6 +190,19 @@ class Trainer(Run):
       records.append((number, {**metrics, "step_time": step_time,
                                "throughput": items / max(step_time, 1e-9)}))
     return records
+
+  def evaluate_before_training(self) -> None:
+    """The evaluation before the first step, logged as step 0 and printed (a fine-tuning
+    run's base: its later evaluations show what tuning changed on the held-out text)."""
+    if self.step or self.validation is None:
+      return
+    metrics = self.evaluate()
+    log = MetricsLog(self.workdir, 0, enabled=distributed.is_primary())
+    try:
+      log.write(0, "eval", metrics)
+    finally:
+      log.close()
+    print(f"before fine-tuning: {format_metrics(metrics)}", flush=True)
 
   def eval_due(self) -> bool:
     every = self.config.train.eval_every
@@ -402,7 +415,8 @@ def run(
       return {**_final_metrics(workdir), "step": trainer.step,
               "stopped_by": f"stop_after={stop_after}"}
     else:
-      trainer.transforms.before_fit(trainer)  # E.g. a fine-tuning run's base, as step 0.
+      if trainer.transforms.evaluates_before_training:
+        trainer.evaluate_before_training()
       print("compiling the train step ...", flush=True)
       result = trainer.fit(stop_after=stop_after, on_first_step=report_startup)
       if result["stopped_by"]:
@@ -415,7 +429,8 @@ def run(
     compile_times.stop()
     trainer.close()
   _print_done(result, workdir)
-  _print_lines(trainer.transforms.after_fit(trainer))  # E.g. the held-out change.
+  if trainer.transforms.evaluates_before_training:
+    _print_lines(eval_change(workdir, config.optim.learning_rate))
   return result
 
 

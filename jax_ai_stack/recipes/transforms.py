@@ -16,10 +16,16 @@ calls its hooks at fixed points of a run:
   inference_model(model, plain)   the model that decodes (a LoRA run's, merged)
   exported_model(model, plain)    the model export-hf writes, and lines saying how
   describe(model)            how the run's parameter count reads
-  before_fit(run), after_fit(run) what is logged and printed around training
+
+No hook sees the run or the trainer. What a transform asks of them, it states
+as a value: `evaluates_before_training` (a fine-tuning run's base evaluated as
+step 0, and the held-out change printed at the end: the trainer's work).
 
 A new transform subclasses `ModelTransform` and overrides the hooks it needs;
-`Chain` runs several in order (QAT, then a base with adapters).
+`Chain` runs several in order (QAT, then a base with adapters). Like optax's
+`chain`, it is checked as it is built: two transforms that each narrow what
+trains (`wrt`), each give a reference model, or each apply a Qwix provider
+(Qwix keeps one per model) are refused, naming both (`TransformConflict`).
 
 Example: no transform leaves the model and what trains as they are.
   >>> from flax import nnx
@@ -35,7 +41,13 @@ from typing import Any
 
 from flax import nnx
 
-__all__ = ["Chain", "Frozen", "ModelTransform"]
+from jax_ai_stack.errors import ConfigError
+
+__all__ = ["Chain", "Frozen", "ModelTransform", "TransformConflict"]
+
+
+class TransformConflict(ConfigError):
+  """Two transforms of one chain claim what only one can have (see the module)."""
 
 
 class Frozen(nnx.Variable):
@@ -48,6 +60,18 @@ class ModelTransform:
 
   wrt: Any = nnx.Param
   """What the optimizer updates and the gradient is taken of (an nnx filter)."""
+  provides_reference: bool = False
+  """Whether `reference_model` gives a model (DPO's reference)."""
+  qwix_provider: str | None = None
+  """The Qwix provider `apply` puts on the model (e.g. "QtProvider"), if any."""
+  evaluates_before_training: bool = False
+  """Whether the trainer evaluates the model before the first step (step 0) and prints the
+  held-out change at the end (a fine-tuning run: the base against what tuning made of it)."""
+
+  @property
+  def label(self) -> str:
+    """How an error names this transform (a config field where one asks for it)."""
+    return type(self).__name__
 
   def apply(self, model: nnx.Module) -> nnx.Module:
     """The model the run trains, from the Task's (called while tracing: no I/O)."""
@@ -92,22 +116,21 @@ class ModelTransform:
     del model
     return None
 
-  def before_fit(self, run: Any) -> None:
-    """Called once before the first step of a run that trains (not on a finished one)."""
-
-  def after_fit(self, run: Any) -> list[str]:
-    """Lines to print when a run has finished training."""
-    del run
-    return []
-
 
 class Chain(ModelTransform):
-  """Several transforms, applied in order; the last one that narrows `wrt` decides it."""
+  """Several transforms, applied in order; refuses two that claim the same thing."""
 
   def __init__(self, transforms: Sequence[ModelTransform]):
     self.transforms = list(transforms)
-    narrowed = [t.wrt for t in self.transforms if t.wrt is not nnx.Param]
-    self.wrt = narrowed[-1] if narrowed else nnx.Param
+    narrowing = _one_at_most(self.transforms, lambda t: t.wrt is not nnx.Param,
+                             "narrow what trains (wrt)")
+    self.wrt = narrowing.wrt if narrowing else nnx.Param
+    self.provides_reference = bool(_one_at_most(
+        self.transforms, lambda t: t.provides_reference, "give the reference model"))
+    qwix = _one_at_most(self.transforms, lambda t: t.qwix_provider is not None,
+                        "apply a Qwix provider (Qwix keeps one per model)")
+    self.qwix_provider = qwix.qwix_provider if qwix else None
+    self.evaluates_before_training = any(t.evaluates_before_training for t in self.transforms)
 
   def apply(self, model):
     for transform in self.transforms:
@@ -129,9 +152,8 @@ class Chain(ModelTransform):
 
   def reference_model(self, model):
     for transform in self.transforms:
-      reference = transform.reference_model(model)
-      if reference is not None:
-        return reference
+      if transform.provides_reference:
+        return transform.reference_model(model)
     return None
 
   def inference_model(self, model, plain):
@@ -149,9 +171,12 @@ class Chain(ModelTransform):
   def describe(self, model):
     return next((text for t in self.transforms if (text := t.describe(model))), None)
 
-  def before_fit(self, run):
-    for transform in self.transforms:
-      transform.before_fit(run)
 
-  def after_fit(self, run):
-    return [line for transform in self.transforms for line in transform.after_fit(run)]
+def _one_at_most(transforms: Sequence[ModelTransform], claims: Callable[[ModelTransform], bool],
+                 what: str) -> ModelTransform | None:
+  """The one transform that `claims`, or None; a TransformConflict naming two that do."""
+  claiming = [t for t in transforms if claims(t)]
+  if len(claiming) > 1:
+    raise TransformConflict(f"{claiming[0].label} and {claiming[1].label} each {what}: "
+                            f"a run's transforms may have one that does")
+  return claiming[0] if claiming else None

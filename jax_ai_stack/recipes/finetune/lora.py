@@ -236,15 +236,31 @@ class Finetune(ModelTransform):
 
   @classmethod
   def of(cls, recipe: Any) -> Finetune:
-    """The recipe's `finetune` section; refuses LoRA with QAT (Qwix keeps one provider per
-    model: the adapters' would silently replace the fake quantization)."""
+    """The recipe's `finetune` section."""
     config = getattr(recipe, "finetune", None) or FinetuneConfig()
-    if config.lora is not None and getattr(getattr(recipe, "quant", None), "qat", None):
-      raise ConfigError("finetune.lora does not combine with quant.qat (Qwix applies one "
-                        "provider per model); for a quantized base use finetune.lora.quantize_base")
     preference = getattr(getattr(recipe, "data", None), "is_preference", False)
     return cls(config, recipe.model, recipe.train.seed,
                keeps_reference=config.active and config.lora is None and preference)
+
+  @property
+  def label(self) -> str:
+    if self.lora is None:
+      return "finetune.base"
+    return "finetune.lora (a quantized base is finetune.lora.quantize_base)"
+
+  @property
+  def qwix_provider(self) -> str | None:
+    return "LoraProvider" if self.lora is not None else None
+
+  @property
+  def provides_reference(self) -> bool:
+    return self.lora is not None or self.keeps_reference
+
+  @property
+  def evaluates_before_training(self) -> bool:
+    """A fine-tuning run evaluates its base as step 0 (with LoRA, B is zero: the base
+    itself), so its later evaluations show what tuning changed on the held-out text."""
+    return self.config.active
 
   @property
   def lora(self) -> LoraConfig | None:
@@ -366,15 +382,6 @@ class Finetune(ModelTransform):
     if self.keeps_reference:
       return f"{n_params:,} parameters (and a frozen copy of the base's, DPO's reference)"
     return None
-
-  def before_fit(self, run: Any) -> None:
-    if self.config.active:
-      eval_before(run)
-
-  def after_fit(self, run: Any) -> list[str]:
-    if not self.config.active:
-      return []
-    return eval_change(run.workdir, run.config.optim.learning_rate)
 
 
 def _as_frozen(weights: nnx.State, abstract: nnx.State) -> nnx.State:
@@ -509,42 +516,3 @@ def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nn
   logs.note(f"finetune.base={origin!r} is a LoRA run: its adapters (rank {config['rank']}, "
             f"alpha {config['alpha']:g}) are merged into its base ({where}) as it loads")
   return nnx.from_flat_state([(path, flat[path].replace(merged[path])) for path in flat])
-
-
-def eval_before(trainer) -> None:
-  """A fine-tuning run's evaluation before its first step, logged as step 0 and printed.
-
-  With LoRA that is the base model itself (B is zero), so the run's later
-  evaluations show what fine-tuning changed on the held-out text.
-  """
-  if trainer.step or trainer.validation is None:
-    return
-  from jax_ai_stack.recipes import distributed
-  from jax_ai_stack.recipes.metrics import MetricsLog, format_metrics
-
-  metrics = trainer.evaluate()
-  log = MetricsLog(trainer.workdir, 0, enabled=distributed.is_primary())
-  try:
-    log.write(0, "eval", metrics)
-  finally:
-    log.close()
-  print(f"before fine-tuning: {format_metrics(metrics)}", flush=True)
-
-
-def eval_change(workdir: str | pathlib.Path, learning_rate: float) -> list[str]:
-  """'held-out eval_loss 2.1 before fine-tuning -> 1.7 at step 200' from a run's
-  metrics.jsonl, if it has both; when the loss rose, a hint about `learning_rate`
-  (a pretraining rate on a trained base undoes what the base learned)."""
-  from jax_ai_stack.recipes.metrics import read_metrics
-
-  evals = [r for r in read_metrics(workdir) if r["split"] == "eval" and "eval_loss" in r]
-  if len(evals) < 2 or evals[0]["step"] != 0:
-    return []
-  first, last = evals[0], evals[-1]
-  lines = [f"held-out eval_loss {first['eval_loss']:.4f} before fine-tuning -> "
-           f"{last['eval_loss']:.4f} at step {last['step']}"]
-  if last["eval_loss"] > first["eval_loss"]:
-    lines.append(f"hint: held-out loss rose; fine-tuning usually takes a learning rate well "
-                 f"below pretraining's: try optim.learning_rate={learning_rate / 10:g} (this run "
-                 f"{learning_rate:g}) or fewer train.steps")
-  return lines

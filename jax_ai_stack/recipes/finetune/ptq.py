@@ -166,7 +166,7 @@ def open_quantized(workdir: str | pathlib.Path, scheme: str, *, validation: bool
 def _with_model(trainer: Run, model: nnx.Module) -> Run:
   """`trainer` evaluating and generating with `model` (no optimizer: it does not train)."""
   graphdef, state = nnx.split(model)
-  loss = trainer.task.loss
+  loss = trainer.task.training_loss(trainer.transforms)
 
   @jax.jit
   def eval_step(state, batch):

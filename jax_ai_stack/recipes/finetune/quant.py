@@ -120,17 +120,22 @@ class Qat(ModelTransform):
 
   def __init__(self, config: Any):
     self.config = config
+    self.scheme = getattr(getattr(config, "quant", None), "qat", None)
+    self.qwix_provider = "QtProvider" if self.scheme else None
+
+  @property
+  def label(self) -> str:
+    return f"quant.qat={self.scheme}"
 
   def apply(self, model: nnx.Module) -> nnx.Module:
     return qat(model, self.config)
 
   def exported_model(self, model, plain):
-    scheme = getattr(getattr(self.config, "quant", None), "qat", None)
-    if scheme is None:
+    if self.scheme is None:
       return model, []
-    return model, [f"QAT run: exported its float weights; the {scheme} fake quantization it "
-                   f"trained through is not applied (jax-ai-stack quantize makes the "
-                   f"{scheme} model)"]
+    return model, [f"QAT run: exported its float weights; the {self.scheme} fake quantization "
+                   f"it trained through is not applied (jax-ai-stack quantize makes the "
+                   f"{self.scheme} model)"]
 
 
 def ptq(model: nnx.Module, scheme: str, model_config: Any, *,

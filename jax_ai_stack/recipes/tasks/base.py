@@ -42,6 +42,7 @@ from jax_ai_stack.recipes.models import adapting
 from jax_ai_stack.recipes.models.adapting import QuantLayers
 from jax_ai_stack.recipes.models.configs import CustomModelConfig
 from jax_ai_stack.recipes.step import Batch, LossFn
+from jax_ai_stack.recipes.tasks import objectives
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = ["Batch", "LossFn", "QuantLayers", "Task"]
@@ -67,11 +68,22 @@ class Task(abc.ABC):
   """The model's methods that quantization can intercept ("decode": it generates
   token by token); a quantized model that lacks the one asked for runs `__call__`."""
 
+  objective: Any = None
+  """What the model learns (a `tasks.objectives.Objective`: a built-in family's, from its
+  config); None: `loss` alone says (a model of one's own)."""
+  data_kind: ClassVar[str | None] = None
+  """The kind of data the config feeds ("tokens", "preference", "images"), which a given
+  objective must read; None: not checked."""
+
   def __init__(self, config: Any, *, objective: Any = None):
     """`objective`: what the model learns (`tasks.objectives`), for a family whose loss
     asks one (`LanguageModel`, `ImageClassification`); None: the one the config asks."""
     self.config = config
     if objective is not None:
+      wanted = getattr(objective, "data_kind", "any")
+      if self.data_kind is not None and wanted not in ("any", self.data_kind):
+        raise UsageError(f"{type(objective).__name__} reads {wanted} data and this recipe's "
+                         f"data.source={self.config.data.source!r} gives {self.data_kind}")
       self.objective = objective  # Takes the place of the family's default.
 
   @classmethod
@@ -97,6 +109,13 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(scalar loss, auxiliary metrics); what `value_and_grad` differentiates."""
+
+  def training_loss(self, transforms: ModelTransform) -> LossFn:
+    """The train and eval steps' loss: the objective's, handed the reference model of the
+    run's `transforms` (`objectives.training_loss`); without an objective, `loss`."""
+    if self.objective is None:
+      return self.loss
+    return objectives.training_loss(self.objective, transforms.reference_model)
 
   @abc.abstractmethod
   def dataset(self, split: str, seed: int) -> grain.IterDataset | Mapping[str, grain.IterDataset]:

@@ -29,6 +29,7 @@ class ImageClassification(Task):
 
   model_config = CNNConfig
   throughput_unit = "examples"
+  data_kind = "images"
   quant_layers = adapting.QUANT_LAYERS[CNNConfig]
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
@@ -42,7 +43,7 @@ class ImageClassification(Task):
     return objectives.Classification()
 
   def loss(self, model, batch):
-    return self.objective.loss(model, batch)
+    return objectives.training_loss(self.objective)(model, batch)
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return self.objective.evaluation(means)
@@ -55,4 +56,4 @@ class ImageClassification(Task):
     return self.config.data.batch_size
 
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
-    return {"images": ("batch", "height", "width", "channels"), "labels": ("batch",)}
+    return self.objective.batch_axes()

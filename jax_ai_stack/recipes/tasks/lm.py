@@ -51,12 +51,17 @@ class LanguageModel(Task):
     return Llama(self.config.model, rngs=rngs, attention=attention, layout=layout)
 
   @functools.cached_property
-  def objective(self) -> objectives.NextToken | objectives.DirectPreference:
+  def objective(self) -> objectives.Objective:
     """What the model learns: the next token, or DPO on preference data (`objectives`)."""
-    return objectives.for_config(self.config, self.model_transforms().reference_model)
+    return objectives.for_config(self.config)
+
+  @property
+  def data_kind(self) -> str:
+    return "preference" if self.config.data.is_preference else "tokens"
 
   def loss(self, model, batch):
-    return self.objective.loss(model, batch)
+    """The objective's loss without a run's transforms (DPO: refused, it has no reference)."""
+    return objectives.training_loss(self.objective)(model, batch)
 
   def data_metrics(self, step: int) -> dict[str, float]:
     """A mixture's tokens per component so far (`tokens_<name>`)."""
@@ -81,10 +86,7 @@ class LanguageModel(Task):
     return self.config.data.batch_size * self.config.data.seq_len
 
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
-    names = ("inputs", "targets", "segment_ids", "positions")
-    if self.config.data.is_preference:  # A pair's sides, on the same devices.
-      names = tuple(f"{side}_{name}" for side in objectives.SIDES for name in names)
-    return {name: ("batch", "length") for name in names}
+    return self.objective.batch_axes()
 
   def tokenizer(self) -> data.Tokenizer:
     return data.build_tokenizer(self.config.data)

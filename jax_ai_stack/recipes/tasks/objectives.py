@@ -1,10 +1,18 @@
 """Training objectives: what a model learns, a value its Task is built with.
 
-An objective has `loss(model, batch) -> (loss, metrics)` and `evaluation(means)`
-(derived held-out metrics). A Task gets the one its config asks for
-(`for_config`), or the one it is given: `LanguageModel(config, objective=...)`,
-passed to `build_run(config, task=...)`. A new objective is a class here (or in
-a module of one's own) and the data it reads, plus a preset.
+An objective is a frozen dataclass (an `Objective`): `loss(model, batch,
+reference) -> (loss, metrics)`, `evaluation(means)` (derived held-out metrics),
+`batch_axes()` (its batch's fields and their logical axes), the data kind it
+reads (`data_kind`) and whether it compares with a reference model
+(`needs_reference`). A Task gets the one its config asks for (`for_config`),
+or the one it is given: `LanguageModel(config, objective=...)`, passed to
+`build_run(config, task=...)`. `training_loss` makes the step's loss of it:
+it hands the objective the run's reference model (from the run's transforms,
+built once) and adds the router losses a mixture of experts computes in the
+forward pass of the model being trained, for every objective alike (each
+objective's own loss is then logged as its `loss_metric`). A new objective is
+a class here (or in a module of one's own) and the data it reads, plus a
+preset.
 
 `Classification` is the cross-entropy of class logits (the image family).
 The decoder is one; what it learns differs. `NextToken` is the mean
@@ -28,8 +36,7 @@ their margin, the share of pairs whose chosen reply wins (preference
 accuracy), and the policy's mean log-probability of each side.
 
 `for_config` picks the objective from the recipe: preference data trains DPO,
-anything else the next token. A new objective is a class with `loss` and
-`evaluation` here, and the data it reads.
+anything else the next token.
 
 Example: the DPO loss on fixed log-probabilities.
   >>> loss, metrics = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]),
@@ -40,9 +47,11 @@ Example: the DPO loss on fixed log-probabilities.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -53,47 +62,100 @@ from jax_ai_stack.errors import ConfigError
 
 Batch = dict[str, jax.Array]
 SIDES = ("chosen", "rejected")
+TOKEN_FIELDS = ("inputs", "targets", "segment_ids", "positions")
+"""A token batch's [B, T] fields that a mesh splits along ("batch", "length")."""
 
 
-def classification_loss(model: nnx.Module, batch: Batch
-                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean cross-entropy of class logits, with accuracy for the logs."""
-  logits = model(batch["images"])
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-  accuracy = (logits.argmax(-1) == batch["labels"]).mean()
-  return loss, {"accuracy": accuracy}
+class Objective:
+  """What a model learns; subclasses are frozen dataclasses (values: equal when their
+  settings are)."""
 
+  data_kind: ClassVar[str] = "any"
+  """The data it reads: "tokens" (text or chat), "preference" (pairs), "images"."""
+  needs_reference: ClassVar[bool] = False
+  """Whether `loss` compares with a frozen reference model (the run's transforms give it)."""
+  loss_metric: ClassVar[str] = "objective_loss"
+  """The metric its own loss is logged as where a model's router losses are added."""
 
-class Classification:
-  """Cross-entropy of class logits from `batch["images"]` against `batch["labels"]`."""
-
-  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return classification_loss(model, batch)
+  def loss(self, model: nnx.Module, batch: Batch, reference: nnx.Module | None = None
+           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    raise NotImplementedError
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+    """Derived metrics from the mean held-out metrics; default: as they are."""
     return means
 
+  def batch_axes(self) -> dict[str, tuple[str, ...]]:
+    """Logical axes of the batch fields (a field left out: split along its first axis)."""
+    return {}
 
-def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean next-token cross-entropy over the tokens `loss_mask` keeps.
 
-  Without a `loss_mask`, padding (segment id 0) is left out. A mixture-of-experts
-  model's router losses are added (`llama.moe_losses`); the cross-entropy alone is
-  then the metric `lm_loss`, beside the router's metrics.
+# ---- a model's router losses, added once for every objective ------------------------
+
+_TRAINED: contextvars.ContextVar[_RouterLosses | None] = contextvars.ContextVar(
+    "trained_model", default=None)
+
+
+@dataclasses.dataclass
+class _RouterLosses:
+  """The model a loss is being taken of, and the router losses its forward passes made."""
+  model: nnx.Module
+  found: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)
+
+
+def target_logps(model: nnx.Module, inputs: jax.Array, targets: jax.Array, *,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+                 ) -> jax.Array:
+  """log p(targets) [B, T] under a decoder (its head in chunks: no [B, T, V] logits).
+
+  Inside `training_loss`, a forward pass of the model being trained also hands
+  its mixture-of-experts router losses (`llama.moe_losses`) to the loss; a
+  reference model's pass (another object) does not.
   """
-  logps, moe = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                     positions=batch.get("positions"), with_moe_losses=True,
-                     targets=batch["targets"])  # The head in chunks: no [B, T, V] logits.
-  losses = -logps
-  if "loss_mask" in batch:
-    mask = batch["loss_mask"].astype(jnp.float32)
-  elif "segment_ids" in batch:
-    mask = (batch["segment_ids"] != 0).astype(jnp.float32)
-  else:
-    mask = jnp.ones_like(losses)
-  tokens = jnp.maximum(mask.sum(), 1.0)
-  loss = (losses * mask).sum() / tokens
-  return with_router_losses(loss, {"tokens": mask.sum()}, moe, alone="lm_loss")
+  collecting = _TRAINED.get()
+  if collecting is None or collecting.model is not model:
+    return model(inputs, segment_ids=segment_ids, positions=positions, targets=targets)
+  logps, moe = model(inputs, segment_ids=segment_ids, positions=positions,
+                     with_moe_losses=True, targets=targets)
+  collecting.found.append(moe)
+  return logps
+
+
+def training_loss(objective: Objective,
+                  reference: Callable[[nnx.Module], nnx.Module | None] | None = None
+                  ) -> Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]:
+  """`objective` as a step's `loss(model, batch)`: `reference(model)` (the run's transforms'
+  `reference_model`) handed to an objective that needs one, and the trained model's router
+  losses added (`with_router_losses`)."""
+
+  def loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    frozen = None
+    if objective.needs_reference:
+      frozen = reference(model) if reference is not None else None
+      if frozen is None:
+        raise ConfigError(f"{type(objective).__name__} needs a reference model and this run "
+                          f"keeps none: set finetune.base (the run to start from and compare "
+                          f"with)")
+    collecting = _RouterLosses(model)
+    token = _TRAINED.set(collecting)
+    try:
+      value, metrics = objective.loss(model, batch, frozen)
+    finally:
+      _TRAINED.reset(token)
+    return with_router_losses(value, metrics, _summed(collecting.found),
+                              alone=objective.loss_metric)
+
+  return loss
+
+
+def _summed(found: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+  """One forward pass's router losses as they are; several: the losses summed, the
+  metrics averaged."""
+  found = [moe for moe in found if moe]
+  if len(found) <= 1:
+    return found[0] if found else {}
+  return {k: sum(moe[k] for moe in found) / (1 if k == "moe_loss" else len(found))
+          for k in found[0]}
 
 
 def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array],
@@ -108,31 +170,79 @@ def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array],
   return loss + moe["moe_loss"], {**metrics, alone: loss, **router}
 
 
-class NextToken:
-  """Next-token prediction on the tokens the batch's `loss_mask` keeps."""
+# ---- the objectives -------------------------------------------------------------------
 
-  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return lm_loss(model, batch)
 
-  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
+def classification_loss(model: nnx.Module, batch: Batch
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean cross-entropy of class logits, with accuracy for the logs."""
+  logits = model(batch["images"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+  accuracy = (logits.argmax(-1) == batch["labels"]).mean()
+  return loss, {"accuracy": accuracy}
+
+
+@dataclasses.dataclass(frozen=True)
+class Classification(Objective):
+  """Cross-entropy of class logits from `batch["images"]` against `batch["labels"]`."""
+
+  data_kind: ClassVar[str] = "images"
+
+  def loss(self, model, batch, reference=None):
+    del reference
+    return classification_loss(model, batch)
+
+  def batch_axes(self):
+    return {"images": ("batch", "height", "width", "channels"), "labels": ("batch",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NextToken(Objective):
+  """Next-token prediction on the tokens the batch's `loss_mask` keeps.
+
+  Without a `loss_mask`, padding (segment id 0) is left out.
+  """
+
+  data_kind: ClassVar[str] = "tokens"
+  loss_metric: ClassVar[str] = "lm_loss"
+
+  def loss(self, model, batch, reference=None):
+    del reference
+    losses = -target_logps(model, batch["inputs"], batch["targets"],
+                           segment_ids=batch.get("segment_ids"),
+                           positions=batch.get("positions"))
+    if "loss_mask" in batch:
+      mask = batch["loss_mask"].astype(jnp.float32)
+    elif "segment_ids" in batch:
+      mask = (batch["segment_ids"] != 0).astype(jnp.float32)
+    else:
+      mask = jnp.ones_like(losses)
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    return (losses * mask).sum() / tokens, {"tokens": mask.sum()}
+
+  def evaluation(self, means):
     """Perplexity of the cross-entropy (`eval_lm_loss` where router losses were added)."""
     loss = means.get("eval_lm_loss", means["eval_loss"])
     return {**means, "eval_perplexity": math.exp(min(loss, 50.0))}
 
+  def batch_axes(self):
+    return {name: ("batch", "length") for name in TOKEN_FIELDS}
 
-def sequence_logps(model: nnx.Module, batch: Batch, *, with_moe_losses: bool = False
-                   ) -> tuple[jax.Array, ...]:
+
+lm_loss = training_loss(NextToken())
+"""The next token's mean cross-entropy, router losses added: `loss(model, batch)`."""
+
+
+def sequence_logps(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
   """Summed log-probabilities of each pair's chosen and of its rejected reply, [B] each,
-  from one forward pass over both sides' rows; `with_moe_losses`: and the MoE layers'
-  losses and metrics (`llama.moe_losses`; {} for a dense model) as a third value."""
+  from one forward pass over both sides' rows."""
   both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
           for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  out = model(both["inputs"], segment_ids=both["segment_ids"], positions=both["positions"],
-              with_moe_losses=with_moe_losses, targets=both["targets"])
-  logps, moe = out if with_moe_losses else (out, None)
+  logps = target_logps(model, both["inputs"], both["targets"],
+                       segment_ids=both["segment_ids"], positions=both["positions"])
   summed = (logps * both["loss_mask"].astype(jnp.float32)).sum(axis=-1)
   chosen, rejected = jnp.split(summed, 2)
-  return (chosen, rejected, moe) if with_moe_losses else (chosen, rejected)
+  return chosen, rejected
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
@@ -154,37 +264,33 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_cho
   return losses.mean(), metrics
 
 
-class DirectPreference:
-  """DPO against a reference computed from the trained model (`reference(model)`)."""
+@dataclasses.dataclass(frozen=True)
+class DirectPreference(Objective):
+  """DPO against the reference model the run's transforms give (see the module)."""
 
-  def __init__(self, *, beta: float, kind: str, label_smoothing: float,
-               reference: Callable[[nnx.Module], nnx.Module | None]):
-    self.beta, self.kind, self.label_smoothing = beta, kind, label_smoothing
-    self.reference = reference
+  beta: float = 0.1
+  kind: str = "sigmoid"
+  label_smoothing: float = 0.0
 
-  def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The DPO loss; a mixture of experts' router losses are added (as in `lm_loss`),
-    the DPO loss alone is then the metric `dpo_loss`."""
-    *policy, moe = sequence_logps(model, batch, with_moe_losses=True)
-    frozen = self.reference(model)
-    if frozen is None:
-      raise ConfigError("DPO needs a reference model and this run keeps none: set "
-                        "finetune.base (the run to start from and compare with)")
-    reference = jax.lax.stop_gradient(sequence_logps(frozen, batch))
-    loss, metrics = dpo_loss(*policy, *reference, beta=self.beta, kind=self.kind,
-                             label_smoothing=self.label_smoothing)
-    return with_router_losses(loss, metrics, moe, alone="dpo_loss")
+  data_kind: ClassVar[str] = "preference"
+  needs_reference: ClassVar[bool] = True
+  loss_metric: ClassVar[str] = "dpo_loss"
 
-  def evaluation(self, means: dict[str, float]) -> dict[str, float]:
-    return means
+  def loss(self, model, batch, reference=None):
+    policy = sequence_logps(model, batch)
+    frozen = jax.lax.stop_gradient(sequence_logps(reference, batch))
+    return dpo_loss(*policy, *frozen, beta=self.beta, kind=self.kind,
+                    label_smoothing=self.label_smoothing)
+
+  def batch_axes(self):
+    """A pair's sides, on the same devices."""
+    return {f"{side}_{name}": ("batch", "length") for side in SIDES for name in TOKEN_FIELDS}
 
 
-def for_config(config: Any, reference: Callable[[nnx.Module], nnx.Module | None]
-               ) -> NextToken | DirectPreference:
-  """The objective a recipe trains: DPO on preference data (`finetune.dpo`) against the
-  `reference` of the run's model (`ModelTransform.reference_model`), else the next token."""
+def for_config(config: Any) -> NextToken | DirectPreference:
+  """The objective a recipe trains: DPO on preference data (`finetune.dpo`), else the
+  next token."""
   if not config.data.is_preference:
     return NextToken()
   dpo = config.finetune.dpo
-  return DirectPreference(beta=dpo.beta, kind=dpo.loss, label_smoothing=dpo.label_smoothing,
-                          reference=reference)
+  return DirectPreference(beta=dpo.beta, kind=dpo.loss, label_smoothing=dpo.label_smoothing)
