@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import pathlib
+import re
 
 import pytest
 
@@ -264,3 +265,18 @@ def test_the_trainer_names_no_fine_tuning(name):
   Task's `model_transforms`) and DPO as an objective: the run and its loop import neither."""
   named = graph()[name]
   assert not [t for t in named if t.startswith("jax_ai_stack.recipes.finetune")], named
+
+
+def test_the_architecture_page_names_only_modules_that_exist_in_their_layer():
+  """docs/architecture.md: every `jax_ai_stack.x` it names is a module or package here, and
+  each module of its layer table belongs to the layer it is listed under."""
+  page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+  named = set(re.findall(r"`(jax_ai_stack(?:\.\w+)*)`", page))
+  assert len(named) > 20 and not named - modules().keys(), sorted(named - modules().keys())
+  names = [layer for layer, _, _ in LAYERS]
+  rows = re.findall(r"^\| ([a-z][^|]*?) \|[^|]*\|([^|]*)\|$", page, re.M)[1:]  # Not the head.
+  assert [name for name, _ in rows] == names
+  for row in rows:
+    layer = names.index(row[0])
+    for module in re.findall(r"`(jax_ai_stack[\w.]*)`", row[1]):
+      assert layer_of(module) <= layer, (module, row[0])
