@@ -28,14 +28,15 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      "modules on first use, so importing it costs nothing", (
          "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "native_logs", "absl_flags",
          "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
-         "recipes.finetune")),
+         "recipes.models.hf", "recipes.finetune")),
     ("environment and kernels", "what is installed, and which attention kernel runs where: "
      "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
     ("recipe configs", "the config tree (and the family table it names) loads, validates and "
      "prints without jax", (
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
-         "recipes.models.configs", "recipes.tasks", "recipes.tasks.families", "recipes.phases")),
+         "recipes.models.configs", "recipes.models.hf.families", "recipes.models.hf.families.*",
+         "recipes.tasks", "recipes.tasks.families", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.tasks.*", "recipes.sharding",

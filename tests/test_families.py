@@ -350,3 +350,34 @@ def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
     assert run.generate("def ", 6, 0.0).startswith("def ")
   finally:
     run.close()
+
+
+def test_each_kind_is_declared_by_its_family_file_alone():
+  """A family is one file of models/hf/families: the config's tables come from those files,
+  and no other module of the package names a kind (the decoder's default kind and the
+  `llama` module's name aside)."""
+  import ast
+  import typing
+
+  from jax_ai_stack.recipes.models import configs
+  from jax_ai_stack.recipes.models.hf import families
+
+  every = families.every_family()
+  assert typing.get_args(configs.DecoderKind) == families.KINDS == tuple(f.kind for f in every)
+  for family in every:
+    assert configs.KIND_FREE[family.kind] == family.free
+    assert configs.KIND_DEFAULTS.get(family.kind, {}) == dict(family.switches)
+    assert (family.kind in configs.MOE_KINDS) == (family.experts is not None)
+  package = pathlib.Path(configs.__file__).parents[3] / "jax_ai_stack"
+  named = set()
+  for path in package.rglob("*.py"):
+    if path.parent.name == "families" and path.parent.parent.name == "hf":
+      continue
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    named |= {(path.relative_to(package).as_posix(), node.value) for node in ast.walk(tree)
+              if isinstance(node, ast.Constant) and node.value in families.KINDS
+              and id(node) not in docstrings}
+  assert named == {("recipes/models/configs.py", "llama"), ("recipes/models/__init__.py", "llama")}

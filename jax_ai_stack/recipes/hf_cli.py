@@ -192,7 +192,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
   written and the files.
   """
   from jax_ai_stack.recipes.models import hf
-  from jax_ai_stack.recipes.models.hf import special_tokens
+  from jax_ai_stack.recipes.models.hf import families as hf_families, special_tokens
   from jax_ai_stack.recipes.run import build_run
 
   out = pathlib.Path(out)
@@ -203,8 +203,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
   try:
     if not hf.writes(trainer.model):
       raise UsageError(f"{workdir} trained a {trainer.config.model.kind} model; export-hf "
-                       "writes the decoder families (llama, qwen2, qwen3, mistral, gemma2, "
-                       "gemma3, mixtral, qwen3_moe) only")
+                       f"writes the decoder families ({', '.join(hf_families.KINDS)}) only")
     data = trainer.config.data
     tokenizer, token_ids, generation = None, {}, None
     if data.tokenizer == "huggingface":

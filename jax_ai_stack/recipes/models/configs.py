@@ -22,6 +22,7 @@ from pydantic_core import ArgsKwargs
 
 from jax_ai_stack.kernels import names
 from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.models.hf import families as hf_families
 
 DECODER_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 """The decoder's attention and MLP projections: the layers LoRA adapts by default."""
@@ -62,38 +63,21 @@ class RopeScaling:
       )
 
 
-DecoderKind = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
-                      "qwen3_moe"]
-MOE_KINDS = ("mixtral", "qwen3_moe")
+_FAMILIES = hf_families.every_family()  # One small module each, no jax.
+DecoderKind = Literal[hf_families.KINDS]  # type: ignore[valid-type]
+MOE_KINDS = tuple(family.kind for family in _FAMILIES if family.experts is not None)
 """The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
 GroupedMatmul = Literal["auto", "tokamax", "xla", "blocked", "dense"]
 LayerType = Literal["full", "sliding"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2": dict(qkv_bias=True),
-    "qwen3": dict(qk_norm=True),
-    "qwen3_moe": dict(qk_norm=True),
-    "gemma2": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh"),
-    "gemma3": dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh",
-                   qk_norm=True),
-}
-"""The switches each architecture has on: a config of that `kind` that does not
-name them gets these values, and may not set them otherwise."""
+    family.kind: dict(family.switches) for family in _FAMILIES if family.switches}
+"""The switches each architecture has on (its family file's `switches`): a config of that
+`kind` that does not name them gets these values, and may not set them otherwise."""
 
-KIND_FREE: dict[str, tuple[str, ...]] = {
-    "llama": (),
-    "qwen2": ("layer_types", "sliding_window"),
-    "qwen3": ("qkv_bias", "layer_types", "sliding_window"),
-    "mistral": ("sliding_window",),
-    "mixtral": ("sliding_window",),
-    "qwen3_moe": ("qkv_bias", "layer_types", "sliding_window"),
-    "gemma2": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-               "layer_types", "sliding_window"),
-    "gemma3": ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-               "layer_types", "sliding_window", "local_rope_theta"),
-}
-"""The switches each architecture may set as it likes; the others keep their
-defaults (or `KIND_DEFAULTS`), since its Hugging Face layout cannot express them."""
+KIND_FREE: dict[str, tuple[str, ...]] = {family.kind: family.free for family in _FAMILIES}
+"""The switches each architecture may set as it likes (its family file's `free`); the others
+keep their defaults (or `KIND_DEFAULTS`), since its Hugging Face layout cannot express them."""
 
 SWITCHES = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "embed_scale", "mlp_activation",
             "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "layer_types",
@@ -155,8 +139,8 @@ class DecoderConfig:
   """
 
   kind: DecoderKind = "llama"
-  """Which architecture (Hugging Face `*ForCausalLM`) this decoder is: llama, qwen2,
-  qwen3, mistral, gemma2 or gemma3; tells model configs apart in a recipe."""
+  """Which architecture (Hugging Face `*ForCausalLM`) this decoder is, each described by
+  one file of `models/hf/families`; tells model configs apart in a recipe."""
   vocab_size: PositiveInt = 259
   """Token ids are in [0, vocab_size). 259 = 256 bytes + BOS, EOS, PAD."""
   vocab_multiple: PositiveInt = 128
@@ -296,7 +280,8 @@ class DecoderConfig:
     if (self.kind in MOE_KINDS) != (self.moe is not None):
       raise ValueError(f"kind={self.kind!r} " + (
           "is a mixture of experts: set model.moe (e.g. model.moe.num_experts=8)"
-          if self.moe is None else "has dense MLPs: model.moe needs kind mixtral or qwen3_moe"))
+          if self.moe is None
+          else f"has dense MLPs: model.moe needs kind {' or '.join(MOE_KINDS)}"))
     if self.moe is not None:
       wrong = [i for i in self.moe.dense_layers if i >= self.num_layers]
       if wrong:

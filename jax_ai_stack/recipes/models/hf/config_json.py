@@ -132,7 +132,7 @@ def _shared_fields(hf: Mapping[str, Any], source: str, family) -> dict[str, Any]
       rope_scaling=_rope_scaling(hf, rope_field, rope, source),
       max_seq_len=hf.get("max_position_embeddings", 2048),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", family.kind.startswith("gemma"))),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", family.ties_embeddings)),
       dtype=_DTYPES[dtype],
       param_dtype=_DTYPES[dtype],
   )

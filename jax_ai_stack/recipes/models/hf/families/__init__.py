@@ -73,7 +73,16 @@ class HFFamily:
   norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_NORMS)
   """Our norm attributes of a block -> their Hugging Face names."""
   experts: Experts | None = None
-  """A mixture-of-experts family's tensor names; None: dense MLPs only."""
+  """A mixture-of-experts family's tensor names; None: dense MLPs only (`DecoderConfig.moe`
+  is set exactly for the kinds with experts)."""
+  switches: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  """The `DecoderConfig` switches this architecture has on: a config of its `kind` that does
+  not name them gets these values, and may not set them otherwise."""
+  free: tuple[str, ...] = ()
+  """The switches its users may set as they like; the others keep their defaults (or
+  `switches`), since its Hugging Face layout cannot express them."""
+  ties_embeddings: bool = False
+  """Whether a config.json without `tie_word_embeddings` ties the head to the embedding."""
 
 
 _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -81,10 +90,13 @@ _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
             "Gemma3ForConditionalGeneration": "gemma3", "MixtralForCausalLM": "mixtral",
             "Qwen3MoeForCausalLM": "qwen3_moe"}
-"""Architecture name -> the module (in this package) of its family."""
+"""Architecture name -> the module (in this package) of its family: the one list of them."""
 
 ARCHITECTURES = tuple(_MODULES)
 """Every architecture `for_architecture` knows."""
+
+KINDS = tuple(dict.fromkeys(_MODULES.values()))
+"""Every `DecoderConfig.kind`, in the order written above (each module is named for its kind)."""
 
 
 def _load(module: str) -> HFFamily:
@@ -100,6 +112,11 @@ def for_architecture(architecture: str) -> HFFamily | None:
 def for_kind(kind: str) -> HFFamily:
   """The family of a `DecoderConfig.kind` (whose layout export writes)."""
   return _load(kind)
+
+
+def every_family() -> tuple[HFFamily, ...]:
+  """Each kind's family, in `KINDS`' order (the config tables are built from them)."""
+  return tuple(_load(kind) for kind in KINDS)
 
 
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -129,6 +146,4 @@ def write_layer_types(config: Any) -> list[str]:
   return [back[t] for t in config.resolved_layer_types]
 
 
-__getattr__, __dir__ = lazy_attributes(
-    __name__, ("gemma2", "gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"),
-    {})
+__getattr__, __dir__ = lazy_attributes(__name__, KINDS, {})

@@ -1,8 +1,8 @@
 """Gemma 2 (`Gemma2ForCausalLM`): (1 + w) norms, four per block, GeGLU, scaled embeddings,
 `query_pre_attn_scalar`, both soft caps, and a window on every other layer.
 
-The switches it has on come with `kind: gemma2` (`configs.KIND_DEFAULTS`); this
-file reads the ones a checkpoint varies.
+The switches it has on come with `kind: gemma2` (`SWITCHES`, which `DecoderConfig`
+fills in); this file reads the ones a checkpoint varies (`FREE`).
 
 Example:
   >>> fields = FAMILY.read({"num_hidden_layers": 2, "sliding_window": 8,
@@ -18,6 +18,9 @@ from jax_ai_stack.recipes.models.hf.families import (
 
 NORMS = {"attention_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
          "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+SWITCHES = dict(norm_offset=1.0, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh")
+FREE = ("qkv_bias", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+        "layer_types", "sliding_window")
 KEYS = ("hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
         "final_logit_softcapping", "sliding_window", "layer_types", "attention_bias",
         "use_bidirectional_attention", "cache_implementation")
@@ -55,4 +58,5 @@ def _read(hf, source):
 
 FAMILY = HFFamily("Gemma2ForCausalLM", "gemma2", "gemma2", keys=KEYS, read=_read,
                   write=write_gemma, activation_key="hidden_activation",
-                  activation="gelu_pytorch_tanh", norms=NORMS)
+                  activation="gelu_pytorch_tanh", norms=NORMS, switches=SWITCHES, free=FREE,
+                  ties_embeddings=True)

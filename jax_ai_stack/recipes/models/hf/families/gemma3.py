@@ -15,7 +15,8 @@ Example:
 from __future__ import annotations
 
 from jax_ai_stack.recipes.models.hf.families import HFFamily
-from jax_ai_stack.recipes.models.hf.families.gemma2 import KEYS, NORMS, read_gemma, write_gemma
+from jax_ai_stack.recipes.models.hf.families.gemma2 import (FREE, KEYS, NORMS, SWITCHES, read_gemma,
+                                                           write_gemma)
 
 
 def _read(hf, source):
@@ -38,4 +39,6 @@ FAMILY = HFFamily("Gemma3ForCausalLM", "gemma3_text", "gemma3",
                   keys=(*KEYS, "rope_local_base_freq", "sliding_window_pattern",
                         "_sliding_window_pattern"),
                   read=_read, write=_write, activation_key="hidden_activation",
-                  activation="gelu_pytorch_tanh", norms=NORMS)
+                  activation="gelu_pytorch_tanh", norms=NORMS,
+                  switches={**SWITCHES, "qk_norm": True}, free=(*FREE, "local_rope_theta"),
+                  ties_embeddings=True)

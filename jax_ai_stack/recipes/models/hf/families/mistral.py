@@ -20,4 +20,4 @@ def _write(config):
 
 
 FAMILY = HFFamily("MistralForCausalLM", "mistral", "mistral", keys=("sliding_window",),
-                  read=_read, write=_write)
+                  read=_read, write=_write, free=("sliding_window",))

@@ -43,4 +43,5 @@ def _write(config):
 FAMILY = HFFamily("MixtralForCausalLM", "mixtral", "mixtral", keys=KEYS, read=_read,
                   write=_write, experts=Experts("block_sparse_moe", "gate",
                                                 {"gate_proj": "w1", "up_proj": "w3",
-                                                 "down_proj": "w2"}))
+                                                 "down_proj": "w2"}),
+                  free=("sliding_window",))

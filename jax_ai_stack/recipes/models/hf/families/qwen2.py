@@ -35,4 +35,5 @@ def write_sliding(config):
 
 
 FAMILY = HFFamily("Qwen2ForCausalLM", "qwen2", "qwen2", keys=SLIDING_KEYS, read=read_sliding,
-                  write=write_sliding)
+                  write=write_sliding, switches=dict(qkv_bias=True),
+                  free=("layer_types", "sliding_window"))

@@ -20,4 +20,5 @@ def _write(config):
 
 
 FAMILY = HFFamily("Qwen3ForCausalLM", "qwen3", "qwen3", keys=("attention_bias", *SLIDING_KEYS),
-                  read=_read, write=_write)
+                  read=_read, write=_write, switches=dict(qk_norm=True),
+                  free=("qkv_bias", "layer_types", "sliding_window"))

@@ -48,4 +48,5 @@ def _write(config):
 FAMILY = HFFamily("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", keys=KEYS, read=_read,
                   write=_write, experts=Experts("mlp", "gate", {"gate_proj": "gate_proj",
                                                                 "up_proj": "up_proj",
-                                                                "down_proj": "down_proj"}))
+                                                                "down_proj": "down_proj"}),
+                  switches=dict(qk_norm=True), free=("qkv_bias", "layer_types", "sliding_window"))
