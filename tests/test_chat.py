@@ -241,9 +241,10 @@ def test_a_reply_is_rendered_with_the_generation_prompt_and_stops_at_its_end_of_
   task = LanguageModel(config_lib.load("lm-tiny-sft"))
   asked = []
 
-  def fake_continue(model, prompt_ids, *args):
-    asked.append(prompt_ids)
-    return np.array([*b"yes", 257, *b"more"], np.int32)  # A reply, EOS, then what follows.
+  def fake_continue(model, prompts, *args, stop_ids):
+    asked.extend(prompts)
+    assert 257 in stop_ids  # The engine stops at the end of the turn ...
+    return [np.array([*b"yes", 257, *b"more"], np.int32)]  # ... and the reply is cut there.
 
   monkeypatch.setattr(task, "_continue", fake_continue)
   messages = [{"role": "user", "content": "ok?"}]

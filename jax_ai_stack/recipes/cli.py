@@ -325,8 +325,10 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
     if conversations is None:
       print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, **sampling))
-    for messages in conversations or ():
-      print(trainer.chat(messages, args.max_new_tokens, args.temperature, **sampling))
+    if conversations:  # One batch of the generation engine; one reply per line, in order.
+      for reply in trainer.chat_many(conversations, args.max_new_tokens, args.temperature,
+                                     **sampling):
+        print(reply)
   finally:
     trainer.close()
   if args.seed is None and seed is not None:

@@ -227,10 +227,18 @@ class Run:
            top_p: float | None = None) -> str:
     """The assistant's reply to `messages` ({role, content} turns ending with a user turn),
     rendered with the run's chat template; `seed` None: the run's `train.seed`."""
+    return self.chat_many([messages], max_new_tokens, temperature, seed=seed, top_k=top_k,
+                          top_p=top_p)[0]
+
+  def chat_many(self, conversations: list[list[dict]], max_new_tokens: int | None,
+                temperature: float, *, seed: int | None = None, top_k: int | None = None,
+                top_p: float | None = None) -> list[str]:
+    """Each conversation's reply as `chat` gives it, decoded together by the generation
+    engine (a reply does not depend on the others)."""
     seed = self.config.train.seed if seed is None else seed
     with self.kernel_configs():
-      return self.task.chat(self.inference_model(), messages, max_new_tokens, temperature,
-                            seed, top_k=top_k, top_p=top_p)
+      return self.task.chat_many(self.inference_model(), conversations, max_new_tokens,
+                                 temperature, seed, top_k=top_k, top_p=top_p)
 
   def inference_model(self) -> nnx.Module:
     """The model that decodes (`transforms.inference_model`: a LoRA run's base and adapters

@@ -108,7 +108,9 @@ class KVCache(NamedTuple):
 
   keys: tuple[jax.Array, ...] | jax.Array
   values: tuple[jax.Array, ...] | jax.Array
-  length: jax.Array  # int32 scalar
+  length: jax.Array
+  """int32: a scalar (every row holds as many tokens), or [B], one per row (the generation
+  engine's slots, each at its own position; decoding one token at a time only)."""
 
 
 def _fan_in_init(in_axis, out_axis):
@@ -196,6 +198,8 @@ class Attention(nnx.Module):
       out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
       return self.o_proj(out), None
     keys, values, length = cache
+    if jnp.ndim(length) == 1:  # One position per row (the engine's slots).
+      return self._decode_rows(q, k, v, keys, values, length)
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(
         values, v.astype(values.dtype), length, axis=1
@@ -210,6 +214,22 @@ class Attention(nnx.Module):
     else:
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
+    return self.o_proj(out), (keys, values)
+
+  def _decode_rows(self, q, k, v, keys, values, length):
+    """One token per row, row i's written at `length[i]` and attending to its first
+    length[i] + 1 cached positions (with a sliding window, the last window + 1 of them)."""
+    rows = jnp.arange(q.shape[0])
+    keys = keys.at[rows, length].set(k[:, 0].astype(keys.dtype))
+    values = values.at[rows, length].set(v[:, 0].astype(values.dtype))
+    window = self.local_window
+    if window is not None and keys.shape[1] > window + 1:
+      start = jnp.maximum(length - window, 0)
+      index = (start[:, None] + jnp.arange(window + 1))[:, :, None, None]
+      recent = (jnp.take_along_axis(c, index, axis=1) for c in (keys, values))
+      out = self._attend(q, *recent, causal=False, kv_seq_lengths=length - start + 1)
+    else:
+      out = self._attend(q, keys, values, causal=False, kv_seq_lengths=length + 1)
     return self.o_proj(out), (keys, values)
 
 
@@ -478,11 +498,15 @@ class Llama(nnx.Module):
     """Logits of `tokens` [B, T] that follow the `cache.length` cached ones.
 
     T > 1 is a prefill of an empty cache (the prompt); T == 1 is one decoding
-    step. Returns float32 logits [B, T, vocab] and the cache with T more tokens.
+    step (with `cache.length` [B], row i's token at its own position length[i]).
+    Returns float32 logits [B, T, vocab] and the cache with T more tokens.
     """
     _check_tokens(tokens)
     t = tokens.shape[1]
-    ropes = self._ropes(jnp.broadcast_to(cache.length + jnp.arange(t), tokens.shape))
+    if jnp.ndim(cache.length) == 1 and t != 1:
+      raise ValueError(f"a cache with one length per row decodes one token at a time; got {t}")
+    positions = jnp.reshape(cache.length, (-1, 1)) + jnp.arange(t)
+    ropes = self._ropes(jnp.broadcast_to(positions, tokens.shape))
     x = self._embed(tokens)
     if self.config.scan_layers:
       x, keys, values = _scan_decode(self.layers, x, ropes[0], cache)

@@ -18,16 +18,14 @@ import functools
 
 import pathlib
 
-import jax
 import numpy as np
 from flax import nnx
 
 from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import data, sharding
+from jax_ai_stack.recipes import data, inference, sharding
 from jax_ai_stack.recipes.models import adapting, llama
-from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 from jax_ai_stack.recipes.tasks import objectives
 from jax_ai_stack.recipes.tasks.base import Task
@@ -35,6 +33,8 @@ from jax_ai_stack.recipes.tasks.base import Task
 SAMPLE_FILE = "sample.txt"
 DEFAULT_NEW_TOKENS = 128
 """`generate` without a length: this many new tokens, or as many as fit `max_seq_len`."""
+MAX_SLOTS = 8
+"""The most requests the generation engine decodes at once for `generate_many` / `chat_many`."""
 
 
 class LanguageModel(Task):
@@ -157,42 +157,64 @@ class LanguageModel(Task):
                seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
     """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
     `max_seq_len` is reached first: a note says so); None: 128, or as many as fit."""
+    return self.generate_many(model, [prompt], max_new_tokens, temperature, seed,
+                              top_k=top_k, top_p=top_p)[0]
+
+  def generate_many(self, model, prompts: list[str], max_new_tokens: int | None,
+                    temperature: float, seed: int, *, top_k: int | None = None,
+                    top_p: float | None = None) -> list[str]:
+    """Each prompt continued as `generate` does, all in one batch of the generation engine
+    (each with `seed`: a prompt's text does not depend on the others)."""
     tokenizer = self.tokenizer()
-    prompt_ids = tokenizer.encode_prompt(prompt)  # BOS where the tokenizer adds one.
-    if prompt_ids.size == 0:
-      prompt_ids = np.asarray([tokenizer.bos_id], dtype=np.int32)
-    new = self._continue(model, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p)
-    return tokenizer.decode(np.concatenate([prompt_ids, new]))
+    ids = [tokenizer.encode_prompt(prompt) for prompt in prompts]  # BOS where it adds one.
+    ids = [p if p.size else np.asarray([tokenizer.bos_id], np.int32) for p in ids]
+    news = self._continue(model, ids, max_new_tokens, temperature, seed, top_k, top_p)
+    return [tokenizer.decode(np.concatenate([p, new])) for p, new in zip(ids, news)]
 
   def chat(self, model, messages: list[dict], max_new_tokens: int | None, temperature: float,
            seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
     """The assistant's reply to `messages` (ending with a user turn), rendered with the run's
     chat template and its generation prompt; the reply stops before the first end-of-turn
     token (the tokenizer's EOS, or a turn token such as `<|im_end|>` its file defines)."""
-    tokenizer = self.tokenizer()
-    prompt = data.chat_template.for_data(self.config.data, tokenizer).render(
-        messages, add_generation_prompt=True)
-    prompt_ids = tokenizer.encode_rendered(prompt)
-    new = self._continue(model, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p)
-    stops = np.isin(new, tokenizer.end_of_turn_ids())
-    return tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new)
+    return self.chat_many(model, [messages], max_new_tokens, temperature, seed,
+                          top_k=top_k, top_p=top_p)[0]
 
-  def _continue(self, model, prompt_ids: np.ndarray, max_new_tokens: int | None,
-                temperature: float, seed: int, top_k: int | None, top_p: float | None):
-    """The new token ids after `prompt_ids` (as many as fit `max_seq_len`, with a note)."""
-    room = self.config.model.max_seq_len - prompt_ids.size
-    if room <= 0:
-      raise ConfigError(
-          f"the prompt is {prompt_ids.size} tokens, more than model.max_seq_len "
-          f"({self.config.model.max_seq_len})"
-      )
-    if max_new_tokens is None:
-      max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
-    if max_new_tokens > room:
-      logs.note(f"generating {room} tokens, not {max_new_tokens}: the prompt "
-                f"({prompt_ids.size} tokens) and the new tokens must fit model.max_seq_len="
-                f"{self.config.model.max_seq_len}")
-    tokens = generate(model, prompt_ids[None, :], min(max_new_tokens, room),
-                      temperature=temperature, top_k=top_k, top_p=top_p,
-                      rng=jax.random.key(seed))
-    return np.asarray(tokens[0, prompt_ids.size:])
+  def chat_many(self, model, conversations: list[list[dict]], max_new_tokens: int | None,
+                temperature: float, seed: int, *, top_k: int | None = None,
+                top_p: float | None = None) -> list[str]:
+    """Each conversation's reply as `chat` gives it, all in one batch of the engine."""
+    tokenizer = self.tokenizer()
+    template = data.chat_template.for_data(self.config.data, tokenizer)
+    ids = [tokenizer.encode_rendered(template.render(messages, add_generation_prompt=True))
+           for messages in conversations]
+    ends = tokenizer.end_of_turn_ids()
+    stop_ids = tuple(int(t) for t in ends if t < self.config.model.vocab_size)
+    replies = []
+    for new in self._continue(model, ids, max_new_tokens, temperature, seed, top_k, top_p,
+                              stop_ids=stop_ids):
+      stops = np.isin(new, ends)
+      replies.append(tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new))
+    return replies
+
+  def _continue(self, model, prompts: list[np.ndarray], max_new_tokens: int | None,
+                temperature: float, seed: int, top_k: int | None, top_p: float | None,
+                stop_ids: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """The new token ids after each prompt's (as many as fit `max_seq_len`, with a note),
+    from one generation engine; each stops after any of `stop_ids`."""
+    limit = self.config.model.max_seq_len
+    requests, lengths = [], []
+    for prompt_ids in prompts:
+      room = limit - prompt_ids.size
+      if room <= 0:
+        raise ConfigError(f"the prompt is {prompt_ids.size} tokens, more than "
+                          f"model.max_seq_len ({limit})")
+      wanted = min(DEFAULT_NEW_TOKENS, room) if max_new_tokens is None else max_new_tokens
+      if wanted > room:
+        logs.note(f"generating {room} tokens, not {wanted}: the prompt ({prompt_ids.size} "
+                  f"tokens) and the new tokens must fit model.max_seq_len={limit}")
+      lengths.append(min(wanted, room))
+      requests.append(inference.Request(tuple(int(t) for t in prompt_ids), max(lengths[-1], 1),
+                                        temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, stop_ids=stop_ids))
+    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    return [np.asarray(c.tokens[:n], np.int32) for c, n in zip(engine.run(requests), lengths)]

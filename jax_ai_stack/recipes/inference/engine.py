@@ -1,0 +1,289 @@
+"""The generation engine: many requests at once, each with its own prompt, settings and end.
+
+`Engine(model).run(requests)` decodes a list of `Request`s in one batch of
+`max_slots` rows and returns a `Completion` for each; `stream` yields each as
+it finishes. The cache holds `max_slots` slots of `max_len` positions (a row
+of `Decoder.init_cache` each). A request is admitted to a free slot: its
+prompt is prefilled alone (padded to a power of two, so that prompt lengths
+share a few compiled programs) and its keys and values are copied into the
+slot; then one compiled step decodes one token for every occupied slot, each
+at its own position (`KVCache.length` per row). A request that ends (a stop
+token, `max_tokens`, the end of the context) frees its slot, and the next
+waiting request takes it before the next step: continuous batching.
+
+Slots, not pages: a slot reserves `max_len` positions for a request however
+short, so memory follows the slots rather than the tokens held. It keeps
+the model's own attention path (the kernel layer's, with per-row lengths)
+and the same compiled step for any mix of requests; pages with a block table
+are the next step, behind the same `Request` / `Completion` interface.
+
+Batch-invariant: a request's tokens depend only on the request. Its prefill
+runs alone; the decode step has one shape whatever the occupancy and no row
+reads another; token i is sampled with `fold_in(key(seed), i)`. So a seeded
+request gives the same tokens alone, among 31 others or admitted mid-way.
+
+Example: two prompts of different lengths, greedy.
+  >>> from flax import nnx
+  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+  >>> engine = Engine(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), max_slots=2)
+  >>> done = engine.run([Request((256, 104, 105), max_tokens=3, temperature=0),
+  ...                    Request((256, 104), max_tokens=2, temperature=0)])
+  >>> [len(c.tokens) for c in done], done[0].finish_reason
+  ([3, 2], 'length')
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_ai_stack.recipes.inference import sampling
+from jax_ai_stack.recipes.models.llama import KVCache
+
+__all__ = ["Completion", "Engine", "Request"]
+
+MIN_PREFILL = 16
+"""Prompts are padded to a power of two of at least this many tokens (one program each)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One prompt to continue, and how."""
+
+  prompt: tuple[int, ...]
+  """Token ids, at least one."""
+  max_tokens: int
+  """The most new tokens; the prompt and they must fit the engine's `max_len`."""
+  temperature: float = 1.0
+  """0: the most likely token each time (greedy)."""
+  top_k: int | None = None
+  """Sample among the k likeliest tokens only; None: all of them."""
+  top_p: float | None = None
+  """Sample among the likeliest tokens whose probabilities reach top_p; None: all of them."""
+  seed: int = 0
+  """The same seed gives the same tokens, whatever else is in the batch."""
+  stop_ids: tuple[int, ...] = ()
+  """Token ids that end the completion (EOS, end-of-turn); the stop token is kept."""
+  top_logprobs: int = 0
+  """How many alternatives (the likeliest tokens and their log-probabilities) to report
+  for each new token; at most the engine's `max_top_logprobs`."""
+
+
+@dataclasses.dataclass
+class Completion:
+  """What a request produced."""
+
+  index: int
+  """The request's place in the list given to `run` / `stream`."""
+  tokens: list[int]
+  """The new tokens (a stop token included)."""
+  logprobs: list[float]
+  """Each new token's log-probability under the model (raw logits, float32)."""
+  finish_reason: str
+  """"stop" (a stop token) or "length" (`max_tokens`, or the context was full)."""
+  top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  """Per new token, the request's `top_logprobs` likeliest (token, log-probability)."""
+
+
+@dataclasses.dataclass
+class _Slot:
+  """A request being decoded: where it stands."""
+
+  index: int
+  request: Request
+  completion: Completion
+  length: int
+  """Tokens in its cache row (the prompt, then each new token once it is fed back)."""
+  row: tuple | None = None
+  """Its prefilled (keys, values), until copied into the engine's cache."""
+
+
+class Engine:
+  """Continuous batching over `max_slots` rows of a decoder's KV cache (see the module)."""
+
+  def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
+               max_top_logprobs: int = 5):
+    """`model`: a decoder (`Llama` and its families, LoRA merged, Qwix-quantized for
+    `decode`); it is not modified. `max_len`: positions per slot (default: the model's
+    `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for."""
+    config = model.config
+    self.max_slots, self.max_len = max_slots, max_len or config.max_seq_len
+    if not 1 <= self.max_len <= config.max_seq_len:
+      raise ValueError(f"max_len={max_len} must be in [1, model.max_seq_len="
+                       f"{config.max_seq_len}]")
+    self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
+    self._stacked = config.scan_layers  # Keys [layers, B, S, ...] rather than per layer.
+    graphdef, self._state = nnx.split(model)
+    # The compiled programs are shared by engines of the same model structure (the jits
+    # below are module-level, their static arguments the graph and sizes).
+    self._prefill = functools.partial(_prefill, graphdef, self.max_len)
+    self._step = functools.partial(_step, graphdef, max_top_logprobs)
+    self._insert = functools.partial(_insert, self._stacked)
+    cache = model.init_cache(max_slots, self.max_len)
+    # Buffers of their own: the step donates both (init_cache may share one zeros array).
+    self._keys, self._values = cache.keys, jax.tree.map(jnp.zeros_like, cache.values)
+
+  def run(self, requests: Sequence[Request]) -> list[Completion]:
+    """A completion for each request, in the requests' order."""
+    return sorted(self.stream(requests), key=lambda c: c.index)
+
+  def stream(self, requests: Sequence[Request]) -> Iterator[Completion]:
+    """Each request's completion as it finishes (requests are admitted in order)."""
+    for index, request in enumerate(requests):
+      self.check(request, index)
+    waiting = collections.deque(enumerate(requests))
+    slots: list[_Slot | None] = [None] * self.max_slots
+    while waiting or any(slots):
+      for number, slot in enumerate(slots):
+        while slot is None and waiting:  # A request that ends at once frees it again.
+          slot, done = self._admit(*waiting.popleft())
+          if done:
+            yield slot.completion
+            slot = None
+        slots[number] = slot
+      if any(slots):
+        yield from self._decode(slots)
+
+  def check(self, request: Request, index: int = 0) -> None:
+    """Raises ValueError naming the request and the field that does not fit."""
+    where = f"request {index}"
+    if not request.prompt:
+      raise ValueError(f"{where}: the prompt is empty")
+    if min(request.prompt) < 0 or max(request.prompt) >= self.vocab_size:
+      raise ValueError(f"{where}: prompt token ids must be in [0, {self.vocab_size})")
+    if request.max_tokens < 1:
+      raise ValueError(f"{where}: max_tokens must be >= 1; got {request.max_tokens}")
+    if len(request.prompt) + request.max_tokens > self.max_len:
+      raise ValueError(f"{where}: the prompt ({len(request.prompt)} tokens) and max_tokens "
+                       f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
+    if request.temperature < 0:
+      raise ValueError(f"{where}: temperature must be >= 0; got {request.temperature}")
+    if request.top_k is not None and not 1 <= request.top_k <= self.vocab_size:
+      raise ValueError(f"{where}: top_k must be in [1, {self.vocab_size}]; got {request.top_k}")
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+      raise ValueError(f"{where}: top_p must be in (0, 1]; got {request.top_p}")
+    if any(not 0 <= t < self.vocab_size for t in request.stop_ids):
+      raise ValueError(f"{where}: stop token ids must be in [0, {self.vocab_size}); got "
+                       f"{list(request.stop_ids)}")
+    if not 0 <= request.top_logprobs <= self.max_top_logprobs:
+      raise ValueError(f"{where}: top_logprobs must be in [0, {self.max_top_logprobs}]; got "
+                       f"{request.top_logprobs}")
+
+  def _admit(self, index: int, request: Request) -> tuple[_Slot, bool]:
+    """The request prefilled alone, its first token sampled; (its slot, whether it ended)."""
+    prompt = np.asarray(request.prompt, np.int32)
+    padded = np.zeros((1, _bucket(prompt.size, self.max_len)), np.int32)
+    padded[0, :prompt.size] = prompt
+    logits, keys, values = self._prefill(self._state, padded, np.int32(prompt.size))
+    slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values))
+    sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
+    return slot, self._take(slot, *[np.asarray(x)[0] for x in sampled])
+
+  def _decode(self, slots: list[_Slot | None]) -> Iterator[Completion]:
+    """One token for every occupied slot; yields the completions that end with it."""
+    self._place(slots)
+    tokens = np.zeros((self.max_slots,), np.int32)
+    lengths = np.zeros((self.max_slots,), np.int32)
+    for number, slot in enumerate(slots):
+      if slot is not None:
+        tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
+    settings = _settings(slots)
+    outputs = self._step(self._state, self._keys, self._values, tokens, lengths, *settings)
+    new_tokens, logps, top_tokens, top_logps, self._keys, self._values = outputs
+    new_tokens, logps = np.asarray(new_tokens), np.asarray(logps)
+    top_tokens, top_logps = np.asarray(top_tokens), np.asarray(top_logps)
+    for number, slot in enumerate(slots):
+      if slot is None:
+        continue
+      slot.length += 1
+      if self._take(slot, new_tokens[number], logps[number], top_tokens[number],
+                    top_logps[number]):
+        slots[number] = None
+        yield slot.completion
+
+  def _place(self, slots: list[_Slot | None]) -> None:
+    """Copies the prefilled rows of newly admitted requests into their slots."""
+    for number, slot in enumerate(slots):
+      if slot is not None and slot.row is not None:
+        self._keys, self._values = self._insert(self._keys, self._values, *slot.row,
+                                                np.int32(number))
+        slot.row = None
+
+  def _take(self, slot: _Slot, token, logp, top_tokens, top_logps) -> bool:
+    """Appends a sampled token to `slot`'s completion; whether the request has ended."""
+    request, completion = slot.request, slot.completion
+    completion.tokens.append(int(token))
+    completion.logprobs.append(float(logp))
+    if request.top_logprobs:
+      completion.top_logprobs.append(
+          [(int(t), float(v)) for t, v in zip(top_tokens[:request.top_logprobs],
+                                              top_logps[:request.top_logprobs])])
+    if int(token) in request.stop_ids:
+      completion.finish_reason = "stop"
+    elif len(completion.tokens) >= request.max_tokens:
+      completion.finish_reason = "length"
+    return bool(completion.finish_reason)
+
+
+def _bucket(size: int, max_len: int) -> int:
+  """The padded prefill length: the next power of two (at least MIN_PREFILL), <= max_len."""
+  return min(max(MIN_PREFILL, 1 << (size - 1).bit_length()), max_len)
+
+
+def _settings(slots: Sequence[_Slot | None]) -> tuple[np.ndarray, ...]:
+  """Per-row (seeds, token counts, temperature, top_k, top_p) of `slots` (None: idle)."""
+  rows = [s.request if s is not None else Request((0,), 1, temperature=0) for s in slots]
+  counts = [len(s.completion.tokens) if s is not None else 0 for s in slots]
+  return (np.asarray([r.seed for r in rows], np.uint32), np.asarray(counts, np.int32),
+          np.asarray([r.temperature for r in rows], np.float32),
+          np.asarray([r.top_k or 0 for r in rows], np.int32),
+          np.asarray([1.0 if r.top_p is None else r.top_p for r in rows], np.float32))
+
+
+def _sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
+  """`sampling.sample` with token i of a request keyed `fold_in(key(seed), i)`."""
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+  tokens, logps = sampling.sample(logits, keys, temperature=temperature, top_k=top_k,
+                                  top_p=top_p)
+  top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
+  return tokens, logps, top_tokens, top_logps
+
+
+@functools.partial(jax.jit, static_argnums=6)
+def _first_token(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
+  """`_sample_rows` of a prefill's last logits, compiled once."""
+  return _sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prefill(graphdef, max_len: int, state, tokens, length):
+  """The last prompt position's logits [V] and the prompt's cache row (keys, values)."""
+  model = nnx.merge(graphdef, state)
+  logits, cache = model.decode(tokens, model.init_cache(1, max_len))
+  return jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False), \
+      cache.keys, cache.values
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _insert(stacked: bool, keys, values, row_keys, row_values, slot):
+  """The engine's cache with `slot`'s row replaced by a prefilled one."""
+  axis = 1 if stacked else 0  # Stacked: [layers, B, S, ...]; else per layer [B, S, ...].
+  put = lambda full, row: jax.lax.dynamic_update_slice_in_dim(full, row, slot, axis=axis)
+  return jax.tree.map(put, keys, row_keys), jax.tree.map(put, values, row_values)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _step(graphdef, max_top: int, state, keys, values, tokens, lengths, seeds, counts,
+          temperature, top_k, top_p):
+  """One token for every row, each at its own position; the updated cache."""
+  model = nnx.merge(graphdef, state)
+  logits, cache = model.decode(tokens[:, None], KVCache(keys, values, lengths))
+  sampled = _sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
+  return (*sampled, cache.keys, cache.values)

@@ -1,0 +1,58 @@
+"""One token per row of logits, each row with its own settings and random key.
+
+The generation engine decodes many requests in one batch; each keeps its own
+temperature, top-k, top-p and seed, so sampling takes them per row. Nothing in
+a row's result depends on the other rows: the same request gives the same
+tokens alone or beside 31 others.
+
+A row's log-probability is the log-softmax of its raw logits at the sampled
+token (temperature 1, no top-k or top-p): what the training objective
+computes for that token (`objectives.target_logps`), so a reinforcement
+learning step can compare the two.
+
+Example: greedy rows and a sampled one, side by side.
+  >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+  >>> keys = jax.random.split(jax.random.key(0), 2)
+  >>> tokens, logps = sample(logits, keys, temperature=jnp.array([0.0, 0.0]),
+  ...                        top_k=jnp.array([0, 0]), top_p=jnp.array([1.0, 1.0]))
+  >>> tokens.tolist(), [round(float(x), 4) for x in jnp.exp(logps)]
+  ([1, 0], [0.6, 0.5])
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["sample", "top_logprobs"]
+
+
+def sample(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(tokens [B] int32, their log-probabilities [B] float32) from float32 logits [B, V].
+
+  Per row: `keys` [B] (typed PRNG keys), `temperature` [B] (0: the most likely
+  token), `top_k` [B] (0: every token), `top_p` [B] (1: every token).
+  """
+  logits = logits.astype(jnp.float32)
+  ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+  kth = jnp.take_along_axis(ordered, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
+  kept = jnp.where((top_k > 0)[:, None] & (logits < kth), -jnp.inf, logits)
+  scaled = kept / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  # Nucleus: the smallest set of likeliest tokens whose mass reaches top_p.
+  ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+  probabilities = jax.nn.softmax(ordered, axis=-1)
+  mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities
+  floor = jnp.where(mass_before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
+  scaled = jnp.where((top_p < 1.0)[:, None] & (scaled < floor), -jnp.inf, scaled)
+  sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
+  tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+  logps = jax.nn.log_softmax(logits, axis=-1)
+  return tokens, jnp.take_along_axis(logps, tokens[:, None], axis=-1)[:, 0]
+
+
+def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """The `n` likeliest tokens of each row and their log-probabilities: [B, n] each."""
+  logps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  values, tokens = jax.lax.top_k(logps, n)
+  return tokens.astype(jnp.int32), values

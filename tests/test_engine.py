@@ -1,0 +1,119 @@
+"""The generation engine: greedy tokens equal the plain loop's and transformers', a seeded
+request gives the same tokens whatever else is in the batch, log-probs equal the training
+objective's, requests end on their own, and bad requests are named."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.recipes.inference import Engine, Request
+from jax_ai_stack.recipes.models import hf
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.tasks import objectives
+
+REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
+RNG = np.random.default_rng(0)
+
+
+def _prompts(vocab: int, lengths=(3, 17, 9)) -> list[tuple[int, ...]]:
+  return [tuple(int(t) for t in RNG.integers(0, vocab, n)) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("name", ["llama-scanned", "gemma2",
+                                  pytest.param("mixtral", marks=pytest.mark.slow),
+                                  pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("gemma3", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
+  """Two slots for three prompts: the third is admitted mid-way, into a freed slot."""
+  if name == "llama-scanned":
+    model = Llama(dataclasses.replace(LlamaConfig.tiny(), scan_layers=True), rngs=nnx.Rngs(1))
+  else:
+    model = hf.load_model(REFERENCES / name)
+  prompts = _prompts(model.config.vocab_size)
+  done = Engine(model, max_slots=2).run([Request(p, 6, temperature=0) for p in prompts])
+  for prompt, completion in zip(prompts, done):
+    loop = generate(model, jnp.asarray([prompt]), 6, temperature=0, rng=jax.random.key(0))
+    assert completion.tokens == np.asarray(loop)[0, len(prompt):].tolist(), (name, prompt)
+    assert completion.finish_reason == "length"
+  if name != "llama-scanned":  # And transformers' own greedy tokens (tests/test_families.py).
+    ref = dict(np.load(REFERENCES / name / "reference.npz"))
+    new = ref["greedy"].shape[1] - ref["prompt"].shape[1]
+    rows = [tuple(int(t) for t in row) for row in ref["prompt"]]
+    done = Engine(model, max_slots=4).run([Request(p, new, temperature=0) for p in rows])
+    assert [c.tokens for c in done] == ref["greedy"][:, ref["prompt"].shape[1]:].tolist()
+
+
+def test_a_seeded_request_is_the_same_alone_among_31_others_and_admitted_mid_way(tiny):
+  mine = Request(_prompts(256, [7])[0], 12, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+  alone = Engine(tiny, max_slots=8).run([mine])[0]
+  others = [Request(p, int(n), temperature=1.0, seed=s, top_p=0.9)
+            for s, (p, n) in enumerate(zip(_prompts(256, RNG.integers(1, 40, 31)),
+                                           RNG.integers(1, 16, 31)))]
+  crowded = Engine(tiny, max_slots=8).run([*others[:20], mine, *others[20:]])[20]
+  assert crowded.tokens == alone.tokens and crowded.logprobs == alone.logprobs
+  assert len(set(alone.tokens)) > 3  # Sampled, not a greedy rut.
+  other_seed = Engine(tiny, max_slots=8).run([Request(mine.prompt, 12, temperature=0.9,
+                                                      top_k=50, top_p=0.95, seed=8)])[0]
+  assert other_seed.tokens != alone.tokens
+
+
+def test_reported_log_probs_equal_the_training_objective_s(tiny):
+  prompt = _prompts(256, [11])[0]
+  completion = Engine(tiny, max_slots=3).run([Request(prompt, 20, temperature=1.0, seed=3)])[0]
+  sequence = jnp.asarray([[*prompt, *completion.tokens]])
+  trained = objectives.target_logps(tiny, sequence[:, :-1], sequence[:, 1:])
+  np.testing.assert_allclose(completion.logprobs, np.asarray(trained)[0, len(prompt) - 1:],
+                             atol=1e-6, rtol=0)
+
+
+def test_requests_end_at_a_stop_token_or_their_limit_and_free_their_slot(tiny):
+  prompts = _prompts(256, [4, 6, 8])
+  free = Engine(tiny, max_slots=1).run([Request(p, 8, temperature=0) for p in prompts])
+  stop = free[0].tokens[2]  # The third greedy token of the first prompt ends it there.
+  requests = [Request(prompts[0], 8, temperature=0, stop_ids=(stop,)),
+              *[Request(p, 8, temperature=0) for p in prompts[1:]]]
+  first, *rest = Engine(tiny, max_slots=1).run(requests)  # One slot: each waits its turn.
+  assert first.tokens == free[0].tokens[:free[0].tokens.index(stop) + 1]
+  assert first.finish_reason == "stop"
+  assert [c.tokens for c in rest] == [c.tokens for c in free[1:]]
+
+
+def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(tiny):
+  completion = Engine(tiny, max_slots=2).run([Request((256, 1, 2), 4, temperature=0,
+                                                      top_logprobs=3)])[0]
+  assert len(completion.top_logprobs) == 4
+  for token, logp, top in zip(completion.tokens, completion.logprobs, completion.top_logprobs):
+    assert top[0] == (token, pytest.approx(logp)) and len(top) == 3
+    assert top[0][1] >= top[1][1] >= top[2][1]
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request((), 4), "request 0: the prompt is empty"),
+    (Request((1, 999), 4), r"prompt token ids must be in \[0, 259\)"),
+    (Request((1,), 0), "max_tokens must be >= 1"),
+    (Request((1,) * 120, 9), r"the prompt \(120 tokens\) and max_tokens \(9\) exceed the "
+                             "context of 128 tokens"),
+    (Request((1,), 4, temperature=-1), "temperature must be >= 0"),
+    (Request((1,), 4, top_k=0), r"top_k must be in \[1, 259\]"),
+    (Request((1,), 4, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (Request((1,), 4, stop_ids=(300,)), r"stop token ids must be in \[0, 259\); got \[300\]"),
+    (Request((1,), 4, top_logprobs=9), r"top_logprobs must be in \[0, 5\]"),
+])
+def test_a_bad_request_is_named_with_its_field(tiny, request_, message):
+  with pytest.raises(ValueError, match=message):
+    Engine(tiny, max_slots=1).run([request_])
