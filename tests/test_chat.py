@@ -235,18 +235,23 @@ def test_a_bad_line_stops_the_command_in_one_line_naming_it(tmp_path):
 
 def test_a_reply_is_rendered_with_the_generation_prompt_and_stops_at_its_end_of_turn(
     monkeypatch):
-  from jax_ai_stack.recipes import config as config_lib
+  from jax_ai_stack.recipes import config as config_lib, inference
+  from jax_ai_stack.recipes.inference.engine import Completion
   from jax_ai_stack.recipes.tasks.lm import LanguageModel
 
   task = LanguageModel(config_lib.load("lm-tiny-sft"))
   asked = []
 
-  def fake_continue(model, prompts, *args, stop_ids):
-    asked.extend(prompts)
-    assert 257 in stop_ids  # The engine stops at the end of the turn ...
-    return [np.array([*b"yes", 257, *b"more"], np.int32)]  # ... and the reply is cut there.
+  class FakeEngine:  # Answers "yes", EOS, then what follows.
+    def __init__(self, model, max_slots):
+      del model, max_slots
 
-  monkeypatch.setattr(task, "_continue", fake_continue)
+    def stream(self, requests):
+      asked.extend(np.asarray(r.prompt) for r in requests)
+      assert 257 in requests[0].stop_ids  # The engine stops at the end of the turn ...
+      yield Completion(0, [*b"yes", 257, *b"more"], [0.0] * 8, "stop")  # ... and it is cut.
+
+  monkeypatch.setattr(inference, "Engine", FakeEngine)
   messages = [{"role": "user", "content": "ok?"}]
   assert task.chat(None, messages, 8, 0.0, 0) == "yes"
   rendered = BYTES.render(messages, add_generation_prompt=True)

@@ -254,6 +254,28 @@ def test_cli_train_eval_generate(tmp_path, capsys):
   assert capsys.readouterr().out.startswith("import ")
 
 
+def test_generate_input_gives_one_json_line_per_request_equal_to_generate_alone(
+    reference, tmp_path, capsys):
+  ref_dir, _ = reference
+  prompts = ["def ", "x", "import os"]
+  path = tmp_path / "in.jsonl"
+  path.write_text("".join(json.dumps({"prompt": p}) + "\n\n" for p in prompts))
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path),
+                   "--max-new-tokens", "6", "--temperature", "0.7", "--seed", "3"]) == 0
+  results = {r["index"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+  assert sorted(results) == [0, 1, 2]
+  trainer = train.Trainer.open_finished(ref_dir)
+  try:  # Decoded together, each as it comes alone (the engine is batch-invariant).
+    for index, prompt in enumerate(prompts):
+      assert results[index]["text"] == trainer.generate(prompt, 6, 0.7, seed=3)
+      assert results[index]["tokens"] == 6 and results[index]["finish_reason"] == "length"
+  finally:
+    trainer.close()
+  path.write_text('{"prompt": "a"}\n{"nope": 1}\n')
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path)]) == 2
+  assert f"{path}:2: a line holds" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

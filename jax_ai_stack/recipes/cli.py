@@ -160,6 +160,11 @@ def register(subparsers) -> None:
                         "the run's chat template, and only the reply is printed, up to its "
                         "end-of-turn token; with a JSONL file, one reply per line (each a "
                         "conversation ending with a user turn, or {\"prompt\"})")
+  generate.add_argument("--input", metavar="FILE.jsonl",
+                        help="one request per line, {\"prompt\": TEXT} (continued) or "
+                        "{\"messages\": [...]} (answered as the assistant), decoded together; "
+                        "one JSON line per result on stdout as each finishes: {index, text, "
+                        "finish_reason, tokens}")
   generate.set_defaults(func=run_generate)
 
   evaluate = subparsers.add_parser(
@@ -299,6 +304,34 @@ def _conversations(chat: str, prompt: str) -> list[list[dict]]:
           for number, line in enumerate(lines, start=1) if line.strip()]
 
 
+def _generation_items(path: str) -> list[dict]:
+  """`generate --input`'s requests: {"prompt"} or a conversation (`{"messages"}`) per line
+  (DataError naming the file and line of a bad one)."""
+  from jax_ai_stack.recipes.data import chat as chat_data  # pylint: disable=g-import-not-at-top
+
+  try:
+    lines = pathlib.Path(path).read_text(encoding="utf-8").splitlines()
+  except OSError as e:
+    raise UsageError(f"--input {path}: {e.strerror}") from None
+  items = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    where = f"{path}:{number}"
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      record = None  # The parser below names the line.
+    if isinstance(record, dict) and "messages" not in record and isinstance(
+        record.get("prompt"), str):
+      items.append({"prompt": record["prompt"]})
+    else:  # A conversation to answer, or the parser's one-line error naming the line.
+      items.append({"messages": chat_data.parse_line(line, where, to_answer=True)})
+  if not items:
+    raise UsageError(f"--input {path}: no requests in the file")
+  return items
+
+
 def _process_index(launch) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -319,11 +352,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
+  if args.input and args.chat:
+    raise UsageError("--input and --chat both name what to answer: give one")
   conversations = _conversations(args.chat, args.prompt) if args.chat else None
+  items = _generation_items(args.input) if args.input else None
   trainer = _open_finished(args, validation=False, method="decode")
   try:
     sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
-    if conversations is None:
+    if items is not None:
+      results = trainer.stream(items, args.max_new_tokens, args.temperature, **sampling)
+      for done, result in enumerate(results, start=1):
+        print(json.dumps(result), flush=True)
+        logs.status(f"{done}/{len(items)} done")
+    elif conversations is None:
       print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, **sampling))
     if conversations:  # One batch of the generation engine; one reply per line, in order.
       for reply in trainer.chat_many(conversations, args.max_new_tokens, args.temperature,

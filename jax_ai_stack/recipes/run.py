@@ -230,6 +230,16 @@ class Run:
     return self.chat_many([messages], max_new_tokens, temperature, seed=seed, top_k=top_k,
                           top_p=top_p)[0]
 
+  def stream(self, items: list[dict], max_new_tokens: int | None, temperature: float, *,
+             seed: int | None = None, top_k: int | None = None,
+             top_p: float | None = None) -> Iterator[dict]:
+    """Each item's result as it finishes ({"prompt"} continued, {"messages"} answered:
+    `LanguageModel.stream`), decoded together by the generation engine."""
+    seed = self.config.train.seed if seed is None else seed
+    with self.kernel_configs():
+      yield from self.task.stream(self.inference_model(), items, max_new_tokens, temperature,
+                                  seed, top_k=top_k, top_p=top_p)
+
   def chat_many(self, conversations: list[list[dict]], max_new_tokens: int | None,
                 temperature: float, *, seed: int | None = None, top_k: int | None = None,
                 top_p: float | None = None) -> list[str]:

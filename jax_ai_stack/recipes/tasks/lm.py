@@ -15,8 +15,8 @@ Example:
 from __future__ import annotations
 
 import functools
-
 import pathlib
+from collections.abc import Iterator
 
 import numpy as np
 from flax import nnx
@@ -165,11 +165,9 @@ class LanguageModel(Task):
                     top_p: float | None = None) -> list[str]:
     """Each prompt continued as `generate` does, all in one batch of the generation engine
     (each with `seed`: a prompt's text does not depend on the others)."""
-    tokenizer = self.tokenizer()
-    ids = [tokenizer.encode_prompt(prompt) for prompt in prompts]  # BOS where it adds one.
-    ids = [p if p.size else np.asarray([tokenizer.bos_id], np.int32) for p in ids]
-    news = self._continue(model, ids, max_new_tokens, temperature, seed, top_k, top_p)
-    return [tokenizer.decode(np.concatenate([p, new])) for p, new in zip(ids, news)]
+    items = [{"prompt": prompt} for prompt in prompts]
+    done = self.stream(model, items, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p)
+    return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
   def chat(self, model, messages: list[dict], max_new_tokens: int | None, temperature: float,
            seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
@@ -183,27 +181,56 @@ class LanguageModel(Task):
                 temperature: float, seed: int, *, top_k: int | None = None,
                 top_p: float | None = None) -> list[str]:
     """Each conversation's reply as `chat` gives it, all in one batch of the engine."""
-    tokenizer = self.tokenizer()
-    template = data.chat_template.for_data(self.config.data, tokenizer)
-    ids = [tokenizer.encode_rendered(template.render(messages, add_generation_prompt=True))
-           for messages in conversations]
-    ends = tokenizer.end_of_turn_ids()
-    stop_ids = tuple(int(t) for t in ends if t < self.config.model.vocab_size)
-    replies = []
-    for new in self._continue(model, ids, max_new_tokens, temperature, seed, top_k, top_p,
-                              stop_ids=stop_ids):
-      stops = np.isin(new, ends)
-      replies.append(tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new))
-    return replies
+    items = [{"messages": messages} for messages in conversations]
+    done = self.stream(model, items, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p)
+    return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
-  def _continue(self, model, prompts: list[np.ndarray], max_new_tokens: int | None,
+  def stream(self, model, items: list[dict], max_new_tokens: int | None, temperature: float,
+             seed: int, *, top_k: int | None = None, top_p: float | None = None
+             ) -> Iterator[dict]:
+    """Each item's result as it finishes, from one batch of the generation engine.
+
+    An item is {"prompt": text} (continued, the prompt included in the text, as
+    `generate`) or {"messages": [...]} (answered as `chat`: the reply alone, cut
+    at its end of turn). Yields {"index", "text", "finish_reason" ("stop" or
+    "length"), "tokens" (new tokens)} with `index` the item's place in `items`.
+    """
+    tokenizer = self.tokenizer()
+    template = None
+    ends = tokenizer.end_of_turn_ids()
+    turn_ends = tuple(int(t) for t in ends if t < self.config.model.vocab_size)
+    prompts, chats = [], []
+    for item in items:
+      if "messages" in item:
+        template = template or data.chat_template.for_data(self.config.data, tokenizer)
+        rendered = template.render(item["messages"], add_generation_prompt=True)
+        prompts.append(tokenizer.encode_rendered(rendered))
+      else:
+        ids = tokenizer.encode_prompt(item["prompt"])  # BOS where the tokenizer adds one.
+        prompts.append(ids if ids.size else np.asarray([tokenizer.bos_id], np.int32))
+      chats.append("messages" in item)
+    requests, lengths = self._requests(prompts, max_new_tokens, temperature, seed, top_k,
+                                       top_p, [turn_ends if chat else () for chat in chats])
+    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    for completion in engine.stream(requests):
+      index = completion.index
+      new = np.asarray(completion.tokens[:lengths[index]], np.int32)
+      if chats[index]:
+        stops = np.isin(new, ends)
+        text = tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new)
+      else:
+        text = tokenizer.decode(np.concatenate([prompts[index], new]))
+      yield {"index": index, "text": text, "finish_reason": completion.finish_reason,
+             "tokens": int(new.size)}
+
+  def _requests(self, prompts: list[np.ndarray], max_new_tokens: int | None,
                 temperature: float, seed: int, top_k: int | None, top_p: float | None,
-                stop_ids: tuple[int, ...] = ()) -> list[np.ndarray]:
-    """The new token ids after each prompt's (as many as fit `max_seq_len`, with a note),
-    from one generation engine; each stops after any of `stop_ids`."""
+                stop_ids: list[tuple[int, ...]]) -> tuple[list[inference.Request], list[int]]:
+    """The engine's requests for `prompts` (each as many new tokens as fit `max_seq_len`,
+    with a note where fewer than asked), and how many new tokens each keeps."""
     limit = self.config.model.max_seq_len
     requests, lengths = [], []
-    for prompt_ids in prompts:
+    for prompt_ids, stops in zip(prompts, stop_ids):
       room = limit - prompt_ids.size
       if room <= 0:
         raise ConfigError(f"the prompt is {prompt_ids.size} tokens, more than "
@@ -215,6 +242,5 @@ class LanguageModel(Task):
       lengths.append(min(wanted, room))
       requests.append(inference.Request(tuple(int(t) for t in prompt_ids), max(lengths[-1], 1),
                                         temperature=temperature, top_k=top_k, top_p=top_p,
-                                        seed=seed, stop_ids=stop_ids))
-    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
-    return [np.asarray(c.tokens[:n], np.int32) for c, n in zip(engine.run(requests), lengths)]
+                                        seed=seed, stop_ids=stops))
+    return requests, lengths
