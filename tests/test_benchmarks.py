@@ -514,3 +514,15 @@ def test_chunked_loss_quick_compares_both_heads_on_memory_time_and_values(tmp_pa
                                      "grad_relative_error", "time_ratio"}
   assert results["targets"]["memory_ratio"]["value"] == pytest.approx(
       memory["chunked"]["temporaries"] / memory["unchunked"]["temporaries"])
+
+
+def test_engine_quick_gives_the_loop_s_tokens_and_reports_each_variant(tmp_path):
+  results = _run_quick("engine", tmp_path)
+  quick = results["sizes"]["quick"]
+  assert quick["same_tokens"] and quick["requests"] == 5
+  assert set(quick["tokens_per_s"]) == {"engine", "loop", "loop-batched"}
+  assert all(rate > 0 for rate in quick["tokens_per_s"].values())
+  assert 0 < quick["time_to_first_token_s"]["median"] <= quick["time_to_first_token_s"]["worst"]
+  cache = quick["kv_cache_bytes"]
+  assert cache["engine"] < cache["full_length_per_request"]  # 2 slots for 5 requests.
+  assert quick["engine_vs_best_loop"]["target"] == 3.0

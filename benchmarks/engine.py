@@ -1,0 +1,179 @@
+"""The generation engine against today's loop (`decoding.generate`): same model, same requests.
+
+64 greedy requests, prompts of 16-512 tokens and outputs of 8-256 (drawn from a
+seed), on a tiny and a ~25M-parameter Llama, timed in one process:
+
+  engine         `inference.Engine(model, max_slots=16).run(requests)`: continuous batching
+  loop           `decoding.generate` per request, one after the other
+  loop-batched   `decoding.generate` on the requests grouped by prompt length (same-length
+                 batches), each batch to its longest output, cut per request afterwards
+
+Each variant runs once to compile (every prompt length the loop sees is a program of its
+own) and is then timed. Reports new tokens per second of each, the engine's time to
+first token (from the start of the run to each request's first token: median and worst),
+and the KV cache the engine holds (slots x max_len) against a full-length cache per
+request (what the loop allocates, one request at a time, times the requests in flight).
+Greedy, so every variant must give the same tokens: the record says whether they do.
+Target: the engine's tokens/s at least `TARGET_VS_LOOP` times the better loop's.
+
+    python benchmarks/engine.py            # both sizes, 64 requests
+    python benchmarks/engine.py --quick    # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import common
+from jax_ai_stack.recipes.inference import Engine, Request, engine as engine_lib
+from jax_ai_stack.recipes.models.decoding import generate
+from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+
+TARGET_VS_LOOP = 3.0
+"""The engine's tokens/s must reach this many times the better loop variant's."""
+SIZES = {
+    "tiny": LlamaConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                        max_seq_len=1024),
+    "25m": LlamaConfig(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2, mlp_dim=1536,
+                       max_seq_len=1024),
+    "quick": LlamaConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                         max_seq_len=64),
+}
+WORKLOADS = {"full": dict(requests=64, prompt=(16, 512), output=(8, 256), slots=16),
+             "quick": dict(requests=5, prompt=(3, 12), output=(2, 6), slots=2)}
+
+
+def requests_for(workload: dict, vocab: int, seed: int = 0) -> list[Request]:
+  rng = np.random.default_rng(seed)
+  requests = []
+  for _ in range(workload["requests"]):
+    prompt = rng.integers(0, vocab, int(rng.integers(*workload["prompt"])))
+    requests.append(Request(tuple(int(t) for t in prompt), int(rng.integers(*workload["output"])),
+                            temperature=0))
+  return requests
+
+
+def run_engine(model, requests: Sequence[Request],
+               slots: int) -> tuple[list[list[int]], list[float]]:
+  """The engine's tokens per request and each request's time to its first token (s)."""
+  started, first = time.perf_counter(), {}
+  admit = engine_lib.Engine._admit
+
+  def timed_admit(self, index, request):  # The first token is sampled at admission.
+    out = admit(self, index, request)
+    first[index] = time.perf_counter() - started
+    return out
+
+  engine_lib.Engine._admit = timed_admit
+  try:
+    done = Engine(model, max_slots=slots).run(requests)
+  finally:
+    engine_lib.Engine._admit = admit
+  return [c.tokens for c in done], [first[i] for i in range(len(requests))]
+
+
+def run_loop(model, requests: Sequence[Request]) -> list[list[int]]:
+  out = []
+  for request in requests:
+    tokens = generate(model, jnp.asarray([request.prompt]), request.max_tokens, temperature=0,
+                      rng=jax.random.key(0))
+    out.append(np.asarray(tokens)[0, len(request.prompt):].tolist())
+  return out
+
+
+def run_loop_batched(model, requests: Sequence[Request]) -> list[list[int]]:
+  groups: dict[int, list[int]] = {}
+  for index, request in enumerate(requests):
+    groups.setdefault(len(request.prompt), []).append(index)
+  out: list[list[int]] = [[] for _ in requests]
+  for length, members in groups.items():
+    longest = max(requests[i].max_tokens for i in members)
+    prompts = jnp.asarray([requests[i].prompt for i in members])
+    tokens = np.asarray(generate(model, prompts, longest, temperature=0, rng=jax.random.key(0)))
+    for row, index in enumerate(members):
+      out[index] = tokens[row, length:length + requests[index].max_tokens].tolist()
+  return out
+
+
+def measure(size: str, workload: dict) -> dict[str, Any]:
+  config = SIZES[size]
+  model = Llama(config, rngs=nnx.Rngs(0))
+  requests = requests_for(workload, config.vocab_size)
+  new_tokens = sum(r.max_tokens for r in requests)
+  variants = {"engine": lambda: run_engine(model, requests, workload["slots"])[0],
+              "loop": lambda: run_loop(model, requests),
+              "loop-batched": lambda: run_loop_batched(model, requests)}
+  tokens, seconds = {}, {}
+  for name, call in variants.items():
+    call()  # Compiles every program this variant needs.
+    started = time.perf_counter()
+    tokens[name] = call()
+    seconds[name] = time.perf_counter() - started
+  _, first = run_engine(model, requests, workload["slots"])
+  rates = {name: new_tokens / s for name, s in seconds.items()}
+  best_loop = max(rates["loop"], rates["loop-batched"])
+  slot_bytes = _cache_bytes(config, workload["slots"], config.max_seq_len)
+  return {
+      "model": dataclasses.asdict(config) | {"params": _params(model)},
+      "requests": len(requests), "new_tokens": new_tokens, "slots": workload["slots"],
+      "seconds": seconds, "tokens_per_s": rates,
+      "same_tokens": tokens["engine"] == tokens["loop"] == tokens["loop-batched"],
+      "time_to_first_token_s": {"median": statistics.median(first), "worst": max(first)},
+      "kv_cache_bytes": {"engine": slot_bytes,
+                         "full_length_per_request": _cache_bytes(config, len(requests),
+                                                                 config.max_seq_len),
+                         "tokens_held": _cache_bytes(config, 1, sum(
+                             len(r.prompt) + r.max_tokens for r in requests))},
+      "engine_vs_best_loop": common.target(rates["engine"] / best_loop, TARGET_VS_LOOP,
+                                           at_least=True),
+  }
+
+
+def _cache_bytes(config: LlamaConfig, rows: int, length: int) -> int:
+  per_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim
+  return rows * length * per_token * jnp.dtype(config.dtype).itemsize
+
+
+def _params(model) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(prog="benchmarks/engine.py",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="a smoke test: 5 tiny requests")
+  common.add_out_argument(parser, "engine")
+  args = parser.parse_args(argv)
+  workload = WORKLOADS["quick" if args.quick else "full"]
+  sizes = ["quick"] if args.quick else ["tiny", "25m"]
+  record = {**common.header("engine"), **common.versions(), "workload": workload,
+            "transformers": "not measured: torch and transformers are not installed in the "
+                            "project's environments (compare on a machine that has them)",
+            "sizes": {}}
+  for size in sizes:
+    record["sizes"][size] = measure(size, workload)
+    result = record["sizes"][size]
+    rates, ratio = result["tokens_per_s"], result["engine_vs_best_loop"]["value"]
+    verdict = common.verdict(ratio, TARGET_VS_LOOP, at_least=True)
+    print(f"{size}: engine {rates['engine']:,.0f} tokens/s, loop {rates['loop']:,.0f}, "
+          f"loop-batched {rates['loop-batched']:,.0f}; engine / best loop {ratio:.2f} "
+          f"(target >= {TARGET_VS_LOOP}: {verdict}); same tokens: {result['same_tokens']}",
+          flush=True)
+  common.write(record, args.out)
+  return record
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
+  sys.exit(0)
