@@ -117,3 +117,24 @@ def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(tiny):
 def test_a_bad_request_is_named_with_its_field(tiny, request_, message):
   with pytest.raises(ValueError, match=message):
     Engine(tiny, max_slots=1).run([request_])
+
+
+def test_requests_join_a_running_engine_and_a_cancelled_one_frees_its_slot(tiny):
+  """A server's use: add at any moment, step a token at a time, cancel a gone client's."""
+  a, b, c = (Request(p, 10, temperature=0.8, seed=s) for s, p in enumerate(_prompts(256)))
+  engine = Engine(tiny, max_slots=2)
+  first, second = engine.add(a), engine.add(b)
+  grown = engine.step()  # Both admitted (prefill's token) and one step decoded.
+  assert [(g.index, len(g.tokens)) for g in grown] == [(first, 2), (second, 2)]
+  assert engine.free_slots == 0
+  third = engine.add(c)
+  assert engine.step() and engine.free_slots == 0  # c waits for a slot.
+  assert engine.cancel(first) and engine.free_slots == 1 and not engine.cancel(first)
+  tokens = {}
+  while engine.busy:
+    for completion in engine.step():
+      if completion.finish_reason:
+        tokens[completion.index] = completion.tokens
+  assert engine.free_slots == 2 and sorted(tokens) == [second, third]
+  alone = Engine(tiny, max_slots=2).run([b, c])
+  assert [tokens[second], tokens[third]] == [done.tokens for done in alone]

@@ -2,7 +2,10 @@
 
 `Engine(model).run(requests)` decodes a list of `Request`s in one batch of
 `max_slots` rows and returns a `Completion` for each; `stream` yields each as
-it finishes. The cache holds `max_slots` slots of `max_len` positions (a row
+it finishes. A server drives it a step at a time: `add` queues a request at
+any moment, `step` admits and decodes one token for every running request
+(returning the completions that grew, token by token), `cancel` frees the
+slot of a request whose client went away. The cache holds `max_slots` slots of `max_len` positions (a row
 of `Decoder.init_cache` each). A request is admitted to a free slot: its
 prompt is prefilled alone (padded to a power of two, so that prompt lengths
 share a few compiled programs) and its keys and values are copied into the
@@ -129,27 +132,73 @@ class Engine:
     cache = model.init_cache(max_slots, self.max_len)
     # Buffers of their own: the step donates both (init_cache may share one zeros array).
     self._keys, self._values = cache.keys, jax.tree.map(jnp.zeros_like, cache.values)
+    self._slots: list[_Slot | None] = [None] * max_slots
+    self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
+    self._added = 0
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
     """A completion for each request, in the requests' order."""
     return sorted(self.stream(requests), key=lambda c: c.index)
 
   def stream(self, requests: Sequence[Request]) -> Iterator[Completion]:
-    """Each request's completion as it finishes (requests are admitted in order)."""
+    """Each request's completion as it finishes, `index` its place in `requests` (all are
+    checked before any is queued; they are admitted in order)."""
     for index, request in enumerate(requests):
       self.check(request, index)
-    waiting = collections.deque(enumerate(requests))
-    slots: list[_Slot | None] = [None] * self.max_slots
-    while waiting or any(slots):
-      for number, slot in enumerate(slots):
-        while slot is None and waiting:  # A request that ends at once frees it again.
-          slot, done = self._admit(*waiting.popleft())
-          if done:
-            yield slot.completion
-            slot = None
-        slots[number] = slot
-      if any(slots):
-        yield from self._decode(slots)
+    first = self._added
+    mine = range(first, first + len(requests))
+    for request in requests:
+      self.add(request)
+    while self.busy:
+      for completion in self.step():
+        if completion.finish_reason and completion.index in mine:
+          yield dataclasses.replace(completion, index=completion.index - first)
+
+  def add(self, request: Request) -> int:
+    """Queues `request` (checked now: ValueError naming the field); returns its index, the
+    number of requests added before it. It is admitted by a later `step`."""
+    index = self._added
+    self.check(request, index)
+    self._added += 1
+    self._waiting.append((index, request))
+    return index
+
+  def cancel(self, index: int) -> bool:
+    """Drops a waiting or running request (its client went away) and frees its slot;
+    whether it was there."""
+    for entry in self._waiting:
+      if entry[0] == index:
+        self._waiting.remove(entry)
+        return True
+    for number, slot in enumerate(self._slots):
+      if slot is not None and slot.index == index:
+        self._slots[number] = None  # Its cache row is overwritten by the next admission.
+        return True
+    return False
+
+  @property
+  def busy(self) -> bool:
+    """Whether a request waits or runs."""
+    return bool(self._waiting) or any(slot is not None for slot in self._slots)
+
+  @property
+  def free_slots(self) -> int:
+    return sum(slot is None for slot in self._slots)
+
+  def step(self) -> list[Completion]:
+    """Admits waiting requests into free slots, then decodes one token for every occupied
+    slot. Returns the completions that grew, once each (one admitted now has two new
+    tokens: the prefill's and the step's); one with a `finish_reason` has ended and its slot
+    is free again."""
+    grown = []
+    for number in range(self.max_slots):
+      while self._slots[number] is None and self._waiting:  # One that ends at once frees it.
+        slot, done = self._admit(*self._waiting.popleft())
+        grown.append(slot.completion)
+        self._slots[number] = None if done else slot
+    if self.busy:
+      grown += self._decode()
+    return list({completion.index: completion for completion in grown}.values())
 
   def check(self, request: Request, index: int = 0) -> None:
     """Raises ValueError naming the request and the field that does not fit."""
@@ -186,9 +235,10 @@ class Engine:
     sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
     return slot, self._take(slot, *[np.asarray(x)[0] for x in sampled])
 
-  def _decode(self, slots: list[_Slot | None]) -> Iterator[Completion]:
-    """One token for every occupied slot; yields the completions that end with it."""
-    self._place(slots)
+  def _decode(self) -> list[Completion]:
+    """One token for every occupied slot; the completions that grew."""
+    slots = self._slots
+    self._place()
     tokens = np.zeros((self.max_slots,), np.int32)
     lengths = np.zeros((self.max_slots,), np.int32)
     for number, slot in enumerate(slots):
@@ -199,18 +249,20 @@ class Engine:
     new_tokens, logps, top_tokens, top_logps, self._keys, self._values = outputs
     new_tokens, logps = np.asarray(new_tokens), np.asarray(logps)
     top_tokens, top_logps = np.asarray(top_tokens), np.asarray(top_logps)
+    grown = []
     for number, slot in enumerate(slots):
       if slot is None:
         continue
       slot.length += 1
+      grown.append(slot.completion)
       if self._take(slot, new_tokens[number], logps[number], top_tokens[number],
                     top_logps[number]):
         slots[number] = None
-        yield slot.completion
+    return grown
 
-  def _place(self, slots: list[_Slot | None]) -> None:
+  def _place(self) -> None:
     """Copies the prefilled rows of newly admitted requests into their slots."""
-    for number, slot in enumerate(slots):
+    for number, slot in enumerate(self._slots):
       if slot is not None and slot.row is not None:
         self._keys, self._values = self._insert(self._keys, self._values, *slot.row,
                                                 np.int32(number))
