@@ -266,7 +266,7 @@ def test_a_tensor_of_the_wrong_shape_names_itself_and_both_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("kind, fields, message", [
-    ("llama", dict(qk_norm=True), "qk_norm=True does not go with kind='llama'.* qwen3, qwen3_moe, gemma3"),
+    ("llama", dict(qk_norm=True), "qk_norm=True does not go with kind='llama'.* qwen3, gemma3, qwen3_moe"),
     ("gemma2", dict(norm_offset=0.0), "norm_offset=0.0 does not go with kind='gemma2'"),
     ("mistral", dict(layer_types=("full",) * 4), "layer_types=.* does not go with kind='mistral'"),
     ("gemma3", dict(layer_types=("sliding", "full")), "layer_types has 2 entries; num_layers=4"),

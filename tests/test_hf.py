@@ -714,6 +714,15 @@ def test_generate_encodes_a_prompt_with_the_bos_its_tokenizer_adds(tmp_path, mon
   task = tasks.for_config(config_lib.load("lm-tiny", overrides=[
       "data.tokenizer=huggingface", f"data.tokenizer_path={path}", "model.vocab_size=40"]))
   seen = []
-  monkeypatch.setattr(task, "_continue", lambda model, ids, *args: seen.append(ids) or ids[:0])
-  task.generate(None, "def x", 1, 0.0, 0)
+
+  class Seen(Exception):
+    """The prompt's ids are all this test reads: it stops before the engine."""
+
+  def requests(prompts, *args):
+    seen.extend(prompts)
+    raise Seen
+
+  monkeypatch.setattr(task, "_requests", requests)
+  with pytest.raises(Seen):
+    task.generate(None, "def x", 1, 0.0, 0)
   assert seen[0].tolist() == [2, GEMMA_WORDS.index("def"), GEMMA_WORDS.index("x")]

@@ -246,6 +246,7 @@ ALLOWED: dict[str, str] = {
     # Benchmarks of one model, against hand-written JAX or PyTorch versions of it.
     "benchmarks/accelerator.py": "times the Llama train step at the 0.76B size of issue #23",
     "benchmarks/compile_depth.py": "compile time of the Llama step, unrolled vs scan_layers",
+    "benchmarks/engine.py": "the generation engine against the decoder's own decoding loop",
     "benchmarks/lora.py": "LoRA and QLoRA steps of a Llama against its full fine-tuning",
     "benchmarks/moe.py": "the decoder's MoE layer against its dense MLP of the same active size",
     "benchmarks/quant.py": "a Llama's QAT/PTQ step times; refuses a run of another kind",

@@ -10,7 +10,7 @@ of `Decoder.init_cache` each). A request is admitted to a free slot: its
 prompt is prefilled alone (padded to a power of two, so that prompt lengths
 share a few compiled programs) and its keys and values are copied into the
 slot; then one compiled step decodes one token for every occupied slot, each
-at its own position (`KVCache.length` per row). A request that ends (a stop
+at its own position (the cache's `length` per row). A request that ends (a stop
 token, `max_tokens`, the end of the context) frees its slot, and the next
 waiting request takes it before the next step: continuous batching.
 
@@ -27,8 +27,8 @@ request gives the same tokens alone, among 31 others or admitted mid-way.
 
 Example: two prompts of different lengths, greedy.
   >>> from flax import nnx
-  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-  >>> engine = Engine(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), max_slots=2)
+  >>> from jax_ai_stack.recipes import models
+  >>> engine = Engine(models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0)), max_slots=2)
   >>> done = engine.run([Request((256, 104, 105), max_tokens=3, temperature=0),
   ...                    Request((256, 104), max_tokens=2, temperature=0)])
   >>> [len(c.tokens) for c in done], done[0].finish_reason
@@ -48,7 +48,6 @@ import numpy as np
 from flax import nnx
 
 from jax_ai_stack.recipes.inference import sampling
-from jax_ai_stack.recipes.models.llama import KVCache
 
 __all__ = ["Completion", "Engine", "Request"]
 
@@ -127,9 +126,9 @@ class Engine:
     # The compiled programs are shared by engines of the same model structure (the jits
     # below are module-level, their static arguments the graph and sizes).
     self._prefill = functools.partial(_prefill, graphdef, self.max_len)
-    self._step = functools.partial(_step, graphdef, max_top_logprobs)
-    self._insert = functools.partial(_insert, self._stacked)
     cache = model.init_cache(max_slots, self.max_len)
+    self._step = functools.partial(_step, graphdef, max_top_logprobs, type(cache))
+    self._insert = functools.partial(_insert, self._stacked)
     # Buffers of their own: the step donates both (init_cache may share one zeros array).
     self._keys, self._values = cache.keys, jax.tree.map(jnp.zeros_like, cache.values)
     self._slots: list[_Slot | None] = [None] * max_slots
@@ -331,11 +330,12 @@ def _insert(stacked: bool, keys, values, row_keys, row_values, slot):
   return jax.tree.map(put, keys, row_keys), jax.tree.map(put, values, row_values)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _step(graphdef, max_top: int, state, keys, values, tokens, lengths, seeds, counts,
-          temperature, top_k, top_p):
-  """One token for every row, each at its own position; the updated cache."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+def _step(graphdef, max_top: int, cache_type, state, keys, values, tokens, lengths, seeds,
+          counts, temperature, top_k, top_p):
+  """One token for every row, each at its own position (`cache_type`: the model's
+  `init_cache` class, with one length per row); the updated cache."""
   model = nnx.merge(graphdef, state)
-  logits, cache = model.decode(tokens[:, None], KVCache(keys, values, lengths))
+  logits, cache = model.decode(tokens[:, None], cache_type(keys, values, lengths))
   sampled = _sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
   return (*sampled, cache.keys, cache.values)
