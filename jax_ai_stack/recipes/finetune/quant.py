@@ -144,8 +144,9 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
 
   `model` (float, or a QAT model) is not changed. Only `method` of the copy
   runs quantized ops (Qwix intercepts one method): "__call__" to evaluate,
-  "decode" for `decoding.generate`. A model that is already quantized keeps its
-  quantized weights, so the same PTQ model can be given another `method`.
+  "decode" to generate (`inference.Engine`, `decoding.generate`). A model that is
+  already quantized keeps its quantized weights, so the same PTQ model can be
+  given another `method`.
   """
   _refuse_scanned(model_config, "post-training quantization")
   provider = qwix.PtqProvider(rules(scheme, model_config.kind))

@@ -43,7 +43,8 @@ Parameter paths keep to names that a weight-decay mask can match: the token
 embedding sits under `embed`, norms are attributes whose names contain `norm`
 (their parameter is `scale`), and there are no biases.
 
-Beside the model: `decoding.generate` samples with the KV cache and
+Beside the model: `decoding.generate` samples with the KV cache (the
+generation engine, `recipes.inference`, decodes many requests at once) and
 `activation_memory.activation_bytes` estimates what training keeps for the
 backward pass; the RoPE functions and `activation_bytes` are importable from
 here too (`generate` from `decoding`, which builds on this module).

@@ -198,7 +198,6 @@ class Task(abc.ABC):
     del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
 
-
   def chat_many(self, model: nnx.Module, conversations: list[list[dict]],
                 max_new_tokens: int | None, temperature: float, seed: int, *,
                 top_k: int | None = None, top_p: float | None = None) -> list[str]:

@@ -43,7 +43,7 @@ class LanguageModel(Task):
   model_config = LlamaConfig
   throughput_unit = "tokens"
   quant_layers = adapting.QUANT_LAYERS[LlamaConfig]
-  methods = ("__call__", "decode")  # `decode`: one step of `decoding.generate`, with a KV cache.
+  methods = ("__call__", "decode")  # `decode`: a step of generation, with a KV cache.
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> Llama:
@@ -165,8 +165,8 @@ class LanguageModel(Task):
                     top_p: float | None = None) -> list[str]:
     """Each prompt continued as `generate` does, all in one batch of the generation engine
     (each with `seed`: a prompt's text does not depend on the others)."""
-    items = [{"prompt": prompt} for prompt in prompts]
-    done = self.stream(model, items, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p)
+    done = self.stream(model, [{"prompt": prompt} for prompt in prompts], max_new_tokens,
+                       temperature, seed, top_k=top_k, top_p=top_p)
     return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
   def chat(self, model, messages: list[dict], max_new_tokens: int | None, temperature: float,
@@ -181,8 +181,8 @@ class LanguageModel(Task):
                 temperature: float, seed: int, *, top_k: int | None = None,
                 top_p: float | None = None) -> list[str]:
     """Each conversation's reply as `chat` gives it, all in one batch of the engine."""
-    items = [{"messages": messages} for messages in conversations]
-    done = self.stream(model, items, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p)
+    done = self.stream(model, [{"messages": messages} for messages in conversations],
+                       max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p)
     return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
   def stream(self, model, items: list[dict], max_new_tokens: int | None, temperature: float,
