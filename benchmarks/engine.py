@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 import common
-from jax_ai_stack.recipes.inference import Engine, Request, engine as engine_lib
+from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
 
@@ -67,20 +67,15 @@ def requests_for(workload: dict, vocab: int, seed: int = 0) -> list[Request]:
 def run_engine(model, requests: Sequence[Request],
                slots: int) -> tuple[list[list[int]], list[float]]:
   """The engine's tokens per request and each request's time to its first token (s)."""
-  started, first = time.perf_counter(), {}
-  admit = engine_lib.Engine._admit
-
-  def timed_admit(self, index, request):  # The first token is sampled at admission.
-    out = admit(self, index, request)
-    first[index] = time.perf_counter() - started
-    return out
-
-  engine_lib.Engine._admit = timed_admit
-  try:
-    done = Engine(model, max_slots=slots).run(requests)
-  finally:
-    engine_lib.Engine._admit = admit
-  return [c.tokens for c in done], [first[i] for i in range(len(requests))]
+  engine, started, first, tokens = Engine(model, max_slots=slots), time.perf_counter(), {}, {}
+  for request in requests:
+    engine.add(request)
+  while engine.busy:
+    for completion in engine.step():
+      first.setdefault(completion.index, time.perf_counter() - started)
+      if completion.finish_reason:
+        tokens[completion.index] = completion.tokens
+  return [tokens[i] for i in range(len(requests))], [first[i] for i in range(len(requests))]
 
 
 def run_loop(model, requests: Sequence[Request]) -> list[list[int]]:

@@ -175,7 +175,7 @@ def test_dpo_on_a_mixture_of_experts_adds_the_router_losses():
                                                   "model.moe.router_z_loss_coef=0.001"])
   model = LanguageModel(config).build_model(0)
   objective = objectives.DirectPreference(beta=0.1, kind="sigmoid", label_smoothing=0.0)
-  # Policy = reference, in another object: only the trained model's router losses count.
+  # Policy = reference (a copy): only the policy's pass hands up its router losses.
   loss, metrics = objectives.training_loss(objective, nnx.clone)(model, _pair_batch())
   router = 0.01 * metrics["router_aux_loss"] + 0.001 * metrics["router_z_loss"]
   assert float(metrics["dpo_loss"]) == pytest.approx(np.log(2), rel=1e-6)

@@ -147,7 +147,7 @@ class Engine:
     first = self._added
     mine = range(first, first + len(requests))
     for request in requests:
-      self.add(request)
+      self._queue(request)
     while self.busy:
       for completion in self.step():
         if completion.finish_reason and completion.index in mine:
@@ -156,8 +156,12 @@ class Engine:
   def add(self, request: Request) -> int:
     """Queues `request` (checked now: ValueError naming the field); returns its index, the
     number of requests added before it. It is admitted by a later `step`."""
+    self.check(request, self._added)
+    return self._queue(request)
+
+  def _queue(self, request: Request) -> int:
+    """Queues a checked request; its index."""
     index = self._added
-    self.check(request, index)
     self._added += 1
     self._waiting.append((index, request))
     return index

@@ -71,7 +71,7 @@ class Task(abc.ABC):
   objective: Any = None
   """What the model learns (a `tasks.objectives.Objective`: a built-in family's, from its
   config); None: `loss` alone says (a model of one's own)."""
-  data_kind: ClassVar[str | None] = None
+  data_kind: str | None = None
   """The kind of data the config feeds ("tokens", "preference", "images"), which a given
   objective must read; None: not checked."""
 

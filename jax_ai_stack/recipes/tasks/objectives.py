@@ -8,9 +8,10 @@ reads (`data_kind`) and whether it compares with a reference model
 or the one it is given: `LanguageModel(config, objective=...)`, passed to
 `build_run(config, task=...)`. `training_loss` makes the step's loss of it:
 it hands the objective the run's reference model (from the run's transforms,
-built once) and adds the router losses a mixture of experts computes in the
-forward pass of the model being trained, for every objective alike (each
-objective's own loss is then logged as its `loss_metric`). A new objective is
+built once) and adds, for every objective alike, the router losses a mixture
+of experts computed in the trained model's forward pass, which the objective
+hands up in its metrics (`ROUTER_LOSSES`); each objective's own loss is then
+logged as its `loss_metric`. A new objective is
 a class here (or in a module of one's own) and the data it reads, plus a
 preset.
 
@@ -47,7 +48,6 @@ Example: the DPO loss on fixed log-probabilities.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -92,41 +92,27 @@ class Objective:
 
 # ---- a model's router losses, added once for every objective ------------------------
 
-_TRAINED: contextvars.ContextVar[_RouterLosses | None] = contextvars.ContextVar(
-    "trained_model", default=None)
-
-
-@dataclasses.dataclass
-class _RouterLosses:
-  """The model a loss is being taken of, and the router losses its forward passes made."""
-  model: nnx.Module
-  found: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)
+ROUTER_LOSSES = "router_losses"
+"""The metrics entry in which an objective hands up the router losses of the trained model's
+forward pass (`target_logps(..., with_router=True)`); `training_loss` adds them."""
 
 
 def target_logps(model: nnx.Module, inputs: jax.Array, targets: jax.Array, *,
-                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None
-                 ) -> jax.Array:
-  """log p(targets) [B, T] under a decoder (its head in chunks: no [B, T, V] logits).
-
-  Inside `training_loss`, a forward pass of the model being trained also hands
-  its mixture-of-experts router losses (`llama.moe_losses`) to the loss; a
-  reference model's pass (another object) does not.
-  """
-  collecting = _TRAINED.get()
-  if collecting is None or collecting.model is not model:
-    return model(inputs, segment_ids=segment_ids, positions=positions, targets=targets)
-  logps, moe = model(inputs, segment_ids=segment_ids, positions=positions,
-                     with_moe_losses=True, targets=targets)
-  collecting.found.append(moe)
-  return logps
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                 with_router: bool = False) -> jax.Array | tuple[jax.Array, dict]:
+  """log p(targets) [B, T] under a decoder (its head in chunks: no [B, T, V] logits);
+  `with_router`: and the mixture-of-experts router losses of this pass (`llama.moe_losses`;
+  {} for a dense model), for the model being trained (not a reference)."""
+  return model(inputs, segment_ids=segment_ids, positions=positions,
+               with_moe_losses=with_router, targets=targets)
 
 
 def training_loss(objective: Objective,
                   reference: Callable[[nnx.Module], nnx.Module | None] | None = None
                   ) -> Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]:
   """`objective` as a step's `loss(model, batch)`: `reference(model)` (the run's transforms'
-  `reference_model`) handed to an objective that needs one, and the trained model's router
-  losses added (`with_router_losses`)."""
+  `reference_model`) handed to an objective that needs one, and the router losses it hands
+  up (`ROUTER_LOSSES`) added (`with_router_losses`)."""
 
   def loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     frozen = None
@@ -136,26 +122,12 @@ def training_loss(objective: Objective,
         raise ConfigError(f"{type(objective).__name__} needs a reference model and this run "
                           f"keeps none: set finetune.base (the run to start from and compare "
                           f"with)")
-    collecting = _RouterLosses(model)
-    token = _TRAINED.set(collecting)
-    try:
-      value, metrics = objective.loss(model, batch, frozen)
-    finally:
-      _TRAINED.reset(token)
-    return with_router_losses(value, metrics, _summed(collecting.found),
-                              alone=objective.loss_metric)
+    value, metrics = objective.loss(model, batch, frozen)
+    metrics = dict(metrics)
+    router = metrics.pop(ROUTER_LOSSES, {})
+    return with_router_losses(value, metrics, router, alone=objective.loss_metric)
 
   return loss
-
-
-def _summed(found: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-  """One forward pass's router losses as they are; several: the losses summed, the
-  metrics averaged."""
-  found = [moe for moe in found if moe]
-  if len(found) <= 1:
-    return found[0] if found else {}
-  return {k: sum(moe[k] for moe in found) / (1 if k == "moe_loss" else len(found))
-          for k in found[0]}
 
 
 def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array],
@@ -208,9 +180,10 @@ class NextToken(Objective):
 
   def loss(self, model, batch, reference=None):
     del reference
-    losses = -target_logps(model, batch["inputs"], batch["targets"],
-                           segment_ids=batch.get("segment_ids"),
-                           positions=batch.get("positions"))
+    logps, router = target_logps(model, batch["inputs"], batch["targets"],
+                                 segment_ids=batch.get("segment_ids"),
+                                 positions=batch.get("positions"), with_router=True)
+    losses = -logps
     if "loss_mask" in batch:
       mask = batch["loss_mask"].astype(jnp.float32)
     elif "segment_ids" in batch:
@@ -218,7 +191,7 @@ class NextToken(Objective):
     else:
       mask = jnp.ones_like(losses)
     tokens = jnp.maximum(mask.sum(), 1.0)
-    return (losses * mask).sum() / tokens, {"tokens": mask.sum()}
+    return (losses * mask).sum() / tokens, {"tokens": mask.sum(), ROUTER_LOSSES: router}
 
   def evaluation(self, means):
     """Perplexity of the cross-entropy (`eval_lm_loss` where router losses were added)."""
@@ -233,16 +206,19 @@ lm_loss = training_loss(NextToken())
 """The next token's mean cross-entropy, router losses added: `loss(model, batch)`."""
 
 
-def sequence_logps(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def sequence_logps(model: nnx.Module, batch: Batch, *, with_router: bool = False
+                   ) -> tuple[jax.Array, ...]:
   """Summed log-probabilities of each pair's chosen and of its rejected reply, [B] each,
-  from one forward pass over both sides' rows."""
+  from one forward pass over both sides' rows; `with_router`: and that pass's router
+  losses (`target_logps`) as a third value."""
   both = {key: jnp.concatenate([batch[f"{side}_{key}"] for side in SIDES])
           for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  logps = target_logps(model, both["inputs"], both["targets"],
-                       segment_ids=both["segment_ids"], positions=both["positions"])
+  out = target_logps(model, both["inputs"], both["targets"], segment_ids=both["segment_ids"],
+                     positions=both["positions"], with_router=with_router)
+  logps, router = out if with_router else (out, None)
   summed = (logps * both["loss_mask"].astype(jnp.float32)).sum(axis=-1)
   chosen, rejected = jnp.split(summed, 2)
-  return chosen, rejected
+  return (chosen, rejected, router) if with_router else (chosen, rejected)
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, reference_chosen: jax.Array,
@@ -277,10 +253,11 @@ class DirectPreference(Objective):
   loss_metric: ClassVar[str] = "dpo_loss"
 
   def loss(self, model, batch, reference=None):
-    policy = sequence_logps(model, batch)
+    *policy, router = sequence_logps(model, batch, with_router=True)
     frozen = jax.lax.stop_gradient(sequence_logps(reference, batch))
-    return dpo_loss(*policy, *frozen, beta=self.beta, kind=self.kind,
-                    label_smoothing=self.label_smoothing)
+    loss, metrics = dpo_loss(*policy, *frozen, beta=self.beta, kind=self.kind,
+                             label_smoothing=self.label_smoothing)
+    return loss, {**metrics, ROUTER_LOSSES: router}
 
   def batch_axes(self):
     """A pair's sides, on the same devices."""
