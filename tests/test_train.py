@@ -271,6 +271,9 @@ def test_generate_input_gives_one_json_line_per_request_equal_to_generate_alone(
       assert results[index]["tokens"] == 6 and results[index]["finish_reason"] == "length"
   finally:
     trainer.close()
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path),
+                   "--top-k", "1000"]) == 2
+  assert "request 0: top_k must be in [1, 259]; got 1000" in capsys.readouterr().err
   path.write_text('{"prompt": "a"}\n{"nope": 1}\n')
   assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path)]) == 2
   assert f"{path}:2: a line holds" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
-from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import data, inference, sharding
 from jax_ai_stack.recipes.models import adapting, llama
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
@@ -212,6 +212,11 @@ class LanguageModel(Task):
     requests, lengths = self._requests(prompts, max_new_tokens, temperature, seed, top_k,
                                        top_p, [turn_ends if chat else () for chat in chats])
     engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    for index, request in enumerate(requests):
+      try:
+        engine.check(request, index)  # A sampling setting out of range: the user's mistake.
+      except ValueError as e:
+        raise UsageError(str(e)) from None
     for completion in engine.stream(requests):
       index = completion.index
       new = np.asarray(completion.tokens[:lengths[index]], np.int32)
