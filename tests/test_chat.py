@@ -246,6 +246,9 @@ def test_a_reply_is_rendered_with_the_generation_prompt_and_stops_at_its_end_of_
     def __init__(self, model, max_slots):
       del model, max_slots
 
+    def check(self, request, index):  # The request fits: the settings are in range.
+      del request, index
+
     def stream(self, requests):
       asked.extend(np.asarray(r.prompt) for r in requests)
       assert 257 in requests[0].stop_ids  # The engine stops at the end of the turn ...
