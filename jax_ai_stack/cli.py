@@ -104,12 +104,11 @@ def _ctrl_c_exits(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-  try:
-    parser = build_parser()  # Imports each command's module: a Ctrl-C may land in it.
-  except KeyboardInterrupt:
-    command = next(iter(sys.argv[1:] if argv is None else argv), "")
-    print(_interrupted(command), file=sys.stderr)
-    return INTERRUPTED_EXIT_CODE
+  # Building the parser imports each command's module (jax among them): a Ctrl-C
+  # there must end as one anywhere else does. A KeyboardInterrupt raised inside an
+  # import can leave CPython marked to kill itself by SIGINT at exit (-2, not 130).
+  with _ctrl_c_exits(next(iter(sys.argv[1:] if argv is None else argv), "")):
+    parser = build_parser()
   args, extra = parser.parse_known_args(argv)
   if extra and not getattr(args, "accepts_overrides", False):
     # The subcommand's own usage, not the top-level one.

@@ -174,7 +174,7 @@ def test_train_list_describes_each_preset():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after_s", [0.5, 1.5, 3.0])
+@pytest.mark.parametrize("after_s", [0.2, 0.5, 1.5, 3.0])
 def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_path, after_s):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   process = subprocess.Popen(

@@ -42,7 +42,8 @@ def start_training(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
 def wait_for_step(process: subprocess.Popen, workdir: pathlib.Path, step: int) -> None:
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline:
-    if train_losses(workdir) and train_losses(workdir)[-1][0] >= step:
+    losses = train_losses(workdir)  # Read once: a resume may cut the file back in between.
+    if losses and losses[-1][0] >= step:
       return
     if process.poll() is not None:
       pytest.fail(f"training ended early: {process.stdout.read()}")
