@@ -6,6 +6,8 @@ and checks a property that fails if their versions disagree.
 
 from __future__ import annotations
 
+import importlib.util
+
 import chex
 import grain
 import jax
@@ -221,3 +223,67 @@ def test_orbax_export_serves_a_trained_recipe_model_as_it_computes(tmp_path):
       tokens=tf.constant(tokens))
   (logits,) = served.values()
   np.testing.assert_allclose(logits.numpy(), np.asarray(model(tokens)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.every_row  # About 10 s (tensorflow's import): the tfds extra is proven on each row.
+@pytest.mark.xfail(
+    importlib.util.find_spec("importlib_resources") is None, raises=ModuleNotFoundError,
+    strict=True, reason=(
+        "tensorflow-datasets 4.9.10 imports importlib_resources when it prepares any builder "
+        "that lives in a package, but declares it only for Python < 3.9 (etils, which brought "
+        "it, no longer does): the tfds extra needs it pinned beside tensorflow-datasets"))
+def test_the_tfds_extra_reads_the_mnist_it_ships_offline_into_grain_and_nnx(tmp_path, monkeypatch):
+  """tensorflow-datasets prepares the MNIST-shaped dataset its wheel ships for offline use
+  (`tfds.testing.DummyMnist`: 28x28x1 PNG images, 10 classes, no download) as ArrayRecord;
+  read back by path as a random-access source, it feeds a Grain pipeline and an NNX step."""
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")  # Read when tensorflow's C++ side loads.
+  tf = pytest.importorskip("tensorflow", reason=(
+      "tensorflow-datasets and the tensorflow it encodes images with come with the tfds "
+      "extra (pip install 'jax-ai-stack[tfds]'; CI installs it on every matrix row)"))
+  tfds = pytest.importorskip("tensorflow_datasets", reason=(
+      "the tfds extra is not installed (pip install 'jax-ai-stack[tfds]')"))
+  try:
+    tf.config.set_visible_devices([], "GPU")  # The accelerator is JAX's, not tensorflow's.
+  except RuntimeError:
+    pass  # Already initialised by an earlier test in this process: too late, and harmless.
+
+  builder = tfds.testing.DummyMnist(data_dir=str(tmp_path), file_format="array_record")
+  tfds.disable_progress_bar()
+  try:
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  finally:
+    tfds.enable_progress_bar()
+  assert not [path for path in (tmp_path / "downloads").rglob("*") if path.is_file()]
+
+  source = tfds.builder_from_directory(builder.data_dir).as_data_source(split="train")
+  assert len(source) == 20
+  dataset = (grain.MapDataset.source(source).shuffle(seed=0)
+             .map(lambda e: {"x": e["image"].reshape(-1).astype(np.float32) / 255.0,
+                             "y": e["label"]})
+             .batch(5, drop_remainder=True))
+  batches = list(dataset)
+  assert len(batches) == 4
+  assert batches[0]["x"].shape == (5, 28 * 28) and batches[0]["y"].dtype == np.int64
+  assert source[0]["image"].dtype == np.uint8  # The PNG it wrote, decoded: DummyMnist's ones.
+  np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), np.float32(1 / 255))
+  labels = np.concatenate([b["y"] for b in batches])
+  np.testing.assert_array_equal(np.sort(labels), np.repeat(np.arange(10), 2))
+  assert builder.info.features["label"].num_classes == 10
+  np.testing.assert_array_equal(  # The same records as the source, in Grain's order.
+      labels, [source[i]["label"] for i in grain.MapDataset.range(20).shuffle(seed=0)])
+
+  model = MLP(28 * 28, 16, 10, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer, b["x"], b["y"])) for b in batches]
+  assert all(np.isfinite(losses))
