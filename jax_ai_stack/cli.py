@@ -47,6 +47,7 @@ _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
     "jax_ai_stack.recipes.hf_cli",
+    "jax_ai_stack.recipes.serve.cli",
     "jax_ai_stack.recipes.data.cli",
     "jax_ai_stack.recipes.finetune.lora_cli",
     "jax_ai_stack.recipes.finetune.quant_cli",

@@ -66,6 +66,9 @@ SKIPPED = {
     "srun jax-ai-stack train lm-small --workdir /shared/runs/lm-small":
         "a SLURM job step: needs srun and a cluster",
     "xprof --logdir": "serves the trace on a port until it is stopped (the profile extra)",
+    'pip install "jax-ai-stack[serve]"': "installs the package from the network",
+    "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
+                                    "starts it on loopback and speaks to it with the openai client",
 }
 """Commands (a unique leading part) that cannot run here, and why."""
 

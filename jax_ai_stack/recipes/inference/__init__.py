@@ -1,5 +1,6 @@
 """Generation: the engine that decodes many requests at once (`engine`), and sampling one
-token per row with each row's own settings (`sampling`).
+token per row with each row's own settings (`sampling`), and a completion's text as its
+tokens arrive, cut at stop strings (`text`).
 
 Names load on first use.
 
@@ -11,8 +12,8 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("engine", "sampling")
+_SUBMODULES = ("engine", "sampling", "text")
 _EXPORTS = {"Completion": "engine", "Engine": "engine", "Request": "engine",
-            "sample": "sampling"}
+            "RequestError": "engine", "TextStream": "text", "sample": "sampling"}
 __all__ = [*_SUBMODULES, *_EXPORTS]
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

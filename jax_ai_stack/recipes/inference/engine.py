@@ -49,7 +49,7 @@ from flax import nnx
 
 from jax_ai_stack.recipes.inference import sampling
 
-__all__ = ["Completion", "Engine", "Request"]
+__all__ = ["Completion", "Engine", "Request", "RequestError"]
 
 MIN_PREFILL = 16
 """Prompts are padded to a power of two of at least this many tokens (one program each)."""
@@ -76,6 +76,14 @@ class Request:
   top_logprobs: int = 0
   """How many alternatives (the likeliest tokens and their log-probabilities) to report
   for each new token; at most the engine's `max_top_logprobs`."""
+
+
+class RequestError(ValueError):
+  """A request that does not fit the engine; `field` names the `Request` field."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
 
 
 @dataclasses.dataclass
@@ -204,29 +212,32 @@ class Engine:
     return list({completion.index: completion for completion in grown}.values())
 
   def check(self, request: Request, index: int = 0) -> None:
-    """Raises ValueError naming the request and the field that does not fit."""
-    where = f"request {index}"
+    """Raises `RequestError` (a ValueError) naming the request and the field that does not
+    fit."""
+    def bad(field: str, message: str) -> RequestError:
+      return RequestError(field, f"request {index}: {message}")
+
     if not request.prompt:
-      raise ValueError(f"{where}: the prompt is empty")
+      raise bad("prompt", "the prompt is empty")
     if min(request.prompt) < 0 or max(request.prompt) >= self.vocab_size:
-      raise ValueError(f"{where}: prompt token ids must be in [0, {self.vocab_size})")
+      raise bad("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
     if request.max_tokens < 1:
-      raise ValueError(f"{where}: max_tokens must be >= 1; got {request.max_tokens}")
+      raise bad("max_tokens", f"max_tokens must be >= 1; got {request.max_tokens}")
     if len(request.prompt) + request.max_tokens > self.max_len:
-      raise ValueError(f"{where}: the prompt ({len(request.prompt)} tokens) and max_tokens "
-                       f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
+      raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
+                f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
     if request.temperature < 0:
-      raise ValueError(f"{where}: temperature must be >= 0; got {request.temperature}")
+      raise bad("temperature", f"temperature must be >= 0; got {request.temperature}")
     if request.top_k is not None and not 1 <= request.top_k <= self.vocab_size:
-      raise ValueError(f"{where}: top_k must be in [1, {self.vocab_size}]; got {request.top_k}")
+      raise bad("top_k", f"top_k must be in [1, {self.vocab_size}]; got {request.top_k}")
     if request.top_p is not None and not 0 < request.top_p <= 1:
-      raise ValueError(f"{where}: top_p must be in (0, 1]; got {request.top_p}")
+      raise bad("top_p", f"top_p must be in (0, 1]; got {request.top_p}")
     if any(not 0 <= t < self.vocab_size for t in request.stop_ids):
-      raise ValueError(f"{where}: stop token ids must be in [0, {self.vocab_size}); got "
-                       f"{list(request.stop_ids)}")
+      raise bad("stop_ids", f"stop token ids must be in [0, {self.vocab_size}); got "
+                f"{list(request.stop_ids)}")
     if not 0 <= request.top_logprobs <= self.max_top_logprobs:
-      raise ValueError(f"{where}: top_logprobs must be in [0, {self.max_top_logprobs}]; got "
-                       f"{request.top_logprobs}")
+      raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
+                f"{request.top_logprobs}")
 
   def _admit(self, index: int, request: Request) -> tuple[_Slot, bool]:
     """The request prefilled alone, its first token sampled; (its slot, whether it ended)."""

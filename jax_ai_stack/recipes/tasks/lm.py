@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from flax import nnx
@@ -195,22 +195,12 @@ class LanguageModel(Task):
     at its end of turn). Yields {"index", "text", "finish_reason" ("stop" or
     "length"), "tokens" (new tokens)} with `index` the item's place in `items`.
     """
-    tokenizer = self.tokenizer()
-    template = None
+    tokenizer, encode = self.tokenizer(), self.prompt_encoder()
+    prompts, stop_ids = zip(*(encode(item) for item in items)) if items else ((), ())
+    chats = ["messages" in item for item in items]
     ends = tokenizer.end_of_turn_ids()
-    turn_ends = tuple(int(t) for t in ends if t < self.config.model.vocab_size)
-    prompts, chats = [], []
-    for item in items:
-      if "messages" in item:
-        template = template or data.chat_template.for_data(self.config.data, tokenizer)
-        rendered = template.render(item["messages"], add_generation_prompt=True)
-        prompts.append(tokenizer.encode_rendered(rendered))
-      else:
-        ids = tokenizer.encode_prompt(item["prompt"])  # BOS where the tokenizer adds one.
-        prompts.append(ids if ids.size else np.asarray([tokenizer.bos_id], np.int32))
-      chats.append("messages" in item)
-    requests, lengths = self._requests(prompts, max_new_tokens, temperature, seed, top_k,
-                                       top_p, [turn_ends if chat else () for chat in chats])
+    requests, lengths = self._requests(list(prompts), max_new_tokens, temperature, seed,
+                                       top_k, top_p, list(stop_ids))
     engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
     for index, request in enumerate(requests):
       try:
@@ -227,6 +217,31 @@ class LanguageModel(Task):
         text = tokenizer.decode(np.concatenate([prompts[index], new]))
       yield {"index": index, "text": text, "finish_reason": completion.finish_reason,
              "tokens": int(new.size)}
+
+  def prompt_encoder(self) -> Callable[[dict], tuple[np.ndarray, tuple[int, ...]]]:
+    """A function from an item to its prompt's ids and the ids that end its reply.
+
+    {"prompt": text}: the text as the tokenizer encodes a prompt (BOS where its
+    file adds one; BOS alone for no text), ended by nothing. {"messages": [...]}:
+    the conversation rendered with the run's chat template and its generation
+    prompt, ended by the tokenizer's end-of-turn ids (those inside the model's
+    vocabulary).
+    """
+    tokenizer = self.tokenizer()
+    turn_ends = tuple(int(t) for t in tokenizer.end_of_turn_ids()
+                      if t < self.config.model.vocab_size)
+    template = None
+
+    def encode(item: dict) -> tuple[np.ndarray, tuple[int, ...]]:
+      nonlocal template
+      if "messages" in item:
+        template = template or data.chat_template.for_data(self.config.data, tokenizer)
+        rendered = template.render(item["messages"], add_generation_prompt=True)
+        return tokenizer.encode_rendered(rendered), turn_ends
+      ids = tokenizer.encode_prompt(item["prompt"])
+      return (ids if ids.size else np.asarray([tokenizer.bos_id], np.int32)), ()
+
+    return encode
 
   def _requests(self, prompts: list[np.ndarray], max_new_tokens: int | None,
                 temperature: float, seed: int, top_k: int | None, top_p: float | None,

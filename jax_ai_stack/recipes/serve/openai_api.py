@@ -1,0 +1,238 @@
+"""OpenAI's API shapes: request bodies checked into values, and the JSON sent back.
+
+`parse_completion` and `parse_chat` read a `/v1/completions` or
+`/v1/chat/completions` body (as the official `openai` client sends it) into an
+`Ask`; a field that is missing, of the wrong type, out of range, unknown, or
+asks for what this server does not do raises `ApiError` naming it (`param`),
+which `error_body` turns into OpenAI's error shape. The `*_choice` / `*_chunk`
+functions build the replies, streamed or whole.
+
+Example:
+  >>> ask = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+  ...                   "max_tokens": 8, "stop": "\\n"}, max_top_logprobs=5)
+  >>> ask.max_tokens, ask.stop, ask.n, ask.stream
+  (8, ('\\n',), 1, False)
+  >>> parse_chat({"model": "m", "messages": [], "tempreature": 1}, max_top_logprobs=5)
+  Traceback (most recent call last):
+  ...
+  jax_ai_stack.recipes.serve.openai_api.ApiError: Unrecognized request argument supplied: tempreature
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["ApiError", "Ask", "error_body", "parse_chat", "parse_completion"]
+
+MAX_N = 16
+"""The most choices one request may ask for."""
+MAX_STOPS = 4
+"""The most stop strings, as OpenAI allows."""
+
+# Fields each endpoint reads; others are refused by name rather than silently ignored.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+           "stream", "stream_options", "user", "presence_penalty", "frequency_penalty",
+           "logit_bias"}
+_COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+  """A request this server answers with an error: HTTP `status`, OpenAI's error fields."""
+
+  def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+               code: str | None = None, kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+
+def error_body(error: ApiError) -> dict:
+  """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+  return {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                    "code": error.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+  """What a request asks for, checked."""
+
+  model: str
+  prompts: tuple[str, ...] = ()
+  """/v1/completions: the texts to continue (one choice set each)."""
+  messages: tuple[dict, ...] = ()
+  """/v1/chat/completions: the conversation, as {"role", "content": str} turns."""
+  max_tokens: int | None = None
+  """None: as many as fit the context (chat), 16 (completions, as OpenAI)."""
+  temperature: float = 1.0
+  top_p: float | None = None
+  top_k: int | None = None
+  n: int = 1
+  seed: int | None = None
+  stop: tuple[str, ...] = ()
+  stream: bool = False
+  include_usage: bool = False
+  """Streaming: a last chunk with the token counts (`stream_options.include_usage`)."""
+  logprobs: bool = False
+  top_logprobs: int = 0
+
+
+def parse_completion(body: Any, *, max_top_logprobs: int) -> Ask:
+  """The `/v1/completions` request in `body` (JSON already parsed); raises `ApiError`."""
+  fields = _common(body, _COMPLETION)
+  prompt = body.get("prompt")
+  if isinstance(prompt, str):
+    prompts = (prompt,)
+  elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    prompts = tuple(prompt)
+  else:
+    raise ApiError("'prompt' must be a string or a non-empty list of strings", "prompt")
+  if _get(body, "echo", bool, False):
+    raise ApiError("'echo' is not supported: the reply holds the new text only", "echo")
+  logprobs = _get(body, "logprobs", int, None)
+  if logprobs is not None and not 0 <= logprobs <= max_top_logprobs:
+    raise ApiError(f"'logprobs' must be in [0, {max_top_logprobs}]; got {logprobs}", "logprobs")
+  fields.setdefault("max_tokens", 16)
+  return Ask(prompts=prompts, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+             **fields)
+
+
+def parse_chat(body: Any, *, max_top_logprobs: int) -> Ask:
+  """The `/v1/chat/completions` request in `body` (JSON already parsed); raises `ApiError`."""
+  fields = _common(body, _CHAT)
+  newer = _get(body, "max_completion_tokens", int, None)  # The newer name of max_tokens.
+  if newer is not None:
+    fields["max_tokens"] = _at_least_one(newer, "max_completion_tokens")
+  logprobs = _get(body, "logprobs", bool, False)
+  top = _get(body, "top_logprobs", int, 0)
+  if not 0 <= top <= max_top_logprobs:
+    raise ApiError(f"'top_logprobs' must be in [0, {max_top_logprobs}]; got {top}",
+                   "top_logprobs")
+  if top and not logprobs:
+    raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+  return Ask(messages=_messages(body.get("messages")), logprobs=logprobs, top_logprobs=top,
+             **fields)
+
+
+def _common(body: Any, known: set[str]) -> dict:
+  """The fields both endpoints share, checked (`Ask`'s keyword arguments)."""
+  if not isinstance(body, dict):
+    raise ApiError("the request body must be a JSON object")
+  for name in body:
+    if name not in known:
+      raise ApiError(f"Unrecognized request argument supplied: {name}", name)
+  model = body.get("model")
+  if not isinstance(model, str) or not model:
+    raise ApiError("'model' is required: the name /v1/models lists", "model")
+  for name in ("presence_penalty", "frequency_penalty"):
+    if _get(body, name, float, 0.0) != 0:
+      raise ApiError(f"'{name}' is not supported (only 0)", name)
+  if _get(body, "logit_bias", dict, None):
+    raise ApiError("'logit_bias' is not supported", "logit_bias")
+  temperature = _get(body, "temperature", float, 1.0)
+  if not 0 <= temperature <= 2:
+    raise ApiError(f"'temperature' must be in [0, 2]; got {temperature}", "temperature")
+  top_p = _get(body, "top_p", float, None)
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ApiError(f"'top_p' must be in (0, 1]; got {top_p}", "top_p")
+  top_k = _get(body, "top_k", int, None)
+  if top_k is not None and top_k < 1 and top_k != -1:  # -1: all tokens, as vLLM reads it.
+    raise ApiError(f"'top_k' must be >= 1 (or -1: no limit); got {top_k}", "top_k")
+  n = _get(body, "n", int, 1)
+  if not 1 <= n <= MAX_N:
+    raise ApiError(f"'n' must be in [1, {MAX_N}]; got {n}", "n")
+  stop = _get(body, "stop", (str, list), [])
+  stop = [stop] if isinstance(stop, str) else stop
+  if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+    raise ApiError(f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty "
+                   "strings", "stop")
+  options = _get(body, "stream_options", dict, None) or {}
+  fields = dict(model=model, temperature=temperature, top_p=top_p,
+                top_k=None if top_k == -1 else top_k, n=n, seed=_get(body, "seed", int, None),
+                stop=tuple(stop), stream=_get(body, "stream", bool, False),
+                include_usage=bool(options.get("include_usage", False)))
+  max_tokens = _get(body, "max_tokens", int, None)
+  if max_tokens is not None:
+    fields["max_tokens"] = _at_least_one(max_tokens, "max_tokens")
+  return fields
+
+
+def _get(body: dict, name: str, kind, default):
+  """body[name] if present and not null, of type `kind` (an int is a float too; a bool
+  is not a number); else `default`."""
+  value = body.get(name)
+  if value is None:
+    return default
+  kinds = kind if isinstance(kind, tuple) else (kind,)
+  number = float in kinds and isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(value, bool) and bool not in kinds or not (isinstance(value, kinds) or number):
+    names = " or ".join({str: "a string", int: "an integer", float: "a number",
+                         bool: "a boolean", dict: "an object", list: "a list"}[k] for k in kinds)
+    raise ApiError(f"'{name}' must be {names}; got {value!r}", name)
+  return float(value) if number else value
+
+
+def _at_least_one(value: int, name: str) -> int:
+  if value < 1:
+    raise ApiError(f"'{name}' must be >= 1; got {value}", name)
+  return value
+
+
+def _messages(messages: Any) -> tuple[dict, ...]:
+  """The conversation as {"role", "content": str} turns (text parts joined)."""
+  if not isinstance(messages, list) or not messages:
+    raise ApiError("'messages' must be a non-empty list of {role, content} objects",
+                   "messages")
+  turns = []
+  for number, message in enumerate(messages):
+    where = f"messages[{number}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+      raise ApiError(f"{where}: 'role' must be one of {', '.join(_ROLES)}", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, list):  # Content parts: text only.
+      if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                 for p in content):
+        raise ApiError(f"{where}: only text content parts are supported", f"{where}.content")
+      content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+      raise ApiError(f"{where}: 'content' must be a string", f"{where}.content")
+    extra = set(message) - {"role", "content", "name"}
+    if extra:
+      raise ApiError(f"{where}: {', '.join(sorted(extra))} not supported (text turns only)",
+                     f"{where}.{sorted(extra)[0]}")
+    turns.append({"role": "system" if message["role"] == "developer" else message["role"],
+                  "content": content})
+  return tuple(turns)
+
+
+# Replies.
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(token_texts: list[str], logprobs: list[float],
+                        top: list[list[tuple[str, float]]], offset: int) -> dict:
+  """/v1/completions' `logprobs` object for some tokens; `offset`: where their text starts."""
+  offsets = []
+  for text in token_texts:
+    offsets.append(offset)
+    offset += len(text)
+  return {"tokens": token_texts, "token_logprobs": logprobs,
+          "top_logprobs": [dict(alternatives) for alternatives in top] if top else None,
+          "text_offset": offsets}
+
+
+def chat_logprobs(token_texts: list[str], logprobs: list[float],
+                  top: list[list[tuple[str, float]]]) -> dict:
+  """/v1/chat/completions' `logprobs` object ({"content": [...]}) for some tokens."""
+  def entry(text, logprob):
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+  return {"content": [
+      {**entry(text, logprob), "top_logprobs": [entry(t, v) for t, v in alternatives]}
+      for text, logprob, alternatives in zip(token_texts, logprobs,
+                                             top or [[] for _ in token_texts])]}

@@ -1,0 +1,98 @@
+"""Request bodies as OpenAI's client sends them: checked into an Ask, or an error naming the
+field."""
+
+import pytest
+
+from jax_ai_stack.recipes.serve import openai_api
+from jax_ai_stack.recipes.serve.openai_api import ApiError
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def chat(**fields):
+  return openai_api.parse_chat({**CHAT, **fields}, max_top_logprobs=5)
+
+
+def completion(**fields):
+  return openai_api.parse_completion({"model": "m", "prompt": "x", **fields}, max_top_logprobs=5)
+
+
+def test_a_chat_request_reads_every_supported_field():
+  ask = chat(max_completion_tokens=7, temperature=0, top_p=0.5, n=3, seed=4, stop=["a", "b"],
+             stream=True, stream_options={"include_usage": True}, logprobs=True,
+             top_logprobs=2, top_k=-1, user="u", presence_penalty=0)
+  assert (ask.max_tokens, ask.temperature, ask.top_p, ask.n, ask.seed, ask.stop) == (
+      7, 0.0, 0.5, 3, 4, ("a", "b"))
+  assert ask.stream and ask.include_usage and ask.logprobs and ask.top_logprobs == 2
+  assert ask.top_k is None and ask.messages == ({"role": "user", "content": "hi"},)
+
+
+def test_a_completion_defaults_to_sixteen_tokens_and_reads_a_list_of_prompts():
+  ask = completion(prompt=["a", "b"], logprobs=0)
+  assert ask.prompts == ("a", "b") and ask.max_tokens == 16
+  assert ask.logprobs and ask.top_logprobs == 0
+  assert not completion().logprobs
+
+
+def test_content_parts_join_and_a_developer_turn_is_a_system_turn():
+  ask = chat(messages=[{"role": "developer", "content": "be brief"},
+                       {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "b"}]}])
+  assert ask.messages == ({"role": "system", "content": "be brief"},
+                          {"role": "user", "content": "ab"})
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"tempreature": 1}, "tempreature", "Unrecognized request argument"),
+    ({"model": ""}, "model", "'model' is required"),
+    ({"temperature": "hot"}, "temperature", "must be a number"),
+    ({"temperature": 2.5}, "temperature", "[0, 2]"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_k": 0}, "top_k", ">= 1"),
+    ({"n": 0}, "n", "[1, 16]"),
+    ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"stop": ["a"] * 5}, "stop", "at most 4"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"1": 2}}, "logit_bias", "not supported"),
+    ({"top_logprobs": 9, "logprobs": True}, "top_logprobs", "[0, 5]"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "one of"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "a string"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls", "not supported"),
+])
+def test_each_bad_chat_field_is_named(fields, param, words):
+  with pytest.raises(ApiError) as caught:
+    chat(**fields)
+  assert caught.value.param == param and caught.value.status == 400
+  assert words in caught.value.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": 3}, "prompt"), ({"prompt": []}, "prompt"), ({"echo": True}, "echo"),
+    ({"logprobs": 6}, "logprobs"), ({"messages": []}, "messages")])
+def test_each_bad_completion_field_is_named(fields, param):
+  with pytest.raises(ApiError) as caught:
+    completion(**fields)
+  assert caught.value.param == param
+
+
+def test_a_body_that_is_not_an_object_is_refused():
+  with pytest.raises(ApiError, match="JSON object"):
+    openai_api.parse_chat([1], max_top_logprobs=5)
+
+
+def test_the_error_body_has_openais_shape():
+  error = ApiError("no such model", "model", status=404, code="model_not_found")
+  assert openai_api.error_body(error) == {"error": {
+      "message": "no such model", "type": "invalid_request_error", "param": "model",
+      "code": "model_not_found"}}
+
+
+def test_completion_logprobs_offsets_follow_the_token_texts():
+  out = openai_api.completion_logprobs(["ab", "c"], [-1.0, -2.0], [[("ab", -1.0)], [("c", -2.0)]],
+                                       offset=3)
+  assert out["text_offset"] == [3, 5] and out["top_logprobs"] == [{"ab": -1.0}, {"c": -2.0}]
