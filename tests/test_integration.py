@@ -6,7 +6,6 @@ and checks a property that fails if their versions disagree.
 
 from __future__ import annotations
 
-import importlib.util
 
 import chex
 import grain
@@ -226,12 +225,6 @@ def test_orbax_export_serves_a_trained_recipe_model_as_it_computes(tmp_path):
 
 
 @pytest.mark.every_row  # About 10 s (tensorflow's import): the tfds extra is proven on each row.
-@pytest.mark.xfail(
-    importlib.util.find_spec("importlib_resources") is None, raises=ModuleNotFoundError,
-    strict=True, reason=(
-        "tensorflow-datasets 4.9.10 imports importlib_resources when it prepares any builder "
-        "that lives in a package, but declares it only for Python < 3.9 (etils, which brought "
-        "it, no longer does): the tfds extra needs it pinned beside tensorflow-datasets"))
 def test_the_tfds_extra_reads_the_mnist_it_ships_offline_into_grain_and_nnx(tmp_path, monkeypatch):
   """tensorflow-datasets prepares the MNIST-shaped dataset its wheel ships for offline use
   (`tfds.testing.DummyMnist`: 28x28x1 PNG images, 10 classes, no download) as ArrayRecord;

@@ -5,8 +5,8 @@
 it finishes. A server drives it a step at a time: `add` queues a request at
 any moment, `step` admits and decodes one token for every running request
 (returning the completions that grew, token by token), `cancel` frees the
-slot of a request whose client went away. The cache holds `max_slots` slots of `max_len` positions (a row
-of `Decoder.init_cache` each). A request is admitted to a free slot: its
+slot of a request whose client went away. The cache holds `max_slots` slots of `max_len`
+positions (a row of `Decoder.init_cache` each). A request is admitted to a free slot: its
 prompt is prefilled alone (padded to a power of two, so that prompt lengths
 share a few compiled programs) and its keys and values are copied into the
 slot; then one compiled step decodes one token for every occupied slot, each

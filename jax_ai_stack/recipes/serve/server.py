@@ -1,15 +1,15 @@
 """An OpenAI-compatible HTTP server over the generation engine (Starlette on uvicorn).
 
-`build_app(served)` answers `/v1/models`, `/v1/completions` and
-`/v1/chat/completions`, whole or streamed as server-sent events, for the one
-model in `served`, and `/health` (requests running, requests cancelled) without a key. Each request's choices become engine requests (choice i
-seeded `seed + i`), decoded with every other client's by one `EngineWorker`;
-the text is cut at the request's stop strings and, for a chat, before the
-model's end-of-turn token. Errors take OpenAI's shape with the field named: a
-bad request 400, a wrong API key 401, an unknown model or route 404, a full
-queue 429, a stopped engine 503; a client that goes away has its requests
-cancelled, so their slots free at once. `serve` runs the app until SIGTERM or
-Ctrl-C, which stop taking connections and finish the requests under way first.
+`build_app(served)` answers `/v1/models`, `/v1/completions` and `/v1/chat/completions`,
+whole or streamed as server-sent events, for the one model in `served`, and `/health`
+(requests running, requests cancelled) without a key. Each request's choices become
+engine requests (choice i seeded `seed + i`), decoded with every other client's by one
+`EngineWorker`; the text is cut at the request's stop strings and, for a chat, before
+the model's end-of-turn token. Errors take OpenAI's shape with the field named: a bad
+request 400, a wrong API key 401, an unknown model or route 404, a full queue 429, a
+stopped engine 503; a client that goes away has its requests cancelled, so their slots
+free at once. `serve` runs the app until SIGTERM or Ctrl-C, which stop taking
+connections and finish the requests under way first.
 
 Example (in-process, without a socket):
   >>> from starlette.testclient import TestClient

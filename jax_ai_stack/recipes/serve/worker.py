@@ -157,8 +157,9 @@ class EngineWorker:
       if completion.finish_reason:  # Not counted as running once its last update is out.
         del self._jobs[completion.index]
       start, job.sent = job.sent, len(completion.tokens)
-      job._send(Update(completion.tokens[start:], completion.logprobs[start:],  # pylint: disable=protected-access
-                       completion.top_logprobs[start:], completion.finish_reason))
+      update = Update(completion.tokens[start:], completion.logprobs[start:],
+                      completion.top_logprobs[start:], completion.finish_reason)
+      job._send(update)  # pylint: disable=protected-access
 
   def _fail(self, error: BaseException) -> None:
     """Ends every request running or still queued with `error`."""
