@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      "modules on first use, so importing it costs nothing", (
          "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "native_logs", "absl_flags",
          "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
-         "recipes.models.hf", "recipes.inference", "recipes.serve", "recipes.finetune")),
+         "recipes.models.hf", "recipes.inference", "recipes.serve", "recipes.evaluation",
+         "recipes.finetune")),
     ("environment and kernels", "what is installed, and which attention kernel runs where: "
      "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
     ("recipe configs", "the config tree (and the family table it names) loads, validates and "
@@ -40,6 +41,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.inference.*", "recipes.serve.*",
+         "recipes.evaluation.*",
          "recipes.tasks.*",
          "recipes.sharding",
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",

@@ -67,6 +67,11 @@ SKIPPED = {
         "a SLURM job step: needs srun and a cluster",
     "xprof --logdir": "serves the trace on a port until it is stopped (the profile extra)",
     'pip install "jax-ai-stack[serve]"': "installs the package from the network",
+    "jax-ai-stack eval --workdir runs/lm-tiny --tasks my_tasks/":
+        "needs the user's task files: tests/test_evaluation_harness.py runs eval --tasks on "
+        "task files it writes",
+    "jax-ai-stack eval --workdir runs/lm-tiny-sft --tasks my_tasks/":
+        "needs the user's task files and a chat run: tests/test_evaluation_harness.py",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
 }

@@ -37,7 +37,8 @@ import sys
 import time
 
 from jax_ai_stack import logs
-from jax_ai_stack.errors import DataError, UsageError
+from jax_ai_stack.atomic import write_atomically
+from jax_ai_stack.errors import DataError, MissingExtraError, UsageError
 
 # Exit codes of a run stopped early (after saving), as shells report a signal.
 STOPPED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
@@ -177,6 +178,19 @@ def register(subparsers) -> None:
   evaluate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   evaluate.add_argument("--quantized", metavar="SCHEME",
                         help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
+  evaluate.add_argument("--tasks", metavar="A,B",
+                        help="run lm-evaluation-harness tasks instead: registered names or "
+                        "directories of task YAML files, comma-separated (the eval extra); "
+                        "their data must be on disk")
+  evaluate.add_argument("--limit", type=float, metavar="N",
+                        help="--tasks: at most N examples per task (a fraction if below 1)")
+  evaluate.add_argument("--num-fewshot", type=int, metavar="K",
+                        help="--tasks: K examples in each prompt (default: the task's)")
+  evaluate.add_argument("--batch-size", type=int, default=8,
+                        help="--tasks: rows per scoring batch, requests decoded at once "
+                        "(default 8)")
+  evaluate.add_argument("--apply-chat-template", action="store_true",
+                        help="--tasks: render each prompt with the run's chat template")
   evaluate.set_defaults(func=run_eval, accepts_overrides=True)
 
 
@@ -407,6 +421,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
+  if args.tasks:
+    return _run_harness(args)
   trainer = _open_finished(args, validation=True, method="__call__")
   try:
     metrics = trainer.evaluate()
@@ -414,6 +430,61 @@ def run_eval(args: argparse.Namespace) -> int:
     trainer.close()
   print(json.dumps({"step": trainer.step, **metrics}, indent=2))
   return 0
+
+
+def _run_harness(args: argparse.Namespace) -> int:
+  """`eval --tasks`: lm-evaluation-harness tasks on the run's model; the results JSON goes
+  to W/eval_harness/, the table to stdout."""
+  if args.batch_size < 1:
+    raise UsageError(f"--batch-size must be at least 1; got {args.batch_size}")
+  if args.limit is not None and args.limit <= 0:
+    raise UsageError(f"--limit must be above 0; got {args.limit}")
+  if args.overrides:
+    raise UsageError("--tasks takes no data overrides: the tasks bring their own data")
+  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # Read when `datasets` is imported.
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  try:
+    from jax_ai_stack.recipes.evaluation import harness, harness_model
+  except ImportError as e:
+    raise MissingExtraError(f"eval --tasks needs the {e.name!r} package: pip install "
+                            "'jax-ai-stack[eval]'") from None
+  entries = [entry.strip() for entry in args.tasks.split(",") if entry.strip()]
+  for entry in entries:
+    if ("/" in entry or entry.startswith(".")) and not pathlib.Path(entry).is_dir():
+      raise UsageError(f"--tasks {entry}: no such directory")
+  tasks = harness.resolve(entries)  # Before the run loads: a wrong name costs nothing.
+  trainer = _open_finished(args, validation=False, method="__call__")
+  try:
+    model = harness_model.HarnessModel(
+        trainer.model, trainer.task.tokenizer(), batch_size=args.batch_size,
+        generation_model=trainer.inference_model(), **_chat_of(trainer))
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    with trainer.kernel_configs():
+      results = harness.evaluate(model, tasks, limit=limit, num_fewshot=args.num_fewshot,
+                                 apply_chat_template=args.apply_chat_template,
+                                 seed=trainer.config.train.seed)
+  finally:
+    trainer.close()
+  from lm_eval.utils import handle_non_serializable, make_table
+
+  path = (pathlib.Path(args.workdir) / "eval_harness" /
+          f"results-step{trainer.step}-{time.strftime('%Y%m%dT%H%M%S')}.json")
+  path.parent.mkdir(exist_ok=True)
+  write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable))
+  print(make_table(results))
+  print(f"results {path}", file=sys.stderr)
+  return 0
+
+
+def _chat_of(trainer) -> dict:
+  """HarnessModel's chat arguments: the run's chat template (`data.chat_template`, the
+  tokenizer's own, or the built-in one), as `generate --chat` renders it."""
+  from jax_ai_stack.recipes import data
+
+  template = data.chat_template.for_data(trainer.config.data, trainer.task.tokenizer())
+  return {"chat": lambda messages, prompt: template.render(messages,
+                                                           add_generation_prompt=prompt),
+          "chat_template_source": template.source}
 
 
 def _check_quantized(args: argparse.Namespace) -> None:

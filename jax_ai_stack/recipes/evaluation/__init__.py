@@ -1,0 +1,18 @@
+"""Evaluation on the benchmarks people report: a run's model behind lm-evaluation-harness's
+model interface (`harness_model`), and harness tasks resolved and run on it (`harness`).
+Needs the `eval` extra (lm-eval).
+
+Names load on first use.
+
+Example:
+  >>> from jax_ai_stack.recipes import evaluation
+  >>> evaluation.harness_model.MIN_ROW
+  16
+"""
+
+from jax_ai_stack.lazy import lazy_attributes
+
+_SUBMODULES = ("harness", "harness_model")
+_EXPORTS = {"HarnessModel": "harness_model", "evaluate": "harness"}
+__all__ = [*_SUBMODULES, *_EXPORTS]
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

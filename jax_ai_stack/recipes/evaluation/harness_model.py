@@ -1,0 +1,220 @@
+"""A run's own model behind lm-evaluation-harness's model interface (`TemplateLM`).
+
+The harness asks three things of a model. `loglikelihood`: how likely is a
+continuation after a context (multiple-choice tasks pick the likeliest choice),
+and would greedy decoding have produced it. `loglikelihood_rolling`: the
+log-likelihood of a whole document, in windows of the context (perplexity
+tasks). `generate_until`: a greedy or sampled continuation cut at the task's
+stop strings. Scoring runs the model as training does (the same forward pass and
+the same log-softmax of the targets as `head.target_logps`), one request per
+row, rows sorted by length and padded to a power of two so that a few compiled
+programs serve every batch; generation goes through the generation engine.
+
+Example: a two-token continuation scored on a tiny model.
+  >>> from flax import nnx
+  >>> from jax_ai_stack.recipes import data, models
+  >>> model = models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> harness_model = HarnessModel(model, data.ByteTokenizer(), batch_size=4)
+  >>> [(logp, greedy)] = harness_model._loglikelihood_tokens([(("a", "bc"), [97], [98, 99])],
+  ...                                                         disable_tqdm=True)
+  >>> logp < 0, greedy in (True, False)
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from lm_eval import utils as lm_eval_utils
+from lm_eval.api.model import TemplateLM
+from tqdm import tqdm
+
+from jax_ai_stack.recipes import inference
+
+__all__ = ["HarnessModel"]
+
+MIN_ROW = 16
+"""Rows are padded to a power of two of at least this many tokens."""
+
+
+class HarnessModel(TemplateLM):
+  """lm-evaluation-harness's model interface on a decoder (see the module)."""
+
+  def __init__(self, model: nnx.Module, tokenizer, *, batch_size: int = 8,
+               max_len: int | None = None, generation_model: nnx.Module | None = None,
+               chat: Callable[[list[dict], bool], str] | None = None,
+               chat_template_source: str = ""):
+    """`model` scores (as the run evaluates: LoRA adapters and fake quantization in its
+    `__call__`); `generation_model` decodes (default `model`; a LoRA run's merged model).
+    `chat(messages, add_generation_prompt)` renders a conversation with the run's chat
+    template, for tasks run with `apply_chat_template`."""
+    super().__init__()
+    self._model, self.tokenizer_ = model, tokenizer
+    self._generation_model = generation_model or model
+    self.batch_size_ = batch_size
+    self.max_length = max_len or model.config.max_seq_len
+    self._chat, self._chat_source = chat, chat_template_source
+    self._vocab = model.config.vocab_size
+    graphdef, self._state = nnx.split(model)
+    self._score = functools.partial(_score, graphdef)
+
+  # The harness's questions about the tokenizer.
+
+  @property
+  def eot_token_id(self) -> int:
+    return int(self.tokenizer_.eos_id)
+
+  @property
+  def prefix_token_id(self) -> int:
+    """What an empty context conditions on: BOS."""
+    return int(self.tokenizer_.bos_id)
+
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                 **kwargs) -> list[int]:
+    """Token ids of `string`, a rendered chat template's BOS/EOS texts as their ids."""
+    del add_special_tokens, kwargs
+    return [int(t) for t in self.tokenizer_.encode_rendered(string)]
+
+  def tok_decode(self, tokens: Sequence[int]) -> str:
+    return self.tokenizer_.decode(list(tokens))
+
+  @property
+  def tokenizer_name(self) -> str:
+    return f"jax-ai-stack-{type(self.tokenizer_).__name__}"
+
+  def chat_template(self, chat_template: bool | str = False) -> str:
+    return self._chat_source if chat_template else ""
+
+  def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True
+                          ) -> str:
+    if self._chat is None:
+      raise ValueError("this run has no chat template; run the task without "
+                       "apply_chat_template")
+    return self._chat(chat_history, add_generation_prompt)
+
+  # Scoring.
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
+                            ) -> list[tuple[float, bool]]:
+    """(log p(continuation | context), whether greedy decoding gives the continuation) for
+    each (key, context ids, continuation ids); a context longer than the model's window
+    loses its oldest tokens."""
+    del kwargs
+    rows = []
+    for _, context, continuation in requests:
+      whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+      rows.append((whole, len(continuation)))
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    results: list[tuple[float, bool] | None] = [None] * len(rows)
+    batches = range(0, len(order), self.batch_size_)
+    for start in tqdm(batches, desc="scoring", disable=disable_tqdm):
+      chosen = order[start:start + self.batch_size_]
+      width = _bucket(max(len(rows[i][0]) - 1 for i in chosen), self.max_length)
+      inputs = np.zeros((self.batch_size_, width), np.int32)
+      targets = np.zeros_like(inputs)
+      scored = np.zeros(inputs.shape, bool)
+      for row, index in enumerate(chosen):
+        whole, count = rows[index]
+        inputs[row, :len(whole) - 1], targets[row, :len(whole) - 1] = whole[:-1], whole[1:]
+        scored[row, len(whole) - 1 - count:len(whole) - 1] = True
+      logps, greedy = (np.asarray(x) for x in self._score(self._state, inputs, targets))
+      for row, index in enumerate(chosen):
+        mask = scored[row]
+        results[index] = (float(logps[row][mask].sum()), bool(greedy[row][mask].all()))
+    for (key, _, _), result in zip(requests, results):
+      self.cache_hook.add_partial("loglikelihood", key, result)
+    return results
+
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    """Each document's log-likelihood: its tokens in disjoint windows of the model's
+    context, each window conditioned on the tokens before it (the harness's rule)."""
+    windows, owners = [], []
+    for number, request in enumerate(requests):
+      (text,) = request.args
+      for context, continuation in map(lm_eval_utils.make_disjoint_window,
+                                       lm_eval_utils.get_rolling_token_windows(
+                                           self.tok_encode(text), self.prefix_token_id,
+                                           self.max_length, context_len=1)):
+        windows.append((None, context, continuation))
+        owners.append(number)
+    scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+    totals = [0.0] * len(requests)
+    for owner, (logp, _) in zip(owners, scores):
+      totals[owner] += logp
+    for request, total in zip(requests, totals):
+      self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+    return totals
+
+  # Generation.
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    """Each context continued (greedy unless `do_sample`) until a stop string, EOS or
+    `max_gen_toks`, all through one generation engine; the text ends before the stop."""
+    slots = min(len(requests), self.batch_size_) or 1
+    engine = inference.Engine(self._generation_model, max_slots=slots, max_len=self.max_length)
+    texts: dict[int, inference.TextStream] = {}
+    taken = [0] * len(requests)  # Tokens of each completion fed to its text so far.
+    outputs = [""] * len(requests)
+    for number, request in enumerate(requests):
+      context, settings = request.args
+      engine.add(self._request(context, settings))
+      texts[number] = inference.TextStream(self.tok_decode, _stops(settings, self.tok_decode,
+                                                                   self.eot_token_id))
+    progress = tqdm(total=len(requests), desc="generating", disable=disable_tqdm)
+    while engine.busy:
+      for completion in engine.step():
+        stream = texts[completion.index]
+        new = completion.tokens[taken[completion.index]:]
+        taken[completion.index] = len(completion.tokens)
+        if completion.finish_reason == "stop" and new and new[-1] == self.eot_token_id:
+          new = new[:-1]
+        stream.add(new, final=bool(completion.finish_reason))
+        if stream.stopped or completion.finish_reason:
+          if not completion.finish_reason:
+            engine.cancel(completion.index)
+          outputs[completion.index] = stream.text
+          progress.update(1)
+    progress.close()
+    for request, output in zip(requests, outputs):
+      self.cache_hook.add_partial("generate_until", request.args, output)
+    return outputs
+
+  def _request(self, context: str, settings: dict) -> inference.Request:
+    """The engine's request for a harness context: its oldest tokens dropped to leave
+    room for `max_gen_toks`."""
+    settings = dict(settings)
+    max_tokens = int(settings.pop("max_gen_toks", 256))
+    max_tokens = max(1, min(max_tokens, self.max_length - 1))
+    prompt = self.tok_encode(context)[-(self.max_length - max_tokens):] or [self.prefix_token_id]
+    sample = bool(settings.get("do_sample", False))
+    temperature = float(settings.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+    top_p, top_k = settings.get("top_p"), settings.get("top_k")
+    return inference.Request(
+        tuple(prompt), max_tokens, temperature=temperature,
+        top_p=float(top_p) if top_p and top_p < 1 else None,
+        top_k=int(top_k) if top_k else None, seed=int(settings.get("seed", 0) or 0),
+        stop_ids=(self.eot_token_id,) if self.eot_token_id < self._vocab else ())
+
+
+def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
+  """The harness's `until` strings (one string or a list); its default is the EOS text."""
+  until = settings.get("until", [decode([eot])])
+  return [until] if isinstance(until, str) else [s for s in until if s]
+
+
+def _bucket(size: int, limit: int) -> int:
+  return min(max(MIN_ROW, 1 << max(size - 1, 0).bit_length()), limit)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score(graphdef, state, inputs, targets):
+  """log p(targets) and whether each is the likeliest token, [B, T] each."""
+  logits = nnx.merge(graphdef, state)(inputs)
+  logps = -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return logps, jnp.argmax(logits, axis=-1) == targets

@@ -1,0 +1,92 @@
+"""HarnessModel: lm-evaluation-harness's questions answered by a decoder, as training scores
+and as the engine generates."""
+
+import numpy as np
+import pytest
+from flax import nnx
+from lm_eval.api.instance import Instance
+
+from jax_ai_stack.recipes import data, inference, models
+from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel
+from jax_ai_stack.recipes.tasks import objectives
+
+TOKENIZER = data.ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+  config = models.LlamaConfig.tiny()
+  return models.Llama(config, rngs=nnx.Rngs(0))
+
+
+def instance(kind, args, index=0):
+  return Instance(request_type=kind, doc={}, arguments=args, idx=index)
+
+
+def training_logps(model, ids):
+  """log p of each next token of `ids` as the objectives compute it (float32)."""
+  ids = np.asarray([ids], np.int32)
+  return np.asarray(objectives.target_logps(model, ids[:, :-1], ids[:, 1:]))[0]
+
+
+def test_a_continuation_scores_as_the_training_objective_does(model):
+  harness = HarnessModel(model, TOKENIZER, batch_size=4)
+  pairs = [("The cat", " sat"), ("def f(x):", " return x"), ("a", "b")]
+  results = harness.loglikelihood([instance("loglikelihood", pair) for pair in pairs],
+                                  disable_tqdm=True)
+  for (context, continuation), (logp, _) in zip(pairs, results):
+    ids = list(TOKENIZER.encode(context + continuation))
+    expected = training_logps(model, ids)[-len(continuation.encode()):].sum()
+    assert logp == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_is_greedy_says_whether_each_continuation_token_is_the_likeliest(model):
+  harness = HarnessModel(model, TOKENIZER, batch_size=2)
+  context = list(TOKENIZER.encode("Hello"))
+  greedy = inference.Engine(model, max_slots=1).run(
+      [inference.Request(tuple(context), 3, temperature=0)])[0].tokens
+  other = [(greedy[0] + 1) % 256, *greedy[1:]]
+  results = harness._loglikelihood_tokens([(None, context, greedy), (None, context, other)],
+                                          disable_tqdm=True)
+  assert [is_greedy for _, is_greedy in results] == [True, False]
+
+
+def test_a_request_scores_the_same_alone_and_among_longer_ones(model):
+  harness = HarnessModel(model, TOKENIZER, batch_size=4)
+  request = (None, [97, 98], [99, 100])
+  alone = harness._loglikelihood_tokens([request], disable_tqdm=True)[0]
+  crowd = [(None, list(range(1, 40)), [5, 6, 7]), request, (None, [1] * 20, [2])]
+  among = harness._loglikelihood_tokens(crowd, disable_tqdm=True)[1]
+  assert among[0] == pytest.approx(alone[0], abs=1e-5) and among[1] == alone[1]
+
+
+def test_a_rolling_log_likelihood_scores_disjoint_windows_as_the_harness_defines_them(model):
+  harness = HarnessModel(model, TOKENIZER, batch_size=4, max_len=16)
+  text = "import os, sys; print(os.getcwd())"  # 34 tokens: windows of 16, 16 and 2.
+  [total] = harness.loglikelihood_rolling([instance("loglikelihood_rolling", (text,))],
+                                          disable_tqdm=True)
+  t = list(TOKENIZER.encode(text))
+  assert len(t) == 34
+  expected = (training_logps(model, [TOKENIZER.bos_id, *t[:16]]).sum()  # BOS, then 16.
+              + training_logps(model, t[15:32]).sum()  # The next 16 after one token.
+              + training_logps(model, t[17:34])[-2:].sum())  # The last 2 after 15.
+  assert total == pytest.approx(float(expected), abs=1e-4)
+  [whole] = HarnessModel(model, TOKENIZER, max_len=64).loglikelihood_rolling(
+      [instance("loglikelihood_rolling", (text,))], disable_tqdm=True)
+  assert whole == pytest.approx(float(training_logps(model, [TOKENIZER.bos_id, *t]).sum()),
+                                abs=1e-4)
+
+
+def test_generation_is_the_engines_greedy_text_cut_before_the_stop_string(model):
+  harness = HarnessModel(model, TOKENIZER, batch_size=2)
+  prompts = ["def f(", "x = 1\n", "Hello"]
+  greedy = inference.Engine(model, max_slots=2).run(
+      [inference.Request(tuple(TOKENIZER.encode(p)), 8, temperature=0,
+                         stop_ids=(TOKENIZER.eos_id,)) for p in prompts])
+  texts = [TOKENIZER.decode(c.tokens) for c in greedy]
+  stop = texts[0][2:4]
+  requests = [instance("generate_until", (p, {"until": [stop], "max_gen_toks": 8}), i)
+              for i, p in enumerate(prompts)]
+  outputs = harness.generate_until(requests, disable_tqdm=True)
+  assert outputs == [t[:t.index(stop)] if stop in t else t for t in texts]
+  assert outputs[0] == texts[0][:2]
