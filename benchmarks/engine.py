@@ -64,10 +64,12 @@ def requests_for(workload: dict, vocab: int, seed: int = 0) -> list[Request]:
   return requests
 
 
-def run_engine(model, requests: Sequence[Request],
-               slots: int) -> tuple[list[list[int]], list[float]]:
+def run_engine(model, requests: Sequence[Request], slots: int,
+               steps_per_call: int | None = None) -> tuple[list[list[int]], list[float]]:
   """The engine's tokens per request and each request's time to its first token (s)."""
-  engine, started, first, tokens = Engine(model, max_slots=slots), time.perf_counter(), {}, {}
+  options = {} if steps_per_call is None else {"steps_per_call": steps_per_call}
+  engine = Engine(model, max_slots=slots, **options)
+  started, first, tokens = time.perf_counter(), {}, {}
   for request in requests:
     engine.add(request)
   while engine.busy:
@@ -101,12 +103,13 @@ def run_loop_batched(model, requests: Sequence[Request]) -> list[list[int]]:
   return out
 
 
-def measure(size: str, workload: dict) -> dict[str, Any]:
+def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dict[str, Any]:
   config = SIZES[size]
   model = Llama(config, rngs=nnx.Rngs(0))
   requests = requests_for(workload, config.vocab_size)
   new_tokens = sum(r.max_tokens for r in requests)
-  variants = {"engine": lambda: run_engine(model, requests, workload["slots"])[0],
+  variants = {"engine": lambda: run_engine(model, requests, workload["slots"],
+                                           steps_per_call)[0],
               "loop": lambda: run_loop(model, requests),
               "loop-batched": lambda: run_loop_batched(model, requests)}
   tokens, seconds = {}, {}
@@ -115,13 +118,14 @@ def measure(size: str, workload: dict) -> dict[str, Any]:
     started = time.perf_counter()
     tokens[name] = call()
     seconds[name] = time.perf_counter() - started
-  _, first = run_engine(model, requests, workload["slots"])
+  _, first = run_engine(model, requests, workload["slots"], steps_per_call)
   rates = {name: new_tokens / s for name, s in seconds.items()}
   best_loop = max(rates["loop"], rates["loop-batched"])
   slot_bytes = _cache_bytes(config, workload["slots"], config.max_seq_len)
   return {
       "model": dataclasses.asdict(config) | {"params": _params(model)},
       "requests": len(requests), "new_tokens": new_tokens, "slots": workload["slots"],
+      "steps_per_call": steps_per_call or Engine.__init__.__kwdefaults__["steps_per_call"],
       "seconds": seconds, "tokens_per_s": rates,
       "same_tokens": tokens["engine"] == tokens["loop"] == tokens["loop-batched"],
       "time_to_first_token_s": {"median": statistics.median(first), "worst": max(first)},
@@ -148,16 +152,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(prog="benchmarks/engine.py",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a smoke test: 5 tiny requests")
+  parser.add_argument("--sizes", default="tiny,25m", help="models to measure (default tiny,25m)")
+  parser.add_argument("--steps-per-call", type=int,
+                      help="the engine's decode steps per compiled call (default: the engine's)")
   common.add_out_argument(parser, "engine")
   args = parser.parse_args(argv)
   workload = WORKLOADS["quick" if args.quick else "full"]
-  sizes = ["quick"] if args.quick else ["tiny", "25m"]
+  sizes = ["quick"] if args.quick else args.sizes.split(",")
+  unknown = set(sizes) - set(SIZES)
+  if unknown:
+    parser.error(f"--sizes: no size {sorted(unknown)}; choose from {sorted(SIZES)}")
   record = {**common.header("engine"), **common.versions(), "workload": workload,
             "transformers": "not measured: torch and transformers are not installed in the "
                             "project's environments (compare on a machine that has them)",
             "sizes": {}}
   for size in sizes:
-    record["sizes"][size] = measure(size, workload)
+    record["sizes"][size] = measure(size, workload, args.steps_per_call)
     result = record["sizes"][size]
     rates, ratio = result["tokens_per_s"], result["engine_vs_best_loop"]["value"]
     verdict = common.verdict(ratio, TARGET_VS_LOOP, at_least=True)

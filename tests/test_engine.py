@@ -120,12 +120,13 @@ def test_a_bad_request_is_named_with_its_field(tiny, request_, message):
 
 
 def test_requests_join_a_running_engine_and_a_cancelled_one_frees_its_slot(tiny):
-  """A server's use: add at any moment, step a token at a time, cancel a gone client's."""
+  """A server's use: add at any moment, step a call at a time, cancel a gone client's."""
   a, b, c = (Request(p, 10, temperature=0.8, seed=s) for s, p in enumerate(_prompts(256)))
   engine = Engine(tiny, max_slots=2)
   first, second = engine.add(a), engine.add(b)
-  grown = engine.step()  # Both admitted (prefill's token) and one step decoded.
-  assert [(g.index, len(g.tokens)) for g in grown] == [(first, 2), (second, 2)]
+  grown = engine.step()  # Both admitted (prefill's token) and one call decoded.
+  new = 1 + engine.steps_per_call
+  assert [(g.index, len(g.tokens)) for g in grown] == [(first, new), (second, new)]
   assert engine.free_slots == 0
   third = engine.add(c)
   assert engine.step() and engine.free_slots == 0  # c waits for a slot.
@@ -138,3 +139,24 @@ def test_requests_join_a_running_engine_and_a_cancelled_one_frees_its_slot(tiny)
   assert engine.free_slots == 2 and sorted(tokens) == [second, third]
   alone = Engine(tiny, max_slots=2).run([b, c])
   assert [tokens[second], tokens[third]] == [done.tokens for done in alone]
+
+
+def test_several_steps_per_call_give_the_tokens_of_one_step_per_call(tiny):
+  """Four tokens per compiled call: the same tokens (greedy and seeded), requests ending
+  inside a call (a stop token, max_tokens) at the same token, and the freed slot reused."""
+  prompts = _prompts(256, [5, 13, 2, 9, 30])
+  stop = Engine(tiny, max_slots=1).run([Request(prompts[0], 9, temperature=0)])[0].tokens[5]
+  requests = [Request(prompts[0], 9, temperature=0, stop_ids=(stop,)),
+              Request(prompts[1], 7, temperature=1.0, seed=3, top_p=0.9),
+              Request(prompts[2], 1, temperature=0),
+              Request(prompts[3], 10, temperature=0.7, seed=5, top_k=20, top_logprobs=2),
+              Request(prompts[4], 6, temperature=0)]
+  one = Engine(tiny, max_slots=2, steps_per_call=1).run(requests)
+  four = Engine(tiny, max_slots=2, steps_per_call=4).run(requests)
+  assert [c.tokens for c in four] == [c.tokens for c in one]
+  assert [c.finish_reason for c in four] == [c.finish_reason for c in one]
+  assert one[0].finish_reason == "stop" and len(one[0].tokens) <= 6
+  assert [c.logprobs for c in four] == [c.logprobs for c in one]  # Bitwise, on CPU.
+  assert [t for t, _ in four[3].top_logprobs[0]] == [t for t, _ in one[3].top_logprobs[0]]
+  with pytest.raises(ValueError, match="steps_per_call=0"):
+    Engine(tiny, steps_per_call=0)

@@ -1,6 +1,6 @@
 """The engine on a thread of its own, fed from the server's event loop.
 
-The engine is synchronous: one `step` decodes one token for every running
+The engine is synchronous: one `step` decodes a few tokens for every running
 request, and a step takes as long as the model does. It runs on one thread
 (`EngineWorker`), which alone touches the engine; HTTP handlers on the event
 loop `submit` requests and `cancel` them (a client went away), and receive each
