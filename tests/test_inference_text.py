@@ -42,3 +42,11 @@ def test_an_unfinished_character_at_the_end_is_sent_as_decoded():
   stream = TextStream(utf8)
   assert stream.add(list("é".encode())[:1]) == ""
   assert stream.add([], final=True) == "\ufffd"
+
+
+def test_a_last_token_that_ended_the_completion_is_not_text():
+  eos = 257
+  stream = TextStream(lambda ids: bytes(t for t in ids if t < 256).decode() + "|" * (eos in ids),
+                      end_ids=[eos])
+  assert stream.add([104, 105]) == "hi"
+  assert stream.add([eos], final=True) == "" and stream.text == "hi"

@@ -6,8 +6,8 @@ Names load on first use.
 
 Example:
   >>> from jax_ai_stack.recipes import evaluation
-  >>> evaluation.harness_model.MIN_ROW
-  16
+  >>> evaluation.harness.Tasks.__name__
+  'Tasks'
 """
 
 from jax_ai_stack.lazy import lazy_attributes

@@ -1,13 +1,13 @@
 """A run's own model behind lm-evaluation-harness's model interface (`TemplateLM`).
 
 The harness asks three things of a model. `loglikelihood`: how likely is a
-continuation after a context (multiple-choice tasks pick the likeliest choice),
-and would greedy decoding have produced it. `loglikelihood_rolling`: the
-log-likelihood of a whole document, in windows of the context (perplexity
-tasks). `generate_until`: a greedy or sampled continuation cut at the task's
-stop strings. Scoring runs the model as training does (the same forward pass and
-the same log-softmax of the targets as `head.target_logps`), one request per
-row, rows sorted by length and padded to a power of two so that a few compiled
+continuation after a context (multiple-choice tasks pick the likeliest choice), and
+would greedy decoding have produced it. `loglikelihood_rolling`: the log-likelihood
+of a whole document, in windows of the context (perplexity tasks). `generate_until`:
+a greedy or sampled continuation cut at the task's stop strings. Scoring runs the
+model as training does (the same forward pass and the same log-softmax of the
+targets as `head.target_logps`), one request per row, rows sorted by length and
+padded as the engine pads prompts (`engine.padded_length`), so that a few compiled
 programs serve every batch; generation goes through the generation engine.
 
 Example: a two-token continuation scored on a tiny model.
@@ -38,10 +38,6 @@ from tqdm import tqdm
 from jax_ai_stack.recipes import inference
 
 __all__ = ["HarnessModel"]
-
-MIN_ROW = 16
-"""Rows are padded to a power of two of at least this many tokens."""
-
 
 class HarnessModel(TemplateLM):
   """lm-evaluation-harness's model interface on a decoder (see the module)."""
@@ -115,7 +111,8 @@ class HarnessModel(TemplateLM):
     batches = range(0, len(order), self.batch_size_)
     for start in tqdm(batches, desc="scoring", disable=disable_tqdm):
       chosen = order[start:start + self.batch_size_]
-      width = _bucket(max(len(rows[i][0]) - 1 for i in chosen), self.max_length)
+      width = inference.engine.padded_length(max(len(rows[i][0]) - 1 for i in chosen),
+                                             self.max_length)
       inputs = np.zeros((self.batch_size_, width), np.int32)
       targets = np.zeros_like(inputs)
       scored = np.zeros(inputs.shape, bool)
@@ -158,22 +155,22 @@ class HarnessModel(TemplateLM):
     `max_gen_toks`, all through one generation engine; the text ends before the stop."""
     slots = min(len(requests), self.batch_size_) or 1
     engine = inference.Engine(self._generation_model, max_slots=slots, max_len=self.max_length)
-    texts: dict[int, inference.TextStream] = {}
+    texts = []
     taken = [0] * len(requests)  # Tokens of each completion fed to its text so far.
     outputs = [""] * len(requests)
-    for number, request in enumerate(requests):
+    for request in requests:
       context, settings = request.args
-      engine.add(self._request(context, settings))
-      texts[number] = inference.TextStream(self.tok_decode, _stops(settings, self.tok_decode,
-                                                                   self.eot_token_id))
+      engine_request = self._request(context, settings)
+      engine.add(engine_request)
+      texts.append(inference.TextStream(
+          self.tok_decode, _stops(settings, self.tok_decode, self.eot_token_id),
+          engine_request.stop_ids))
     progress = tqdm(total=len(requests), desc="generating", disable=disable_tqdm)
     while engine.busy:
       for completion in engine.step():
         stream = texts[completion.index]
         new = completion.tokens[taken[completion.index]:]
         taken[completion.index] = len(completion.tokens)
-        if completion.finish_reason == "stop" and new and new[-1] == self.eot_token_id:
-          new = new[:-1]
         stream.add(new, final=bool(completion.finish_reason))
         if stream.stopped or completion.finish_reason:
           if not completion.finish_reason:
@@ -206,10 +203,6 @@ def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
   """The harness's `until` strings (one string or a list); its default is the EOS text."""
   until = settings.get("until", [decode([eot])])
   return [until] if isinstance(until, str) else [s for s in until if s]
-
-
-def _bucket(size: int, limit: int) -> int:
-  return min(max(MIN_ROW, 1 << max(size - 1, 0).bit_length()), limit)
 
 
 @functools.partial(jax.jit, static_argnums=0)

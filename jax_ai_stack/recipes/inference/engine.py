@@ -52,7 +52,7 @@ from jax_ai_stack.recipes.inference import sampling
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
 
-MIN_PREFILL = 16
+MIN_PADDED = 16
 """Prompts are padded to a power of two of at least this many tokens (one program each)."""
 
 
@@ -143,10 +143,8 @@ class Engine:
     self._prefill = functools.partial(_prefill, graphdef, self.max_len)
     cache = model.init_cache(max_slots, self.max_len)
     self.steps_per_call = steps_per_call
-    self._step = (functools.partial(_step, graphdef, max_top_logprobs, type(cache))
-                  if steps_per_call == 1 else
-                  functools.partial(_steps, graphdef, max_top_logprobs, type(cache),
-                                    steps_per_call))
+    self._steps = functools.partial(_steps, graphdef, max_top_logprobs, type(cache),
+                                    steps_per_call)
     self._insert = functools.partial(_insert, self._stacked)
     # Buffers of their own: the step donates both (init_cache may share one zeros array).
     self._keys, self._values = cache.keys, jax.tree.map(jnp.zeros_like, cache.values)
@@ -253,7 +251,7 @@ class Engine:
   def _admit(self, index: int, request: Request) -> tuple[_Slot, bool]:
     """The request prefilled alone, its first token sampled; (its slot, whether it ended)."""
     prompt = np.asarray(request.prompt, np.int32)
-    padded = np.zeros((1, _bucket(prompt.size, self.max_len)), np.int32)
+    padded = np.zeros((1, padded_length(prompt.size, self.max_len)), np.int32)
     padded[0, :prompt.size] = prompt
     logits, keys, values = self._prefill(self._state, padded, np.int32(prompt.size))
     slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values))
@@ -271,10 +269,8 @@ class Engine:
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
     settings = _settings(slots)
-    outputs = self._step(self._state, self._keys, self._values, tokens, lengths, *settings)
-    *sampled, self._keys, self._values = outputs
-    if self.steps_per_call == 1:  # [B, ...] -> [steps, B, ...]
-      sampled = [x[None] for x in sampled]
+    outputs = self._steps(self._state, self._keys, self._values, tokens, lengths, *settings)
+    *sampled, self._keys, self._values = outputs  # Each [steps, B, ...].
     new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
     grown = []
     for number, slot in enumerate(slots):
@@ -313,9 +309,10 @@ class Engine:
     return bool(completion.finish_reason)
 
 
-def _bucket(size: int, max_len: int) -> int:
-  """The padded prefill length: the next power of two (at least MIN_PREFILL), <= max_len."""
-  return min(max(MIN_PREFILL, 1 << (size - 1).bit_length()), max_len)
+def padded_length(size: int, limit: int) -> int:
+  """`size` tokens padded to the next power of two (at least MIN_PADDED), at most `limit`:
+  lengths share a few compiled programs."""
+  return min(max(MIN_PADDED, 1 << (size - 1).bit_length()), limit)
 
 
 def _settings(slots: Sequence[_Slot | None]) -> tuple[np.ndarray, ...]:
@@ -363,9 +360,10 @@ def _insert(stacked: bool, keys, values, row_keys, row_values, slot):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
 def _steps(graphdef, max_top: int, cache_type, count: int, state, keys, values, tokens,
            lengths, seeds, counts, temperature, top_k, top_p):
-  """`_step` `count` times on the device, each step's tokens fed to the next: outputs
-  [count, B, ...]. A row's token i is sampled as `_step` samples it (key `fold_in(seed,
-  i)`), so the tokens do not depend on `count`."""
+  """`count` tokens for every row, each at its own position (`cache_type`: the model's
+  `init_cache` class, with one length per row), each step's tokens fed to the next, in a
+  loop on the device: outputs [count, B, ...] and the updated cache. A row's token i is
+  keyed `fold_in(seed, i)`, so the tokens do not depend on `count`."""
   def one(carry, _):
     # The parameters ride in the carry: a scanned-layer model splits them again inside
     # `decode`, which NNX allows only for values of the loop's own trace.
@@ -378,14 +376,3 @@ def _steps(graphdef, max_top: int, cache_type, count: int, state, keys, values, 
   carry = (state, keys, values, tokens, lengths, counts)
   (_, keys, values, *_), sampled = jax.lax.scan(one, carry, None, length=count)
   return (*sampled, keys, values)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
-def _step(graphdef, max_top: int, cache_type, state, keys, values, tokens, lengths, seeds,
-          counts, temperature, top_k, top_p):
-  """One token for every row, each at its own position (`cache_type`: the model's
-  `init_cache` class, with one length per row); the updated cache."""
-  model = nnx.merge(graphdef, state)
-  logits, cache = model.decode(tokens[:, None], cache_type(keys, values, lengths))
-  sampled = _sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
-  return (*sampled, cache.keys, cache.values)

@@ -4,7 +4,8 @@ Tokens do not map to whole characters (a byte-level token may be half of one) an
 a stop string may be split over several tokens, so the text of the tokens so far
 is decoded whole each time, and what is sent holds back two things: a trailing
 U+FFFD (an unfinished UTF-8 sequence) and an ending that could still grow into a
-stop string. The stop string itself is never sent.
+stop string. The stop string itself is never sent, nor a last token that ended the
+completion (EOS, end of turn: `end_ids`).
 
 Example: stop at "\\n\\n", tokens as UTF-8 bytes.
   >>> stream = TextStream(lambda ids: bytes(ids).decode("utf-8", "replace"), stops=["\\n\\n"])
@@ -26,8 +27,10 @@ _UNFINISHED = "\ufffd"
 class TextStream:
   """The text of a growing list of tokens, sent piece by piece (see the module)."""
 
-  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()):
+  def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = (),
+               end_ids: Sequence[int] = ()):
     self._decode, self._stops = decode, tuple(stop for stop in stops if stop)
+    self._end_ids = frozenset(int(t) for t in end_ids)
     self._tokens: list[int] = []
     self.text = ""
     """What has been sent so far."""
@@ -39,7 +42,10 @@ class TextStream:
     `final`: the completion has ended)."""
     if self.stopped:
       return ""
-    self._tokens.extend(int(t) for t in tokens)
+    tokens = [int(t) for t in tokens]
+    if final and tokens and tokens[-1] in self._end_ids:  # The token that ended it: not text.
+      tokens = tokens[:-1]
+    self._tokens.extend(tokens)
     full = self._decode(self._tokens)
     cut = min((at for at in (full.find(stop) for stop in self._stops) if at >= 0), default=-1)
     if cut >= 0:

@@ -166,7 +166,6 @@ class _Choice:
 
   index: int
   job: Job
-  stops: tuple[int, ...]
   text: TextStream
   tokens: int = 0
   finish_reason: str = ""
@@ -180,13 +179,13 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
     raise ApiError(f"The model '{ask.model}' does not exist; this server serves "
                    f"'{served.name}'", "model", status=404, code="model_not_found")
   items = [{"messages": list(ask.messages)}] if chat else [{"prompt": p} for p in ask.prompts]
-  requests, stops, prompt_tokens = _requests(served, ask, items, chat=chat)
+  requests, prompt_tokens = _requests(served, ask, items, chat=chat)
   if worker.running + len(requests) > served.engine.max_slots + served.max_queue:
     raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
                    "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
   decode = served.tokenizer.decode
-  choices = [_Choice(number, worker.submit(req), stop_ids, TextStream(decode, ask.stop))
-             for number, (req, stop_ids) in enumerate(zip(requests, stops))]
+  choices = [_Choice(number, worker.submit(req), TextStream(decode, ask.stop, req.stop_ids))
+             for number, req in enumerate(requests)]
   reply = _Reply(ask, served, chat, prompt_tokens)
   if ask.stream:
     return StreamingResponse(_streamed(worker, choices, reply), media_type="text/event-stream")
@@ -203,11 +202,11 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
 
 
 def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: bool
-              ) -> tuple[list[engine_lib.Request], list[tuple[int, ...]], int]:
-  """Engine requests for `items` x `ask.n` (checked: ApiError naming the field), each
-  one's stop ids, and the prompt tokens counted once per item."""
+              ) -> tuple[list[engine_lib.Request], int]:
+  """Engine requests for `items` x `ask.n` (checked: ApiError naming the field), and the
+  prompt tokens counted once per item."""
   engine, seed = served.engine, ask.seed if ask.seed is not None else secrets.randbelow(2**31)
-  requests, stops, prompt_tokens = [], [], 0
+  requests, prompt_tokens = [], 0
   for item in items:
     ids, stop_ids = served.encode(item)
     if not chat:
@@ -229,8 +228,7 @@ def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: b
                  if chat else "logprobs", "stop_ids": "stop"}.get(e.field, e.field)
         raise ApiError(str(e).split(": ", 1)[1], field) from None
       requests.append(request)
-      stops.append(stop_ids)
-  return requests, stops, prompt_tokens
+  return requests, prompt_tokens
 
 
 async def _updates(worker: EngineWorker, choices: Sequence[_Choice]
@@ -276,12 +274,9 @@ class _Reply:
            ) -> tuple[str, dict | None, str]:
     """The new text of `choice` after `update`, its log-probs part, and its finish reason
     ("" while it runs)."""
-    tokens = update.tokens
     ended = bool(update.finish_reason)
-    if update.finish_reason == "stop" and tokens and tokens[-1] in choice.stops:
-      tokens = tokens[:-1]  # The end-of-turn (or EOS) token is not text.
     before = len(choice.text.text)
-    text = choice.text.add(tokens, final=ended)
+    text = choice.text.add(update.tokens, final=ended)
     choice.tokens += len(update.tokens)
     if choice.text.stopped and not ended:  # A stop string: no more tokens are needed.
       worker.cancel(choice.job)

@@ -89,6 +89,11 @@ class LanguageModel(Task):
     return self.objective.batch_axes()
 
   def tokenizer(self) -> data.Tokenizer:
+    return self._tokenizer
+
+  @functools.cached_property
+  def _tokenizer(self) -> data.Tokenizer:
+    """Built once per Task (generation, serving and evaluation each ask several times)."""
     return data.build_tokenizer(self.config.data)
 
   def check_data(self) -> None:
