@@ -211,9 +211,13 @@ def train_run(name: str, overrides: Sequence[str], directory: pathlib.Path,
     figures = startup.parse_startup(done.stdout)  # `--verbose`'s start-up line.
   except ValueError:  # Its format changed: the figures are left out, not the run.
     figures = {}
+  first_step_s = fetches[0][1] - started if fetches else None  # Process start to step 1.
+  progress(f"runs: {name}: {time.time() - started:.0f} s, first step at {first_step_s or 0:.1f} s, "
+           f"steady {(steady_step_seconds(fetches) or 0) * 1e3:.1f} ms/step, "
+           f"compile {figures.get('compile_s')} s")
   return {
       **result,
-      "first_step_s": fetches[0][1] - started if fetches else None,  # Process start to step 1.
+      "first_step_s": first_step_s,
       "compile_s": figures.get("compile_s"), "programs": figures.get("programs"),
       "cache_hits": figures.get("cache_hits"),
       "steady_step_s": steady_step_seconds(fetches),
