@@ -29,19 +29,20 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "jax_ai_stack", "errors", "lazy", "atomic", "yamlio", "logs", "native_logs", "absl_flags",
          "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
          "recipes.models.hf", "recipes.inference", "recipes.serve", "recipes.evaluation",
-         "recipes.finetune")),
+         "recipes.finetune", "recipes.rl")),
     ("environment and kernels", "what is installed, and which attention kernel runs where: "
      "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
     ("recipe configs", "the config tree (and the family table it names) loads, validates and "
      "prints without jax", (
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
+         "recipes.rl.config",
          "recipes.models.configs", "recipes.models.hf.families", "recipes.models.hf.families.*",
          "recipes.tasks", "recipes.tasks.families", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.inference.*", "recipes.serve.*",
-         "recipes.evaluation.*",
+         "recipes.evaluation.*", "recipes.rl.*",
          "recipes.tasks.*",
          "recipes.sharding",
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",

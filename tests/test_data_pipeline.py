@@ -207,9 +207,14 @@ def test_orbax_checkpoint_round_trip_without_workers(tmp_path):
 def test_orbax_checkpoint_round_trip_with_two_workers(tmp_path):
   # Outside absl.app.run the flags are unparsed; Grain's workers used to fail
   # with UnparsedFlagAccessError there. build_dataset handles it.
+  was_parsed = flags.FLAGS.is_parsed()
   flags.FLAGS.unparse_flags()
-  _orbax_round_trip(DataConfig(max_documents=40, seq_len=16, batch_size=4, num_workers=2),
-                    tmp_path / "ckpt")
+  try:
+    _orbax_round_trip(DataConfig(max_documents=40, seq_len=16, batch_size=4, num_workers=2),
+                      tmp_path / "ckpt")
+  finally:  # Later tests in this process find the flags as they were (tokamax 0.0.12 reads
+    if was_parsed:  # pytest's argv when they are not).
+      flags.FLAGS.mark_as_parsed()
 
 
 def test_digits_batches_and_split():

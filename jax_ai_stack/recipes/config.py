@@ -30,6 +30,7 @@ from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.finetune.config import FinetuneConfig, QuantConfig
 from jax_ai_stack.recipes.optim_config import OptimConfig
+from jax_ai_stack.recipes.rl.config import RlConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 from jax_ai_stack.recipes.tasks import families
 
@@ -146,9 +147,15 @@ class RecipeConfig:
   """Start from a trained run (`base`): every parameter, or LoRA adapters only (`lora`)."""
   quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
   """Quantization-aware training (`qat`: a scheme); `jax-ai-stack quantize` converts any run."""
+  rl: RlConfig = dataclasses.field(default_factory=RlConfig)
+  """Reinforcement learning on prompts (`data.source: prompts`): groups sampled, rewards,
+  the GRPO-family loss."""
 
   def __post_init__(self):
     families.family(self.model).check(self)
+    if self.data.is_prompts and not self.rl.rewards:
+      raise ConfigError(f"rl.rewards is empty: a run on prompts (data.source="
+                        f"{self.data.source!r}) needs at least one reward, 'module:function'")
     micro = self.train.microbatch_size
     for field, size in self.data.batch_sizes() if micro is not None else ():
       if size > micro and size % micro:

@@ -139,7 +139,8 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 
 
 def plot(workdir: str | pathlib.Path) -> pathlib.Path:
-  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl.
+  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl, and
+  the held-out reward of a reinforcement-learning run on a second axis.
 
   Drawn on a figure of its own with the Agg canvas, not through pyplot: the
   process's matplotlib backend and pyplot's figures are left as they are.
@@ -149,7 +150,10 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
 
   records = read_metrics(workdir)
   train_points = [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
-  eval_points = [(r["step"], r["eval_loss"]) for r in records if r["split"] == "eval"]
+  eval_points = [(r["step"], r["eval_loss"]) for r in records
+                 if r["split"] == "eval" and "eval_loss" in r]
+  reward_points = [(r["step"], r["eval_reward"]) for r in records
+                   if r["split"] == "eval" and "eval_reward" in r]
   figure = Figure(figsize=(7, 4))
   FigureCanvasAgg(figure)
   axes = figure.subplots()
@@ -162,6 +166,12 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   if eval_points:
     steps, losses = zip(*eval_points)
     axes.plot(steps, losses, "o-", label="eval")
+  if reward_points:
+    steps, rewards = zip(*reward_points)
+    twin = axes.twinx()
+    twin.plot(steps, rewards, "s-", color="tab:green", label="eval reward")
+    twin.set_ylabel("held-out reward")
+    twin.legend(loc="upper right")
   axes.set_xlabel("step")
   axes.set_ylabel("loss")
   axes.set_title(pathlib.Path(workdir).name)
@@ -179,7 +189,12 @@ def eval_change(workdir: str | pathlib.Path, learning_rate: float) -> list[str]:
   """'held-out eval_loss 2.1 before fine-tuning -> 1.7 at step 200' from a run's
   metrics.jsonl, if it has both; when the loss rose, a hint about `learning_rate`
   (a pretraining rate on a trained base undoes what the base learned)."""
-  evals = [r for r in read_metrics(workdir) if r["split"] == "eval" and "eval_loss" in r]
+  records = [r for r in read_metrics(workdir) if r["split"] == "eval"]
+  rewards = [r for r in records if "eval_reward" in r]
+  if len(rewards) >= 2 and rewards[0]["step"] == 0:  # Reinforcement learning: the reward.
+    return [f"held-out eval_reward {rewards[0]['eval_reward']:.4f} before fine-tuning -> "
+            f"{rewards[-1]['eval_reward']:.4f} at step {rewards[-1]['step']}"]
+  evals = [r for r in records if "eval_loss" in r]
   if len(evals) < 2 or evals[0]["step"] != 0:
     return []
   first, last = evals[0], evals[-1]

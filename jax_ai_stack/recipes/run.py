@@ -160,6 +160,15 @@ class Run:
     """
     if self.validation is None:
       raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
+    if self.task.rollouts is not None:  # RL: the rewards of the policy's completions.
+      step.merge(self.model, self.optimizer, self.state)
+      iterator = iter(self.validation)
+      try:
+        return self.task.rollouts.evaluate(self.inference_model(), iterator,
+                                           self.config.train.eval_batches)
+      finally:
+        if hasattr(iterator, "close"):
+          iterator.close()
     if not isinstance(self.validation, Mapping):
       return self.task.evaluation({f"eval_{k}": v for k, v in self._means(self.validation).items()})
     each = {name: self._means(dataset) for name, dataset in self.validation.items()}

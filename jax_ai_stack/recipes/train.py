@@ -156,10 +156,13 @@ class Trainer(Run):
     places the next batch on the devices while this one runs. `fetch` brings
     the metrics of several steps back at once.
     """
-    batch = self.placement.batch(next(self.train_batches))
-    self.state, device_metrics = self.train_step(self.state, batch)
+    batch, rollout_metrics = next(self.train_batches), {}
+    if self.task.rollouts is not None:  # RL: the batch is sampled from the policy as it is.
+      step.merge(self.model, self.optimizer, self.state)
+      batch, rollout_metrics = self.task.rollouts.batch(self.inference_model(), batch, self.step)
+    self.state, device_metrics = self.train_step(self.state, self.placement.batch(batch))
     self.step += 1
-    return device_metrics
+    return {**device_metrics, **rollout_metrics}
 
   def fetch(self, pending: list[tuple[int, dict]], since: float) -> list[tuple[int, dict]]:
     """(step, metrics as floats) of the `pending` steps, fetched in one transfer.
@@ -197,7 +200,8 @@ class Trainer(Run):
     if self.step or self.validation is None:
       return
     metrics = self.evaluate()
-    log = MetricsLog(self.workdir, 0, enabled=distributed.is_primary())
+    # -1: an attempt killed before its first checkpoint logged this evaluation too; it goes.
+    log = MetricsLog(self.workdir, -1, enabled=distributed.is_primary())
     try:
       log.write(0, "eval", metrics)
     finally:

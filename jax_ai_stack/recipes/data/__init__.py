@@ -37,8 +37,9 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus",
-               "examples", "mixture", "permutation", "pipeline", "preference", "sources",
+_SUBMODULES = ("arithmetic", "batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus",
+               "examples", "mixture", "permutation", "pipeline", "preference", "prompts",
+               "sources",
                "token_cache", "tokenizers")
 _EXPORTS = {
     "BatchSchedule": "batch_schedule",
@@ -46,6 +47,7 @@ _EXPORTS = {
     "ChatTemplate": "chat_template",
     "DataConfig": "config",
     "PreferenceRows": "preference",
+    "PromptRows": "prompts",
     "MixtureConfig": "config",
     "MixtureRows": "mixture",
     "TokenCorpus": "corpus",

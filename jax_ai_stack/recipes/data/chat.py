@@ -9,6 +9,8 @@ Sources (`data.source`):
   offline: for each public function with a docstring, "what does `mod.f(args)`
   do?" answered by the docstring's first line, and the reverse question
   answered by the call. Both of one function fall on the same split.
+* `chat_arithmetic`: `data.arithmetic`'s sums and differences, "What is 85 - 63?"
+  answered "85 - 63 = 22": the format `prompts_arithmetic`'s rewards check.
 
 Each conversation is rendered by its chat template (`chat_template`), cut into
 its assistant and other pieces, and tokenized piece by piece, so a token's
@@ -19,7 +21,8 @@ conversation does not fit, the rest padded (segment 0, no loss). Truncation: a
 conversation longer than `data.seq_len + 1` tokens keeps its first
 `seq_len + 1`; one left with no assistant token to predict is dropped. Both are
 counted and printed. The split is by a hash of each conversation (of each
-function for `chat_stdlib`) against `data.validation_fraction`.
+function for `chat_stdlib`, of each question for `chat_arithmetic`) against
+`data.validation_fraction`.
 
 A line that is not a conversation (not JSON, an unknown role, no assistant
 turn, empty content) is an error naming the file and line; up to
@@ -55,7 +58,7 @@ import numpy as np
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import sources
+from jax_ai_stack.recipes.data import arithmetic, sources
 from jax_ai_stack.recipes.data import chat_template
 from jax_ai_stack.recipes.data.chat_template import ChatTemplate
 from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
@@ -249,6 +252,9 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
   if config.source == "chat_stdlib":
     conversations, skipped = list(stdlib_conversations(config.paths)), 0
     what = "the standard library's functions"
+  elif config.source == "chat_arithmetic":
+    conversations, skipped = arithmetic_conversations(config.max_documents), 0
+    what = "arithmetic problems"
   else:
     conversations, skipped = read_jsonl(source_files(config), config.max_bad_lines)
     what = ", ".join(config.paths)
@@ -256,7 +262,8 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
     conversations = conversations[:config.max_documents]
   if not conversations:
     raise DataError(f"data: no conversation in {what}")
-  held_out = held_out_by_key([key for key, _ in conversations], config.holdout_fraction, salt=1)
+  held_out = held_out_by_key([key for key, _ in conversations], config.holdout_fraction,
+                             salt=HOLDOUT_SALT)
   out = {}
   for split, keep in (("train", ~held_out), ("validation", held_out)):
     chosen = [messages for (_, messages), k in zip(conversations, keep) if k]
@@ -283,6 +290,19 @@ def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skippe
 def file_stamps(config: DataConfig) -> tuple:
   """(path, size, mtime) of each file a chat or preference source reads: its cache key."""
   return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(config))
+
+
+def arithmetic_conversations(count: int | None) -> list[tuple[str, list[dict]]]:
+  """(question, [user question, assistant reply]) of `data.arithmetic`'s first `count`
+  problems: the replies `prompts_arithmetic`'s rewards check."""
+  return [(p["question"], [{"role": "user", "content": p["question"]},
+                           {"role": "assistant", "content": p["reply"]}])
+          for p in arithmetic.problems(count or arithmetic.DEFAULT_COUNT)]
+
+
+HOLDOUT_SALT = 1
+"""The salt of `held_out_by_key` for conversations and prompts: a question held out of
+`chat_arithmetic` is held out of `prompts_arithmetic` too."""
 
 
 def held_out_by_key(keys: Sequence[str], fraction: float, *, salt: int) -> np.ndarray:

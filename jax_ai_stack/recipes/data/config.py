@@ -30,7 +30,9 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "chat", "chat_stdlib",
-                 "preference", "preference_stdlib", "digits", "custom"]
+                 "chat_arithmetic",
+                 "preference", "preference_stdlib", "prompts", "prompts_arithmetic", "digits",
+                 "custom"]
 TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
@@ -38,9 +40,11 @@ _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
 # Sources of documents that become tokens; the others are images with labels.
 TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
 # Conversations rendered with a chat template, the loss on the assistant's tokens (`chat`).
-CHAT_SOURCES = ("chat", "chat_stdlib")
+CHAT_SOURCES = ("chat", "chat_stdlib", "chat_arithmetic")
 # Pairs of replies to one prompt, the first preferred: what DPO trains on (`preference`).
 PREFERENCE_SOURCES = ("preference", "preference_stdlib")
+# Prompts a policy answers, with what its rewards read: reinforcement learning (`prompts`).
+PROMPT_SOURCES = ("prompts", "prompts_arithmetic")
 # Sources made from the standard library's own files (`data.paths`: patterns within it).
 STDLIB_SOURCES = ("stdlib", "chat_stdlib", "preference_stdlib")
 
@@ -146,8 +150,11 @@ class DataConfig:
   """stdlib: the standard library's .py files; text/npy/arrayrecord/parquet: `paths`; chat:
   JSONL conversations in `paths`; chat_stdlib: question-answer pairs about the standard
   library's functions; preference: JSONL pairs of replies (DPO); preference_stdlib: right
-  answers to chat_stdlib's questions over the same answers damaged; digits; custom: your Task's own `dataset` (with `model.kind: custom`),
-  nothing read here."""
+  answers to chat_stdlib's questions over the same answers damaged; chat_arithmetic: sums
+  and differences with their replies ("85 - 63 = 22"); prompts: JSONL prompts with the
+  columns rewards read (reinforcement learning, the `rl` section); prompts_arithmetic: the
+  same sums asked, the answer a column; digits; custom: your Task's own `dataset` (with
+  `model.kind: custom`), nothing read here."""
   paths: tuple[str, ...] = ()
   """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.
   stdlib: optional patterns relative to the standard library's root ("logging/*"): only those files."""
@@ -218,9 +225,10 @@ class DataConfig:
       raise ConfigError(
           f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"
       )
-    if self.source in (*_PATH_SOURCES, "chat", "preference") and not self.paths:
+    if self.source in (*_PATH_SOURCES, "chat", "preference", "prompts") and not self.paths:
       raise ConfigError(f"data.paths: source={self.source!r} needs at least one file or glob")
-    if self.source not in (*_PATH_SOURCES, *CHAT_SOURCES, *PREFERENCE_SOURCES, "stdlib") and self.paths:
+    if (self.source not in (*_PATH_SOURCES, *CHAT_SOURCES, *PREFERENCE_SOURCES, "prompts",
+                            "stdlib") and self.paths):
       raise ConfigError(
           f"data.paths: source={self.source!r} reads no files, got paths={self.paths!r}"
       )
@@ -277,6 +285,11 @@ class DataConfig:
   def is_preference(self) -> bool:
     """True for preference pairs (`preference`, `preference_stdlib`): DPO's data."""
     return self.source in PREFERENCE_SOURCES
+
+  @property
+  def is_prompts(self) -> bool:
+    """True for prompts a policy answers (`prompts`, `prompts_arithmetic`): RL's data."""
+    return self.source in PROMPT_SOURCES
 
 
 def require_token_source(config: DataConfig, what: str) -> None:

@@ -85,7 +85,7 @@ import numpy as np
 
 from jax_ai_stack.absl_flags import grain_flags_readable
 from jax_ai_stack.errors import ConfigError, DataError
-from jax_ai_stack.recipes.data import chat, preference
+from jax_ai_stack.recipes.data import chat, preference, prompts
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import examples as examples_lib
 from jax_ai_stack.recipes.data import mixture as mixture_lib
@@ -309,6 +309,16 @@ def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preferen
   return rows
 
 
+def _prompt_examples(config: DataConfig, split: Split) -> prompts.PromptRows:
+  rows = prompts.load_prompts(config)[split]
+  needed = config.batch_size if split == "validation" else 1
+  if rows.num_examples < needed:
+    raise DataError(f"data: the {split} split has {rows.num_examples} prompts and needs "
+                    f"{needed}: change data.validation_fraction (now {config.holdout_fraction}) "
+                    f"or data.batch_size, or add prompts ({rows!r})")
+  return rows
+
+
 def _holdout_fix(splits: dict, config: DataConfig) -> str:
   """How to hold out a batch of a chat or preference set: a `data.validation_fraction` that
   should (the split is by hash: two standard deviations of its count and two more), or the
@@ -331,6 +341,8 @@ def _examples(config: DataConfig, split: Split):
     return _lm_examples(config, split)
   if config.source == "digits":
     return _digits_examples(config, split)
+  if config.is_prompts:
+    return _prompt_examples(config, split)
   raise ConfigError(f"data.source={config.source!r} has no data here: the batches come from "
                     "your Task's `dataset` (tasks.CustomTask, or a Task subclass)")
 

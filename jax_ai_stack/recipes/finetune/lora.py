@@ -238,9 +238,11 @@ class Finetune(ModelTransform):
   def of(cls, recipe: Any) -> Finetune:
     """The recipe's `finetune` section."""
     config = getattr(recipe, "finetune", None) or FinetuneConfig()
-    preference = getattr(getattr(recipe, "data", None), "is_preference", False)
+    data = getattr(recipe, "data", None)
+    compares = getattr(data, "is_preference", False) or (  # DPO, or RL with a KL penalty.
+        getattr(data, "is_prompts", False) and recipe.rl.beta > 0)
     return cls(config, recipe.model, recipe.train.seed,
-               keeps_reference=config.active and config.lora is None and preference)
+               keeps_reference=config.active and config.lora is None and compares)
 
   @property
   def label(self) -> str:

@@ -21,7 +21,8 @@ from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "choice", "classification", "custom", "families", "lm", "objectives")
+_SUBMODULES = ("base", "choice", "classification", "custom", "families", "grpo", "lm",
+               "objectives")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",

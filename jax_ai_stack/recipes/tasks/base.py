@@ -74,6 +74,10 @@ class Task(abc.ABC):
   data_kind: str | None = None
   """The kind of data the config feeds ("tokens", "preference", "images"), which a given
   objective must read; None: not checked."""
+  rollouts: Any = None
+  """What makes each train batch from the policy as it stands (`rl.Rollouts`: completions
+  sampled for a batch of prompts, scored) and evaluates it; None: batches come from the data
+  as they are."""
 
   def __init__(self, config: Any, *, objective: Any = None):
     """`objective`: what the model learns (`tasks.objectives`), for a family whose loss

@@ -62,17 +62,21 @@ class Family:
 
 
 def _check_language_model(config: Any) -> None:
-  if not config.data.is_token_source:
+  if not (config.data.is_token_source or config.data.is_prompts):
     raise ValueError(
         f"model.kind={config.model.kind!r} does not go with data.source={config.data.source!r}: "
-        "a decoder reads token "
-        "corpora (stdlib, text, npy, arrayrecord, parquet)"
+        "a decoder reads token corpora (stdlib, text, npy, arrayrecord, parquet), "
+        "conversations, preference pairs or prompts"
     )
   if config.data.is_preference and config.finetune.base is None:
     raise ValueError(
         f"data.source={config.data.source!r} trains DPO, whose reference model is the base "
         "the run starts from: set finetune.base (with finetune.lora the reference is the "
         "base with its adapters off; without, a frozen copy of the base)")
+  if config.data.is_prompts and config.rl.beta > 0 and config.finetune.base is None:
+    raise ValueError(
+        f"rl.beta={config.rl.beta} penalises the distance to the reference, the base the run "
+        "starts from: set finetune.base, or rl.beta=0")
   if config.data.seq_len > config.model.max_seq_len:
     raise ValueError(
         f"data.seq_len={config.data.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"

@@ -27,7 +27,7 @@ from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import data, inference, sharding
 from jax_ai_stack.recipes.models import adapting, llama
 from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-from jax_ai_stack.recipes.tasks import objectives
+from jax_ai_stack.recipes.tasks import grpo, objectives
 from jax_ai_stack.recipes.tasks.base import Task
 
 SAMPLE_FILE = "sample.txt"
@@ -52,12 +52,28 @@ class LanguageModel(Task):
 
   @functools.cached_property
   def objective(self) -> objectives.Objective:
-    """What the model learns: the next token, or DPO on preference data (`objectives`)."""
+    """What the model learns: the next token, DPO on preference data (`objectives`), or the
+    GRPO family on prompts (`grpo`)."""
+    if self.config.data.is_prompts:
+      return grpo.for_config(self.config)
     return objectives.for_config(self.config)
 
   @property
   def data_kind(self) -> str:
-    return "preference" if self.config.data.is_preference else "tokens"
+    data_config = self.config.data
+    if data_config.is_prompts:
+      return "prompts"
+    return "preference" if data_config.is_preference else "tokens"
+
+  @functools.cached_property
+  def rollouts(self):
+    """What turns a batch of prompts into a batch to train on (`rl.Rollouts`), for a run on
+    prompts; None for any other."""
+    if not self.config.data.is_prompts:
+      return None
+    from jax_ai_stack.recipes.rl import rollout  # pylint: disable=g-import-not-at-top
+
+    return rollout.Rollouts(self.config, self.tokenizer(), self.prompt_encoder())
 
   def loss(self, model, batch):
     """The objective's loss without a run's transforms (DPO: refused, it has no reference)."""
@@ -147,7 +163,7 @@ class LanguageModel(Task):
     train = self.config.train
     if not train.sample_tokens:
       return []
-    if self.config.data.is_chat:  # A chat run answers its prompt as a user turn.
+    if self.config.data.is_chat or self.config.data.is_prompts:  # Its prompt: a user turn.
       text = self.chat(model, [{"role": "user", "content": train.sample_prompt}],
                        train.sample_tokens, train.sample_temperature, train.seed)
       text = f"user: {train.sample_prompt}\nassistant: {text}"

@@ -1,0 +1,109 @@
+"""Rewards are plain Python: `f(prompts, completions, **columns) -> list[float]`.
+
+`rl.rewards` names them as 'module:function' (imported from the current
+directory or PYTHONPATH, as `model.task` is), `rl.reward_weights` weighs them.
+A reward gets every completion of a rollout batch at once: `prompts` (each
+row's prompt as the data gives it: text, or a list of messages),
+`completions` (the text sampled, without its end-of-turn token) and each
+other column of the prompt data (`answer`, ...) as a list of the same length;
+it returns one number per completion. A reward that raises, or returns the
+wrong number of values, or one that is not a finite number, stops the run
+with one line naming it (`RewardError`); the rollout happens before the
+update, so nothing is lost.
+
+`exact_answer` and `answer_format` are the rewards of the built-in arithmetic
+prompts (`data.source: prompts_arithmetic`).
+
+Example:
+  >>> rewards = load(("jax_ai_stack.recipes.rl.rewards:exact_answer",), (1.0,))
+  >>> score(rewards, ["?", "?"], ["7 + 5 = 12", "12 - 3 = 8"], {"answer": ["12", "9"]}).tolist()
+  [[1.0], [0.0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pkgutil
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jax_ai_stack.errors import ConfigError, UserError
+
+_NUMBER = re.compile(r"-?\d+")
+_ARITHMETIC_REPLY = re.compile(r"\d+ [+-] \d+ = -?\d+")
+
+
+class RewardError(UserError):
+  """A reward function that failed or answered wrongly; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  """One reward function, its 'module:function' name and its weight."""
+
+  name: str
+  function: Callable[..., Sequence[float]]
+  weight: float
+
+  @property
+  def short_name(self) -> str:
+    """The function's name, for metrics (`reward_<short_name>`)."""
+    return self.name.rpartition(":")[2].rpartition(".")[2]
+
+
+def load(refs: Sequence[str], weights: Sequence[float]) -> list[Reward]:
+  """The reward functions `refs` names; ConfigError for one that does not import."""
+  if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
+  rewards = []
+  for ref, weight in zip(refs, weights):
+    try:
+      function = pkgutil.resolve_name(ref)
+    except (ImportError, AttributeError, ValueError) as e:
+      raise ConfigError(f"rl.rewards: {ref!r} does not import ({type(e).__name__}: {e}); it "
+                        "must be 'module:function' importable from the current directory or "
+                        "PYTHONPATH") from e
+    if not callable(function):
+      raise ConfigError(f"rl.rewards: {ref!r} is a {type(function).__name__}, not a function")
+    rewards.append(Reward(ref, function, float(weight)))
+  return rewards
+
+
+def score(rewards: Sequence[Reward], prompts: list, completions: list[str],
+          columns: Mapping[str, list]) -> np.ndarray:
+  """Each reward of each completion, [N, len(rewards)] float32 (see the module)."""
+  scores = np.zeros((len(completions), len(rewards)), np.float32)
+  for r, reward in enumerate(rewards):
+    try:
+      values = list(reward.function(prompts, completions, **columns))
+    except Exception as e:  # pylint: disable=broad-except
+      raise RewardError(f"rl.rewards: {reward.name} raised {type(e).__name__}: {e}") from e
+    if len(values) != len(completions):
+      raise RewardError(f"rl.rewards: {reward.name} returned {len(values)} values for "
+                        f"{len(completions)} completions")
+    for i, value in enumerate(values):
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
+          math.isfinite(value)):
+        raise RewardError(f"rl.rewards: {reward.name} returned {value!r} for completion {i}: "
+                          "a reward is a finite number")
+    scores[:, r] = values
+  return scores
+
+
+def exact_answer(prompts: list, completions: list[str], answer: list[str],
+                 **columns) -> list[float]:
+  """1.0 where the completion's last integer is the `answer` column, else 0.0."""
+  del prompts, columns
+  found = [_NUMBER.findall(text) for text in completions]
+  return [float(bool(numbers) and numbers[-1] == want) for numbers, want in zip(found, answer)]
+
+
+def answer_format(prompts: list, completions: list[str], **columns) -> list[float]:
+  """1.0 where the completion is "A + B = C" (or "A - B = C") and nothing else, else 0.0."""
+  del prompts, columns
+  return [float(_ARITHMETIC_REPLY.fullmatch(text.strip()) is not None) for text in completions]

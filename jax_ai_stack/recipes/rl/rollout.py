@@ -1,0 +1,175 @@
+"""The rollout: a group of completions per prompt from the generation engine, scored, as the
+batch the GRPO-family objective (`tasks.grpo`) trains on.
+
+Each train step's batch of prompt indices (`data.prompts`) becomes
+`rl.num_generations` requests per prompt, decoded together by the engine
+(`inference.Engine`) with the policy as it is at that step; completion g of
+prompt i at step s is sampled with a seed drawn from (train.seed, s, i, g),
+so a resumed run samples exactly what the run that never stopped sampled.
+Each completion ends at the prompt's end-of-turn (a conversation) or the
+tokenizer's EOS (a text prompt), or after `rl.max_completion_tokens` (fewer
+where the prompt leaves less room in `data.seq_len + 1`). The rewards
+(`rl.rewards`) score the completions' text; their weighted sum gives each
+completion its advantage within its group (`grpo.advantages`).
+
+The batch has one row per completion: prompt and completion as
+`inputs`/`targets`/`segment_ids`/`positions` [N, data.seq_len], `loss_mask`
+on the completion's tokens (its stop token included), `advantages` [N] and
+`sampler_logps` (the engine's log-probability of each completion token). The
+rollout's metrics (`reward`, `reward_<function>`, `reward_std`, the mean
+completion length, the share of completions cut at the limit and of groups
+whose rewards are all equal: no signal) are logged with the step.
+
+`evaluate` measures the rewards on held-out prompts: one greedy completion
+each (`eval_reward`, `eval_reward_<function>`) and a sampled group
+(`eval_sampled_reward`), with seeds that are the same at every evaluation.
+
+Example: (a run's Task builds it: `LanguageModel.rollouts`)
+  >>> from jax_ai_stack.recipes import config, tasks
+  >>> task = tasks.for_config(config.load("lm-tiny-grpo"))
+  >>> task.rollouts.rewards[0].short_name, task.rollouts.splits["train"].num_examples > 0
+  ('exact_answer', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from flax import nnx
+
+from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes import inference
+from jax_ai_stack.recipes.data import prompts as prompts_lib
+from jax_ai_stack.recipes.data.tokenizers import Tokenizer
+from jax_ai_stack.recipes.rl import rewards as rewards_lib
+from jax_ai_stack.recipes.tasks import grpo
+
+MAX_SLOTS = 64
+"""The most completions the engine decodes at once."""
+EVAL_STEP = -1
+"""The step in the evaluation's seeds: the same sampled completions at every evaluation."""
+
+
+@dataclasses.dataclass
+class Sample:
+  """One completion of one prompt."""
+
+  prompt_ids: np.ndarray
+  tokens: list[int]
+  logprobs: list[float]
+  finish_reason: str
+  text: str
+
+
+class Rollouts:
+  """Samples, scores and batches the completions of a run on prompts (see the module)."""
+
+  def __init__(self, config, tokenizer: Tokenizer,
+               encode: Callable[[dict], tuple[np.ndarray, tuple[int, ...]]]):
+    """`encode`: an item to its prompt's ids and stop ids (`LanguageModel.prompt_encoder`)."""
+    self.config, self.rl = config, config.rl
+    self.tokenizer, self.encode = tokenizer, encode
+    self.splits = prompts_lib.load_prompts(config.data)
+    self.rewards = rewards_lib.load(self.rl.rewards, self.rl.resolved_weights)
+    self.weights = np.asarray([r.weight for r in self.rewards], np.float32)
+    self.limit = min(config.data.seq_len + 1, config.model.max_seq_len)
+
+  def batch(self, model: nnx.Module, host_batch: dict[str, np.ndarray], step: int
+            ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The training batch of `step` (prompt indices in `host_batch`) and its metrics."""
+    group = self.rl.num_generations
+    indices = [int(i) for i in host_batch["prompt_index"]]
+    samples = self.sample(model, "train", indices, group, self.rl.temperature, step)
+    scores = self._score("train", indices, group, samples)
+    total = scores @ self.weights
+    groups = total.reshape(len(indices), group)
+    advantage = grpo.advantages(groups, self.rl.advantage).reshape(-1)
+    metrics = {"reward": float(total.mean()), "reward_std": float(groups.std(axis=1).mean()),
+               **{f"reward_{r.short_name}": float(scores[:, i].mean())
+                  for i, r in enumerate(self.rewards)},
+               "completion_tokens": float(np.mean([len(s.tokens) for s in samples])),
+               "completions_cut": float(np.mean([s.finish_reason == "length" for s in samples])),
+               "groups_without_signal": float(np.mean(np.ptp(groups, axis=1) == 0))}
+    return self._arrays(samples, advantage), metrics
+
+  def evaluate(self, model: nnx.Module, batches: Iterable[dict[str, np.ndarray]],
+               max_batches: int) -> dict[str, float]:
+    """Rewards on the held-out prompts of the first `max_batches` batches (see the module)."""
+    greedy, sampled, lengths = [], [], []
+    for number, batch in enumerate(batches):
+      if number == max_batches:
+        break
+      indices = [int(i) for i in batch["prompt_index"]]
+      best = self.sample(model, "validation", indices, 1, 0.0, EVAL_STEP)
+      greedy.append(self._score("validation", indices, 1, best))
+      lengths += [len(s.tokens) for s in best]
+      group = self.rl.num_generations
+      drawn = self.sample(model, "validation", indices, group, self.rl.temperature, EVAL_STEP)
+      sampled.append(self._score("validation", indices, group, drawn))
+    if not greedy:
+      raise DataError("data: the validation split has no full batch of prompts: lower "
+                      "data.batch_size or raise data.validation_fraction")
+    greedy_scores, sampled_scores = np.concatenate(greedy), np.concatenate(sampled)
+    return {"eval_reward": float((greedy_scores @ self.weights).mean()),
+            **{f"eval_reward_{r.short_name}": float(greedy_scores[:, i].mean())
+               for i, r in enumerate(self.rewards)},
+            "eval_sampled_reward": float((sampled_scores @ self.weights).mean()),
+            "eval_completion_tokens": float(np.mean(lengths))}
+
+  def sample(self, model: nnx.Module, split: str, indices: list[int], group: int,
+             temperature: float, step: int) -> list[Sample]:
+    """`group` completions of each prompt of `split` at `indices`, in that order."""
+    requests = []
+    for index in indices:
+      ids, stops = self.encode(self.splits[split].records[index])
+      room = self.limit - ids.size
+      if room < 1:
+        raise DataError(f"data: prompt {index} of the {split} split is {ids.size} tokens and "
+                        f"leaves no room for a completion in data.seq_len + 1 = "
+                        f"{self.config.data.seq_len + 1}: raise data.seq_len or shorten it")
+      for g in range(group):
+        seed = int(np.random.SeedSequence(
+            [self.config.train.seed, step % 2**32, index, g]).generate_state(1)[0] >> 1)
+        requests.append(inference.Request(
+            tuple(int(t) for t in ids), min(self.rl.max_completion_tokens, room),
+            temperature=temperature, top_k=self.rl.top_k, top_p=self.rl.top_p, seed=seed,
+            stop_ids=stops or (self.tokenizer.eos_id,)))
+    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    samples = []
+    for request, done in zip(requests, engine.run(requests)):
+      kept = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
+      text = self.tokenizer.decode(np.asarray(kept, np.int32))
+      samples.append(Sample(np.asarray(request.prompt, np.int32), done.tokens, done.logprobs,
+                            done.finish_reason, text))
+    return samples
+
+  def _score(self, split: str, indices: list[int], group: int, samples: list[Sample]
+             ) -> np.ndarray:
+    """Each reward of each sample, [N, R] (the samples of each prompt at `indices`, a group
+    each)."""
+    records = [self.splits[split].records[i] for i in indices for _ in range(group)]
+    prompts = [r.get("messages", r.get("prompt")) for r in records]
+    names = sorted({k for r in records for k in r} - {"messages", "prompt"})
+    columns = {name: [r.get(name) for r in records] for name in names}
+    return rewards_lib.score(self.rewards, prompts, [s.text for s in samples], columns)
+
+  def _arrays(self, samples: list[Sample], advantage: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of a rollout batch (see the module)."""
+    shape = (len(samples), self.config.data.seq_len)
+    arrays = {"inputs": np.full(shape, self.tokenizer.pad_id, np.int32),
+              "targets": np.full(shape, self.tokenizer.pad_id, np.int32),
+              "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
+              "loss_mask": np.zeros(shape, np.float32),
+              "sampler_logps": np.zeros(shape, np.float32),
+              "advantages": np.asarray(advantage, np.float32)}
+    for row, sample in enumerate(samples):
+      sequence = np.concatenate([sample.prompt_ids, np.asarray(sample.tokens, np.int32)])
+      n, first = sequence.size - 1, sample.prompt_ids.size - 1
+      arrays["inputs"][row, :n], arrays["targets"][row, :n] = sequence[:-1], sequence[1:]
+      arrays["segment_ids"][row, :n] = 1
+      arrays["positions"][row, :n] = np.arange(n)
+      arrays["loss_mask"][row, first:n] = 1.0
+      arrays["sampler_logps"][row, first:n] = sample.logprobs
+    return arrays

@@ -1,0 +1,152 @@
+"""The GRPO family of objectives: a policy's sampled completions, weighted by how much better
+than their group each one scored.
+
+For a prompt, the rollout (`rl.rollout`) samples a group of G completions and
+scores each (the rewards, weighted and summed: r). Each completion's advantage
+A compares it with its group (`advantages`):
+
+  grpo      A = (r - mean(r)) / (std(r) + 1e-4)     (Shao et al., 2024)
+  dr_grpo   A = r - mean(r)                          (Liu et al., 2025: no std)
+  rloo      A = r - mean of the group's other rewards (leave-one-out)
+
+Each completion token t then has the clipped policy-gradient loss of PPO, with
+its importance ratio rho = pi(t) / pi_old(t) and [1 - eps, 1 + eps_high] the
+clip (eps_high > eps: DAPO's clip-higher), plus, with beta > 0, the k3
+estimate of the KL divergence to the reference (Schulman's unbiased one):
+
+  loss_t = -min(rho A, clip(rho) A) + beta (exp(ref - logp) - (ref - logp) - 1)
+
+aggregated over the completion tokens (`aggregate`): each completion's mean,
+averaged ("sequence", GRPO); every token alike ("token", DAPO); the sum over
+rows x max_completion_tokens ("constant", Dr. GRPO). std is the group's
+population standard deviation (ddof 0).
+
+One optimizer step per rollout: pi_old is the policy itself, so rho is
+exactly 1 (`logp - stop_gradient(logp)`) and the gradient is the policy
+gradient, whatever the engine's arithmetic; the engine's log-probabilities
+(`sampler_logps`) are compared with the trainer's and the largest gap logged
+(`sampler_logp_gap`), to show that no correction is needed.
+
+Example: a group of four; the two right answers share the advantage.
+  >>> print(advantages(np.array([[1.0, 0.0, 1.0, 0.0]]), "grpo").round(3))
+  [[ 1. -1.  1. -1.]]
+  >>> print(advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), "rloo").round(3))
+  [[ 1.    -0.333 -0.333 -0.333]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ai_stack.recipes.tasks.objectives import (ROUTER_LOSSES, TOKEN_FIELDS, Objective,
+                                                   target_logps)
+
+STD_EPSILON = 1e-4
+"""Added to a group's standard deviation (grpo): a group of equal rewards gets 0, not NaN."""
+
+
+def advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
+  """Each completion's advantage [P, G] from its group's rewards [P, G] (see the module)."""
+  rewards = np.asarray(rewards, np.float32)
+  mean = rewards.mean(axis=1, keepdims=True)
+  if kind == "grpo":
+    return (rewards - mean) / (rewards.std(axis=1, keepdims=True) + np.float32(STD_EPSILON))
+  if kind == "dr_grpo":
+    return rewards - mean
+  if kind == "rloo":
+    size = rewards.shape[1]
+    return rewards - (rewards.sum(axis=1, keepdims=True) - rewards) / np.float32(size - 1)
+  raise ValueError(f"unknown advantage {kind!r}: grpo, dr_grpo or rloo")
+
+
+def token_losses(logps: jax.Array, old_logps: jax.Array, advantage: jax.Array, *,
+                 epsilon: float, epsilon_high: float) -> tuple[jax.Array, jax.Array]:
+  """(clipped policy-gradient loss per token [N, T], whether its ratio was clipped) for
+  per-token log-probabilities under the policy and the sampling policy, and each row's
+  advantage [N]."""
+  ratio = jnp.exp(logps - old_logps)
+  advantage = advantage[:, None]
+  unclipped = ratio * advantage
+  clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantage
+  return -jnp.minimum(unclipped, clipped), clipped < unclipped
+
+
+def kl_to_reference(logps: jax.Array, reference_logps: jax.Array) -> jax.Array:
+  """The k3 estimate of KL(policy || reference) per token: exp(d) - d - 1, d = ref - logp."""
+  delta = reference_logps - logps
+  return jnp.exp(delta) - delta - 1.0
+
+
+def aggregate(losses: jax.Array, mask: jax.Array, kind: str, max_tokens: int) -> jax.Array:
+  """The loss of a batch from per-token losses [N, T] over the completion tokens `mask`."""
+  if kind == "sequence":
+    per_row = (losses * mask).sum(axis=-1) / jnp.maximum(mask.sum(axis=-1), 1.0)
+    return per_row.mean()
+  if kind == "token":
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+  if kind == "constant":
+    return (losses * mask).sum() / (mask.shape[0] * max_tokens)
+  raise ValueError(f"unknown loss aggregation {kind!r}: sequence, token or constant")
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  return (values * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRelative(Objective):
+  """The GRPO-family loss on a rollout's batch (see the module).
+
+  The batch: the token fields of prompt-plus-completion rows, `loss_mask` on the
+  completion tokens, `advantages` [N] and `sampler_logps` [N, T] (the engine's).
+  """
+
+  epsilon: float = 0.2
+  epsilon_high: float = 0.2
+  beta: float = 0.0
+  aggregation: str = "sequence"
+  max_completion_tokens: int = 32
+
+  data_kind: ClassVar[str] = "prompts"
+  loss_metric: ClassVar[str] = "policy_loss"
+
+  @property
+  def needs_reference(self) -> bool:  # type: ignore[override]
+    """Only a KL penalty compares with the reference."""
+    return self.beta > 0
+
+  def loss(self, model, batch, reference=None):
+    fields = {k: batch[k] for k in ("segment_ids", "positions")}
+    logps, router = target_logps(model, batch["inputs"], batch["targets"], **fields,
+                                 with_router=True)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    losses, clipped = token_losses(logps, jax.lax.stop_gradient(logps), batch["advantages"],
+                                   epsilon=self.epsilon, epsilon_high=self.epsilon_high)
+    metrics = {"clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
+               "sampler_logp_gap": jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask),
+               ROUTER_LOSSES: router}
+    if self.beta > 0:
+      frozen = jax.lax.stop_gradient(target_logps(reference, batch["inputs"], batch["targets"],
+                                                  **fields))
+      kl = kl_to_reference(logps, frozen)
+      losses = losses + self.beta * kl
+      metrics["kl"] = masked_mean(kl, mask)
+    return aggregate(losses, mask, self.aggregation, self.max_completion_tokens), metrics
+
+  def batch_axes(self):
+    token = ("batch", "length")
+    return {**{name: token for name in TOKEN_FIELDS}, "loss_mask": token,
+            "sampler_logps": token, "advantages": ("batch",)}
+
+
+def for_config(config) -> GroupRelative:
+  """The objective of a run on prompts, from its `rl` section."""
+  rl = config.rl
+  return GroupRelative(epsilon=rl.epsilon, epsilon_high=rl.upper_clip, beta=rl.beta,
+                       aggregation=rl.loss_aggregation,
+                       max_completion_tokens=rl.max_completion_tokens)

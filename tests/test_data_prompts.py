@@ -1,0 +1,58 @@
+"""Prompt sources: JSONL lines checked and named, the arithmetic problems stable, the split
+shared with chat_arithmetic, and batches of prompt indices through the pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes.data import DataConfig, arithmetic, build_dataset, chat, prompts
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{", r"p.jsonl:3: not JSON"),
+    ('{"answer": 1}', r"p.jsonl:3: a line holds \"prompt\" \(text\) or \"messages\""),
+    ('{"prompt": "a", "messages": []}', r"a line holds \"prompt\""),
+    ('{"prompt": ""}', r"p.jsonl:3: \"prompt\" has no text"),
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "p.jsonl:3"),
+])
+def test_a_bad_prompt_line_is_named_by_file_and_line(line, message):
+  with pytest.raises(DataError, match=message):
+    prompts.parse_prompt(line, "p.jsonl:3")
+
+
+def test_arithmetic_problems_are_stable_and_answered_right():
+  many = arithmetic.problems(300)
+  assert arithmetic.problems(10) == many[:10]
+  for problem in many:
+    a, op, b = problem["question"].removeprefix("What is ").removesuffix("?").split()
+    assert int(problem["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert problem["reply"] == f"{a} {op} {b} = {problem['answer']}"
+
+
+def test_chat_arithmetic_holds_out_the_questions_prompts_arithmetic_holds_out():
+  config = DataConfig(source="prompts_arithmetic", max_documents=400, validation_fraction=0.2,
+                      seq_len=64)
+  held_out = {r["messages"][0]["content"] for r in prompts.load_prompts(config)["validation"].records}
+  conversations = chat.arithmetic_conversations(400)
+  keys = [key for key, _ in conversations]
+  chat_held_out = {k for k, out in zip(keys, chat.held_out_by_key(
+      keys, 0.2, salt=chat.HOLDOUT_SALT)) if out}
+  assert held_out == chat_held_out and 40 < len(held_out) < 120
+
+
+def test_the_pipeline_batches_prompt_indices_and_a_jsonl_file_keeps_its_columns(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(f'{{"prompt": "{i} + 1 =", "answer": "{i + 1}"}}\n' for i in range(30)))
+  config = DataConfig(source="prompts", paths=(str(path),), batch_size=4, seq_len=32,
+                      validation_fraction=0.2)
+  loaded = prompts.load_prompts(config)
+  assert loaded["train"].records[0].keys() == {"prompt", "answer"}
+  batch = next(iter(build_dataset(config, split="train", seed=0, process_index=0,
+                                  process_count=1)))
+  assert set(batch) == {"prompt_index"} and batch["prompt_index"].shape == (4,)
+  assert batch["prompt_index"].max() < loaded["train"].num_examples
+  with pytest.raises(DataError, match="the validation split has 0 prompts and needs 4"):
+    build_dataset(DataConfig(source="prompts", paths=(str(path),), batch_size=4, seq_len=32,
+                             validation_fraction=0.0), split="validation", seed=0,
+                  process_index=0, process_count=1)

@@ -1,0 +1,72 @@
+"""The rollout: a group of completions per prompt from the engine, seeded by step and prompt,
+scored and laid out as rows whose mask is the completion; the held-out evaluation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.errors import DataError
+from jax_ai_stack.recipes import config as config_lib
+from jax_ai_stack.recipes import tasks
+from jax_ai_stack.recipes.tasks import grpo
+
+SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.mlp_dim=64", "data.max_documents=200", "data.validation_fraction=0.1",
+         "rl.num_generations=4", "rl.max_completion_tokens=6", "rl.advantage=dr_grpo"]
+
+
+@pytest.fixture(scope="module")
+def task_and_model():
+  task = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=SMALL))
+  return task, task.build_model(0)
+
+
+def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task_and_model):
+  task, model = task_and_model
+  rollouts = task.rollouts
+  batch, metrics = rollouts.batch(model, {"prompt_index": np.array([3, 1])}, step=5)
+  assert batch["inputs"].shape == batch["sampler_logps"].shape == (8, 64)
+  assert batch["advantages"].shape == (8,)
+  np.testing.assert_allclose(batch["advantages"].reshape(2, 4).sum(axis=1), 0.0, atol=1e-6)
+  samples = rollouts.sample(model, "train", [3, 1], 4, 1.0, step=5)
+  for row, sample in enumerate(samples):
+    prompt = sample.prompt_ids.size
+    completion = batch["targets"][row][batch["loss_mask"][row] > 0]
+    assert completion.tolist() == sample.tokens  # The mask: the completion, its stop token too.
+    assert batch["inputs"][row, :prompt].tolist() == sample.prompt_ids.tolist()
+    np.testing.assert_array_equal(batch["sampler_logps"][row][batch["loss_mask"][row] > 0],
+                                  np.float32(sample.logprobs))
+  assert set(metrics) >= {"reward", "reward_std", "reward_exact_answer", "reward_answer_format",
+                          "completion_tokens", "completions_cut", "groups_without_signal"}
+
+
+def test_samples_depend_on_the_step_and_the_prompt_not_on_the_batch(task_and_model):
+  task, model = task_and_model
+  rollouts = task.rollouts
+  alone = rollouts.sample(model, "train", [7], 4, 1.0, step=2)
+  among = rollouts.sample(model, "train", [0, 7, 9], 4, 1.0, step=2)[4:8]
+  assert [s.tokens for s in alone] == [s.tokens for s in among]
+  later = rollouts.sample(model, "train", [7], 4, 1.0, step=3)
+  assert [s.tokens for s in later] != [s.tokens for s in alone]
+  assert len({tuple(s.tokens) for s in alone}) > 1  # A group holds different completions.
+
+
+def test_the_evaluation_measures_greedy_and_sampled_rewards_the_same_each_time(task_and_model):
+  task, model = task_and_model
+  batches = [{"prompt_index": np.array([0, 1, 2, 3])}] * 3
+  first = task.rollouts.evaluate(model, iter(batches), max_batches=1)
+  assert set(first) == {"eval_reward", "eval_reward_exact_answer", "eval_reward_answer_format",
+                        "eval_sampled_reward", "eval_completion_tokens"}
+  assert first == task.rollouts.evaluate(model, iter(batches), max_batches=1)
+
+
+def test_a_prompt_that_leaves_no_room_for_a_completion_is_named(task_and_model, tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(f'{{"prompt": "{i}{"x" * 80}", "answer": "1"}}\n' for i in range(20)))
+  task = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=[
+      *SMALL, "data.source=prompts", f"data.paths=[{path}]", "data.validation_fraction=0.0"]))
+  with pytest.raises(DataError, match=r"prompt 0 of the train split is \d+ tokens and leaves "
+                                      r"no room for a completion in data.seq_len \+ 1 = 65"):
+    task.rollouts.sample(task_and_model[1], "train", [0], 2, 1.0, step=0)
