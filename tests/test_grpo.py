@@ -68,7 +68,7 @@ def _batch(vocab: int, rows: int = 4, length: int = 12):
           "segment_ids": jnp.ones((rows, length), jnp.int32),
           "positions": jnp.tile(jnp.arange(length), (rows, 1)), "loss_mask": jnp.asarray(mask),
           "advantages": jnp.asarray(RNG.normal(size=rows).astype(np.float32)),
-          "sampler_logps": jnp.zeros((rows, length))}
+          "sampler_logps": jnp.zeros((rows, length)), "fresh": jnp.ones((rows,))}
 
 
 def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
@@ -113,3 +113,18 @@ def test_a_run_on_prompts_trains_the_objective_its_rl_section_asks():
   objective = grpo.for_config(config)
   assert (objective.aggregation, objective.epsilon, objective.epsilon_high, objective.beta,
           objective.max_completion_tokens) == ("token", 0.2, 0.28, 0.04, 16)
+
+
+def test_later_updates_on_a_rollout_compare_with_the_sampling_policy_and_clip():
+  """Rows not fresh take the engine's log-probabilities as pi_old: a policy that moved far
+  from them is clipped (positive advantages, ratio above 1 + epsilon_high)."""
+  model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  batch = _batch(model.config.vocab_size)
+  logps = objectives.target_logps(model, batch["inputs"], batch["targets"],
+                                  segment_ids=batch["segment_ids"], positions=batch["positions"])
+  later = {**batch, "fresh": jnp.zeros((4,)), "advantages": jnp.ones((4,)),
+           "sampler_logps": logps - 1.0}  # The policy is e times likelier than the sampler.
+  loss, metrics = grpo.GroupRelative(epsilon_high=0.3).loss(model, later)
+  assert float(metrics["clip_fraction"]) == 1.0
+  assert float(loss) == pytest.approx(-1.3, rel=1e-5)
+  assert float(metrics["sampler_logp_gap"]) == 0.0  # Measured at the first update only.

@@ -51,9 +51,14 @@ def _records(workdir, split: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_grpo_run_killed_and_resumed_equals_the_run_that_never_stopped(base, tmp_path):
+@pytest.mark.parametrize("updates", [1, 3])
+def test_a_grpo_run_killed_and_resumed_equals_the_run_that_never_stopped(base, tmp_path,
+                                                                         updates):
+  """With several updates per rollout too: saves fall on rollout boundaries, and the
+  updates after the first compare with the sampling policy (the clip can act)."""
   overrides = [*RL, f"finetune.base={base}", f"train.steps={STEPS}", VARIED,
-               "rl.reward_weights=null"]
+               "rl.reward_weights=null", f"rl.updates_per_rollout={updates}",
+               f"checkpoint.save_every={updates}"]
   train.run(config_lib.load("lm-tiny-grpo", overrides=overrides), tmp_path / "whole")
   killed_at = kill_at_step("lm-tiny-grpo", tmp_path / "killed", overrides, 2)
   assert killed_at < STEPS, "the run finished before the kill"
@@ -66,7 +71,20 @@ def test_a_grpo_run_killed_and_resumed_equals_the_run_that_never_stopped(base, t
   assert [r["step"] for r in evals] == [0, 3, 6]  # The base is evaluated first.
   assert all(r["sampler_logp_gap"] < 1e-5 for r in whole)  # The engine's = the trainer's.
   assert any(r["grad_norm"] > 0 for r in whole)
-  assert all(r["clip_fraction"] == 0.0 for r in whole)  # One update per rollout: ratio 1.
+  fresh = [r for r in whole if (r["step"] - 1) % updates == 0]  # The first on a rollout.
+  assert all(r["clip_fraction"] == 0.0 for r in fresh)  # Ratio exactly 1.
+  assert all("reward" in r for r in fresh) and len(fresh) == STEPS // updates
+  if updates > 1:
+    assert any(r["clip_fraction"] > 0 for r in whole)
+
+
+@pytest.mark.slow
+def test_a_stop_inside_a_rollout_waits_for_its_last_update(base, tmp_path):
+  overrides = [*RL, f"finetune.base={base}", "train.steps=6", VARIED, "rl.reward_weights=null",
+               "rl.updates_per_rollout=3", "checkpoint.save_every=3", "train.eval_every=3"]
+  result = train.run(config_lib.load("lm-tiny-grpo", overrides=overrides), tmp_path / "run",
+                     stop_after=1)
+  assert result["step"] == 3 and result["stopped_by"] == "stop_after=1"
 
 
 @pytest.mark.slow

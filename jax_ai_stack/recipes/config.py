@@ -156,6 +156,13 @@ class RecipeConfig:
     if self.data.is_prompts and not self.rl.rewards:
       raise ConfigError(f"rl.rewards is empty: a run on prompts (data.source="
                         f"{self.data.source!r}) needs at least one reward, 'module:function'")
+    updates = self.rl.updates_per_rollout
+    for field, value in (("train.steps", self.train.steps),
+                         ("checkpoint.save_every", self.checkpoint.save_every),
+                         ("train.eval_every", self.train.eval_every)):
+      if self.data.is_prompts and value % updates:
+        raise ConfigError(f"{field}={value} is not a multiple of rl.updates_per_rollout="
+                          f"{updates}: steps, saves and evaluations fall on rollout boundaries")
     micro = self.train.microbatch_size
     for field, size in self.data.batch_sizes() if micro is not None else ():
       if size > micro and size % micro:

@@ -44,10 +44,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jax_ai_stack import determinism
-from jax_ai_stack.errors import WorkdirError
+from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim, phases, profile,
                                   record, step)
 from jax_ai_stack.recipes import progress as progress_lib
@@ -156,13 +157,34 @@ class Trainer(Run):
     places the next batch on the devices while this one runs. `fetch` brings
     the metrics of several steps back at once.
     """
-    batch, rollout_metrics = next(self.train_batches), {}
-    if self.task.rollouts is not None:  # RL: the batch is sampled from the policy as it is.
-      step.merge(self.model, self.optimizer, self.state)
-      batch, rollout_metrics = self.task.rollouts.batch(self.inference_model(), batch, self.step)
+    if self.task.rollouts is None:
+      batch, rollout_metrics = next(self.train_batches), {}
+    else:
+      batch, rollout_metrics = self._rollout_batch()
     self.state, device_metrics = self.train_step(self.state, self.placement.batch(batch))
     self.step += 1
     return {**device_metrics, **rollout_metrics}
+
+  def _rollout_batch(self) -> tuple[dict, dict[str, float]]:
+    """Reinforcement learning: the batch sampled from the policy as it is (`rl.Rollouts`)
+    at a rollout boundary, with its metrics; the same rows, marked not fresh, for the
+    other `rl.updates_per_rollout` steps."""
+    if not self.at_rollout_boundary():
+      return {**self._rollout, "fresh": np.zeros_like(self._rollout["fresh"])}, {}
+    if jax.process_count() > 1 and self.config.rl.updates_per_rollout > 1:
+      raise ConfigError("rl.updates_per_rollout > 1 runs on one process for now: a "
+                        "preemption of several processes may fall inside a rollout")
+    step.merge(self.model, self.optimizer, self.state)
+    self._rollout, metrics = self.task.rollouts.batch(self.inference_model(),
+                                                      next(self.train_batches), self.step)
+    return self._rollout, metrics
+
+  def at_rollout_boundary(self) -> bool:
+    """Whether the next step starts a rollout (always, for a run that has none): where a
+    run may stop, since a rollout's batch is not saved."""
+    if self.task.rollouts is None:
+      return True
+    return self.step % self.config.rl.updates_per_rollout == 0
 
   def fetch(self, pending: list[tuple[int, dict]], since: float) -> list[tuple[int, dict]]:
     """(step, metrics as floats) of the `pending` steps, fetched in one transfer.
@@ -258,6 +280,9 @@ class Trainer(Run):
             _print(progress, line)
           reached = stop_after is not None and self.step >= stop_after
           stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
+          if not self.at_rollout_boundary():
+            stopping = None  # Inside a rollout: its updates finish first (a signal stays).
+
           saving = bool(stopping) or self.step == total or self.manager.should_save(self.step)
           evaluating = self.eval_due()
           if (saving or evaluating or on_first_step is not None

@@ -49,6 +49,10 @@ class RlConfig:
   beta: float = 0.0
   """Weight of the KL penalty to the reference (the base with LoRA adapters off, or a frozen
   copy); 0: no penalty and no reference kept."""
+  updates_per_rollout: int = 1
+  """Optimizer steps on each rollout batch (a train step each: `train.steps`, saves and
+  evaluations fall on rollout boundaries). From the second on, the importance ratio is the
+  policy's probability over the sampling policy's (the engine's) and the clip applies."""
   rewards: tuple[str, ...] = ()
   """Reward functions, 'module:function', each `f(prompts, completions, **columns) ->
   list[float]` (imported as model.task is)."""
@@ -69,6 +73,8 @@ class RlConfig:
     if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
       raise ValueError(f"rl.epsilon_high ({self.epsilon_high}) must be >= rl.epsilon "
                        f"({self.epsilon})")
+    if self.updates_per_rollout < 1:
+      raise ValueError(f"rl.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
     if self.beta < 0:
       raise ValueError(f"rl.beta must be >= 0, got {self.beta}")
     for ref in self.rewards:

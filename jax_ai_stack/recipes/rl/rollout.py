@@ -14,8 +14,10 @@ completion its advantage within its group (`grpo.advantages`).
 
 The batch has one row per completion: prompt and completion as
 `inputs`/`targets`/`segment_ids`/`positions` [N, data.seq_len], `loss_mask`
-on the completion's tokens (its stop token included), `advantages` [N] and
-`sampler_logps` (the engine's log-probability of each completion token). The
+on the completion's tokens (its stop token included), `advantages` [N],
+`sampler_logps` (the engine's log-probability of each completion token) and
+`fresh` [N] (ones: the Trainer zeroes it for the later updates on the same
+rollout, `rl.updates_per_rollout`). The
 rollout's metrics (`reward`, `reward_<function>`, `reward_std`, the mean
 completion length, the share of completions cut at the limit and of groups
 whose rewards are all equal: no signal) are logged with the step.
@@ -163,7 +165,8 @@ class Rollouts:
               "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
               "loss_mask": np.zeros(shape, np.float32),
               "sampler_logps": np.zeros(shape, np.float32),
-              "advantages": np.asarray(advantage, np.float32)}
+              "advantages": np.asarray(advantage, np.float32),
+              "fresh": np.ones(len(samples), np.float32)}
     for row, sample in enumerate(samples):
       sequence = np.concatenate([sample.prompt_ids, np.asarray(sample.tokens, np.int32)])
       n, first = sequence.size - 1, sample.prompt_ids.size - 1

@@ -21,11 +21,14 @@ averaged ("sequence", GRPO); every token alike ("token", DAPO); the sum over
 rows x max_completion_tokens ("constant", Dr. GRPO). std is the group's
 population standard deviation (ddof 0).
 
-One optimizer step per rollout: pi_old is the policy itself, so rho is
-exactly 1 (`logp - stop_gradient(logp)`) and the gradient is the policy
-gradient, whatever the engine's arithmetic; the engine's log-probabilities
-(`sampler_logps`) are compared with the trainer's and the largest gap logged
-(`sampler_logp_gap`), to show that no correction is needed.
+At the first update on a rollout (`fresh` rows), pi_old is the policy itself:
+rho is exactly 1 (`logp - stop_gradient(logp)`) and the gradient is the policy
+gradient, whatever the engine's arithmetic. At the later ones
+(`rl.updates_per_rollout`), pi_old is the sampling policy's log-probability as
+the engine reported it (`sampler_logps`), and the clip applies. At each first
+update the engine's log-probabilities are compared with the trainer's and the
+largest gap is logged (`sampler_logp_gap`: below 1e-6 on CPU; 0 at the later
+updates), to show that they are the same policy and no correction is needed.
 
 Example: a group of four; the two right answers share the advantage.
   >>> print(advantages(np.array([[1.0, 0.0, 1.0, 0.0]]), "grpo").round(3))
@@ -103,7 +106,8 @@ class GroupRelative(Objective):
   """The GRPO-family loss on a rollout's batch (see the module).
 
   The batch: the token fields of prompt-plus-completion rows, `loss_mask` on the
-  completion tokens, `advantages` [N] and `sampler_logps` [N, T] (the engine's).
+  completion tokens, `advantages` [N], `sampler_logps` [N, T] (the engine's) and `fresh`
+  [N] (1: the first update on this rollout).
   """
 
   epsilon: float = 0.2
@@ -125,10 +129,13 @@ class GroupRelative(Objective):
     logps, router = target_logps(model, batch["inputs"], batch["targets"], **fields,
                                  with_router=True)
     mask = batch["loss_mask"].astype(jnp.float32)
-    losses, clipped = token_losses(logps, jax.lax.stop_gradient(logps), batch["advantages"],
-                                   epsilon=self.epsilon, epsilon_high=self.epsilon_high)
+    old = jnp.where(batch["fresh"][:, None] > 0, jax.lax.stop_gradient(logps),
+                    batch["sampler_logps"])
+    losses, clipped = token_losses(logps, old, batch["advantages"], epsilon=self.epsilon,
+                                   epsilon_high=self.epsilon_high)
     metrics = {"clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
-               "sampler_logp_gap": jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask),
+               "sampler_logp_gap": jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask
+                                           * batch["fresh"][:, None]),
                ROUTER_LOSSES: router}
     if self.beta > 0:
       frozen = jax.lax.stop_gradient(target_logps(reference, batch["inputs"], batch["targets"],
@@ -141,7 +148,7 @@ class GroupRelative(Objective):
   def batch_axes(self):
     token = ("batch", "length")
     return {**{name: token for name in TOKEN_FIELDS}, "loss_mask": token,
-            "sampler_logps": token, "advantages": ("batch",)}
+            "sampler_logps": token, "advantages": ("batch",), "fresh": ("batch",)}
 
 
 def for_config(config) -> GroupRelative:
