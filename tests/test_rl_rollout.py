@@ -3,6 +3,8 @@ scored and laid out as rows whose mask is the completion; the held-out evaluatio
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,6 +12,7 @@ from flax import nnx
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import tasks
+from jax_ai_stack.recipes.rl import rollout
 from jax_ai_stack.recipes.tasks import grpo
 
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
@@ -26,7 +29,7 @@ def task_and_model():
 def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task_and_model):
   task, model = task_and_model
   rollouts = task.rollouts
-  batch, metrics = rollouts.batch(model, {"prompt_index": np.array([3, 1])}, step=5)
+  batch, metrics = rollouts.batch(model, lambda: {"prompt_index": np.array([3, 1])}, step=5)
   assert batch["inputs"].shape == batch["sampler_logps"].shape == (8, 64)
   assert batch["advantages"].shape == (8,)
   np.testing.assert_allclose(batch["advantages"].reshape(2, 4).sum(axis=1), 0.0, atol=1e-6)
@@ -70,3 +73,38 @@ def test_a_prompt_that_leaves_no_room_for_a_completion_is_named(task_and_model, 
   with pytest.raises(DataError, match=r"prompt 0 of the train split is \d+ tokens and leaves "
                                       r"no room for a completion in data.seq_len \+ 1 = 65"):
     task.rollouts.sample(task_and_model[1], "train", [0], 2, 1.0, step=0)
+
+
+def parity_or_text(prompts, completions, answer, **columns):
+  """All equal for an even answer (no signal); for an odd one, a number drawn from the text
+  (different completions: different rewards)."""
+  del prompts, columns
+  return [0.0 if int(a) % 2 == 0 else float(zlib.crc32(c.encode()) % 1000)
+          for a, c in zip(answer, completions)]
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_draws_more_prompts(task_and_model):
+  task = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=[
+      *SMALL, f"rl.rewards=[{__name__}:parity_or_text]", "rl.reward_weights=null",
+      "rl.dynamic_sampling=true", "rl.max_draws=4"]))
+  records = task.rollouts.splits["train"].records
+  odd = [i for i, r in enumerate(records[:40]) if int(r["answer"]) % 2]
+  draws = iter([{"prompt_index": np.arange(start, start + 4)} for start in range(0, 40, 4)])
+  batch, metrics = task.rollouts.batch(task_and_model[1], lambda: next(draws), step=0)
+  drawn = int(metrics["prompt_batches_drawn"])
+  expected = [i for i in odd if i < 4 * drawn][:4]
+  assert len(expected) == 4 and drawn < 4  # Enough odd answers among the first draws.
+  kept = [int(records[i]["answer"]) % 2 for i in expected]
+  assert kept == [1, 1, 1, 1] and metrics["groups_without_signal"] == 0.0
+  assert metrics["groups_dropped"] == (4 * drawn - len([i for i in odd if i < 4 * drawn])) / (
+      4 * drawn)
+  assert batch["inputs"].shape[0] == 16
+  assert next(draws)["prompt_index"][0] == 4 * drawn  # Exactly `drawn` batches were taken.
+
+
+def test_the_overlong_penalty_falls_linearly_over_the_buffer(task_and_model):
+  task = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=[
+      *SMALL, "rl.overlong_buffer=2", "rl.overlong_penalty=0.5"]))
+  samples = [rollout.Sample(np.zeros(1, np.int32), [0] * n, [0.0] * n, "stop", "")
+             for n in (3, 4, 5, 6)]
+  np.testing.assert_allclose(task.rollouts._overlong(samples), [0.0, 0.0, -0.25, -0.5])

@@ -175,8 +175,8 @@ class Trainer(Run):
       raise ConfigError("rl.updates_per_rollout > 1 runs on one process for now: a "
                         "preemption of several processes may fall inside a rollout")
     step.merge(self.model, self.optimizer, self.state)
-    self._rollout, metrics = self.task.rollouts.batch(self.inference_model(),
-                                                      next(self.train_batches), self.step)
+    self._rollout, metrics = self.task.rollouts.batch(
+        self.inference_model(), lambda: next(self.train_batches), self.step)
     return self._rollout, metrics
 
   def at_rollout_boundary(self) -> bool:

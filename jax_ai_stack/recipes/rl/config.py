@@ -53,6 +53,17 @@ class RlConfig:
   """Optimizer steps on each rollout batch (a train step each: `train.steps`, saves and
   evaluations fall on rollout boundaries). From the second on, the importance ratio is the
   policy's probability over the sampling policy's (the engine's) and the clip applies."""
+  dynamic_sampling: bool = False
+  """DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped and
+  groups of further prompts take its place, up to `max_draws` batches of prompts a step."""
+  max_draws: int = 3
+  """With dynamic_sampling: the most batches of prompts one step draws; short of groups
+  with a signal after them, the step keeps some without (logged)."""
+  overlong_buffer: int | None = None
+  """DAPO's soft overlong penalty: a completion longer than max_completion_tokens minus
+  this many tokens loses reward linearly, up to overlong_penalty at the limit; None: none."""
+  overlong_penalty: float = 1.0
+  """The most reward the overlong penalty takes away."""
   rewards: tuple[str, ...] = ()
   """Reward functions, 'module:function', each `f(prompts, completions, **columns) ->
   list[float]` (imported as model.task is)."""
@@ -75,6 +86,12 @@ class RlConfig:
                        f"({self.epsilon})")
     if self.updates_per_rollout < 1:
       raise ValueError(f"rl.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
+    if self.max_draws < 1:
+      raise ValueError(f"rl.max_draws must be >= 1, got {self.max_draws}")
+    if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= (
+        self.max_completion_tokens):
+      raise ValueError(f"rl.overlong_buffer must be in [1, rl.max_completion_tokens="
+                       f"{self.max_completion_tokens}], got {self.overlong_buffer}")
     if self.beta < 0:
       raise ValueError(f"rl.beta must be >= 0, got {self.beta}")
     for ref in self.rewards:

@@ -10,7 +10,10 @@ Each completion ends at the prompt's end-of-turn (a conversation) or the
 tokenizer's EOS (a text prompt), or after `rl.max_completion_tokens` (fewer
 where the prompt leaves less room in `data.seq_len + 1`). The rewards
 (`rl.rewards`) score the completions' text; their weighted sum gives each
-completion its advantage within its group (`grpo.advantages`).
+completion its advantage within its group (`grpo.advantages`), less DAPO's soft
+overlong penalty where `rl.overlong_buffer` asks. With `rl.dynamic_sampling`,
+a group whose rewards are all equal (it teaches nothing) is dropped and the
+groups of further prompt batches take its place (up to `rl.max_draws`).
 
 The batch has one row per completion: prompt and completion as
 `inputs`/`targets`/`segment_ids`/`positions` [N, data.seq_len], `loss_mask`
@@ -78,23 +81,51 @@ class Rollouts:
     self.weights = np.asarray([r.weight for r in self.rewards], np.float32)
     self.limit = min(config.data.seq_len + 1, config.model.max_seq_len)
 
-  def batch(self, model: nnx.Module, host_batch: dict[str, np.ndarray], step: int
+  def batch(self, model: nnx.Module, draw: Callable[[], dict[str, np.ndarray]], step: int
             ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The training batch of `step` (prompt indices in `host_batch`) and its metrics."""
-    group = self.rl.num_generations
-    indices = [int(i) for i in host_batch["prompt_index"]]
-    samples = self.sample(model, "train", indices, group, self.rl.temperature, step)
-    scores = self._score("train", indices, group, samples)
-    total = scores @ self.weights
-    groups = total.reshape(len(indices), group)
+    """The training batch of `step` and its metrics; `draw()` gives the next batch of prompt
+    indices (several with `rl.dynamic_sampling`: groups whose rewards are all equal are
+    dropped and others drawn in their place, up to `rl.max_draws` batches)."""
+    group, draws = self.rl.num_generations, self.rl.max_draws if self.rl.dynamic_sampling else 1
+    kept, dropped, wanted, drawn = [], [], None, 0
+    while drawn < draws and (wanted is None or len(kept) < wanted):
+      indices = [int(i) for i in draw()["prompt_index"]]
+      wanted, drawn = wanted or len(indices), drawn + 1
+      samples = self.sample(model, "train", indices, group, self.rl.temperature, step)
+      scores = self._score("train", indices, group, samples)
+      for i in range(len(indices)):
+        rows = slice(i * group, (i + 1) * group)
+        total = scores[rows] @ self.weights + self._overlong(samples[rows])
+        signal = not self.rl.dynamic_sampling or np.ptp(total) > 0
+        (kept if signal else dropped).append((samples[rows], scores[rows], total))
+    chosen = (kept + dropped)[:wanted]  # Short of groups with a signal: some without.
+    samples = [s for group_samples, _, _ in chosen for s in group_samples]
+    scores = np.concatenate([group_scores for _, group_scores, _ in chosen])
+    groups = np.stack([total for _, _, total in chosen])
     advantage = grpo.advantages(groups, self.rl.advantage).reshape(-1)
-    metrics = {"reward": float(total.mean()), "reward_std": float(groups.std(axis=1).mean()),
+    metrics = {"reward": float(groups.mean()), "reward_std": float(groups.std(axis=1).mean()),
                **{f"reward_{r.short_name}": float(scores[:, i].mean())
                   for i, r in enumerate(self.rewards)},
                "completion_tokens": float(np.mean([len(s.tokens) for s in samples])),
                "completions_cut": float(np.mean([s.finish_reason == "length" for s in samples])),
                "groups_without_signal": float(np.mean(np.ptp(groups, axis=1) == 0))}
+    if self.rl.overlong_buffer:
+      metrics["reward_overlong"] = float(np.mean([self._overlong([s])[0] for s in samples]))
+    if self.rl.dynamic_sampling:
+      metrics["groups_dropped"] = len(dropped) / (len(kept) + len(dropped))
+      metrics["prompt_batches_drawn"] = float(drawn)
     return self._arrays(samples, advantage), metrics
+
+  def _overlong(self, samples: list[Sample]) -> np.ndarray:
+    """DAPO's soft overlong penalty of each sample (0 without `rl.overlong_buffer`): 0 up to
+    `max_completion_tokens - buffer` tokens, then falling linearly to -1 (times
+    `rl.overlong_penalty`) at `max_completion_tokens`."""
+    buffer = self.rl.overlong_buffer
+    if not buffer:
+      return np.zeros(len(samples), np.float32)
+    free = self.rl.max_completion_tokens - buffer
+    over = np.asarray([max(len(s.tokens) - free, 0) for s in samples], np.float32)
+    return -np.float32(self.rl.overlong_penalty) * np.minimum(over / buffer, 1.0)
 
   def evaluate(self, model: nnx.Module, batches: Iterable[dict[str, np.ndarray]],
                max_batches: int) -> dict[str, float]:
