@@ -65,7 +65,7 @@ def test_a_reward_that_fails_is_named(name, message):
 
 
 def test_a_reward_that_does_not_import_is_a_config_error():
-  with pytest.raises(ConfigError, match=r"rl.rewards: 'no_such_module:f' does not import"):
+  with pytest.raises(ConfigError, match=r"rl.rewards=.no_such_module:f. does not import"):
     rewards.load(["no_such_module:f"], [1.0])
   with pytest.raises(ConfigError, match="is a float, not a function"):
     rewards.load(["math:pi"], [1.0])

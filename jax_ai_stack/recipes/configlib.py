@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import pathlib
+import pkgutil
+import sys
 import typing
 from typing import Any, TypeVar
 
@@ -181,3 +184,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
   if mesh_set and isinstance(data.get("mesh"), dict):
     data["mesh"] = prefer_explicit_rest(data["mesh"], mesh_set)
   return data
+
+
+def import_named(path: str, field: str) -> Any:
+  """What a config field names as 'module:function' (`model.task`, `rl.rewards`), imported
+  from the current directory or PYTHONPATH; ConfigError naming `field` when it does not
+  import."""
+  if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
+  try:
+    return pkgutil.resolve_name(path)
+  except (ImportError, AttributeError, ValueError) as e:
+    raise ConfigError(f"{field}={path!r} does not import ({type(e).__name__}: {e}); it "
+                      "must be 'module:function' importable from the current directory or "
+                      "PYTHONPATH") from e

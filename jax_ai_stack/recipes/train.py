@@ -171,9 +171,9 @@ class Trainer(Run):
     other `rl.updates_per_rollout` steps."""
     if not self.at_rollout_boundary():
       return {**self._rollout, "fresh": np.zeros_like(self._rollout["fresh"])}, {}
-    if jax.process_count() > 1 and self.config.rl.updates_per_rollout > 1:
-      raise ConfigError("rl.updates_per_rollout > 1 runs on one process for now: a "
-                        "preemption of several processes may fall inside a rollout")
+    if jax.process_count() > 1:  # Each process would drive the engine with its own rows.
+      raise ConfigError("reinforcement learning (data.source prompts) runs on one process "
+                        "for now")
     step.merge(self.model, self.optimizer, self.state)
     self._rollout, metrics = self.task.rollouts.batch(
         self.inference_model(), lambda: next(self.train_batches), self.step)
@@ -282,7 +282,6 @@ class Trainer(Run):
           stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
           if not self.at_rollout_boundary():
             stopping = None  # Inside a rollout: its updates finish first (a signal stays).
-
           saving = bool(stopping) or self.step == total or self.manager.should_save(self.step)
           evaluating = self.eval_due()
           if (saving or evaluating or on_first_step is not None

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pkgutil
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from jax_ai_stack.errors import ConfigError, UserError
+from jax_ai_stack.recipes import configlib
 
 _NUMBER = re.compile(r"-?\d+")
 _ARITHMETIC_REPLY = re.compile(r"\d+ [+-] \d+ = -?\d+")
@@ -58,16 +56,9 @@ class Reward:
 
 def load(refs: Sequence[str], weights: Sequence[float]) -> list[Reward]:
   """The reward functions `refs` names; ConfigError for one that does not import."""
-  if os.getcwd() not in sys.path:
-    sys.path.append(os.getcwd())
   rewards = []
   for ref, weight in zip(refs, weights):
-    try:
-      function = pkgutil.resolve_name(ref)
-    except (ImportError, AttributeError, ValueError) as e:
-      raise ConfigError(f"rl.rewards: {ref!r} does not import ({type(e).__name__}: {e}); it "
-                        "must be 'module:function' importable from the current directory or "
-                        "PYTHONPATH") from e
+    function = configlib.import_named(ref, "rl.rewards")
     if not callable(function):
       raise ConfigError(f"rl.rewards: {ref!r} is a {type(function).__name__}, not a function")
     rewards.append(Reward(ref, function, float(weight)))

@@ -26,9 +26,6 @@ Example: a linear model of y = 2x, trained through the stack's own steps.
 
 from __future__ import annotations
 
-import os
-import pkgutil
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +35,7 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import ConfigError, UsageError
-from jax_ai_stack.recipes import sharding
+from jax_ai_stack.recipes import configlib, sharding
 from jax_ai_stack.recipes.tasks.base import Batch, Task
 
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
@@ -124,15 +121,7 @@ def imported_task(config: Any) -> Task:
         "this run trains a model of your own (model.kind=custom) and its config names no "
         "model.task: open it in Python with Trainer.open / Trainer.open_finished(workdir, "
         "task=...), or set model.task=module:function so the commands can import the Task")
-  if os.getcwd() not in sys.path:
-    sys.path.append(os.getcwd())
-  try:
-    make = pkgutil.resolve_name(path)
-  except (ImportError, AttributeError, ValueError) as e:
-    raise ConfigError(f"model.task={path!r} does not import ({type(e).__name__}: {e}); it "
-                      "must be 'module:function' importable from the current directory or "
-                      "PYTHONPATH") from e
-  task = make(config)
+  task = configlib.import_named(path, "model.task")(config)
   if not isinstance(task, Task):
     raise ConfigError(f"model.task={path!r} returned a {type(task).__name__}, not a "
                       "jax_ai_stack.recipes.tasks.Task")
