@@ -20,7 +20,8 @@ REWARDS = RNG.integers(0, 3, (5, 4)).astype(np.float32)
 def test_advantages_compare_each_reward_with_its_group():
   mean = REWARDS.mean(axis=1, keepdims=True)
   np.testing.assert_allclose(grpo.advantages(REWARDS, "grpo"),
-                             (REWARDS - mean) / (REWARDS.std(axis=1, keepdims=True) + 1e-4),
+                             (REWARDS - mean) / (REWARDS.std(axis=1, ddof=1, keepdims=True)
+                                                 + 1e-4),
                              rtol=1e-6)
   np.testing.assert_allclose(grpo.advantages(REWARDS, "dr_grpo"), REWARDS - mean, atol=1e-6)
   others = np.array([[np.delete(row, g).mean() for g in range(4)] for row in REWARDS])

@@ -18,8 +18,9 @@ estimate of the KL divergence to the reference (Schulman's unbiased one):
 
 aggregated over the completion tokens (`aggregate`): each completion's mean,
 averaged ("sequence", GRPO); every token alike ("token", DAPO); the sum over
-rows x max_completion_tokens ("constant", Dr. GRPO). std is the group's
-population standard deviation (ddof 0).
+rows x max_completion_tokens ("constant", Dr. GRPO). std is the group's sample
+standard deviation (ddof 1), as TRL's and Tunix's (tests/test_grpo_references.py
+compares with both).
 
 At the first update on a rollout (`fresh` rows), pi_old is the policy itself:
 rho is exactly 1 (`logp - stop_gradient(logp)`) and the gradient is the policy
@@ -32,7 +33,7 @@ updates), to show that they are the same policy and no correction is needed.
 
 Example: a group of four; the two right answers share the advantage.
   >>> print(advantages(np.array([[1.0, 0.0, 1.0, 0.0]]), "grpo").round(3))
-  [[ 1. -1.  1. -1.]]
+  [[ 0.866 -0.866  0.866 -0.866]]
   >>> print(advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), "rloo").round(3))
   [[ 1.    -0.333 -0.333 -0.333]]
 """
@@ -58,7 +59,8 @@ def advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
   rewards = np.asarray(rewards, np.float32)
   mean = rewards.mean(axis=1, keepdims=True)
   if kind == "grpo":
-    return (rewards - mean) / (rewards.std(axis=1, keepdims=True) + np.float32(STD_EPSILON))
+    std = rewards.std(axis=1, ddof=1, keepdims=True)
+    return (rewards - mean) / (std + np.float32(STD_EPSILON))
   if kind == "dr_grpo":
     return rewards - mean
   if kind == "rloo":
