@@ -6,7 +6,7 @@ import grain
 import numpy as np
 import pytest
 
-from jax_ai_stack.recipes.data import LMPacked, LMWindows, TokenCorpus
+from jax_ai_stack.recipes.data import LMPacked, LMWindows, TokenCorpus, examples
 
 BOS, EOS, PAD = 256, 257, 258
 
@@ -112,3 +112,13 @@ def test_seq_len_longer_than_the_data_is_an_error(builder):
   with pytest.raises(ValueError, match=r"seq_len=5 is longer than the data.*holds 5 tokens"):
     builder(corpus, 5)
   assert builder(corpus, 4).num_examples == 1
+
+
+def test_one_per_row_keeps_each_sequence_whole_and_pads_the_rest():
+  rows = examples.one_per_row([(np.array([5, 6, 7]), np.array([0.0, 0.0, 1.0])),
+                               (np.array([8, 9]), np.array([0.0, 1.0]))], seq_len=4, pad_id=0)
+  assert rows["inputs"].tolist() == [[5, 6, 0, 0], [8, 0, 0, 0]]
+  assert rows["targets"].tolist() == [[6, 7, 0, 0], [9, 0, 0, 0]]
+  assert rows["segment_ids"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+  assert rows["positions"].tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+  assert rows["loss_mask"].tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]

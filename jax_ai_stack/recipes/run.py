@@ -161,14 +161,10 @@ class Run:
     if self.validation is None:
       raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
     if self.task.rollouts is not None:  # RL: the rewards of the policy's completions.
-      step.merge(self.model, self.optimizer, self.state)
-      iterator = iter(self.validation)
-      try:
-        return self.task.rollouts.evaluate(self.inference_model(), iterator,
+      step.merge(self.model, self.optimizer, self.state)  # The policy as it stands.
+      with _opened(self.validation) as batches:
+        return self.task.rollouts.evaluate(self.inference_model(), batches,
                                            self.config.train.eval_batches)
-      finally:
-        if hasattr(iterator, "close"):
-          iterator.close()
     if not isinstance(self.validation, Mapping):
       return self.task.evaluation({f"eval_{k}": v for k, v in self._means(self.validation).items()})
     each = {name: self._means(dataset) for name, dataset in self.validation.items()}
@@ -180,8 +176,7 @@ class Run:
     """Mean metrics of the first `train.eval_batches` batches of one validation set."""
     totals: dict[str, float] = {}
     batches = 0
-    iterator = iter(validation)
-    try:
+    with _opened(validation) as iterator:
       for batch in iterator:
         if batches == self.config.train.eval_batches:
           break
@@ -189,9 +184,6 @@ class Run:
         for k, v in step.host_metrics(metrics).items():
           totals[k] = totals.get(k, 0.0) + v
         batches += 1
-    finally:
-      if hasattr(iterator, "close"):
-        iterator.close()  # Stops its prefetch thread now, not at garbage collection.
     if batches == 0:
       raise ConfigError(
           "the validation split has no full batch: lower data.batch_size, raise "
@@ -286,6 +278,18 @@ class Run:
     return (f"recipe {self.config.name}: {n_params}{_vocabulary_padding(self.config.model)} on "
             f"{jax.default_backend()} ({jax.device_count()} device(s), "
             f"{self.placement.describe()}); workdir {self.workdir}")
+
+
+@contextlib.contextmanager
+def _opened(dataset: grain.IterDataset) -> Iterator:
+  """`iter(dataset)`, closed on leaving: its prefetch thread stops now, not at garbage
+  collection."""
+  iterator = iter(dataset)
+  try:
+    yield iterator
+  finally:
+    if hasattr(iterator, "close"):
+      iterator.close()
 
 
 def _vocabulary_padding(model: Any) -> str:

@@ -12,6 +12,8 @@ LM batches are `{"inputs", "targets", "segment_ids", "positions"}` int32
   split's concatenated stream (inputs = its first T tokens, targets = its last
   T). Windows ignore document boundaries: segment_ids are all 1, positions
   0..T-1, loss_mask all 1.
+* `one_per_row`: sequences that each keep a row of their own (preference
+  pairs, a rollout's completions), the rest of the row padding.
 * `LMPacked`: concat-then-split packing, the layout of Grain's
   `ConcatThenSplitIterDataset` (with `split_full_length_features=True`), made
   index-addressable. Each document `[BOS, ..., EOS]` contributes its
@@ -41,10 +43,30 @@ Example: two documents (BOS 256, EOS 257) as windows and packed (PAD 258).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data.corpus import TokenCorpus
+
+
+def one_per_row(sequences: Sequence[tuple[np.ndarray, np.ndarray]], *, seq_len: int,
+                pad_id: int) -> dict[str, np.ndarray]:
+  """(token ids, mask) pairs of at most `seq_len + 1` tokens, one to a row (not packed): the
+  LM batch keys [len(sequences), seq_len], `loss_mask` the mask of each target token (1: its
+  prediction counts), the rest of a row padding (segment 0, PAD, no loss)."""
+  shape = (len(sequences), seq_len)
+  arrays = {"inputs": np.full(shape, pad_id, np.int32), "targets": np.full(shape, pad_id, np.int32),
+            "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
+            "loss_mask": np.zeros(shape, np.float32)}
+  for row, (ids, mask) in enumerate(sequences):
+    n = len(ids) - 1
+    arrays["inputs"][row, :n], arrays["targets"][row, :n] = ids[:-1], ids[1:]
+    arrays["segment_ids"][row, :n] = 1
+    arrays["positions"][row, :n] = np.arange(n)
+    arrays["loss_mask"][row, :n] = mask[1:]
+  return arrays
 
 
 def _too_short(corpus: TokenCorpus, seq_len: int) -> DataError:

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import chat, chat_template
+from jax_ai_stack.recipes.data import chat, chat_template, examples
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -120,20 +120,10 @@ class PreferenceRows:
         dropped += 1
     self.stats = {"pairs": len(kept), "truncated": truncated, "dropped": dropped}
     self.num_examples = len(kept)
-    shape = (len(kept), seq_len)
     self._arrays = {}
     for s, side in enumerate(SIDES):
-      arrays = {"inputs": np.full(shape, tokenizer.pad_id, np.int32),
-                "targets": np.full(shape, tokenizer.pad_id, np.int32),
-                "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
-                "loss_mask": np.zeros(shape, np.float32)}
-      for row, pair in enumerate(kept):
-        ids, mask = pair[s]
-        n = len(ids) - 1
-        arrays["inputs"][row, :n], arrays["targets"][row, :n] = ids[:-1], ids[1:]
-        arrays["segment_ids"][row, :n] = 1
-        arrays["positions"][row, :n] = np.arange(n)
-        arrays["loss_mask"][row, :n] = mask[1:]
+      arrays = examples.one_per_row([pair[s] for pair in kept], seq_len=seq_len,
+                                    pad_id=tokenizer.pad_id)
       self._arrays.update({f"{side}_{key}": value for key, value in arrays.items()})
 
   def __call__(self, ids: np.ndarray) -> dict[str, np.ndarray]:

@@ -36,6 +36,7 @@ from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import arithmetic, chat
 from jax_ai_stack.recipes.data.config import DataConfig
 
+
 def parse_prompt(line: str, where: str) -> dict:
   """One JSONL line as a prompt record; DataError naming `where` (file:line)."""
   try:

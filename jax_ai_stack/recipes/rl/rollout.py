@@ -46,6 +46,7 @@ from flax import nnx
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes import inference
+from jax_ai_stack.recipes.data import examples
 from jax_ai_stack.recipes.data import prompts as prompts_lib
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer
 from jax_ai_stack.recipes.rl import rewards as rewards_lib
@@ -95,13 +96,14 @@ class Rollouts:
       scores = self._score("train", indices, group, samples)
       for i in range(len(indices)):
         rows = slice(i * group, (i + 1) * group)
-        total = scores[rows] @ self.weights + self._overlong(samples[rows])
+        overlong = self._overlong(samples[rows])
+        total = scores[rows] @ self.weights + overlong
         signal = not self.rl.dynamic_sampling or np.ptp(total) > 0
-        (kept if signal else dropped).append((samples[rows], scores[rows], total))
+        (kept if signal else dropped).append((samples[rows], scores[rows], overlong, total))
     chosen = (kept + dropped)[:wanted]  # Short of groups with a signal: some without.
-    samples = [s for group_samples, _, _ in chosen for s in group_samples]
-    scores = np.concatenate([group_scores for _, group_scores, _ in chosen])
-    groups = np.stack([total for _, _, total in chosen])
+    samples = [s for group_samples, *_ in chosen for s in group_samples]
+    scores, overlong, groups = (np.stack([group[i] for group in chosen]) for i in (1, 2, 3))
+    scores = scores.reshape(-1, len(self.rewards))
     advantage = grpo.advantages(groups, self.rl.advantage).reshape(-1)
     metrics = {"reward": float(groups.mean()), "reward_std": float(groups.std(axis=1).mean()),
                **{f"reward_{r.short_name}": float(scores[:, i].mean())
@@ -110,7 +112,7 @@ class Rollouts:
                "completions_cut": float(np.mean([s.finish_reason == "length" for s in samples])),
                "groups_without_signal": float(np.mean(np.ptp(groups, axis=1) == 0))}
     if self.rl.overlong_buffer:
-      metrics["reward_overlong"] = float(np.mean([self._overlong([s])[0] for s in samples]))
+      metrics["reward_overlong"] = float(overlong.mean())
     if self.rl.dynamic_sampling:
       metrics["groups_dropped"] = len(dropped) / (len(kept) + len(dropped))
       metrics["prompt_batches_drawn"] = float(drawn)
@@ -190,20 +192,14 @@ class Rollouts:
 
   def _arrays(self, samples: list[Sample], advantage: np.ndarray) -> dict[str, np.ndarray]:
     """The rows of a rollout batch (see the module)."""
-    shape = (len(samples), self.config.data.seq_len)
-    arrays = {"inputs": np.full(shape, self.tokenizer.pad_id, np.int32),
-              "targets": np.full(shape, self.tokenizer.pad_id, np.int32),
-              "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
-              "loss_mask": np.zeros(shape, np.float32),
-              "sampler_logps": np.zeros(shape, np.float32),
-              "advantages": np.asarray(advantage, np.float32),
-              "fresh": np.ones(len(samples), np.float32)}
+    sequences = [(np.concatenate([s.prompt_ids, np.asarray(s.tokens, np.int32)]),
+                  np.repeat(np.float32([0, 1]), [s.prompt_ids.size, len(s.tokens)]))
+                 for s in samples]
+    arrays = examples.one_per_row(sequences, seq_len=self.config.data.seq_len,
+                                  pad_id=self.tokenizer.pad_id)
+    arrays["sampler_logps"] = np.zeros_like(arrays["loss_mask"])
     for row, sample in enumerate(samples):
-      sequence = np.concatenate([sample.prompt_ids, np.asarray(sample.tokens, np.int32)])
-      n, first = sequence.size - 1, sample.prompt_ids.size - 1
-      arrays["inputs"][row, :n], arrays["targets"][row, :n] = sequence[:-1], sequence[1:]
-      arrays["segment_ids"][row, :n] = 1
-      arrays["positions"][row, :n] = np.arange(n)
-      arrays["loss_mask"][row, first:n] = 1.0
-      arrays["sampler_logps"][row, first:n] = sample.logprobs
-    return arrays
+      first = sample.prompt_ids.size - 1  # The target of this position is the first new token.
+      arrays["sampler_logps"][row, first:first + len(sample.tokens)] = sample.logprobs
+    return {**arrays, "advantages": np.asarray(advantage, np.float32),
+            "fresh": np.ones(len(samples), np.float32)}

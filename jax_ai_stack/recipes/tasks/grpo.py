@@ -93,13 +93,14 @@ def aggregate(losses: jax.Array, mask: jax.Array, kind: str, max_tokens: int) ->
     per_row = (losses * mask).sum(axis=-1) / jnp.maximum(mask.sum(axis=-1), 1.0)
     return per_row.mean()
   if kind == "token":
-    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return masked_mean(losses, mask)
   if kind == "constant":
     return (losses * mask).sum() / (mask.shape[0] * max_tokens)
   raise ValueError(f"unknown loss aggregation {kind!r}: sequence, token or constant")
 
 
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """The mean of `values` where `mask` is 1 (0 for an empty mask)."""
   return (values * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
