@@ -128,7 +128,7 @@ def workdir(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("served") / "run"
   result = subprocess.run(
       [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", "--workdir", str(workdir),
-       *TINY, "model.max_seq_len=128", "train.steps=2", "train.sample_tokens=0"],
+       *TINY, "model.max_seq_len=1024", "train.steps=2", "train.sample_tokens=0"],
       capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 0, result.stderr
   return workdir
@@ -193,7 +193,9 @@ def test_a_client_that_goes_away_has_its_request_cancelled(served):
   _, url = served
   health = f"{url.removesuffix('/v1')}/health"
   before = httpx.get(health).json()["cancelled"]
-  body = {"model": "run", "prompt": "a", "max_tokens": 120, "stream": True}
+  # 1000 tokens: on a loaded machine the engine must not finish before the server hears
+  # the client go.
+  body = {"model": "run", "prompt": "a", "max_tokens": 1000, "stream": True}
   with httpx.stream("POST", f"{url}/completions", json=body) as response:
     next(response.iter_lines())  # It runs; then the connection closes.
   deadline = time.monotonic() + 30
@@ -220,7 +222,7 @@ def test_sigterm_finishes_the_streams_under_way_then_exits_zero(workdir):
 @pytest.mark.parametrize("flags, words", [
     (["--max-slots", "0"], "--max-slots must be at least 1"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
-    (["--max-len", "4096"], "past the model's max_seq_len (128)"),
+    (["--max-len", "4096"], "past the model's max_seq_len (1024)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(workdir, flags, words):
   result = subprocess.run(
