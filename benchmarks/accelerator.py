@@ -102,9 +102,9 @@ PLANS = {
 def sizes() -> dict[str, Any]:
   """train_step's sizes plus the 0.76B Llama of issue #23 (bfloat16, seq 2048, batch 8)."""
   import train_step  # pylint: disable=g-import-not-at-top
-  from jax_ai_stack.recipes.models.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
+  from jax_ai_stack.recipes.models.decoder import DecoderConfig  # pylint: disable=g-import-not-at-top
 
-  large = LlamaConfig(num_layers=16, d_model=2048, num_heads=16, num_kv_heads=8, mlp_dim=5632,
+  large = DecoderConfig(num_layers=16, d_model=2048, num_heads=16, num_kv_heads=8, mlp_dim=5632,
                       max_seq_len=2048, dtype="bfloat16")
   return {**train_step.SIZES, "0.76b": train_step.Size(large, seq_len=2048, batch_size=8, rounds=4)}
 

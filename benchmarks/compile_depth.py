@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 import common
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 TARGET_RATIO = 0.25
 """At 32 layers, the scanned step may take at most a quarter of the unrolled compile time."""
@@ -38,8 +38,8 @@ BATCH, SEQ = 2, 32
 
 def compile_seconds(num_layers: int, scan_layers: bool) -> dict[str, float]:
   """Wall time to lower and to compile one train step at this depth."""
-  config = LlamaConfig(num_layers=num_layers, scan_layers=scan_layers, **WIDTH)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+  config = DecoderConfig(num_layers=num_layers, scan_layers=scan_layers, **WIDTH)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
   tx = optax.adamw(1e-3)
   opt_state = jax.eval_shape(tx.init, params)
   tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)

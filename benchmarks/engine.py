@@ -1,7 +1,7 @@
 """The generation engine against today's loop (`decoding.generate`): same model, same requests.
 
 64 greedy requests, prompts of 16-512 tokens and outputs of 8-256 (drawn from a
-seed), on a tiny and a ~25M-parameter Llama, timed in one process:
+seed), on a tiny and a ~25M-parameter Decoder, timed in one process:
 
   engine         `inference.Engine(model, max_slots=16).run(requests)`: continuous batching
   loop           `decoding.generate` per request, one after the other
@@ -38,16 +38,16 @@ from flax import nnx
 import common
 from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 TARGET_VS_LOOP = 3.0
 """The engine's tokens/s must reach this many times the better loop variant's."""
 SIZES = {
-    "tiny": LlamaConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
+    "tiny": DecoderConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
                         max_seq_len=1024),
-    "25m": LlamaConfig(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2, mlp_dim=1536,
+    "25m": DecoderConfig(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2, mlp_dim=1536,
                        max_seq_len=1024),
-    "quick": LlamaConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+    "quick": DecoderConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
                          max_seq_len=64),
 }
 WORKLOADS = {"full": dict(requests=64, prompt=(16, 512), output=(8, 256), slots=16),
@@ -105,7 +105,7 @@ def run_loop_batched(model, requests: Sequence[Request]) -> list[list[int]]:
 
 def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dict[str, Any]:
   config = SIZES[size]
-  model = Llama(config, rngs=nnx.Rngs(0))
+  model = Decoder(config, rngs=nnx.Rngs(0))
   requests = requests_for(workload, config.vocab_size)
   new_tokens = sum(r.max_tokens for r in requests)
   variants = {"engine": lambda: run_engine(model, requests, workload["slots"],
@@ -139,7 +139,7 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dic
   }
 
 
-def _cache_bytes(config: LlamaConfig, rows: int, length: int) -> int:
+def _cache_bytes(config: DecoderConfig, rows: int, length: int) -> int:
   per_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim
   return rows * length * per_token * jnp.dtype(config.dtype).itemsize
 

@@ -41,7 +41,7 @@ import common
 from jax_ai_stack.recipes import optim, step
 from jax_ai_stack.recipes.finetune import lora
 from jax_ai_stack.recipes.finetune.config import LoraConfig
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 
 OPTIM_CONFIG = optim.OptimConfig(weight_decay=0.0)
@@ -49,25 +49,25 @@ TOTAL_STEPS = 1_000  # For the schedule only.
 RANK = 8
 
 SIZES = {  # name: (model, seq_len, batch_size, rounds)
-    "lm-tiny": (LlamaConfig(vocab_size=259, num_layers=4, d_model=128, num_heads=4,
+    "lm-tiny": (DecoderConfig(vocab_size=259, num_layers=4, d_model=128, num_heads=4,
                             num_kv_heads=2, mlp_dim=384, max_seq_len=128), 128, 8, 6),
-    "quick": (LlamaConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+    "quick": (DecoderConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                                mlp_dim=64, max_seq_len=16), 16, 2, 2),
 }
 VARIANTS = {"full": None, "lora": LoraConfig(rank=RANK),
             "qlora": LoraConfig(rank=RANK, quantize_base="w8")}
 
 
-def make_batch(model: LlamaConfig, seq_len: int, batch_size: int) -> dict[str, jax.Array]:
+def make_batch(model: DecoderConfig, seq_len: int, batch_size: int) -> dict[str, jax.Array]:
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, model.vocab_size, (batch_size, seq_len + 1), np.int32)
   return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
 
 
-def build(model_config: LlamaConfig, adapters: LoraConfig | None):
+def build(model_config: DecoderConfig, adapters: LoraConfig | None):
   """(train_step, state, trainable parameters, optimizer-state bytes) of one variant."""
   def create():
-    model = Llama(model_config, rngs=nnx.Rngs(0))
+    model = Decoder(model_config, rngs=nnx.Rngs(0))
     return model if adapters is None else lora.add_adapters(model, adapters, model_config, seed=1)
 
   model = nnx.jit(create)()  # One compiled init (op by op, each initialiser compiles alone).

@@ -38,7 +38,7 @@ from flax import nnx
 import common
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.configs import DecoderConfig, MoeConfig
-from jax_ai_stack.recipes.models.llama import MLP
+from jax_ai_stack.recipes.models.decoder import MLP
 from jax_ai_stack.recipes.models.moe import MoE
 
 TARGET_VS_DENSE = 2.0

@@ -16,7 +16,7 @@ by round, so that noise from other processes hits them alike.
 Which numbers mean something: the bytes always; the latency on the device you
 serve on (on a CPU, XLA may dequantize int8 weights before the matmul, so the
 win is memory, not speed); the loss delta only for a trained model. By default
-the model is `LlamaConfig.small()` at initialization, on random tokens, where
+the model is `DecoderConfig.small()` at initialization, on random tokens, where
 every scheme's delta is tiny; pass `--workdir` of a trained LM run to use its
 model and its first validation batch instead.
 
@@ -42,22 +42,22 @@ from flax import nnx
 
 import common
 from jax_ai_stack.recipes.finetune import quant
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import lm_loss
 
 SIZES = {
-    "small": (LlamaConfig.small(), 4, 256),  # (model, batch rows, tokens per row)
-    "quick": (LlamaConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+    "small": (DecoderConfig.small(), 4, 256),  # (model, batch rows, tokens per row)
+    "quick": (DecoderConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                                mlp_dim=64, max_seq_len=16), 2, 16),
 }
 
 
-def random_batch(model: LlamaConfig, rows: int, length: int) -> dict[str, jax.Array]:
+def random_batch(model: DecoderConfig, rows: int, length: int) -> dict[str, jax.Array]:
   tokens = np.random.default_rng(1).integers(0, model.vocab_size, (rows, length + 1), np.int32)
   return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
 
 
-def from_workdir(workdir: pathlib.Path) -> tuple[Llama, LlamaConfig, dict[str, jax.Array]]:
+def from_workdir(workdir: pathlib.Path) -> tuple[Decoder, DecoderConfig, dict[str, jax.Array]]:
   """A trained LM run's model and its first validation batch."""
   from jax_ai_stack.recipes.train import Trainer
 
@@ -127,7 +127,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", type=pathlib.Path,
                       help="a trained LM run: its model and first validation batch "
-                           "(default: LlamaConfig.small() at init, random tokens)")
+                           "(default: DecoderConfig.small() at init, random tokens)")
   parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
   parser.add_argument("--quick", action="store_true", help="smoke test: a 1-layer model, 2 rounds")
   common.add_out_argument(parser, "quant")
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     described = f"the model trained in {args.workdir}"
   else:
     config, rows, length = SIZES["quick" if args.quick else "small"]
-    model = nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(0)))()
+    model = nnx.jit(lambda: Decoder(config, rngs=nnx.Rngs(0)))()
     batch = random_batch(config, rows, length)
     described = f"Llama {'quick' if args.quick else 'small'} at init"
   model.eval()

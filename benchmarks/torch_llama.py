@@ -1,6 +1,6 @@
 """The recipe's Llama and AdamW written in PyTorch, for benchmarks/train_step.py --torch.
 
-The same model as `jax_ai_stack.recipes.models.llama` term for term: token
+The same model as `jax_ai_stack.recipes.models.decoder` term for term: token
 embedding, pre-norm blocks of RMSNorm -> grouped-query attention with RoPE
 ("rotate half", angles in float32) -> residual, RMSNorm -> SwiGLU MLP ->
 residual, a final RMSNorm and the head (the embedding transposed when tied).
@@ -108,7 +108,7 @@ class Block(nn.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
 
   def __init__(self, c):
     super().__init__()
@@ -135,7 +135,7 @@ def lm_loss(model, inputs, targets):
   return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def load_jax_params(model: Llama, params: dict[str, np.ndarray], config) -> None:
+def load_jax_params(model: Decoder, params: dict[str, np.ndarray], config) -> None:
   """Copies the JAX model's parameters ({'a/b/c': array}) into `model`."""
   d, n, k, h = config.d_model, config.num_heads, config.num_kv_heads, config.resolved_head_dim
 
@@ -176,7 +176,7 @@ def schedule_factor(optim_config, total_steps: int):
   return factor
 
 
-def build_optimizer(model: Llama, optim_config, total_steps: int):
+def build_optimizer(model: Decoder, optim_config, total_steps: int):
   """AdamW over `model` with the recipe's decay mask, and its schedule."""
   import re
 
@@ -201,7 +201,7 @@ class Trainer:
                compiled: bool, bf16: bool, device: str = "cpu"):
     torch.manual_seed(0)
     self.device = torch.device(device)
-    self.model = Llama(config)
+    self.model = Decoder(config)
     load_jax_params(self.model, params, config)
     self.model.to(self.device)  # Before the optimizer takes the parameters.
     self.optimizer, self.scheduler = build_optimizer(self.model, optim_config, total_steps)
@@ -235,7 +235,7 @@ class Trainer:
 
 def first_loss(config, params, batch) -> float:
   """The float32 eager loss at the JAX model's parameters (no step taken)."""
-  model = Llama(config)
+  model = Decoder(config)
   load_jax_params(model, params, config)
   with torch.no_grad():
     inputs = torch.from_numpy(np.asarray(batch["inputs"], np.int64))

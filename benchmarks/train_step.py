@@ -67,7 +67,7 @@ import torch_process
 from jax_ai_stack.recipes import optim, step
 from jax_ai_stack.recipes.tasks import lm_loss
 from jax_ai_stack.recipes.configlib import config_dataclass
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 TARGET_RATIO = 1.03
 """The recipe step may take at most 3% longer than the hand-written one."""
@@ -83,7 +83,7 @@ TOTAL_STEPS = 1_000  # For the schedule only; the benchmark runs far fewer steps
 class Size:
   """A model and the batch it trains on."""
 
-  model: LlamaConfig
+  model: DecoderConfig
   """The Llama to train."""
   seq_len: PositiveInt
   """Tokens per row of the batch."""
@@ -98,9 +98,9 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(LlamaConfig.tiny(), seq_len=128, batch_size=16, rounds=12),
+    "tiny": Size(DecoderConfig.tiny(), seq_len=128, batch_size=16, rounds=12),
     "medium": Size(
-        LlamaConfig(
+        DecoderConfig(
             num_layers=8, d_model=512, num_heads=8, num_kv_heads=2, mlp_dim=1536,
             max_seq_len=512,
         ),
@@ -108,7 +108,7 @@ SIZES = {
     ),
     # Smoke tests only (`--quick`): compiles and runs in about a second.
     "quick": Size(
-        LlamaConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+        DecoderConfig.tiny(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
                          max_seq_len=16),
         seq_len=16, batch_size=2, rounds=2,
     ),
@@ -146,17 +146,17 @@ def make_batch(size: Size) -> dict[str, jax.Array]:
 
 
 @functools.cache
-def _init_fn(config: LlamaConfig) -> Callable[[], Llama]:
-  """A compiled `Llama(config, rngs=nnx.Rngs(0))`, one per config.
+def _init_fn(config: DecoderConfig) -> Callable[[], Decoder]:
+  """A compiled `Decoder(config, rngs=nnx.Rngs(0))`, one per config.
 
   Every variant calls it, so all start from the same bits; and the model's
   dozens of initializer ops compile once instead of op by op (seconds each on
   a small CPU).
   """
-  return nnx.jit(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  return nnx.jit(lambda: Decoder(config, rngs=nnx.Rngs(0)))
 
 
-def _fresh(size: Size) -> tuple[Llama, optax.GradientTransformation]:
+def _fresh(size: Size) -> tuple[Decoder, optax.GradientTransformation]:
   """A new model from the shared init, and the optimizer every variant uses."""
   return _init_fn(size.model)(), optim.build(OPTIM_CONFIG, TOTAL_STEPS)
 

@@ -18,7 +18,7 @@ parse state: an application that parses its flags later still can.
 Example:
   >>> from absl import flags
   >>> grain_flags_readable()
-  >>> flags.FLAGS["grain_py_debug_mode"].present > 0 or flags.FLAGS.is_parsed()
+  >>> flags.FLAGS.is_parsed() or flags.FLAGS["grain_py_debug_mode"].present > 0
   True
 """
 

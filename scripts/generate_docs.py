@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from jax_ai_stack import cli, compat  # noqa: E402
 from jax_ai_stack.recipes import config  # noqa: E402
-from jax_ai_stack.recipes.tasks import families  # noqa: E402
+from jax_ai_stack.recipes.tasks import registry  # noqa: E402
 
 DOCS = ROOT / "docs"
 COMMAND = "python scripts/generate_docs.py"
@@ -106,10 +106,10 @@ def recipe_sections() -> list[tuple[str, str, type]]:
   for field in dataclasses.fields(config.RecipeConfig):
     doc = docs[field.name][1]
     if field.name == "model":
-      for family in families.FAMILIES:
-        kind = dataclasses.fields(family.model_config)[0].default
-        sections.append((f"`model` (kind: {kind})", doc, family.model_config))
-        sections += optional_subsections("model", family.model_config)
+      for entry in registry.REGISTRY:
+        kind = dataclasses.fields(entry.model_config)[0].default
+        sections.append((f"`model` (kind: {kind})", doc, entry.model_config))
+        sections += optional_subsections("model", entry.model_config)
     elif field.default_factory is not dataclasses.MISSING:
       sections.append((f"`{field.name}`", doc, field.default_factory))
       sections += optional_subsections(field.name, field.default_factory)

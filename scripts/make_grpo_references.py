@@ -176,7 +176,7 @@ def _tiny_model(folder: pathlib.Path):
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>")),
       pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-  config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+  config = transformers.DecoderConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
                                     num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
                                     bos_token_id=1)

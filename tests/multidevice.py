@@ -66,11 +66,11 @@ def load_on_mesh(directory: str, mesh_config):
   from jax_ai_stack.recipes import sharding
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.configs import DecoderConfig
-  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.models.decoder import Decoder
 
   config = DecoderConfig(**hf.read_config(directory))
   mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0),
                                        layout=sharding.Layout.of(mesh, rules)))
   params = nnx.state(model)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -7,20 +7,20 @@ import pytest
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.models import adapting
 from jax_ai_stack.recipes.models.configs import (MOE_KINDS, CNNConfig, CustomModelConfig,
-                                                 LlamaConfig)
-from jax_ai_stack.recipes.models.llama import KVCache
+                                                 DecoderConfig)
+from jax_ai_stack.recipes.models.decoder import KVCache
 
 
 def test_every_dense_decoder_kind_is_quantized_as_the_decoder_and_no_mixture_of_experts():
   kinds = adapting.quantized_kinds()
   assert {"llama", "qwen3", "gemma3", "cnn"} <= set(kinds) and not set(MOE_KINDS) & set(kinds)
-  assert all(adapting.quant_layers(k) == adapting.QUANT_LAYERS[LlamaConfig]
+  assert all(adapting.quant_layers(k) == adapting.QUANT_LAYERS[DecoderConfig]
              for k in kinds if k != "cnn")
   assert adapting.quant_layers("mixtral") is None and adapting.quant_layers("custom") is None
 
 
 def test_example_inputs_fit_each_method_and_a_model_of_one_s_own_has_none():
-  config = LlamaConfig.small()
+  config = DecoderConfig.small()
   tokens, cache = adapting.example_inputs(config, "decode")
   assert isinstance(cache, KVCache) and len(cache.keys) == config.num_layers
   assert cache.keys[0].shape == (1, tokens.shape[1], config.num_kv_heads, config.resolved_head_dim)

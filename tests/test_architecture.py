@@ -32,13 +32,13 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.finetune", "recipes.rl")),
     ("environment and kernels", "what is installed, and which attention kernel runs where: "
      "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
-    ("recipe configs", "the config tree (and the family table it names) loads, validates and "
+    ("recipe configs", "the config tree (and the Task registry it names) loads, validates and "
      "prints without jax", (
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
          "recipes.rl.config",
          "recipes.models.configs", "recipes.models.hf.families", "recipes.models.hf.families.*",
-         "recipes.tasks", "recipes.tasks.families", "recipes.phases")),
+         "recipes.tasks", "recipes.tasks.registry", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
          "recipes.data.*", "recipes.models.*", "recipes.inference.*", "recipes.serve.*",

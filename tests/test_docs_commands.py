@@ -393,9 +393,9 @@ def test_the_hugging_face_guide_on_a_tiny_qwen3(tmp_path):
 
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.configs import DecoderConfig
-  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.models.decoder import Decoder
 
-  model = Llama(DecoderConfig(kind="qwen3", num_layers=1, d_model=32, num_heads=2,
+  model = Decoder(DecoderConfig(kind="qwen3", num_layers=1, d_model=32, num_heads=2,
                               num_kv_heads=1, head_dim=16, mlp_dim=64), rngs=nnx.Rngs(0))
   hf.save(model, tmp_path / "Qwen3-0.6B")
   for i in range(4):  # 160 KB: 5% of its 512-token chunks hold out a batch.

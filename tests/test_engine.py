@@ -16,7 +16,7 @@ from flax import nnx
 from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import objectives
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
@@ -29,7 +29,7 @@ def _prompts(vocab: int, lengths=(3, 17, 9)) -> list[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def tiny():
-  return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  return Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("name", ["llama-scanned", "gemma2",
@@ -41,7 +41,7 @@ def tiny():
 def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
   """Two slots for three prompts: the third is admitted mid-way, into a freed slot."""
   if name == "llama-scanned":
-    model = Llama(dataclasses.replace(LlamaConfig.tiny(), scan_layers=True), rngs=nnx.Rngs(1))
+    model = Decoder(dataclasses.replace(DecoderConfig.tiny(), scan_layers=True), rngs=nnx.Rngs(1))
   else:
     model = hf.load_model(REFERENCES / name)
   prompts = _prompts(model.config.vocab_size)

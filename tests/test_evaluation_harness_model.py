@@ -15,8 +15,8 @@ TOKENIZER = data.ByteTokenizer()
 
 @pytest.fixture(scope="module")
 def model():
-  config = models.LlamaConfig.tiny()
-  return models.Llama(config, rngs=nnx.Rngs(0))
+  config = models.DecoderConfig.tiny()
+  return models.Decoder(config, rngs=nnx.Rngs(0))
 
 
 def instance(kind, args, index=0):

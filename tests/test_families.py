@@ -25,7 +25,7 @@ from jax_ai_stack.errors import ModelFileError
 from jax_ai_stack.recipes.models import hf, layer_stack
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.llama import Llama
+from jax_ai_stack.recipes.models.decoder import Decoder
 from multidevice import run_on_devices
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
@@ -96,7 +96,7 @@ def _with(config: DecoderConfig, **changes) -> DecoderConfig:
 ])
 def test_turning_a_switch_off_moves_the_logits_far_past_the_tolerance(name, changes):
   model = hf.load_model(REFERENCES / name)
-  other = nnx.eval_shape(lambda: Llama(_with(model.config, **changes), rngs=nnx.Rngs(0)))
+  other = nnx.eval_shape(lambda: Decoder(_with(model.config, **changes), rngs=nnx.Rngs(0)))
   nnx.update(other, nnx.state(model))
   tokens = jnp.asarray(_reference(name)["tokens"])
   assert float(jnp.abs(other(tokens) - model(tokens)).max()) > 100 * ATOL

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack.recipes import config as config_lib
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import grpo, objectives
 
 RNG = np.random.default_rng(0)
@@ -75,7 +75,7 @@ def _batch(vocab: int, rows: int = 4, length: int = 12):
 def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
   """At one update per rollout the ratio is exactly 1: the loss is minus the advantage, and
   its gradient is that of -A log pi summed the same way."""
-  model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   batch = _batch(model.config.vocab_size)
   objective = grpo.GroupRelative(aggregation="sequence")
   loss, metrics = objective.loss(model, batch)
@@ -96,7 +96,7 @@ def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
 
 
 def test_a_kl_penalty_needs_the_reference_and_is_zero_against_the_policy_itself():
-  model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   batch = _batch(model.config.vocab_size)
   assert not grpo.GroupRelative().needs_reference
   penalised = grpo.GroupRelative(beta=0.5)
@@ -119,7 +119,7 @@ def test_a_run_on_prompts_trains_the_objective_its_rl_section_asks():
 def test_later_updates_on_a_rollout_compare_with_the_sampling_policy_and_clip():
   """Rows not fresh take the engine's log-probabilities as pi_old: a policy that moved far
   from them is clipped (positive advantages, ratio above 1 + epsilon_high)."""
-  model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   batch = _batch(model.config.vocab_size)
   logps = objectives.target_logps(model, batch["inputs"], batch["targets"],
                                   segment_ids=batch["segment_ids"], positions=batch["positions"])

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.head import target_logps
-from jax_ai_stack.recipes.models.llama import Llama
+from jax_ai_stack.recipes.models.decoder import Decoder
 
 
 def _unchunked(logits_of, x, targets):
@@ -44,7 +44,7 @@ def test_chunks_of_any_size_give_the_unchunked_logps_and_gradients(chunk):
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])  # Gemma 2: the final soft cap.
 def test_the_model_s_target_logps_are_its_logits_log_softmax(kind):
   """Padded vocabulary rows stay out; one chunk is the unchunked computation, bit for bit."""
-  model = Llama(DecoderConfig(kind=kind, vocab_size=300, num_layers=1, d_model=32, num_heads=2,
+  model = Decoder(DecoderConfig(kind=kind, vocab_size=300, num_layers=1, d_model=32, num_heads=2,
                               num_kv_heads=1, mlp_dim=64, max_seq_len=64), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 21), 0, 300)
   targets = jax.random.randint(jax.random.key(2), (2, 21), 0, 300)

@@ -19,7 +19,7 @@ from jax_ai_stack import cli
 from jax_ai_stack.errors import ModelFileError, UsageError
 from jax_ai_stack.recipes import checkpoint, train
 from jax_ai_stack.recipes.models import hf
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig, RopeScaling
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig, RopeScaling
 
 from multidevice import run_on_devices
 
@@ -190,11 +190,11 @@ def test_sharded_and_single_file_directories_load_the_same_bits(tmp_path):
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_export_then_import_is_bitwise(tmp_path, param_dtype):
-  config = LlamaConfig(vocab_size=40, num_layers=2, d_model=24, num_heads=4, num_kv_heads=2,
+  config = DecoderConfig(vocab_size=40, num_layers=2, d_model=24, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=40, tie_embeddings=False, rope_theta=500.0,
                        rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=16),
                        dtype=param_dtype, param_dtype=param_dtype)
-  model = Llama(config, rngs=nnx.Rngs(3))
+  model = Decoder(config, rngs=nnx.Rngs(3))
   files = hf.save(model, tmp_path / "out", max_shard_bytes=4000, token_ids={"bos_token_id": 1})
   shards = [f for f in files if f.endswith(".safetensors")]
   assert "model.safetensors.index.json" in files and len(shards) > 1
@@ -211,7 +211,7 @@ def test_export_then_import_is_bitwise(tmp_path, param_dtype):
   exported = json.loads((tmp_path / "out/config.json").read_text())
   assert exported["architectures"] == ["LlamaForCausalLM"] and exported["model_type"] == "llama"
   assert exported["torch_dtype"] == param_dtype and exported["bos_token_id"] == 1
-  assert LlamaConfig(**hf.read_config(tmp_path / "out")) == config
+  assert DecoderConfig(**hf.read_config(tmp_path / "out")) == config
   loaded = hf.load_model(tmp_path / "out")
   assert checkpoint.tree_equal(nnx.state(model), nnx.state(loaded))
   # And one file below the limit, the tensors in transformers' shapes.
@@ -291,11 +291,11 @@ def test_llama3_rope_scaling_round_trips_through_config_json(tmp_path):
   for layout, c in (("v4", TINY_LLAMA3), ("v5", {**TINY_HF, "rope_scaling": None,
                                                  "rope_parameters": {**LLAMA3, "rope_theta": 500.0}})):
     write_hf(tmp_path / layout, c, hf_weights(TINY_HF))
-    config = LlamaConfig(**hf.read_config(tmp_path / layout))
+    config = DecoderConfig(**hf.read_config(tmp_path / layout))
     written = hf.hf_config(config)
     assert written["rope_scaling"] == LLAMA3 and written["rope_theta"] == 500.0, layout
     assert hf.llama_fields(written) == hf.read_config(tmp_path / layout)
-  assert hf.hf_config(LlamaConfig())["rope_scaling"] is None
+  assert hf.hf_config(DecoderConfig())["rope_scaling"] is None
 
 
 @pytest.mark.parametrize("rope, message", [
@@ -367,7 +367,7 @@ def test_a_directory_without_config_is_named(tmp_path):
 
 
 def test_save_refuses_a_non_empty_directory_and_leaves_it(tmp_path):
-  model = Llama(LlamaConfig(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, mlp_dim=16),
+  model = Decoder(DecoderConfig(num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, mlp_dim=16),
                 rngs=nnx.Rngs(0))
   (tmp_path / "out").mkdir()
   (tmp_path / "out/keep.txt").write_text("mine")
@@ -386,12 +386,12 @@ def test_loaded_parameters_have_their_target_sharding_on_8_devices(tmp_path):
       from flax import nnx
       from jax_ai_stack.recipes import sharding
       from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
-      config = LlamaConfig(**hf.read_config({str(directory)!r}))
+      config = DecoderConfig(**hf.read_config({str(directory)!r}))
       placement = sharding.Placement.build(
           sharding.MeshConfig(data=1, fsdp=4, tensor=2, rules="fsdp_tp"), {{}})
-      abstract = nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+      abstract = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
       shardings = placement.state_shardings(abstract)
       target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
@@ -671,7 +671,7 @@ def test_a_model_made_by_transformers_imports_and_exports_with_its_logits(tmp_pa
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   rope = {"rope_parameters": {**LLAMA3, "rope_theta": 500.0}} if scaled else {}
-  config = transformers.LlamaConfig(
+  config = transformers.DecoderConfig(
       vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
       tie_word_embeddings=tied, **rope)

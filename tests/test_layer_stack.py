@@ -19,7 +19,7 @@ from jax_ai_stack.recipes.finetune import lora, quant
 from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models import hf, layer_stack
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 
 from multidevice import run_on_devices
@@ -29,14 +29,14 @@ MICRO = dict(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=
              max_seq_len=32, attention_impl="xla")
 
 
-def micro(**overrides) -> LlamaConfig:
-  return LlamaConfig(**{**MICRO, **overrides})
+def micro(**overrides) -> DecoderConfig:
+  return DecoderConfig(**{**MICRO, **overrides})
 
 
 @pytest.fixture(scope="module")
-def pair() -> tuple[Llama, Llama]:
+def pair() -> tuple[Decoder, Decoder]:
   """An unrolled model and the same weights stacked."""
-  unrolled = Llama(micro(), rngs=nnx.Rngs(0))
+  unrolled = Decoder(micro(), rngs=nnx.Rngs(0))
   return unrolled, layer_stack.convert(unrolled, scan_layers=True)
 
 
@@ -45,19 +45,19 @@ def tokens(shape=(2, 12), seed=1) -> jax.Array:
 
 
 def test_stacked_parameters_have_a_leading_layers_axis():
-  model = Llama(micro(scan_layers=True), rngs=nnx.Rngs(0))
+  model = Decoder(micro(scan_layers=True), rngs=nnx.Rngs(0))
   kernel = model.layers.attention.q_proj.kernel
   assert kernel.get_value().shape == (3, 32, 4, 8)
   assert tuple(kernel.get_metadata()["out_sharding"]) == ("layers", "embed", "heads", "head_dim")
   values = np.asarray(kernel.get_value())
   assert not np.array_equal(values[0], values[1])  # Each layer its own initialisation.
-  unrolled = Llama(micro(), rngs=nnx.Rngs(0))
+  unrolled = Decoder(micro(), rngs=nnx.Rngs(0))
   count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
   assert count(model) == count(unrolled) == micro().num_params()
 
 
 def test_the_layers_axis_is_never_sharded():
-  model = nnx.eval_shape(lambda: Llama(micro(scan_layers=True), rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(micro(scan_layers=True), rngs=nnx.Rngs(0)))
   mesh = sharding.build_mesh(MeshConfig(rules="fsdp_tp"))
   rules = sharding.logical_rules(MeshConfig(rules="fsdp_tp"))
   shardings = sharding.state_shardings(nnx.state(model), mesh, rules)
@@ -67,7 +67,7 @@ def test_the_layers_axis_is_never_sharded():
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scanned_logits_and_gradients_match_unrolled(remat):
-  unrolled = Llama(micro(remat=remat), rngs=nnx.Rngs(0))
+  unrolled = Decoder(micro(remat=remat), rngs=nnx.Rngs(0))
   scanned = layer_stack.convert(unrolled, scan_layers=True)
   assert scanned.config == micro(remat=remat, scan_layers=True)
   x = tokens()
@@ -161,7 +161,7 @@ def test_hf_import_into_a_scanned_state_is_refused():
 
 def test_quantization_and_lora_refuse_a_scanned_model():
   config = micro(scan_layers=True)
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   with pytest.raises(ConfigError, match="not supported by post-training quantization yet"):
     quant.ptq(model, "w8", config)
   with pytest.raises(ConfigError, match="not supported by finetune.lora yet"):

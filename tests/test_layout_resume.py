@@ -18,7 +18,7 @@ from flax import nnx
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import checkpoint, train
 from jax_ai_stack.recipes.models import layer_stack
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 from multidevice import run_on_devices
 from training_helpers import TINY, tiny_config, train_losses
@@ -159,22 +159,22 @@ def test_on_a_mesh_the_converted_arrays_land_on_the_target_shardings(tmp_path):
       from flax import nnx
       from jax_ai_stack.recipes import checkpoint, sharding
       from jax_ai_stack.recipes.models import layer_stack
-      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
       from jax_ai_stack.recipes.sharding_config import MeshConfig
 
       mesh_config = MeshConfig(rules="fsdp_tp", data=1, fsdp=4, tensor=2)
       mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
-      config = LlamaConfig(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2,
+      config = DecoderConfig(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2,
                            mlp_dim=64, max_seq_len=32, attention_impl="xla")
       out = {{}}
       for scan in (False, True):
-        saved = nnx.state(Llama(dataclasses.replace(config, scan_layers=scan), rngs=nnx.Rngs(0)))
+        saved = nnx.state(Decoder(dataclasses.replace(config, scan_layers=scan), rngs=nnx.Rngs(0)))
         directory = {str(tmp_path)!r} + f"/{{scan}}"
         with checkpoint.build_manager(directory, checkpoint.CheckpointConfig()) as manager:
           checkpoint.save(manager, 1, saved, iter(grain.MapDataset.range(2).to_iter_dataset()),
                           {{}}, force=True)
         abstract = nnx.state(nnx.eval_shape(
-            lambda: Llama(dataclasses.replace(config, scan_layers=not scan), rngs=nnx.Rngs(0))))
+            lambda: Decoder(dataclasses.replace(config, scan_layers=not scan), rngs=nnx.Rngs(0))))
         shardings = sharding.state_shardings(abstract, mesh, rules)
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract, shardings)
@@ -198,10 +198,10 @@ def test_on_a_mesh_the_converted_arrays_land_on_the_target_shardings(tmp_path):
 
 
 def test_each_step_is_read_in_its_own_layout_also_past_a_corrupt_one(tmp_path):
-  config = LlamaConfig(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2,
+  config = DecoderConfig(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2,
                        mlp_dim=64, max_seq_len=32, attention_impl="xla")
-  unrolled = nnx.state(Llama(config, rngs=nnx.Rngs(1)))
-  scanned = nnx.state(Llama(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(2)))
+  unrolled = nnx.state(Decoder(config, rngs=nnx.Rngs(1)))
+  scanned = nnx.state(Decoder(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(2)))
   directory = tmp_path / "checkpoints"
   data = lambda: iter(grain.MapDataset.range(4).to_iter_dataset())  # noqa: E731
   with checkpoint.build_manager(directory, checkpoint.CheckpointConfig(keep_last=5)) as manager:

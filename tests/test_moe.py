@@ -18,7 +18,7 @@ from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import train
 from jax_ai_stack.recipes.models import hf, layer_stack, moe
 from jax_ai_stack.recipes.models.configs import DecoderConfig, MoeConfig
-from jax_ai_stack.recipes.models.llama import Llama
+from jax_ai_stack.recipes.models.decoder import Decoder
 from jax_ai_stack.recipes.tasks.objectives import lm_loss
 from multidevice import run_on_devices
 
@@ -133,7 +133,7 @@ def test_dense_and_moe_layers_mix_as_the_config_says():
                          num_kv_heads=1, mlp_dim=24, moe=MoeConfig(
                              num_experts=4, expert_mlp_dim=8, sparse_step=2, dense_layers=(3,)))
   assert config.moe_layers == (False, True, False, False)
-  model = Llama(config, rngs=nnx.Rngs(0))
+  model = Decoder(config, rngs=nnx.Rngs(0))
   assert [type(block.mlp).__name__ for block in model.layers] == ["MLP", "MoE", "MLP", "MLP"]
   assert model.layers[1].mlp.gate_proj.shape == (4, 16, 8)
   assert config.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -143,7 +143,7 @@ def test_dense_and_moe_layers_mix_as_the_config_says():
 
 
 def test_scanned_experts_compute_what_unrolled_ones_do():
-  model = Llama(_config(), rngs=nnx.Rngs(0))
+  model = Decoder(_config(), rngs=nnx.Rngs(0))
   scanned = layer_stack.convert(model, scan_layers=True)
   tokens = jnp.asarray(RNG.integers(0, 259, (2, 12)), jnp.int32)
   batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
@@ -243,7 +243,7 @@ def test_the_memory_plan_keeps_experts_split_over_the_expert_axis():
   experts, replicated = plan("model.moe.num_experts=8", "mesh.data=1", "mesh.expert=8"), plan(
       "model.moe.num_experts=8", "mesh.data=8")
   eight = config_lib.load("moe-tiny", overrides=[*SMALL, "model.moe.num_experts=8"]).model
-  model = nnx.eval_shape(lambda: Llama(eight, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(eight, rngs=nnx.Rngs(0)))
   stacked = sum(x.size * x.dtype.itemsize for path, x in
                 jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
                 if "mlp" in jax.tree_util.keystr(path) and x.ndim == 3)

@@ -18,7 +18,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import checkpoint, config, train
 from jax_ai_stack.recipes.finetune import ptq, quant
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
-from jax_ai_stack.recipes.models.llama import Llama
+from jax_ai_stack.recipes.models.decoder import Decoder
 
 from training_helpers import STEPS, start_training, tiny_config, train_losses, wait_for_step
 
@@ -66,7 +66,7 @@ def test_rules_quantize_the_matmuls_and_leave_embedding_norms_and_weight_only_co
   mlp_bits, other_bits = BITS[scheme]
   llama_config = tiny_config().model
   layers = quantized_layers(nnx.eval_shape(  # Shapes only: the structure is what matters.
-      lambda: quant.ptq(Llama(llama_config, rngs=nnx.Rngs(0)), scheme, llama_config)))
+      lambda: quant.ptq(Decoder(llama_config, rngs=nnx.Rngs(0)), scheme, llama_config)))
   expected = {f"layers/0/attention/{p}_proj": other_bits for p in "qkvo"}
   expected.update({f"layers/0/mlp/{p}_proj": mlp_bits for p in ("gate", "up", "down")})
   assert layers == expected  # Not the tied embedding (the output head), not the norms.

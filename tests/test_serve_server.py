@@ -33,7 +33,7 @@ def encode(item):
 
 @pytest.fixture(scope="module")
 def model():
-  return models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  return models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
 
 
 def app_client(model, **fields):

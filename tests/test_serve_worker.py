@@ -11,7 +11,7 @@ from jax_ai_stack.recipes.serve.worker import EngineStopped, EngineWorker
 
 @pytest.fixture(scope="module")
 def model():
-  return models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  return models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
 
 
 def greedy(prompt, max_tokens=6):

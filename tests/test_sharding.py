@@ -67,12 +67,12 @@ def test_each_rule_set_places_parameters_and_their_optimizer_state():
       import json, jax, optax
       from flax import nnx
       from jax_ai_stack.recipes import sharding
-      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
-      config = LlamaConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
+      config = DecoderConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
                            vocab_size=256, max_seq_len=16)
       def create():
-        model = Llama(config, rngs=nnx.Rngs(0))
+        model = Decoder(config, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
       state = nnx.state(nnx.eval_shape(create))
       out = {}

@@ -10,11 +10,11 @@ from flax import nnx
 
 from jax_ai_stack.recipes import step
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import classification_loss
 from jax_ai_stack.recipes.tasks.objectives import lm_loss
 
-LLAMA = LlamaConfig(vocab_size=259, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+LLAMA = DecoderConfig(vocab_size=259, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                     mlp_dim=64, max_seq_len=32)
 
 
@@ -37,7 +37,7 @@ def _step(build, loss, batch, microbatch_size, steps=1):
 
 
 def test_micro_batches_weighted_by_tokens_give_the_whole_batch_step():
-  build = lambda: Llama(LLAMA, rngs=nnx.Rngs(0))
+  build = lambda: Decoder(LLAMA, rngs=nnx.Rngs(0))
   whole, whole_state = _step(build, lm_loss, _lm_batch(), None, steps=2)
   micro, micro_state = _step(build, lm_loss, _lm_batch(), 2, steps=2)  # 4 micro-batches.
   assert micro["tokens"] == whole["tokens"] == 8 * 16 - 3 * 11
@@ -48,7 +48,7 @@ def test_micro_batches_weighted_by_tokens_give_the_whole_batch_step():
 
 
 def test_a_batch_no_larger_than_the_micro_batch_is_one_pass_with_the_same_bits():
-  build = lambda: Llama(LLAMA, rngs=nnx.Rngs(0))
+  build = lambda: Decoder(LLAMA, rngs=nnx.Rngs(0))
   whole, whole_state = _step(build, lm_loss, _lm_batch(), None)
   same, same_state = _step(build, lm_loss, _lm_batch(), 8)
   assert whole == same

@@ -160,17 +160,17 @@ def test_a_family_without_quant_layers_is_not_quantized():
   assert Regression.quant_layers is None and Regression.methods == ("__call__",)
   with pytest.raises(Exception, match="no rules for model.kind=.mlp.; kinds: llama, qwen2, qwen3, mistral, gemma2, gemma3, cnn"):
     quant.rules("w8", "mlp")
-  assert DEFAULT_MODULES == tasks.FAMILIES[0].lora_modules
+  assert DEFAULT_MODULES == tasks.REGISTRY[0].lora_modules
 
 
 def _family_knowledge() -> dict[str, set[str]]:
   """What names a model family, from the registry: its kinds, its model and model config
   classes, and the modules of its Task and its model."""
   kinds, classes, modules = set(), set(), set()
-  for family in tasks.FAMILIES:
-    kinds.update(typing.get_args(typing.get_type_hints(family.model_config)["kind"]))
-    classes.add(family.model_config.__name__)
-    task_class = family.task_class()
+  for entry in tasks.REGISTRY:
+    kinds.update(typing.get_args(typing.get_type_hints(entry.model_config)["kind"]))
+    classes.add(entry.model_config.__name__)
+    task_class = entry.task_class()
     modules.add(task_class.__module__)
     model_module = sys.modules[typing.get_type_hints(task_class.build_model)["return"].__module__]
     if not model_module.__name__.startswith("jax_ai_stack."):
@@ -179,8 +179,8 @@ def _family_knowledge() -> dict[str, set[str]]:
     classes.update(name for name, value in vars(model_module).items()
                    if isinstance(value, type) and issubclass(value, nnx.Module)
                    and value.__module__ == model_module.__name__)
-    classes.update(name for name, value in vars(model_module).items()  # LlamaConfig too.
-                   if value is family.model_config)
+    classes.update(name for name, value in vars(model_module).items()  # DecoderConfig too.
+                   if value is entry.model_config)
   return {"kinds": kinds, "classes": classes, "modules": modules}
 
 
@@ -239,7 +239,7 @@ BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 # Modules outside recipes/tasks/ and recipes/models/ that may name a model family,
 # each with the reason it is family-specific by nature (paths from the repository
-# root). recipes/models/ keeps its own knowledge (hf.py reads and writes Llama
+# root). recipes/models/ keeps its own knowledge (hf.py reads and writes Hugging Face
 # checkpoints; layer_stack.py moves Llama layers between layouts), and the package's
 # generic modules need no exemption: hf_cli asks `hf.writes` which models it exports.
 ALLOWED: dict[str, str] = {
@@ -281,13 +281,13 @@ def test_the_kind_switch_detector_finds_each_kind(tmp_path):
   assert not _kind_switches(PACKAGE / "recipes" / "finetune" / "quant.py")
   bad = tmp_path / "sample.py"
   bad.write_text(
-      "from jax_ai_stack.recipes.models import llama\n"
+      "from jax_ai_stack.recipes.models import decoder\n"
       "import jax_ai_stack.recipes.tasks.lm\n"
       "from jax_ai_stack.recipes.models.cnn import CNN\n"
       "LAYERS = {'llama': 1, 'cnn': 2}\n"
       "OTHER = dict(cnn=3)\n"
-      "if (isinstance(m, LlamaConfig) or m.kind == 'cnn'\n"
-      "    or isinstance(trainer.model, llama.Llama)):\n"
+      "if (isinstance(m, DecoderConfig) or m.kind == 'cnn'\n"
+      "    or isinstance(trainer.model, decoder.Decoder)):\n"
       "  pass\n"
       "if hasattr(trainer.model, 'decode') and not hasattr(iterator, 'close'):\n"
       "  pass\n")
@@ -295,3 +295,11 @@ def test_the_kind_switch_detector_finds_each_kind(tmp_path):
   expected = (["imports"] * 3 + ["dict keyed by kind"] * 2 + ["isinstance with"] * 2
               + ["compares with kind", "hasattr on a model"])
   assert sorted(found) == sorted(expected)
+
+
+def test_the_registrys_first_names_still_import_with_a_deprecation_warning():
+  with pytest.warns(DeprecationWarning, match="tasks.FAMILIES is deprecated: use .*REGISTRY"):
+    assert tasks.FAMILIES is tasks.REGISTRY
+  with pytest.warns(DeprecationWarning, match="tasks.family is deprecated"):
+    assert tasks.family(config.load("lm-tiny").model) is tasks.REGISTRY[0]
+  assert "Family" not in tasks.__all__

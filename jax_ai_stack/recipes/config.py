@@ -32,14 +32,14 @@ from jax_ai_stack.recipes.finetune.config import FinetuneConfig, QuantConfig
 from jax_ai_stack.recipes.optim_config import OptimConfig
 from jax_ai_stack.recipes.rl.config import RlConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
-from jax_ai_stack.recipes.tasks import families
+from jax_ai_stack.recipes.tasks import registry
 
 DEFAULT_PRESET = "lm-tiny"
 NO_PRESET = "none"
 """`--preset none` (or `preset: none` in a YAML file): start from the defaults alone."""
 
 ModelConfig = Annotated[
-    Union[tuple(family.model_config for family in families.FAMILIES)],
+    Union[tuple(entry.model_config for entry in registry.REGISTRY)],
     pydantic.Field(discriminator="kind"),
 ]
 
@@ -131,7 +131,7 @@ class RecipeConfig:
   name: str = "custom"
   """The preset, or the config file, this config came from (names the default workdir
   runs/<name>)."""
-  model: ModelConfig = dataclasses.field(default_factory=families.FAMILIES[0].model_config)
+  model: ModelConfig = dataclasses.field(default_factory=registry.REGISTRY[0].model_config)
   """The model: `kind: llama` (decoder LM) or `kind: cnn` (image classifier)."""
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   """Optimizer, schedule, clipping, weight decay, accumulation."""
@@ -152,7 +152,7 @@ class RecipeConfig:
   the GRPO-family loss."""
 
   def __post_init__(self):
-    families.family(self.model).check(self)
+    registry.registered(self.model).check(self)
     if self.data.is_prompts and not self.rl.rewards:
       raise ConfigError(f"rl.rewards is empty: a run on prompts (data.source="
                         f"{self.data.source!r}) needs at least one reward, 'module:function'")

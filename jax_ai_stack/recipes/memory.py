@@ -21,7 +21,7 @@ device it counts:
   remat each block gathers again when it is recomputed (one block's).
 * activations: an estimate of what the forward pass keeps for the backward
   pass. Where the Task knows it, analytic (`Task.activation_bytes`; the llama
-  family's is `models.llama.activation_bytes`); for other families, measured: XLA's temporary bytes of the train step
+  family's is `models.decoder.activation_bytes`); for other families, measured: XLA's temporary bytes of the train step
   compiled for one device's rows on the local backend, less the gradients
   (`compiled.memory_analysis()`; the pinned jax reports them on CPU too).
 

@@ -13,7 +13,7 @@ programs serve every batch; generation goes through the generation engine.
 Example: a two-token continuation scored on a tiny model.
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes import data, models
-  >>> model = models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> model = models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> harness_model = HarnessModel(model, data.ByteTokenizer(), batch_size=4)
   >>> [(logp, greedy)] = harness_model._loglikelihood_tokens([(("a", "bc"), [97], [98, 99])],
   ...                                                         disable_tqdm=True)

@@ -29,7 +29,7 @@ request gives the same tokens alone, among 31 others or admitted mid-way.
 Example: two prompts of different lengths, greedy.
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes import models
-  >>> engine = Engine(models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0)), max_slots=2)
+  >>> engine = Engine(models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0)), max_slots=2)
   >>> done = engine.run([Request((256, 104, 105), max_tokens=3, temperature=0),
   ...                    Request((256, 104), max_tokens=2, temperature=0)])
   >>> [len(c.tokens) for c in done], done[0].finish_reason
@@ -121,7 +121,7 @@ class Engine:
 
   def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
                max_top_logprobs: int = 5, steps_per_call: int = 4):
-    """`model`: a decoder (`Llama` and its families, LoRA merged, Qwix-quantized for
+    """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
     `steps_per_call`: tokens decoded per slot in one compiled call (a loop on the device):

@@ -1,40 +1,45 @@
-"""Flax NNX models of the recipes: `llama` (decoder LM) and `cnn` (image classifier).
+"""Flax NNX models of the recipes: `decoder` (the decoder LM of every family) and `cnn`.
 
 The model classes and configs are re-exported here and load on first use, e.g.
-`models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
+`models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
 in `configs`, which imports no jax; `rope` holds the rotary embeddings,
 `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
 feed-forward layers (Mixtral, Qwen3-MoE), `activation_memory` what a
-Llama keeps for the backward pass; `hf` reads and writes Hugging Face Llama
-directories (config.json + safetensors); `layer_stack` converts a Llama between
-the unrolled and the scanned (`scan_layers`) layouts.
+decoder keeps for the backward pass; `hf` reads and writes Hugging Face
+directories (config.json + safetensors); `layer_stack` converts a decoder between
+the unrolled and the scanned (`scan_layers`) layouts. `Llama` and `LlamaConfig`, the
+decoder's first names, still import (from `llama`) with a DeprecationWarning.
 
 Example:
   >>> from jax_ai_stack.recipes import models
-  >>> config = models.LlamaConfig.tiny()
-  >>> config.num_layers, models.Llama.__module__, "Llama" in dir(models)
-  (4, 'jax_ai_stack.recipes.models.llama', True)
+  >>> config = models.DecoderConfig.tiny()
+  >>> config.num_layers, models.Decoder.__module__
+  (4, 'jax_ai_stack.recipes.models.decoder')
 """
 
 from __future__ import annotations
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("llama", "activation_memory", "adapting", "cnn", "configs", "decoding", "head",
-               "hf", "layer_stack", "moe", "rope")
+_SUBMODULES = ("decoder", "activation_memory", "adapting", "cnn", "configs", "decoding", "head",
+               "hf", "layer_stack", "llama", "moe", "rope")
 _EXPORTS = {
+    "Decoder": "decoder",
+    "DecoderConfig": "configs",
     "Llama": "llama",
-    "LlamaConfig": "configs",
+    "LlamaConfig": "llama",
     "RopeScaling": "configs",
     "MoeConfig": "configs",
-    "KVCache": "llama",
+    "KVCache": "decoder",
     "generate": "decoding",
     "apply_rope": "rope",
     "CNN": "cnn",
     "CNNConfig": "configs",
     "CustomModelConfig": "configs",
 }
-__all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]
+_DEPRECATED = ("Llama", "LlamaConfig")  # Still importable; not star-exported.
+__all__ = ["eager_sharding_scope", *_SUBMODULES,
+           *(name for name in _EXPORTS if name not in _DEPRECATED)]
 
 
 def eager_sharding_scope():

@@ -1,8 +1,8 @@
-"""What a `Llama` keeps for the backward pass: bytes per row, by remat, kernel and sharding.
+"""What a `Decoder` keeps for the backward pass: bytes per row, by remat, kernel and sharding.
 
 Example:
-  >>> from jax_ai_stack.recipes.models.configs import LlamaConfig
-  >>> config = LlamaConfig.tiny()
+  >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
+  >>> config = DecoderConfig.tiny()
   >>> flash = activation_bytes(config, 128, {}, "cudnn")
   >>> activation_bytes(config, 128, {}, "xla") > flash  # It keeps the T x T scores.
   True
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.configs import DecoderConfig
 
 
 MATERIALIZING_ATTENTION = frozenset({"xla", "tokamax_xla", "tokamax_xla_chunked"})
@@ -27,7 +27,7 @@ splash) are flash kernels: they keep the output and a log-sum-exp per query.
 """
 
 
-def activation_bytes(model: LlamaConfig, seq_len: int, ways: Mapping[str, int],
+def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int],
                      attention: str) -> int:
   """Bytes one row of `seq_len` tokens keeps for the backward pass, on one device.
 

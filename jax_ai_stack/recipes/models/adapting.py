@@ -7,8 +7,8 @@ transforms back). The layers LoRA adapts by default are the config's own
 (`configs.DECODER_PROJECTIONS`), readable without jax.
 
 Example:
-  >>> from jax_ai_stack.recipes.models.configs import CNNConfig, LlamaConfig
-  >>> [x.shape for x in example_inputs(LlamaConfig.small())]
+  >>> from jax_ai_stack.recipes.models.configs import CNNConfig, DecoderConfig
+  >>> [x.shape for x in example_inputs(DecoderConfig.small())]
   [(1, 8)]
   >>> quant_layers("cnn").other, quant_layers("mixtral")
   ('classifier', None)
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models.configs import MOE_KINDS, CNNConfig, LlamaConfig
-from jax_ai_stack.recipes.models.llama import KVCache
+from jax_ai_stack.recipes.models.configs import MOE_KINDS, CNNConfig, DecoderConfig
+from jax_ai_stack.recipes.models.decoder import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class QuantLayers:
 QUANT_LAYERS: dict[type, QuantLayers] = {
     # The token embedding (also the output head when tied) and an untied lm_head stay
     # float: `jnp.take` cannot read a quantized table.
-    LlamaConfig: QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
+    DecoderConfig: QuantLayers(mlp=r"layers/\d+/mlp/(gate|up|down)_proj",
                              other=r"layers/\d+/attention/(q|k|v|o)_proj"),
     # Convolutions only in w8a8: Qwix's PTQ convolution needs quantized activations too.
     CNNConfig: QuantLayers(mlp="hidden", other="classifier", convs=r"convs/\d+"),
@@ -72,7 +72,7 @@ def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
   What Qwix needs to run a model once (quantization, LoRA adapters); the values
   do not matter. Raises ConfigError for a model that gives none.
   """
-  if isinstance(model_config, LlamaConfig):
+  if isinstance(model_config, DecoderConfig):
     tokens = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
     if method != "decode":
       return (tokens,)

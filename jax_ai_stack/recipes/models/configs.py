@@ -5,7 +5,7 @@ loads, validates and prints without importing jax or flax; `llama` and `cnn`
 build the models from them and re-export them.
 
 Example:
-  >>> LlamaConfig.small().num_params()
+  >>> DecoderConfig.small().num_params()
   9589632
   >>> CNNConfig(channels=(8, 8, 8)).flat_features
   8
@@ -213,7 +213,7 @@ class DecoderConfig:
   dtype: DType = "float32"
   """Compute dtype of activations and matmuls; logits are always float32. bfloat16
   pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts,
-  so it saves memory, not time (tiny Llama, 2 quiet cores, jax 0.10.2: bf16 / f32
+  so it saves memory, not time (tiny Decoder, 2 quiet cores, jax 0.10.2: bf16 / f32
   step time 0.98, within the noise; torch.compile gains no more from bf16 autocast
   there: benchmarks/train_step.py --bf16 --torch)."""
   param_dtype: DType = "float32"
@@ -408,8 +408,6 @@ class DecoderConfig:
 
 _SWITCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecoderConfig)
                     if f.name in SWITCHES}
-LlamaConfig = DecoderConfig
-"""The decoder's config under its first name (every kind is a `DecoderConfig`)."""
 
 
 @config_dataclass

@@ -1,9 +1,9 @@
-"""Sampling from a `Llama` with its KV cache: `generate`, one jitted loop.
+"""Sampling from a `Decoder` with its KV cache: `generate`, one jitted loop.
 
 Example:
   >>> from flax import nnx
-  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-  >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+  >>> model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> tokens = generate(model, jnp.array([[256, 104, 105]]), 4, temperature=0,
   ...                   rng=jax.random.key(0))
   >>> tokens.shape, tokens[0, :3].tolist()
@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ai_stack.recipes.models.llama import Llama, _check_tokens
+from jax_ai_stack.recipes.models.decoder import Decoder, _check_tokens
 
 
 def generate(
-    model: Llama,
+    model: Decoder,
     prompt_tokens: jax.Array,
     max_new_tokens: int,
     *,

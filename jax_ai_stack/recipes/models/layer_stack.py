@@ -14,7 +14,7 @@ them), which is how a run resumes after `model.scan_layers` was flipped.
 
 Example:
   >>> from flax import nnx
-  >>> model = Llama(LlamaConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
+  >>> model = Decoder(DecoderConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
   >>> convert(model, scan_layers=True).layers.mlp.up_proj.kernel.shape
   (2, 128, 384)
 """
@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 
 def is_scanned(tree: Mapping[str, Any]) -> bool:
@@ -174,7 +174,7 @@ def match_layout(tree: Mapping[Any, Any], like: Mapping[Any, Any], *,
   return result, (converted[0] if converted else None)
 
 
-def convert(model: Llama, *, scan_layers: bool) -> Llama:
+def convert(model: Decoder, *, scan_layers: bool) -> Decoder:
   """`model` in the layout `scan_layers` asks for (itself if it has it already).
 
   The new model has the same weights, attention plan and layout; only
@@ -182,11 +182,11 @@ def convert(model: Llama, *, scan_layers: bool) -> Llama:
   """
   if model.config.scan_layers == scan_layers:
     return model
-  config: LlamaConfig = dataclasses.replace(model.config, scan_layers=scan_layers)
+  config: DecoderConfig = dataclasses.replace(model.config, scan_layers=scan_layers)
   first = model.layers if model.config.scan_layers else model.layers[0]
   plan = first.attention.attention_plan
   target = nnx.eval_shape(
-      lambda: Llama(config, rngs=nnx.Rngs(0), attention=plan, layout=model.layout))
+      lambda: Decoder(config, rngs=nnx.Rngs(0), attention=plan, layout=model.layout))
   graphdef, state = nnx.split(target)
   pure = nnx.to_pure_dict(nnx.state(model))
   pure = stack_layers(pure) if scan_layers else unstack_layers(pure)
@@ -196,7 +196,7 @@ def convert(model: Llama, *, scan_layers: bool) -> Llama:
 
 def unrolled(model: nnx.Module) -> nnx.Module:
   """`model` with one module per block, for code that reads `layers/N/...` paths."""
-  if isinstance(model, Llama) and model.config.scan_layers:
+  if isinstance(model, Decoder) and model.config.scan_layers:
     return convert(model, scan_layers=False)
   return model
 

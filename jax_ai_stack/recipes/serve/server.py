@@ -15,7 +15,7 @@ Example (in-process, without a socket):
   >>> from starlette.testclient import TestClient
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes import data, inference, models
-  >>> model = models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> model = models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> tokenizer = data.ByteTokenizer()
   >>> served = Served("tiny", inference.Engine(model, max_slots=2), tokenizer,
   ...                 lambda item: (tokenizer.encode(item["prompt"]), (tokenizer.eos_id,)))

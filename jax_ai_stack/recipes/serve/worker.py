@@ -10,7 +10,7 @@ Example:
   >>> import asyncio
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes import inference, models
-  >>> model = models.Llama(models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> model = models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> async def main():
   ...   worker = EngineWorker(inference.Engine(model, max_slots=2))
   ...   job = worker.submit(inference.Request((256, 104), max_tokens=3, temperature=0))

@@ -1,9 +1,11 @@
-"""One Task per model family; `for_config` picks the one a recipe config names.
+"""One Task per kind of model; `for_config` picks the one a recipe config names.
 
-`FAMILIES` is the registry (`families`): the recipe config's `model` field
-accepts the `model_config` of each family listed there (tagged by its `kind`).
-To add a family, write its Task module and list it there; add a preset to use
-it. The Task classes load on first use: the config needs only the registry.
+`REGISTRY` (`registry`): the recipe config's `model` field accepts the
+`model_config` of each Task registered there (tagged by its `kind`). To add a
+Task, write its module and register it there; add a preset to use it. The Task
+classes load on first use: the config needs only the registry. `Family`,
+`FAMILIES` and `family`, the registry's first names, still import with a
+DeprecationWarning.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -13,16 +15,17 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from jax_ai_stack.lazy import lazy_attributes
-from jax_ai_stack.recipes.tasks.families import FAMILIES, Family, family
+from jax_ai_stack.recipes.tasks.registry import REGISTRY, RegisteredTask, registered
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "choice", "classification", "custom", "families", "grpo", "lm",
-               "objectives")
+_SUBMODULES = ("base", "choice", "classification", "custom", "grpo", "lm", "objectives",
+               "registry")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",
@@ -40,19 +43,28 @@ _EXPORTS = {
 def for_config(config: Any) -> Task:
   """The Task for a recipe config (chosen by the type of `config.model`; a model of
   one's own by its `model.task` import path)."""
-  return family(config.model).task_class().for_config(config)
+  return registered(config.model).task_class().for_config(config)
 
 
 def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
   """Zeros of the shapes one call of the model's `method` takes (`Task.example_inputs`)."""
-  return family(model_config).task_class().example_inputs(model_config, method)
+  return registered(model_config).task_class().example_inputs(model_config, method)
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
+_lazy_getattr, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
+_RENAMED = {"FAMILIES": "REGISTRY", "Family": "RegisteredTask", "family": "registered"}
+
+
+def __getattr__(name: str):
+  if name in _RENAMED:
+    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{_RENAMED[name]}",
+                  DeprecationWarning, stacklevel=2)
+    return globals()[_RENAMED[name]]
+  return _lazy_getattr(name)
 
 
 __all__ = [
-    "FAMILIES", "Batch", "CustomTask", "Family", "ImageClassification", "LanguageModel", "LossFn",
-    "QuantLayers", "Task",
-    "classification_loss", "example_inputs", "family", "for_config", "lm_loss", "resolve",
+    "REGISTRY", "Batch", "CustomTask", "ImageClassification", "LanguageModel", "LossFn",
+    "QuantLayers", "RegisteredTask", "Task",
+    "classification_loss", "example_inputs", "for_config", "lm_loss", "registered", "resolve",
 ]

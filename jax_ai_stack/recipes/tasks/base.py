@@ -1,10 +1,10 @@
-"""`Task`: everything that differs between model families, in one object.
+"""`Task`: everything that differs between kinds of model, in one object.
 
 The trainer and the command line ask a Task instead of asking
 "is this a language model?": which model to build, its loss, what an
 evaluation reports, which data it reads, what a step's throughput counts, what
 a finished run leaves behind, and the shapes and logical axes of a batch (for
-sharding). A new model family is a new Task subclass, listed in `families`
+sharding). A new kind of model is a new Task subclass, listed in `registry`
 with its recipe checks (what the config asks, without importing the Task), and
 a preset; nothing else changes. A model of your own is a Task too: subclass
 it (three members: `build_model`, `loss`, `dataset`) or build a `CustomTask`
@@ -49,27 +49,27 @@ __all__ = ["Batch", "LossFn", "QuantLayers", "Task"]
 
 
 class Task(abc.ABC):
-  """One model family: model, loss, data, evaluation and artefacts.
+  """One kind of model: model, loss, data, evaluation and artefacts.
 
-  Subclasses implement the three abstract methods; a built-in family also sets
+  Subclasses implement the three abstract methods; a built-in Task also sets
   `model_config` (the config dataclass of its model, whose `kind` tags it in a
   recipe) and `throughput_unit`. The other members have defaults that fit a
   model of one's own.
   """
 
   model_config: ClassVar[type] = CustomModelConfig
-  """The model config dataclass this family trains (tagged by its `kind`)."""
+  """The model config dataclass this Task trains (tagged by its `kind`)."""
   throughput_unit: ClassVar[str] = "examples"
   """What `items_per_step` counts, for the progress bar and logs."""
   quant_layers: ClassVar[QuantLayers | None] = None
-  """Where Qwix quantizes this family's models (its model config's, `models.adapting`);
-  None: nowhere, the family cannot be quantized."""
+  """Where Qwix quantizes this Task's models (its model config's, `models.adapting`);
+  None: nowhere, they cannot be quantized."""
   methods: ClassVar[tuple[str, ...]] = ("__call__",)
   """The model's methods that quantization can intercept ("decode": it generates
   token by token); a quantized model that lacks the one asked for runs `__call__`."""
 
   objective: Any = None
-  """What the model learns (a `tasks.objectives.Objective`: a built-in family's, from its
+  """What the model learns (a `tasks.objectives.Objective`: a built-in Task's, from its
   config); None: `loss` alone says (a model of one's own)."""
   data_kind: str | None = None
   """The kind of data the config feeds ("tokens", "preference", "images"), which a given
@@ -80,7 +80,7 @@ class Task(abc.ABC):
   as they are."""
 
   def __init__(self, config: Any, *, objective: Any = None):
-    """`objective`: what the model learns (`tasks.objectives`), for a family whose loss
+    """`objective`: what the model learns (`tasks.objectives`), for a Task whose loss
     asks one (`LanguageModel`, `ImageClassification`); None: the one the config asks."""
     self.config = config
     if objective is not None:
@@ -88,17 +88,17 @@ class Task(abc.ABC):
       if self.data_kind is not None and wanted not in ("any", self.data_kind):
         raise UsageError(f"{type(objective).__name__} reads {wanted} data and this recipe's "
                          f"data.source={self.config.data.source!r} gives {self.data_kind}")
-      self.objective = objective  # Takes the place of the family's default.
+      self.objective = objective  # Takes the place of the Task's default.
 
   @classmethod
   def for_config(cls, config: Any) -> Task:
-    """The Task that trains `config` (`tasks.for_config` asks the family's class)."""
+    """The Task that trains `config` (`tasks.for_config` asks the registered class)."""
     return cls(config)
 
   @abc.abstractmethod
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
                   layout: sharding.Layout | None = None) -> nnx.Module:
-    """The family's model, initialised from `seed`; `attention` where it has any.
+    """The Task.s model, initialised from `seed`; `attention` where it has any.
 
     `layout`: where its activations live on a mesh of several devices, for a
     model that pins them (None on one device).
@@ -168,7 +168,7 @@ class Task(abc.ABC):
     that was found; None: unknown, so `memory` measures the compiled step.
 
     `ways`: into how many parts the mesh splits each logical axis;
-    `attention`: the kernel's name (families that attend).
+    `attention`: the kernel's name (Tasks whose models attend).
     """
     del ways, attention
     return None
@@ -198,13 +198,13 @@ class Task(abc.ABC):
   def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int | None,
                temperature: float, seed: int, *, top_k: int | None = None,
                top_p: float | None = None) -> str:
-    """Text continued from `prompt`; only families that generate text override it."""
+    """Text continued from `prompt`; only Tasks that generate text override it."""
     del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
 
   def chat_many(self, model: nnx.Module, conversations: list[list[dict]],
                 max_new_tokens: int | None, temperature: float, seed: int, *,
                 top_k: int | None = None, top_p: float | None = None) -> list[str]:
-    """The assistant's reply to each conversation; only families that chat override it."""
+    """The assistant's reply to each conversation; only Tasks that chat override it."""
     del model, conversations, max_new_tokens, temperature, seed, top_k, top_p
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")

@@ -1,8 +1,8 @@
-"""Which Task a run opens with: the one given, or the one its config's family names.
+"""Which Task a run opens with: the one given, or the one its config's model registers.
 
-Apart from `base` (the Task class) and `families` (the table a config reads
-without jax): the families name their Tasks by "module:Class", and a Task's
-module imports `base`, so `base` itself names no family.
+Apart from `base` (the Task class) and `registry` (the table a config reads
+without jax): the registry names its Tasks by "module:Class", and a Task's
+module imports `base`, so `base` itself names no Task.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from jax_ai_stack.recipes.tasks.base import Task
-from jax_ai_stack.recipes.tasks.families import family
+from jax_ai_stack.recipes.tasks.registry import registered
 
 
 def resolve(task: Task | Callable[[Any], Task] | None, config: Any) -> Task:
   """The Task a run opens with: `task` itself, `task(config)` when it is a function or
-  a Task subclass, else the one `config` names (its family's `for_config`)."""
+  a Task subclass, else the one `config` names (its registered Task's `for_config`)."""
   if isinstance(task, Task):
     return task
   if task is not None:
     return task(config)
-  return family(config.model).task_class().for_config(config)
+  return registered(config.model).task_class().for_config(config)

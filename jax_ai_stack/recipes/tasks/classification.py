@@ -1,4 +1,4 @@
-"""The image-classification family: a CNN on labelled images (the digits set).
+"""The image-classification Task: a CNN on labelled images (the digits set).
 
 Reports eval loss and accuracy and counts throughput in examples; it leaves no
 artefact beyond the loss plot.

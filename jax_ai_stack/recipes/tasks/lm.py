@@ -1,4 +1,4 @@
-"""The language-model family: a decoder (Llama, Qwen, Mistral, Gemma) trained on next-token
+"""The language-model Task: a decoder (Llama, Qwen, Mistral, Gemma) trained on next-token
 prediction.
 
 Reads a token corpus (`data.source` stdlib/text/npy/arrayrecord/parquet),
@@ -25,8 +25,8 @@ from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import data, inference, sharding
-from jax_ai_stack.recipes.models import adapting, llama
-from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+from jax_ai_stack.recipes.models import adapting, decoder
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import grpo, objectives
 from jax_ai_stack.recipes.tasks.base import Task
 
@@ -40,15 +40,15 @@ MAX_SLOTS = 8
 class LanguageModel(Task):
   """Next-token prediction with the Llama decoder on a token corpus."""
 
-  model_config = LlamaConfig
+  model_config = DecoderConfig
   throughput_unit = "tokens"
-  quant_layers = adapting.QUANT_LAYERS[LlamaConfig]
+  quant_layers = adapting.QUANT_LAYERS[DecoderConfig]
   methods = ("__call__", "decode")  # `decode`: a step of generation, with a KV cache.
 
   def build_model(self, seed: int, attention: kernels.AttentionPlan | None = None,
-                  layout: sharding.Layout | None = None) -> Llama:
+                  layout: sharding.Layout | None = None) -> Decoder:
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    return Llama(self.config.model, rngs=rngs, attention=attention, layout=layout)
+    return Decoder(self.config.model, rngs=rngs, attention=attention, layout=layout)
 
   @functools.cached_property
   def objective(self) -> objectives.Objective:
@@ -141,8 +141,8 @@ class LanguageModel(Task):
     model = self.config.model
     if model.moe is not None:  # Rows per expert vary: the memory plan measures the step.
       return None
-    per_row = llama.activation_bytes(model, self.config.data.seq_len, ways, attention)
-    kept = "keeps T x T scores" if attention in llama.MATERIALIZING_ATTENTION else "(flash)"
+    per_row = decoder.activation_bytes(model, self.config.data.seq_len, ways, attention)
+    kept = "keeps T x T scores" if attention in decoder.MATERIALIZING_ATTENTION else "(flash)"
     return per_row, f"analytic: remat {model.remat}, attention {attention} {kept}"
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:

@@ -101,7 +101,7 @@ def target_logps(model: nnx.Module, inputs: jax.Array, targets: jax.Array, *,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  with_router: bool = False) -> jax.Array | tuple[jax.Array, dict]:
   """log p(targets) [B, T] under a decoder (its head in chunks: no [B, T, V] logits);
-  `with_router`: and the mixture-of-experts router losses of this pass (`llama.moe_losses`;
+  `with_router`: and the mixture-of-experts router losses of this pass (`decoder.moe_losses`;
   {} for a dense model), for the model being trained (not a reference)."""
   return model(inputs, segment_ids=segment_ids, positions=positions,
                with_moe_losses=with_router, targets=targets)
@@ -133,7 +133,7 @@ def training_loss(objective: Objective,
 def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array],
                        moe: dict[str, jax.Array], *, alone: str
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """`loss` plus a mixture of experts' router losses (`llama.moe_losses`: {} for a dense
+  """`loss` plus a mixture of experts' router losses (`decoder.moe_losses`: {} for a dense
   model, which keeps `loss` and `metrics` as they are), with `loss` alone as the metric
   `alone` beside the router's metrics."""
   if not moe:

@@ -1,9 +1,9 @@
-"""Hugging Face Llama checkpoints in and out of the NNX `Llama`: config.json + safetensors.
+"""Hugging Face Llama checkpoints in and out of the NNX `Decoder`: config.json + safetensors.
 
 A Hugging Face directory holds `config.json` and the weights, either one
 `model.safetensors` or shards `model-0000i-of-0000n.safetensors` listed in
 `model.safetensors.index.json`. `read_config` maps config.json onto a
-`LlamaConfig` (refusing, by field name, what this model cannot represent),
+`DecoderConfig` (refusing, by field name, what this model cannot represent),
 `load_params` reads the weights into the model's parameters and `save` writes
 them back in the same layout, with a config.json that
 `transformers.LlamaForCausalLM.from_pretrained` loads.
@@ -17,10 +17,10 @@ The layouts differ in three ways, all handled by `TENSORS`:
 * RoPE needs none: Hugging Face stores q and k for the "rotate half"
   convention (Meta's conversion script permutes them into it), pairing
   features (i, i + H/2) with inv_freq = 1 / theta^(2i / H), which is exactly
-  `llama.apply_rope`. tests/test_hf.py checks it against a NumPy forward pass
+  `decoder.apply_rope`. tests/test_hf.py checks it against a NumPy forward pass
   written from Hugging Face's code, and that the permuted (interleaved) layout
   fails that check. Llama 3.1 / 3.2's `rope_scaling` ("llama3") maps onto
-  `LlamaConfig.rope_scaling`; the other RoPE types are refused.
+  `DecoderConfig.rope_scaling`; the other RoPE types are refused.
 
 Loading is lazy: one tensor at a time is read from disk (`safe_open`), cast to
 the parameter dtype and placed straight onto its sharding, so no full host
@@ -29,18 +29,18 @@ each device only its part.
 
 One job per module: `layout` (the directory's files; each tensor's name and
 layout, shared by both directions), `config_json` (config.json <->
-`LlamaConfig`), `reader` (checking and loading weights), `special_tokens` (the
+`DecoderConfig`), `reader` (checking and loading weights), `special_tokens` (the
 tokenizer's ids and generation config, kept and written back) and `writer` (`save`).
 The names below load from them on first use, so importing the package pays
 for no jax.
 
 Example:
   >>> from jax_ai_stack.recipes.models import hf
-  >>> from jax_ai_stack.recipes.models.configs import LlamaConfig
+  >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
   >>> fields = hf.llama_fields({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
   ...     "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
   ...     "vocab_size": 300})
-  >>> LlamaConfig(**fields).num_kv_heads, fields["norm_eps"]
+  >>> DecoderConfig(**fields).num_kv_heads, fields["norm_eps"]
   (4, 1e-06)
 """
 

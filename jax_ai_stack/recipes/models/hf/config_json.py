@@ -4,9 +4,9 @@ Example:
   >>> fields = llama_fields({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
   ...     "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
   ...     "vocab_size": 300})
-  >>> LlamaConfig(**fields).num_kv_heads, fields["norm_eps"]
+  >>> DecoderConfig(**fields).num_kv_heads, fields["norm_eps"]
   (4, 1e-06)
-  >>> hf_config(LlamaConfig(**fields), bos_token_id=1)["num_key_value_heads"]
+  >>> hf_config(DecoderConfig(**fields), bos_token_id=1)["num_key_value_heads"]
   4
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from jax_ai_stack.errors import ConfigError, ModelFileError
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.hf import families
 from jax_ai_stack.recipes.models.hf.families import refuse
 from jax_ai_stack.recipes.models.hf.layout import CONFIG_FILE
@@ -208,13 +208,13 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     raise ModelFileError(f"{path}: the top level must be an object")
   fields = decoder_fields(hf, str(path))
   try:  # configlib's message is one line naming the field.
-    configlib.from_dict(LlamaConfig, fields, source=f"{path}: does not describe a valid model")
+    configlib.from_dict(DecoderConfig, fields, source=f"{path}: does not describe a valid model")
   except ConfigError as e:
     raise ModelFileError(str(e)) from None
   return fields
 
 
-def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
+def hf_config(config: DecoderConfig, **token_ids: int) -> dict[str, Any]:
   """The config.json of `config` (its kind's architecture), plus e.g. bos_token_id=..."""
   family = families.for_kind(config.kind)
   return {
@@ -242,7 +242,7 @@ def hf_config(config: LlamaConfig, **token_ids: int) -> dict[str, Any]:
   }
 
 
-def _hf_rope_scaling(config: LlamaConfig) -> dict[str, Any] | None:
+def _hf_rope_scaling(config: DecoderConfig) -> dict[str, Any] | None:
   """config.json's `rope_scaling`, as Meta's Llama 3.1 / 3.2 (or Gemma 3's) files write it."""
   scaling = config.rope_scaling
   if scaling is None:

@@ -1,12 +1,12 @@
 """What a Hugging Face Llama directory holds: its file names, and each tensor's name and layout.
 
 The one mapping both directions use: `tensors(config)` lists every parameter
-of a `Llama(config)` in Hugging Face's order, each a `Tensor` that converts
+of a `Decoder(config)` in Hugging Face's order, each a `Tensor` that converts
 between torch's [out, in] layout and our kernels'.
 
 Example:
-  >>> from jax_ai_stack.recipes.models.configs import LlamaConfig
-  >>> q = tensors(LlamaConfig.tiny())[1]
+  >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
+  >>> q = tensors(DecoderConfig.tiny())[1]
   >>> q.name, q.path
   ('model.layers.0.self_attn.q_proj.weight', ('layers', 0, 'attention', 'q_proj', 'kernel'))
   >>> q.hf_shape((128, 4, 32)), q.to_hf(np.zeros((128, 4, 32))).shape  # [D, N, H] -> [out, in]
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jax_ai_stack.errors import MissingExtraError
-from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.configs import DecoderConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -120,8 +120,8 @@ TEXT_PREFIX = "model."
 (`text_prefix`)."""
 
 
-def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
-  """Every parameter of a `Llama(config)`, in Hugging Face's order.
+def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
+  """Every parameter of a `Decoder(config)`, in Hugging Face's order.
 
   The names follow the config's kind (`families`): its norms' names, q/k/v
   biases and q/k norms where its switches have them. `prefix`: where the
@@ -162,7 +162,7 @@ def tensors(config: LlamaConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   return out
 
 
-def _mlp_tensors(config: LlamaConfig, layer: int, hf: str, ours: tuple) -> list[Tensor]:
+def _mlp_tensors(config: DecoderConfig, layer: int, hf: str, ours: tuple) -> list[Tensor]:
   """Layer `layer`'s feed-forward: a dense MLP, or a router and each expert's weights."""
   from jax_ai_stack.recipes.models.hf import families
 
@@ -197,10 +197,10 @@ OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower."
 """Tensors of a text + vision checkpoint that are not the decoder's (not read)."""
 
 
-def _model_shapes(config: LlamaConfig) -> dict[tuple, tuple[int, ...]]:
+def _model_shapes(config: DecoderConfig) -> dict[tuple, tuple[int, ...]]:
   """Each parameter path's shape, from an abstract model (nothing allocated)."""
-  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.models.decoder import Decoder
 
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model)))
   return {path: tuple(leaf.shape) for path, leaf in flat.items()}

@@ -7,8 +7,8 @@ copy of the model ever exists.
 Example:
   >>> from flax import nnx
   >>> from jax_ai_stack.recipes.models import hf
-  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-  >>> _ = hf.save(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), "tiny")
+  >>> from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+  >>> _ = hf.save(Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0)), "tiny")
   >>> read_index("tiny")["model.norm.weight"].shape
   (128,)
   >>> model = load_model("tiny")
@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jax_ai_stack.errors import ModelFileError
-from jax_ai_stack.recipes.models.configs import LlamaConfig
+from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.hf.config_json import read_config
 from jax_ai_stack.recipes.models.hf.layout import (
     INDEX_FILE, OTHER_TOWERS, TEXT_PREFIX, WEIGHTS_FILE, _model_shapes, _safetensors, head_name,
@@ -96,8 +96,8 @@ def read_index(directory: str | os.PathLike) -> dict[str, Stored]:
   return stored
 
 
-def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str, Stored]:
-  """`read_index`, checked against the tensors a `Llama(config)` needs.
+def check_weights(directory: str | os.PathLike, config: DecoderConfig) -> dict[str, Stored]:
+  """`read_index`, checked against the tensors a `Decoder(config)` needs.
 
   Raises:
     ModelFileError: naming a missing or unexpected tensor, a shape mismatch
@@ -131,11 +131,12 @@ def check_weights(directory: str | os.PathLike, config: LlamaConfig) -> dict[str
   return stored
 
 
-def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.State) -> nnx.State:
-  """The parameters of `Llama(config)` read from `directory`, laid out as `target`.
+def load_params(directory: str | os.PathLike, config: DecoderConfig,
+                target: nnx.State) -> nnx.State:
+  """The parameters of `Decoder(config)` read from `directory`, laid out as `target`.
 
   `target`: the model's (abstract) parameter state, e.g.
-  `nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))`. A
+  `nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))`. A
   leaf that carries a `sharding` (a `jax.ShapeDtypeStruct(..., sharding=s)`)
   is placed on it, each device receiving only its part; others go to the
   default device. Each tensor is cast to the leaf's dtype.
@@ -145,7 +146,7 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig, target: nnx.S
   leaves = traverse_util.flatten_dict(nnx.to_pure_dict(target))
   needed = tensors(config, text_prefix(stored))
   if set(leaves) != {t.path for t in needed}:
-    raise ValueError(f"target is not the parameter state of Llama(config): {sorted(leaves)}")
+    raise ValueError(f"target is not the parameter state of Decoder(config): {sorted(leaves)}")
   total = sum(math.prod(stored[t.name].shape) * _itemsize(stored[t.name].dtype) for t in needed)
   values: dict[tuple, jax.Array] = {}
   experts: dict[tuple, list[np.ndarray]] = {}  # A stacked parameter's slices read so far.
@@ -188,17 +189,17 @@ def _itemsize(dtype: str) -> int:
 
 
 def load_model(directory: str | os.PathLike, **overrides: Any):
-  """A decoder (`Llama`) with the config and weights of a Hugging Face directory (one device).
+  """A `Decoder` with the config and weights of a Hugging Face directory (one device).
 
-  `overrides`: `LlamaConfig` fields to change, e.g. `attention_impl="xla"` or
+  `overrides`: `DecoderConfig` fields to change, e.g. `attention_impl="xla"` or
   `param_dtype="float32"`.
   """
-  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.models.decoder import Decoder
 
   from jax_ai_stack.recipes.models import layer_stack
 
-  config = LlamaConfig(**{**read_config(directory), **overrides})
+  config = DecoderConfig(**{**read_config(directory), **overrides})
   unrolled = dataclasses.replace(config, scan_layers=False)  # The files name each layer.
-  model = nnx.eval_shape(lambda: Llama(unrolled, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(unrolled, rngs=nnx.Rngs(0)))
   nnx.update(model, load_params(directory, unrolled, nnx.state(model)))
   return layer_stack.convert(model, scan_layers=config.scan_layers)

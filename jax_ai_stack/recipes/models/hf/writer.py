@@ -1,10 +1,10 @@
-"""Writing a `Llama` as a Hugging Face directory: config.json, safetensors (sharded when large).
+"""Writing a `Decoder` as a Hugging Face directory: config.json, safetensors (sharded when large).
 
 Example:
   >>> import json
   >>> from flax import nnx
-  >>> from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
-  >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+  >>> model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> save(model, "tiny")
   ['config.json', 'model.safetensors']
   >>> save(model, "sharded", max_shard_bytes=2**20)[:2]  # Shards of at most 1 MiB, and an index.
@@ -39,11 +39,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def writes(model: nnx.Module) -> bool:
-  """Whether `save` can write `model`: a `Llama` (the decoder whose layouts the families
+  """Whether `save` can write `model`: a `Decoder` (the decoder whose layouts the families
   hold; `export-hf` refuses the others)."""
-  from jax_ai_stack.recipes.models.llama import Llama
+  from jax_ai_stack.recipes.models.decoder import Decoder
 
-  return isinstance(model, Llama)
+  return isinstance(model, Decoder)
 
 
 def save(model: nnx.Module, out: str | os.PathLike, *,
@@ -51,7 +51,7 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
          tokenizer: str | os.PathLike | None = None,
          token_ids: Mapping[str, Any] | None = None,
          generation_config: Mapping[str, Any] | None = None) -> list[str]:
-  """Writes `model` (a `Llama`) as a Hugging Face directory `out`; returns its file names.
+  """Writes `model` (a `Decoder`) as a Hugging Face directory `out`; returns its file names.
 
   One `model.safetensors`, or above `max_shard_bytes` shards plus their index
   (a tensor larger than the limit gets a shard of its own). `tokenizer`: a

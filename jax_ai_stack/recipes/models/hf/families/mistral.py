@@ -1,4 +1,4 @@
-"""Mistral (`MistralForCausalLM`): Llama with `sliding_window` on every layer (or none).
+"""Mistral (`MistralForCausalLM`): Decoder with `sliding_window` on every layer (or none).
 
 Example:
   >>> FAMILY.read({"sliding_window": 4096}, "config.json")

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): Llama with q/k/v biases and optional sliding layers.
+"""Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): Decoder with q/k/v biases and optional sliding layers.
 
 Layers from `max_window_layers` on use the window when `use_sliding_window`
 (transformers 5 writes the resulting `layer_types`, read first).

@@ -1,4 +1,4 @@
-"""Tests of the Llama-style decoder: shapes, counts, masking, GQA, cache, remat."""
+"""Tests of the decoder (`models.decoder`): shapes, counts, masking, GQA, cache, remat."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models import decoding, llama
+from jax_ai_stack.recipes.models import decoder, decoding
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.llama import KVCache, Llama, LlamaConfig, RopeScaling, apply_rope
+from jax_ai_stack.recipes.models.decoder import (
+    Decoder, DecoderConfig, KVCache, RopeScaling, apply_rope)
 
 # Smaller than `tiny` so that every test compiles in about a second.
 MICRO = dict(
@@ -23,14 +24,14 @@ MICRO = dict(
 )
 
 
-def micro(**overrides) -> LlamaConfig:
-  return LlamaConfig(**{**MICRO, **overrides})
+def micro(**overrides) -> DecoderConfig:
+  return DecoderConfig(**{**MICRO, **overrides})
 
 
 @pytest.fixture(scope="module")
-def model() -> Llama:
+def model() -> Decoder:
   """One micro model shared by the tests that only read it (saves compiles)."""
-  return Llama(micro(), rngs=nnx.Rngs(0))
+  return Decoder(micro(), rngs=nnx.Rngs(0))
 
 
 def count_params(model_or_state) -> int:
@@ -50,11 +51,11 @@ def random_tokens(shape, vocab_size=64, seed=0):
 
 
 def test_presets_validate_and_defaults_are_tiny():
-  assert LlamaConfig() == LlamaConfig.tiny()
-  tiny, small = LlamaConfig.tiny(), LlamaConfig.small()
+  assert DecoderConfig() == DecoderConfig.tiny()
+  tiny, small = DecoderConfig.tiny(), DecoderConfig.small()
   assert (tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads) == (128, 4, 4, 2)
   assert small.d_model == 384 and small.num_layers == 6
-  assert LlamaConfig.small(num_layers=2).num_layers == 2
+  assert DecoderConfig.small(num_layers=2).num_layers == 2
 
 
 @pytest.mark.parametrize(
@@ -67,25 +68,25 @@ def test_presets_validate_and_defaults_are_tiny():
 )
 def test_config_rejects_inconsistent_shapes(fields, message):
   with pytest.raises(ValueError, match=message):
-    LlamaConfig(**fields)
+    DecoderConfig(**fields)
   with pytest.raises(configlib.ConfigError, match=message):
-    configlib.from_dict(LlamaConfig, fields)
+    configlib.from_dict(DecoderConfig, fields)
 
 
 def test_config_errors_name_the_field():
   with pytest.raises(configlib.ConfigError, match=r"'dtype'.*'float42'"):
-    configlib.from_dict(LlamaConfig, {"dtype": "float42"})
+    configlib.from_dict(DecoderConfig, {"dtype": "float42"})
   with pytest.raises(configlib.ConfigError, match=r"'remat'.*'some'"):
-    configlib.from_dict(LlamaConfig, {"remat": "some"})
+    configlib.from_dict(DecoderConfig, {"remat": "some"})
   with pytest.raises(configlib.ConfigError, match=r"'num_layers'.*greater than 0"):
-    configlib.from_dict(LlamaConfig, {"num_layers": 0})
+    configlib.from_dict(DecoderConfig, {"num_layers": 0})
   with pytest.raises(configlib.ConfigError, match="did you mean 'num_kv_heads'"):
-    configlib.from_dict(LlamaConfig, {"num_kv_head": 2})
+    configlib.from_dict(DecoderConfig, {"num_kv_head": 2})
 
 
 def test_config_round_trips_through_yaml():
-  config = LlamaConfig.llama3_8b(remat="save_dots", rope_scaling=RopeScaling(factor=32.0))
-  loaded = configlib.from_dict(LlamaConfig, yaml.safe_load(configlib.to_yaml(config)))
+  config = DecoderConfig.llama3_8b(remat="save_dots", rope_scaling=RopeScaling(factor=32.0))
+  loaded = configlib.from_dict(DecoderConfig, yaml.safe_load(configlib.to_yaml(config)))
   assert loaded == config and loaded.rope_scaling.factor == 32.0
 
 
@@ -93,15 +94,16 @@ def test_rope_scaling_is_validated_by_field():
   with pytest.raises(ValueError, match="high_freq_factor=1.0 must be greater than low_freq_factor=1.0"):
     RopeScaling(high_freq_factor=1.0)
   with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.factor'.*greater than 0"):
-    configlib.from_dict(LlamaConfig, {"rope_scaling": {"factor": 0}})
+    configlib.from_dict(DecoderConfig, {"rope_scaling": {"factor": 0}})
   with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.kind'.*'yarn'"):
-    configlib.from_dict(LlamaConfig, {"rope_scaling": {"kind": "yarn"}})
+    configlib.from_dict(DecoderConfig, {"rope_scaling": {"kind": "yarn"}})
   with pytest.raises(configlib.ConfigError, match="did you mean 'rope_scaling.low_freq_factor'"):
-    configlib.from_dict(LlamaConfig, {"rope_scaling": {"low_freq_facter": 2.0}})
+    configlib.from_dict(DecoderConfig, {"rope_scaling": {"low_freq_facter": 2.0}})
   # A dotted override fills the rest with Llama 3.1's values.
-  config = configlib.from_dict(LlamaConfig, configlib.apply_overrides({}, ["rope_scaling.factor=32"]))
+  config = configlib.from_dict(DecoderConfig,
+                               configlib.apply_overrides({}, ["rope_scaling.factor=32"]))
   assert config.rope_scaling == RopeScaling(factor=32.0, original_max_position_embeddings=8192)
-  assert LlamaConfig().rope_scaling is None
+  assert DecoderConfig().rope_scaling is None
 
 
 # Shapes and parameter counts --------------------------------------------------
@@ -110,7 +112,7 @@ def test_rope_scaling_is_validated_by_field():
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_count_matches_the_shapes(tie):
   config = micro(tie_embeddings=tie)
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   assert count_params(model) == config.num_params()
   untied_extra = 0 if not tie else config.padded_vocab_size * config.d_model
   assert micro(tie_embeddings=False).num_params() - config.num_params() == untied_extra
@@ -123,7 +125,7 @@ def test_a_padded_vocabulary_keeps_its_rows_zero_and_its_logits_out(tie):
   same weights, and a step of AdamW with weight decay leaves the padded rows zero."""
   config = micro(tie_embeddings=tie, vocab_size=60, vocab_multiple=32)
   assert config.padded_vocab_size == 64
-  model = Llama(config, rngs=nnx.Rngs(0))
+  model = Decoder(config, rngs=nnx.Rngs(0))
   tables = [model.embed.embedding] + ([] if tie else [model.lm_head.kernel])
   assert [t.shape for t in tables] == [(64, 32)] + ([] if tie else [(32, 64)])
   padded_rows = lambda: [np.asarray(model.embed.embedding)[60:]] + (
@@ -133,7 +135,7 @@ def test_a_padded_vocabulary_keeps_its_rows_zero_and_its_logits_out(tie):
   logits = model(tokens)
   assert logits.shape == (2, 12, 60)
 
-  unpadded = Llama(micro(tie_embeddings=tie, vocab_size=60, vocab_multiple=1), rngs=nnx.Rngs(1))
+  unpadded = Decoder(micro(tie_embeddings=tie, vocab_size=60, vocab_multiple=1), rngs=nnx.Rngs(1))
   state = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))
   state["embed"]["embedding"].set_value(state["embed"]["embedding"].get_value()[:60])
   if not tie:
@@ -153,18 +155,18 @@ def test_vocab_multiple_one_is_no_padding_and_a_multiple_rounds_up():
   assert micro(vocab_size=259).padded_vocab_size == 384
   assert micro(vocab_size=256).padded_vocab_size == 256
   assert micro(vocab_size=259, vocab_multiple=1).padded_vocab_size == 259
-  assert LlamaConfig.llama3_8b().padded_vocab_size == 128_256
+  assert DecoderConfig.llama3_8b().padded_vocab_size == 128_256
 
 
 def test_tiny_and_small_param_counts_abstractly():
-  for config in (LlamaConfig.tiny(), LlamaConfig.small()):
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  for config in (DecoderConfig.tiny(), DecoderConfig.small()):
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     assert count_params(abstract) == config.num_params()
 
 
 def test_llama3_8b_shapes_and_8_03b_params_abstractly():
-  config = LlamaConfig.llama3_8b()
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  config = DecoderConfig.llama3_8b()
+  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
   n = sum(x.size for x in leaves)
@@ -182,7 +184,7 @@ def test_forward_shape_and_float32_logits_in_both_compute_dtypes(model):
   tokens = random_tokens((2, 12))
   full = forward(model, tokens)
   assert full.shape == (2, 12, 64) and full.dtype == jnp.float32
-  half_model = Llama(micro(dtype="bfloat16"), rngs=nnx.Rngs(0))  # same float32 params
+  half_model = Decoder(micro(dtype="bfloat16"), rngs=nnx.Rngs(0))  # same float32 params
   half = forward(half_model, tokens)
   assert half.dtype == jnp.float32  # the trainer's cross-entropy needs float32
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(half_model, nnx.Param)))
@@ -191,7 +193,7 @@ def test_forward_shape_and_float32_logits_in_both_compute_dtypes(model):
 
 
 def test_param_dtype_sets_storage():
-  model = nnx.eval_shape(lambda: Llama(micro(param_dtype="bfloat16"), rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Decoder(micro(param_dtype="bfloat16"), rngs=nnx.Rngs(0)))
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
@@ -209,11 +211,11 @@ def test_bad_inputs_are_named(model):
 
 def test_every_param_has_logical_axis_names():
   for tie in (True, False):
-    model = nnx.eval_shape(lambda: Llama(micro(tie_embeddings=tie), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(micro(tie_embeddings=tie), rngs=nnx.Rngs(0)))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
       names = var.get_metadata().get("out_sharding")
       assert names is not None and len(names) == var.ndim, path
-      assert set(names) <= set(llama.LOGICAL_AXES), (path, names)
+      assert set(names) <= set(decoder.LOGICAL_AXES), (path, names)
   specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
   assert specs["embed"]["embedding"].get_value() == P("vocab", "embed")
   assert specs["layers"][0]["attention"]["k_proj"]["kernel"].get_value() == P(
@@ -224,9 +226,9 @@ def test_every_param_has_logical_axis_names():
 
 def test_params_are_sharded_at_creation_under_a_mesh():
   mesh = jax.make_mesh((1,), ("fsdp",))
-  rules = [(name, "fsdp" if name == "embed" else None) for name in llama.LOGICAL_AXES]
+  rules = [(name, "fsdp" if name == "embed" else None) for name in decoder.LOGICAL_AXES]
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    model = nnx.eval_shape(lambda: Llama(micro(), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(micro(), rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   assert params["embed"]["embedding"].get_value().sharding.spec == P(None, "fsdp")
   assert params["layers"][0]["mlp"]["down_proj"]["kernel"].get_value().sharding.spec == P(
@@ -325,7 +327,7 @@ def llama3_inv_freq_reference(head_dim, theta, factor, low, high, old_context):
 def test_llama3_rope_scaling_matches_meta_reference(head_dim, theta, factor, low, high, old_context):
   scaling = RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
                         original_max_position_embeddings=old_context)
-  ours = np.asarray(llama.rope_inv_freq(head_dim, theta, scaling))
+  ours = np.asarray(decoder.rope_inv_freq(head_dim, theta, scaling))
   expected = llama3_inv_freq_reference(head_dim, theta, factor, low, high, old_context)
   assert ours.dtype == np.float32
   np.testing.assert_allclose(ours, expected, rtol=1e-5)
@@ -338,7 +340,7 @@ def test_llama3_rope_scaling_matches_meta_reference(head_dim, theta, factor, low
 
 def test_no_rope_scaling_keeps_the_plain_rope_bitwise():
   positions = jnp.arange(40)[None] * 7
-  sin, cos = llama.rope_tables(positions, 16, 500_000.0)
+  sin, cos = decoder.rope_tables(positions, 16, 500_000.0)
   # The formula before rope_scaling existed: checkpoints and resumes must not move a bit.
   inv_freq = 1.0 / 500_000.0 ** (jnp.arange(0, 8, dtype=jnp.float32) * 2 / 16)
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
@@ -346,7 +348,7 @@ def test_no_rope_scaling_keeps_the_plain_rope_bitwise():
 
 
 def test_the_model_applies_its_rope_scaling(model):
-  scaled = Llama(micro(rope_scaling=RopeScaling(original_max_position_embeddings=8)),
+  scaled = Decoder(micro(rope_scaling=RopeScaling(original_max_position_embeddings=8)),
                  rngs=nnx.Rngs(0))  # The same parameters as `model`.
   tokens = random_tokens((1, 16))
   plain, stretched = forward(model, tokens), forward(scaled, tokens)
@@ -358,7 +360,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights(model):
   gqa = model
   assert gqa.config.num_kv_heads == 2 and gqa.config.num_heads == 4
   # Every parameter is copied below, so the MHA model need not be initialised.
-  mha = nnx.eval_shape(lambda: Llama(micro(num_kv_heads=4), rngs=nnx.Rngs(0)))
+  mha = nnx.eval_shape(lambda: Decoder(micro(num_kv_heads=4), rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(gqa, nnx.Param))
   for layer in params["layers"].values():
     for name in ("k_proj", "v_proj"):  # kv head j serves query heads 2j and 2j + 1
@@ -480,12 +482,12 @@ def test_remat_gives_the_same_gradients():
     graphdef, state = nnx.split(model)
     return str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens))(state))
 
-  plain = Llama(micro(num_layers=1), rngs=nnx.Rngs(0))
+  plain = Decoder(micro(num_layers=1), rngs=nnx.Rngs(0))
   expected = nnx.to_pure_dict(grad_fn(plain, tokens))
   plain_text = jaxpr_text(plain)
   assert "remat" not in plain_text and "checkpoint" not in plain_text
   for policy in ("full", "save_dots"):
-    remat = Llama(micro(num_layers=1, remat=policy), rngs=nnx.Rngs(0))
+    remat = Decoder(micro(num_layers=1, remat=policy), rngs=nnx.Rngs(0))
     got = nnx.to_pure_dict(grad_fn(remat, tokens))
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, expected
@@ -496,7 +498,7 @@ def test_remat_gives_the_same_gradients():
 
 def test_flops_per_token_agrees_with_xla_cost_analysis():
   config = micro(d_model=64, mlp_dim=256, vocab_size=512, tie_embeddings=False)
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))  # lowering needs shapes only
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))  # lowering needs shapes only
   graphdef, state = nnx.split(model)
   batch, seq = 2, 32
   lowered = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(
@@ -525,13 +527,13 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       from jax.sharding import NamedSharding, PartitionSpec as P
       from jax_ai_stack.recipes import sharding
       from jax_ai_stack.recipes.models.decoding import generate
-      from jax_ai_stack.recipes.models.llama import Llama, LlamaConfig
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
-      config = LlamaConfig(**{MICRO!r})
+      config = DecoderConfig(**{MICRO!r})
       placement = sharding.Placement.build(
           sharding.MeshConfig(data=2, fsdp=2, tensor=2, rules="fsdp_tp"), {{}})
-      plain = Llama(config, rngs=nnx.Rngs(0))
-      laid_out = Llama(config, rngs=nnx.Rngs(0), layout=placement.layout())
+      plain = Decoder(config, rngs=nnx.Rngs(0))
+      laid_out = Decoder(config, rngs=nnx.Rngs(0), layout=placement.layout())
       state = nnx.state(plain)
       nnx.update(laid_out, jax.device_put(state, placement.state_shardings(state)))
 
@@ -561,3 +563,13 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
   assert result["plain_constraints"] == 0
   assert result["error"] <= 2e-5
   assert result["generated"] == result["expected"]
+
+
+def test_the_decoders_first_names_still_import_with_a_deprecation_warning():
+  from jax_ai_stack.recipes import models
+  with pytest.warns(DeprecationWarning, match="models.llama.Llama is deprecated: use .*Decoder"):
+    from jax_ai_stack.recipes.models.llama import Llama  # pylint: disable=g-import-not-at-top
+  with pytest.warns(DeprecationWarning, match="LlamaConfig is deprecated: use .*DecoderConfig"):
+    config_class = models.llama.LlamaConfig
+  assert (Llama, config_class) == (Decoder, DecoderConfig)
+  assert "Llama" not in models.__all__

@@ -1,14 +1,17 @@
-"""The model families as a recipe config sees them: no jax, no Task yet.
+"""The Task registry as a recipe config sees it: no jax, no Task yet.
 
-A recipe config needs, of each family, only its model config (tagged by its
-`kind`) and the checks that tie that model to the rest of the recipe. The
-Task, which builds models and datasets, imports jax, flax, optax and grain; so
-a `Family` names where its Task lives and imports it on first use. The config
-then loads, validates and prints in a fraction of a second.
+A recipe config needs, of each registered Task, only the model config it trains
+(tagged by `model.kind`) and the checks that tie that model to the rest of the
+recipe. The Task, which builds models and datasets, imports jax, flax, optax and
+grain; so a `RegisteredTask` names where its Task lives and imports it on first
+use. The config then loads, validates and prints in a fraction of a second.
+
+(A decoder "family" is a Hugging Face architecture, `models.hf.families`; a
+"kind" is `model.kind`, which names one. Neither is a Task.)
 
 Example:
   >>> from jax_ai_stack.recipes.models.configs import CNNConfig
-  >>> family(CNNConfig()).task
+  >>> registered(CNNConfig()).task
   'jax_ai_stack.recipes.tasks.classification:ImageClassification'
 """
 
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.configs import (DECODER_PROJECTIONS, CNNConfig,
-                                                 CustomModelConfig, LlamaConfig)
+                                                 CustomModelConfig, DecoderConfig)
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
@@ -32,32 +35,32 @@ def _no_check(config: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-  """One model family: its model config, its recipe checks, where its Task lives."""
+class RegisteredTask:
+  """One registered Task: the model config it trains, its recipe checks, where it lives."""
 
   model_config: type
-  """The model config dataclass this family trains (tagged by its `kind`)."""
+  """The model config dataclass this Task trains (tagged by its `kind`)."""
   task: str
   """"module:Class" of its Task, imported by `task_class`."""
   check: Callable[[Any], None] = _no_check
-  """Raises ValueError when the rest of a recipe config does not fit this family."""
+  """Raises ValueError when the rest of a recipe config does not fit this Task."""
   lora_modules: str | None = None
   """The layers LoRA adapts by default (`finetune.lora.modules`): a regex of module
-  names; None: the family names none (a recipe must say which)."""
+  names; None: none by default (a recipe must say which)."""
 
   @property
   def kind(self) -> str:
-    """The `model.kind` of this family's default model config."""
+    """The `model.kind` of the default model config."""
     return self.model_config().kind
 
   @property
   def kinds(self) -> tuple[str, ...]:
-    """Every `model.kind` that tags this family's model config (the decoder has one per
+    """Every `model.kind` that tags the model config (the decoder has one per
     architecture)."""
     return configlib.kinds(self.model_config)
 
   def task_class(self) -> type[Task]:
-    """The family's `Task` subclass (imports its module: jax, flax, ...)."""
+    """The `Task` subclass (imports its module: jax, flax, ...)."""
     return pkgutil.resolve_name(self.task)
 
 
@@ -102,20 +105,20 @@ def _check_custom(config: Any) -> None:
                      "come from your Task's `dataset`, which sets their size")
 
 
-FAMILIES: tuple[Family, ...] = (
-    Family(LlamaConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model,
+REGISTRY: tuple[RegisteredTask, ...] = (
+    RegisteredTask(DecoderConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model,
            lora_modules=DECODER_PROJECTIONS),
-    Family(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
+    RegisteredTask(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
            _check_image_classification),
-    Family(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask", _check_custom),
+    RegisteredTask(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask", _check_custom),
 )
-"""Every model family a recipe config can name; the first is the default."""
+"""Every Task a recipe config can name (by its model); the first is the default."""
 
 
-def family(model_config: Any) -> Family:
-  """The family whose model config `model_config` is."""
-  for candidate in FAMILIES:
+def registered(model_config: Any) -> RegisteredTask:
+  """The registered Task whose model config `model_config` is."""
+  for candidate in REGISTRY:
     if isinstance(model_config, candidate.model_config):
       return candidate
   raise TypeError(f"no Task trains a {type(model_config).__name__}; known: "
-                  + ", ".join(f.model_config.__name__ for f in FAMILIES))
+                  + ", ".join(entry.model_config.__name__ for entry in REGISTRY))
