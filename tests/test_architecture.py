@@ -52,7 +52,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.finetune.reference", "recipes.finetune.transforms")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
-         "recipes.run", "recipes.train", "recipes.record", "recipes.finetune.ptq",
+         "recipes.workdir", "recipes.held_out", "recipes.run", "recipes.train", "recipes.record",
+         "recipes.finetune.ptq",
          "recipes.finetune.lora_merge")),
     ("command lines", "parse flags, read the environment once, call one function below, "
      "print; nothing but another command line imports them", ("cli", "*.cli", "*_cli")),

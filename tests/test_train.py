@@ -16,6 +16,7 @@ from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import checkpoint, config, phases, train
 from jax_ai_stack.recipes import run as run_lib
+from jax_ai_stack.recipes import workdir as workdir_lib
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 from training_helpers import STEPS, TINY, start_training, tiny_config, train_losses, wait_for_step
@@ -45,7 +46,7 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(reference):
   assert metadata["step"] == STEPS and metadata["config"]["train"]["steps"] == STEPS
   manager.close()
   # The resolved config, whole: `train --config W/config.yaml` runs it again.
-  assert config.load(None, config_file=workdir / run_lib.CONFIG_FILE) == tiny_config()
+  assert config.load(None, config_file=workdir / workdir_lib.CONFIG_FILE) == tiny_config()
 
 
 @pytest.mark.slow

@@ -105,7 +105,8 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
   from jax_ai_stack.recipes.data import tokenizers
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.hf import special_tokens
-  from jax_ai_stack.recipes.run import build_run, write_config
+  from jax_ai_stack.recipes.run import build_run
+  from jax_ai_stack.recipes.workdir import write_config
 
   source = pathlib.Path(directory)
   workdir = pathlib.Path(workdir).absolute()
@@ -150,7 +151,7 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
 
 def run_import(args: argparse.Namespace) -> int:
   logs.status(f"importing {args.directory} into {args.workdir} ...")
-  from jax_ai_stack.recipes.run import CONFIG_FILE
+  from jax_ai_stack.recipes.workdir import CONFIG_FILE
 
   config = import_hf(args.directory, args.workdir, preset=args.preset, config_file=args.config,
                      overrides=args.overrides)
@@ -228,7 +229,7 @@ def _refuse_quantized(workdir: pathlib.Path) -> None:
   """A `jax-ai-stack quantize` result (<run>/quantized/<scheme>) holds int8/int4 values and
   scales, which no Hugging Face architecture of ours holds: the float run is what exports."""
   from jax_ai_stack.recipes.finetune.ptq import QUANTIZED_DIR
-  from jax_ai_stack.recipes.run import CHECKPOINT_DIR
+  from jax_ai_stack.recipes.workdir import CHECKPOINT_DIR
 
   run = workdir.parent.parent
   if workdir.parent.name == QUANTIZED_DIR and (run / CHECKPOINT_DIR).is_dir():

@@ -41,47 +41,20 @@ import jax
 from flax import nnx
 
 from jax_ai_stack import determinism, kernels, logs
-from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
                                  WorkdirError)
-from jax_ai_stack.recipes import checkpoint, configlib, optim, phases, sharding, step, tasks
+from jax_ai_stack.recipes import (checkpoint, configlib, held_out, optim, phases, sharding, step,
+                                  tasks)
+from jax_ai_stack.recipes import workdir as workdir_lib
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-"""The workdir's subdirectory of Orbax steps."""
-CONFIG_FILE = "config.yaml"
-"""The workdir's resolved config: `train --config W/config.yaml` runs it again."""
-
 Mode = Literal["train", "read"]
 TaskArg = Union[tasks.Task, Callable[[RecipeConfig], tasks.Task], None]
 """A run's Task: given, built from the config by a function, or None (the config's)."""
-__all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "Run", "build_run", "prepare_workdir", "write_config"]
-
-
-def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
-  """Checks (and for training creates) the workdir; WorkdirError says what is wrong."""
-  if workdir.exists() and not workdir.is_dir():
-    raise WorkdirError(f"workdir {workdir} is a file, not a directory")
-  if read_only:
-    if not (workdir / CHECKPOINT_DIR).is_dir():
-      raise WorkdirError(f"no checkpoints in {workdir}: train there first")
-    return
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-    probe = workdir / f".write-test-{os.getpid()}"  # Other hosts may probe it too.
-    probe.write_text("ok")
-    probe.unlink()
-  except OSError as e:
-    raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
-
-
-def write_config(workdir: pathlib.Path, config: RecipeConfig) -> None:
-  """The resolved `config` as `workdir`/config.yaml (whole, so no preset is merged under it)."""
-  write_atomically(pathlib.Path(workdir) / CONFIG_FILE,
-                   "preset: none\n" + configlib.to_yaml(config))
+__all__ = ["Run", "build_run"]
 
 
 def _warn_attention_change(metadata: dict, choice: kernels.Choice | None) -> None:
@@ -90,33 +63,6 @@ def _warn_attention_change(metadata: dict, choice: kernels.Choice | None) -> Non
   if choice is not None and saved and saved != choice.name:
     log.warning("attention was %s when the checkpoint was written and is %s now: the resumed "
                 "run will not be bitwise identical to one that never stopped", saved, choice.name)
-
-
-_SHAPE_SECTIONS = ("model", "finetune", "quant")
-"""The config sections that decide the checkpoint's arrays and their shapes."""
-
-
-def _name_changed_fields(error: CheckpointMismatchError, metadata: dict,
-                         config: RecipeConfig) -> CheckpointMismatchError:
-  """`error` with the config fields that differ from the checkpoint's named first.
-
-  The saved config is validated again (`from_json`), so a field newer than the
-  checkpoint compares at the value the checkpoint was written with.
-  """
-  try:
-    saved = configlib.to_dict(from_json(metadata["config"]))
-  except (KeyError, ConfigError):
-    return error
-  current = configlib.to_dict(config)
-  changes = [f"{field}: {a!r} in the checkpoint, {b!r} now"
-             for section in _SHAPE_SECTIONS
-             for field, a, b in phases.changes(saved.get(section, {}),
-                                               current.get(section, {}), f"{section}.")]
-  if not changes:
-    return error
-  detail = str(error)
-  return CheckpointMismatchError(f"config fields differ from the checkpoint's: "
-                                 f"{'; '.join(changes)}. {detail[:1].upper()}{detail[1:]}")
 
 
 @dataclasses.dataclass
@@ -153,43 +99,8 @@ class Run:
   """What began the current phase at this resume ([]: it goes on, or a fresh run)."""
 
   def evaluate(self) -> dict[str, float]:
-    """Mean metrics over the first `train.eval_batches` validation batches.
-
-    Several validation sets (a data mixture's components): each one's metrics
-    as `eval_<name>_<metric>`, and their plain mean as `eval_<metric>`.
-    """
-    if self.validation is None:
-      raise ConfigError("evaluation is off (train.eval_every=0): no validation split was built")
-    if self.task.rollouts is not None:  # RL: the rewards of the policy's completions.
-      step.merge(self.model, self.optimizer, self.state)  # The policy as it stands.
-      with _opened(self.validation) as batches:
-        return self.task.rollouts.evaluate(self.inference_model(), batches,
-                                           self.config.train.eval_batches)
-    if not isinstance(self.validation, Mapping):
-      return self.task.evaluation({f"eval_{k}": v for k, v in self._means(self.validation).items()})
-    each = {name: self._means(dataset) for name, dataset in self.validation.items()}
-    mean = {k: sum(m[k] for m in each.values()) / len(each) for k in next(iter(each.values()))}
-    return {**self.task.evaluation({f"eval_{k}": v for k, v in mean.items()}),
-            **{f"eval_{name}_{k}": v for name, means in each.items() for k, v in means.items()}}
-
-  def _means(self, validation: grain.IterDataset) -> dict[str, float]:
-    """Mean metrics of the first `train.eval_batches` batches of one validation set."""
-    totals: dict[str, float] = {}
-    batches = 0
-    with _opened(validation) as iterator:
-      for batch in iterator:
-        if batches == self.config.train.eval_batches:
-          break
-        metrics = self.eval_step(self.state, self.placement.batch(batch))
-        for k, v in step.host_metrics(metrics).items():
-          totals[k] = totals.get(k, 0.0) + v
-        batches += 1
-    if batches == 0:
-      raise ConfigError(
-          "the validation split has no full batch: lower data.batch_size, raise "
-          "data.validation_fraction, or turn evaluation off with train.eval_every=0"
-      )
-    return {k: v / batches for k, v in totals.items() if k != "tokens"}
+    """Mean metrics over the first `train.eval_batches` validation batches (`held_out`)."""
+    return held_out.evaluate(self)
 
   def checkpoint_metadata(self) -> dict[str, Any]:
     """What a checkpoint of this run records beside the arrays: step, config, plan, base."""
@@ -278,18 +189,6 @@ class Run:
     return (f"recipe {self.config.name}: {n_params}{_vocabulary_padding(self.config.model)} on "
             f"{jax.default_backend()} ({jax.device_count()} device(s), "
             f"{self.placement.describe()}); workdir {self.workdir}")
-
-
-@contextlib.contextmanager
-def _opened(dataset: grain.IterDataset) -> Iterator:
-  """`iter(dataset)`, closed on leaving: its prefetch thread stops now, not at garbage
-  collection."""
-  iterator = iter(dataset)
-  try:
-    yield iterator
-  finally:
-    if hasattr(iterator, "close"):
-      iterator.close()
 
 
 def _vocabulary_padding(model: Any) -> str:
@@ -398,10 +297,10 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
   created = not workdir.exists()
-  prepare_workdir(workdir, read_only=False)
+  workdir_lib.prepare_workdir(workdir, read_only=False)
   try:
-    metadata = _newest_metadata(workdir, capture_stderr) if resume != "never" else None
-    config, resumed = _resume_phases(config, metadata, workdir)
+    metadata = workdir_lib.newest_metadata(workdir, capture_stderr) if resume != "never" else None
+    config, resumed = workdir_lib.resume_phases(config, metadata, workdir)
     task = tasks.resolve(task, config)
     opened = _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
                                     validation=validation, capture_stderr=capture_stderr,
@@ -411,42 +310,6 @@ def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapp
     if created and not any(workdir.iterdir()):  # Refused input leaves no empty workdir.
       workdir.rmdir()
     raise
-
-
-def _newest_metadata(workdir: pathlib.Path, capture_stderr: bool) -> dict | None:
-  """The newest readable checkpoint's metadata; None when there is none (a fresh run), or
-  when no step's metadata reads (the restore then says so, naming each)."""
-  if not (workdir / CHECKPOINT_DIR).is_dir():
-    return None
-  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
-                                     read_only=True)
-  try:
-    if manager.latest_step() is None:
-      return None
-    return checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
-  except WorkdirError:
-    return None
-  finally:
-    manager.close()
-
-
-def _resume_phases(config: RecipeConfig, metadata: dict | None,
-                   workdir: pathlib.Path) -> tuple[RecipeConfig, phases.Resumed]:
-  """The config to run and the run's phases (`phases`): a fresh run's first, or a
-  resumed run's (its newest `metadata`), with a new one when the config changed what a
-  phase may change.
-
-  Raises ConfigError (nothing read or written beyond the checkpoint's metadata)
-  when it changed what a resumed run keeps.
-  """
-  given = configlib.to_dict(config)
-  if metadata is None:
-    return config, phases.resume({"step": 0}, given, workdir)
-  resumed = phases.resume(metadata, given, workdir)
-  if resumed.config != given:  # Mixture stages composed across phases.
-    config = configlib.from_dict(RecipeConfig, resumed.config,
-                                 source=f"{workdir}'s phases and this config")
-  return config, resumed
 
 
 def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: tasks.Task, *,
@@ -477,7 +340,7 @@ def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: ta
       config = _without_evaluation(config)
       logs.note("no held-out evaluation in this run (train.eval_every=0): "
                 + str(e).removeprefix("data: "))
-  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, config.checkpoint)
+  manager = checkpoint.build_manager(workdir / workdir_lib.CHECKPOINT_DIR, config.checkpoint)
   try:
     latest = manager.latest_step()
     if latest is not None and resume == "never":
@@ -516,12 +379,12 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
   No train data is built and nothing in the workdir is written, so an
   archived run on a read-only disk works.
   """
-  prepare_workdir(workdir, read_only=True)
-  manager = checkpoint.build_manager(workdir / CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+  workdir_lib.prepare_workdir(workdir, read_only=True)
+  manager = checkpoint.build_manager(workdir / workdir_lib.CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
                                      read_only=True)
   try:
     if manager.latest_step() is None:
-      raise WorkdirError(f"no checkpoints in {workdir / CHECKPOINT_DIR}: train there first")
+      raise WorkdirError(f"no checkpoints in {workdir / workdir_lib.CHECKPOINT_DIR}: train there first")
     metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
     config = from_json(metadata["config"])
     if overrides:
@@ -571,7 +434,7 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
                                     capture_stderr=opened.capture_stderr)
     except CheckpointMismatchError as e:
       metadata = checkpoint.read_metadata(opened.manager, capture_stderr=opened.capture_stderr)
-      raise _name_changed_fields(e, metadata, config) from None
+      raise workdir_lib.name_changed_fields(e, metadata, config) from None
     if restored is None and train_data is None:
       raise WorkdirError(f"no readable checkpoint in {opened.manager.directory}")
   if restored is None:  # A fresh run (restore raises when steps exist and none reads).

@@ -56,8 +56,8 @@ from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, eval_change,
                                           format_metrics, plot, read_metrics)
-from jax_ai_stack.recipes.run import (CHECKPOINT_DIR, Run, TaskArg, build_run, prepare_workdir,
-                                     write_config)
+from jax_ai_stack.recipes.run import Run, TaskArg, build_run
+from jax_ai_stack.recipes.workdir import CHECKPOINT_DIR, prepare_workdir, write_config
 
 log = logging.getLogger(__name__)
 

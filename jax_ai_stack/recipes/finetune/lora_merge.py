@@ -20,7 +20,8 @@ from flax import nnx
 from jax_ai_stack.errors import UsageError, WorkdirError
 from jax_ai_stack.recipes import checkpoint, configlib, optim, tasks
 from jax_ai_stack.recipes.finetune.config import FinetuneConfig
-from jax_ai_stack.recipes.run import CHECKPOINT_DIR, build_run, prepare_workdir
+from jax_ai_stack.recipes.run import build_run
+from jax_ai_stack.recipes.workdir import CHECKPOINT_DIR, prepare_workdir
 
 __all__ = ["default_out", "merge"]
 

@@ -38,7 +38,8 @@ from jax_ai_stack import logs
 from jax_ai_stack.errors import UsageError, WorkdirError
 from jax_ai_stack.recipes import checkpoint
 from jax_ai_stack.recipes.finetune import quant
-from jax_ai_stack.recipes.run import Run, build_run, prepare_workdir
+from jax_ai_stack.recipes.run import Run, build_run
+from jax_ai_stack.recipes.workdir import prepare_workdir
 
 QUANTIZED_DIR = "quantized"
 """In the workdir: one directory per scheme, holding the newest quantized step."""
