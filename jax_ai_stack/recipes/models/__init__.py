@@ -2,8 +2,8 @@
 
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
-in `configs`, which imports no jax; `rope` holds the rotary embeddings,
-`decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
+in `configs`, which imports no jax; `layers` holds the decoder's blocks, `rope` the
+rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
 feed-forward layers (Mixtral, Qwen3-MoE), `activation_memory` what a
 decoder keeps for the backward pass; `hf` reads and writes Hugging Face
 directories (config.json + safetensors); `layer_stack` converts a decoder between
@@ -22,7 +22,7 @@ from __future__ import annotations
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("decoder", "activation_memory", "adapting", "cnn", "configs", "decoding", "head",
-               "hf", "layer_stack", "llama", "moe", "rope")
+               "hf", "layer_stack", "layers", "llama", "moe", "rope")
 _EXPORTS = {
     "Decoder": "decoder",
     "DecoderConfig": "configs",

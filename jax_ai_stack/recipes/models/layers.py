@@ -1,0 +1,288 @@
+"""The decoder's layers: attention with its KV cache, the SwiGLU MLP, the norms, a block.
+
+`decoder.Decoder` stacks `Block`s between the embedding and the head; each block
+is [norm -> grouped-query attention with RoPE -> residual; norm -> MLP (or a
+mixture of experts, `moe`) -> residual], with the optional norms after each
+sublayer that Gemma adds. The parameters' logical axis names are the decoder's
+(`decoder.LOGICAL_AXES`); the hidden states [B, T, D] are pinned to
+`HIDDEN_AXES` under a mesh (`constrain`).
+
+Example:
+  >>> from flax import nnx
+  >>> from jax_ai_stack.recipes.models import eager_sharding_scope
+  >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
+  >>> with eager_sharding_scope():  # No mesh: the logical axis names stay metadata.
+  ...   mlp = MLP(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+  >>> mlp(jnp.ones((2, 3, 128))).shape
+  (2, 3, 128)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ai_stack import kernels
+from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.moe import ACTIVATIONS, MoE
+from jax_ai_stack.recipes.models.rope import RopeTables, rotate
+
+if TYPE_CHECKING:
+  from jax_ai_stack.recipes.sharding import Layout
+
+HIDDEN_AXES = ("batch", "length", None)
+"""Logical names of the hidden states [B, T, D]. D stays whole: the parameters'
+"embed" is split over fsdp, which the batch already uses."""
+
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer; the first `length` positions are filled.
+
+  keys[i] and values[i] are [B, S, num_kv_heads, head_dim] for layer i: a tuple
+  of arrays, or one stacked array [num_layers, B, S, ...] with `scan_layers`.
+  """
+
+  keys: tuple[jax.Array, ...] | jax.Array
+  values: tuple[jax.Array, ...] | jax.Array
+  length: jax.Array
+  """int32: a scalar (every row holds as many tokens), or [B], one per row (the generation
+  engine's slots, each at its own position; decoding one token at a time only)."""
+
+
+def _fan_in_init(in_axis, out_axis):
+  """Lecun-normal for kernels whose fan-in spans several (or leading) axes."""
+  return nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+  )
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads.
+
+  The config's switches: biases on q/k/v (`qkv_bias`), an RMSNorm over each head
+  of q and k before RoPE (`qk_norm`), the logits' scale and soft cap, and
+  `layer`'s sliding window; the kernels get all three through their request.
+  """
+
+  def __init__(self, config: DecoderConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
+               sharding: kernels.AttentionSharding | None = None, layer: int = 0):
+    d, n, k, h = (
+        config.d_model, config.num_heads, config.num_kv_heads, config.resolved_head_dim
+    )
+    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+    in_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
+
+    def projection(heads: int, axis: str) -> nnx.Einsum:
+      bias = dict(bias_shape=(heads, h), bias_init=nnx.with_partitioning(
+          nnx.initializers.zeros, (axis, "head_dim"))) if config.qkv_bias else {}
+      return nnx.Einsum(
+          "btd,dnh->btnh", (d, heads, h), rngs=rngs, **dtypes, **bias,
+          kernel_init=nnx.with_partitioning(in_init, ("embed", axis, "head_dim")),
+      )
+
+    self.q_proj = projection(n, "heads")
+    self.k_proj = projection(k, "kv_heads")
+    self.v_proj = projection(k, "kv_heads")
+    self.o_proj = nnx.Einsum(
+        "btnh,nhd->btd", (n, h, d), rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(
+            _fan_in_init(in_axis=(0, 1), out_axis=2), ("heads", "head_dim", "embed")
+        ),
+    )
+    if config.qk_norm:
+      self.q_norm = rms_norm(config, rngs, h)
+      self.k_norm = rms_norm(config, rngs, h)
+    else:
+      self.q_norm = self.k_norm = None
+    self.attention_plan = attention
+    self.attention_sharding = sharding
+    self.local_window = config.local_window(layer)
+    self.logits_soft_cap = config.attn_logit_softcap
+    self.scale = config.attention_scale
+
+  def _attend(self, q, k, v, *, causal, segment_ids=None, kv_seq_lengths=None,
+              local_window=None):
+    return kernels.attention(
+        q, k, v, causal=causal, segment_ids=segment_ids, kv_seq_lengths=kv_seq_lengths,
+        local_window=local_window, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+        plan=self.attention_plan, sharding=self.attention_sharding,
+    )
+
+  def __call__(
+      self,
+      x: jax.Array,
+      rope: RopeTables,
+      segment_ids: jax.Array | None = None,
+      cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """x [B, T, D] -> ([B, T, D], updated (keys, values) or None).
+
+    `rope`: the tables of the tokens' positions (`rope_tables`).
+
+    With `cache` = (keys, values, length): the new keys/values are written at
+    `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
+    decodes one token that attends to the first length + 1 cached positions
+    (with a sliding window, to the last `window + 1` of them, read as one slice).
+    """
+    q, k = self.q_proj(x), self.k_proj(x)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rotate(q, rope), rotate(k, rope)
+    v = self.v_proj(x)
+    window = self.local_window
+    if cache is None:
+      out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
+      return self.o_proj(out), None
+    keys, values, length = cache
+    if jnp.ndim(length) == 1:  # One position per row (the engine's slots).
+      return self._decode_rows(q, k, v, keys, values, length)
+    keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(
+        values, v.astype(values.dtype), length, axis=1
+    )
+    if x.shape[1] > 1:  # Prefill: nothing precedes the prompt, so its own keys suffice.
+      out = self._attend(q, k, v, causal=True, local_window=window)
+    elif window is not None and keys.shape[1] > window + 1:
+      start = jnp.maximum(length - window, 0)  # The window's keys: one fixed-size slice.
+      seen = jnp.full((x.shape[0],), length - start + 1, dtype=jnp.int32)
+      recent = (jax.lax.dynamic_slice_in_dim(c, start, window + 1, axis=1) for c in (keys, values))
+      out = self._attend(q, *recent, causal=False, kv_seq_lengths=seen)
+    else:
+      seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
+      out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
+    return self.o_proj(out), (keys, values)
+
+  def _decode_rows(self, q, k, v, keys, values, length):
+    """One token per row, row i's written at `length[i]` and attending to its first
+    length[i] + 1 cached positions (with a sliding window, the last window + 1 of them)."""
+    rows = jnp.arange(q.shape[0])
+    keys = keys.at[rows, length].set(k[:, 0].astype(keys.dtype))
+    values = values.at[rows, length].set(v[:, 0].astype(values.dtype))
+    window = self.local_window
+    if window is not None and keys.shape[1] > window + 1:
+      start = jnp.maximum(length - window, 0)
+      index = (start[:, None] + jnp.arange(window + 1))[:, :, None, None]
+      recent = (jnp.take_along_axis(c, index, axis=1) for c in (keys, values))
+      out = self._attend(q, *recent, causal=False, kv_seq_lengths=length - start + 1)
+    else:
+      out = self._attend(q, keys, values, causal=False, kv_seq_lengths=length + 1)
+    return self.o_proj(out), (keys, values)
+
+
+def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+  """`layer(x)` applied to x [..., D] as one [tokens, D] matrix, reshaped back.
+
+  The same forward values, but a dense layer's weight gradient becomes one
+  plain matmul: on a 3-D input XLA:CPU contracts the batch and sequence axes with
+  layout copies around the dot (the tiny Llama's MLP forward+backward took 17 ms
+  3-D, 10 ms flattened; the whole step 15-20% less; the gradients sum in another
+  order, so their last bits differ). A reshape of the leading axes costs nothing,
+  on a mesh too (the batch axis stays the sharded one).
+  """
+  y = layer(x.reshape(-1, x.shape[-1]))
+  return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class MLP(nnx.Module):
+  """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    d, f = config.d_model, config.mlp_dim
+    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+    init = nnx.initializers.lecun_normal()
+    self.gate_proj = nnx.Linear(
+        d, f, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+    )
+    self.up_proj = nnx.Linear(
+        d, f, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+    )
+    self.down_proj = nnx.Linear(
+        f, d, use_bias=False, rngs=rngs, **dtypes,
+        kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+    )
+    self.activation = config.mlp_activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    act = ACTIVATIONS[self.activation]
+    return on_tokens(lambda x: self.down_proj(act(self.gate_proj(x)) * self.up_proj(x)), x)
+
+
+class OffsetRMSNorm(nnx.RMSNorm):
+  """RMSNorm scaled by (offset + weight), in float32: Gemma's `x * (1 + w)` with offset 1.
+
+  The weight starts at 1 - offset, so a new norm is the identity as Llama's is.
+  """
+
+  def __init__(self, num_features: int, *, offset: float, **kwargs):
+    super().__init__(num_features, **kwargs)
+    self.offset = offset
+
+  def __call__(self, x, mask=None):
+    del mask
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    y = y * (self.offset + self.scale[...].astype(jnp.float32))
+    return y.astype(self.dtype or x.dtype)
+
+
+def rms_norm(config: DecoderConfig, rngs: nnx.Rngs, features: int | None = None) -> nnx.RMSNorm:
+  """An RMSNorm over `features` (default d_model) with the config's eps and `norm_offset`."""
+  kwargs = dict(epsilon=config.norm_eps, rngs=rngs, dtype=jnp.dtype(config.dtype),
+                param_dtype=jnp.dtype(config.param_dtype))
+  features = config.d_model if features is None else features
+  if not config.norm_offset:
+    return nnx.RMSNorm(features, **kwargs, scale_init=nnx.with_partitioning(
+        nnx.initializers.ones, ("norm",)))
+  start = nnx.initializers.constant(1.0 - config.norm_offset)
+  return OffsetRMSNorm(features, offset=config.norm_offset, **kwargs,
+                       scale_init=nnx.with_partitioning(start, ("norm",)))
+
+
+class Block(nnx.Module):
+  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
+
+  With `post_norms` (Gemma 2/3) each branch's output is normed before its add.
+  The MLP is a mixture of experts (`moe.MoE`) in the layers `config.moe_layers`
+  names; the block then also returns the layer's `moe.MoeStats` (else None).
+  """
+
+  def __init__(self, config: DecoderConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
+               layout: Layout | None = None, layer: int = 0):
+    self.attention_norm = rms_norm(config, rngs)
+    self.attention = Attention(config, attention, rngs=rngs, layer=layer,
+                               sharding=layout.attention() if layout else None)
+    self.mlp_norm = rms_norm(config, rngs)
+    self.mlp = (MoE(config, rngs=rngs, layout=layout) if config.moe_layers[layer]
+                else MLP(config, rngs=rngs))
+    if config.post_norms:
+      self.post_attention_norm = rms_norm(config, rngs)
+      self.post_mlp_norm = rms_norm(config, rngs)
+    else:
+      self.post_attention_norm = self.post_mlp_norm = None
+    self.layout = layout
+
+  def __call__(self, x, rope: RopeTables, segment_ids=None, cache=None):
+    h, new_cache = self.attention(self.attention_norm(x), rope, segment_ids, cache)
+    if self.post_attention_norm is not None:
+      h = self.post_attention_norm(h)
+    x = x + constrain(self.layout, h)
+    if isinstance(self.mlp, MoE):
+      h, stats = self.mlp(self.mlp_norm(x), segment_ids)
+    else:
+      h, stats = self.mlp(self.mlp_norm(x)), None
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    return x + constrain(self.layout, h), new_cache, stats
+
+
+
+def constrain(layout: Layout | None, x: jax.Array) -> jax.Array:
+  """Hidden states [B, T, D] pinned where `layout` says; as they are without one."""
+  return x if layout is None else layout.constrain(x, HIDDEN_AXES)
