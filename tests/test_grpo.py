@@ -81,6 +81,10 @@ def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
   loss, metrics = objective.loss(model, batch)
   assert float(loss) == pytest.approx(-float(batch["advantages"].mean()), rel=1e-5)
   assert float(metrics["clip_fraction"]) == 0.0
+  logps = objectives.target_logps(model, batch["inputs"], batch["targets"],
+                                  segment_ids=batch["segment_ids"], positions=batch["positions"])
+  completion = np.asarray(logps)[:, 5:]  # _batch's loss mask.
+  assert float(metrics["entropy"]) == pytest.approx(-completion.mean(), rel=1e-5)
 
   def reinforce(model):
     logps = objectives.target_logps(model, batch["inputs"], batch["targets"],

@@ -31,6 +31,12 @@ update the engine's log-probabilities are compared with the trainer's and the
 largest gap is logged (`sampler_logp_gap`: below 1e-6 on CPU; 0 at the later
 updates), to show that they are the same policy and no correction is needed.
 
+`entropy` is the mean of -log pi over the completion tokens: the sampled tokens'
+estimate of the policy's per-token entropy (exact in expectation at temperature
+1; at another `rl.temperature`, of the cross-entropy from the sampler), with no
+[B, T, V] logits kept to compute it whole. A policy collapsing onto one reply
+shows as entropy falling towards 0.
+
 Example: a group of four; the two right answers share the advantage.
   >>> print(advantages(np.array([[1.0, 0.0, 1.0, 0.0]]), "grpo").round(3))
   [[ 0.866 -0.866  0.866 -0.866]]
@@ -137,6 +143,7 @@ class GroupRelative(Objective):
     losses, clipped = token_losses(logps, old, batch["advantages"], epsilon=self.epsilon,
                                    epsilon_high=self.epsilon_high)
     metrics = {"clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
+               "entropy": masked_mean(-jax.lax.stop_gradient(logps), mask),
                "sampler_logp_gap": jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask
                                            * batch["fresh"][:, None]),
                ROUTER_LOSSES: router}
