@@ -161,3 +161,16 @@ def test_stop_after_ends_a_phase_at_a_planned_step_and_keeps_the_schedule(refere
   assert "already at stop_after=10: nothing to do" in capsys.readouterr().out
   assert cli.main(command) == 0
   assert train_losses(tmp_path) == train_losses(reference[0])
+
+
+def test_the_files_of_prompts_and_preference_pairs_are_recorded(tmp_path):
+  from jax_ai_stack.recipes import config as config_lib  # pylint: disable=g-import-not-at-top
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "2 + 2 =", "answer": "4"}\n')
+  data = config_lib.load("lm-tiny-grpo", overrides=["data.source=prompts",
+                                                    f"data.paths=['{prompts}']"]).data
+  [entry] = record.data_files(data)
+  assert entry["path"] == str(prompts) and entry["size"] == prompts.stat().st_size
+  assert record.data_files(config_lib.load("lm-tiny-grpo").data) == []  # Made on the fly.
+  pairs = config_lib.load("lm-tiny-dpo").data
+  assert pairs.is_preference and record.data_files(pairs)  # The standard library's files.

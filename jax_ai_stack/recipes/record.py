@@ -40,6 +40,7 @@ from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data import sources as data_sources
 from jax_ai_stack.recipes.data.token_cache import identity
 
 RECORD_FILE = "record.json"
@@ -64,8 +65,9 @@ def data_files(data: DataConfig, recorded: list[dict] | None = None) -> list[dic
   a file whose size and mtime match its `recorded` entry keeps the recorded hash."""
   sources = ([data.component(name) for name in data.mixture.components] if data.mixture
              else [data])
-  files = sorted({path for source in sources if source.is_token_source
-                  for path in identity.source_files(source)})
+  files = sorted({path for source in sources
+                  if source.is_token_source or source.is_preference or source.is_prompts
+                  for path in data_sources.source_files(source)})
   return identity.file_entries(files, recorded)
 
 

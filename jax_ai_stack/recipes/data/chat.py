@@ -61,7 +61,7 @@ from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import arithmetic, sources
 from jax_ai_stack.recipes.data import chat_template
 from jax_ai_stack.recipes.data.chat_template import ChatTemplate
-from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
+from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.permutation import hash_uniform
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -256,7 +256,7 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
     conversations, skipped = arithmetic_conversations(config.max_documents), 0
     what = "arithmetic problems"
   else:
-    conversations, skipped = read_jsonl(source_files(config), config.max_bad_lines)
+    conversations, skipped = read_jsonl(sources.source_files(config), config.max_bad_lines)
     what = ", ".join(config.paths)
   if config.max_documents is not None:
     conversations = conversations[:config.max_documents]
@@ -289,7 +289,7 @@ def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skippe
 
 def file_stamps(config: DataConfig) -> tuple:
   """(path, size, mtime) of each file a chat or preference source reads: its cache key."""
-  return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(config))
+  return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sources.source_files(config))
 
 
 def arithmetic_conversations(count: int | None) -> list[tuple[str, list[dict]]]:
@@ -312,8 +312,3 @@ def held_out_by_key(keys: Sequence[str], fraction: float, *, salt: int) -> np.nd
   return hash_uniform(hashed, salt=salt) < fraction
 
 
-def source_files(config: DataConfig) -> list[pathlib.Path]:
-  """The files a chat or preference source reads (the standard library's, or `paths`)."""
-  if config.source in STDLIB_SOURCES:
-    return sources.stdlib_files(config.paths)
-  return sources.resolve_paths(config.paths)

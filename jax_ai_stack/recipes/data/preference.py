@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import chat, chat_template, examples
+from jax_ai_stack.recipes.data import chat, chat_template, examples, sources
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -148,7 +148,7 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, PreferenceRows]:
   if config.source == "preference_stdlib":
     pairs, skipped, what = stdlib_pairs(config.paths), 0, "the standard library's functions"
   else:
-    pairs, skipped = read_pairs(chat.source_files(config), config.max_bad_lines)
+    pairs, skipped = read_pairs(sources.source_files(config), config.max_bad_lines)
     what = ", ".join(config.paths)
   if config.max_documents is not None:
     pairs = pairs[:config.max_documents]

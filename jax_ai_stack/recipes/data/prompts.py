@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import arithmetic, chat
+from jax_ai_stack.recipes.data import arithmetic, chat, sources
 from jax_ai_stack.recipes.data.config import DataConfig
 
 
@@ -85,7 +85,7 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, PromptRows]:
                for p in arithmetic.problems(config.max_documents or arithmetic.DEFAULT_COUNT)]
     what = "arithmetic problems"
   else:
-    lines, _ = chat.read_lines(chat.source_files(config), config.max_bad_lines, parse_prompt)
+    lines, _ = chat.read_lines(sources.source_files(config), config.max_bad_lines, parse_prompt)
     records, what = [record for _, record in lines], ", ".join(config.paths)
     if config.max_documents is not None:
       records = records[:config.max_documents]

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jax_ai_stack.errors import ConfigError, DataError, MissingExtraError
-from jax_ai_stack.recipes.data.config import DataConfig
+from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,14 @@ def resolve_paths(patterns: tuple[str, ...]) -> list[pathlib.Path]:
     else:
       raise DataFileNotFoundError(f"data.paths[{i}]={pattern!r}: no such file")
   return list(dict.fromkeys(files))  # drop repeats, keep the order
+
+
+def source_files(config: DataConfig) -> list[pathlib.Path]:
+  """The files a source reads: the standard library's, or `paths` (none for the sources
+  made on the fly: arithmetic, digits)."""
+  if config.source in STDLIB_SOURCES:
+    return stdlib_files(config.paths)
+  return resolve_paths(config.paths)
 
 
 def stdlib_root() -> pathlib.Path:

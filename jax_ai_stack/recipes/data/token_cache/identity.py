@@ -30,7 +30,7 @@ import numpy as np
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import corpus as corpus_lib
 from jax_ai_stack.recipes.data import sources
-from jax_ai_stack.recipes.data.config import STDLIB_SOURCES, DataConfig
+from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.token_cache.store import READ_BLOCK_TOKENS, _read_block
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer
 
@@ -46,13 +46,6 @@ def _file_hash(path: pathlib.Path) -> str:
     while block := f.read(_HASH_BLOCK):
       digest.update(block)
   return digest.hexdigest()
-
-
-def source_files(config: DataConfig) -> list[pathlib.Path]:
-  """The files `config`'s corpus is read from (the standard library's, or `paths`)."""
-  if config.source in STDLIB_SOURCES:
-    return sources.stdlib_files(config.paths)
-  return sources.resolve_paths(config.paths)
 
 
 def file_entries(files: list[pathlib.Path], recorded: list[dict] | None = None) -> list[dict]:
@@ -104,7 +97,7 @@ def _identity(config, tokenizer, *, chunk_tokens, shard_documents,
       "format_version": FORMAT_VERSION,
       "tokenizer": _tokenizer_identity(config, tokenizer),
       "settings": _settings(config),
-      "sources": file_entries(source_files(config), recorded),
+      "sources": file_entries(sources.source_files(config), recorded),
       "layout": {
           "chunk_tokens": chunk_tokens,
           "read_block_tokens": _read_block(chunk_tokens, read_block_tokens),
