@@ -72,6 +72,11 @@ SKIPPED = {
         "task files it writes",
     "jax-ai-stack eval --workdir runs/lm-tiny-sft --tasks my_tasks/":
         "needs the user's task files and a chat run: tests/test_evaluation_harness.py",
+    "jax-ai-stack eval --workdir runs/lm-tiny --tasks stdlib":
+        "needs a trained lm-tiny: tests/test_evaluation_harness.py runs eval --tasks stdlib on "
+        "a trained run",
+    "jax-ai-stack eval --workdir runs/lm-tiny-sft --tasks stdlib":
+        "needs a chat-tuned run: tests/test_evaluation_harness.py runs eval --tasks stdlib",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
 }

@@ -3,13 +3,14 @@ and each bad input in one line."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes.evaluation import harness
+from jax_ai_stack.recipes.evaluation import harness, stdlib_tasks
 from training_helpers import TINY
 
 MULTIPLE_CHOICE = """task: tiny_sums
@@ -82,6 +83,20 @@ def test_eval_runs_local_tasks_and_writes_the_harness_results(workdir, tmp_path)
   assert 0 <= results["tiny_sums"]["acc,none"] <= 1
   assert results["tiny_calls"]["exact_match,none"] in (0, 1 / 3, 2 / 3, 1)
   assert json.loads(written.read_text())["n-samples"]["tiny_sums"]["effective"] == 3
+
+
+@pytest.mark.slow
+def test_the_embedded_stdlib_tasks_run_offline_and_leave_a_copy_to_read(workdir, tmp_path):
+  workdir = shutil.copytree(workdir, tmp_path / "run")  # Its own results directory.
+  result = jax_ai_stack("eval", "--workdir", str(workdir), "--tasks", "stdlib", "--limit", "4")
+  assert result.returncode == 0, result.stderr
+  copy = workdir / "eval_harness" / "stdlib_tasks"
+  assert f"tasks {copy}" in result.stderr
+  assert sorted(p.stem for p in copy.glob("*.yaml")) == sorted(stdlib_tasks.TASKS)
+  [written] = (workdir / "eval_harness").glob("results-*.json")
+  results = json.loads(written.read_text())["results"]
+  assert set(results) == set(stdlib_tasks.TASKS)
+  assert 0 <= results["stdlib_definitions"]["acc,none"] <= 1
 
 
 @pytest.mark.slow  # lm-eval indexes its thousands of task files.

@@ -34,6 +34,7 @@ import os
 import pathlib
 import secrets
 import sys
+import tempfile
 import time
 
 from jax_ai_stack import logs
@@ -179,9 +180,10 @@ def register(subparsers) -> None:
   evaluate.add_argument("--quantized", metavar="SCHEME",
                         help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
   evaluate.add_argument("--tasks", metavar="A,B",
-                        help="run lm-evaluation-harness tasks instead: registered names or "
-                        "directories of task YAML files, comma-separated (the eval extra); "
-                        "their data must be on disk")
+                        help="run lm-evaluation-harness tasks instead: registered names, "
+                        "directories of task YAML files, or `stdlib` (two tasks made from "
+                        "the standard library), comma-separated (the eval extra); their "
+                        "data must be on disk")
   evaluate.add_argument("--limit", type=float, metavar="N",
                         help="--tasks: at most N examples per task (a fraction if below 1)")
   evaluate.add_argument("--num-fewshot", type=int, metavar="K",
@@ -452,26 +454,33 @@ def _run_harness(args: argparse.Namespace) -> int:
   for entry in entries:
     if ("/" in entry or entry.startswith(".")) and not pathlib.Path(entry).is_dir():
       raise UsageError(f"--tasks {entry}: no such directory")
-  tasks = harness.resolve(entries)  # Before the run loads: a wrong name costs nothing.
-  trainer = _open_finished(args, validation=False, method="__call__")
-  try:
-    model = harness_model.HarnessModel(
-        trainer.model, trainer.task.tokenizer(), batch_size=args.batch_size,
-        generation_model=trainer.inference_model(), **_chat_of(trainer))
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    with trainer.kernel_configs():
-      results = harness.evaluate(model, tasks, limit=limit, num_fewshot=args.num_fewshot,
-                                 apply_chat_template=args.apply_chat_template,
-                                 seed=trainer.config.train.seed)
-  finally:
-    trainer.close()
+  from jax_ai_stack.recipes.evaluation import stdlib_tasks
+
+  with tempfile.TemporaryDirectory() as scratch:  # The embedded tasks, while they run.
+    embedded = str(stdlib_tasks.write(pathlib.Path(scratch))) if stdlib_tasks.NAME in entries \
+        else None
+    tasks = harness.resolve([embedded if e == stdlib_tasks.NAME else e for e in entries])
+    trainer = _open_finished(args, validation=False, method="__call__")  # After the names.
+    try:
+      model = harness_model.HarnessModel(
+          trainer.model, trainer.task.tokenizer(), batch_size=args.batch_size,
+          generation_model=trainer.inference_model(), **_chat_of(trainer))
+      limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+      with trainer.kernel_configs():
+        results = harness.evaluate(model, tasks, limit=limit, num_fewshot=args.num_fewshot,
+                                   apply_chat_template=args.apply_chat_template,
+                                   seed=trainer.config.train.seed)
+    finally:
+      trainer.close()
   from lm_eval.utils import handle_non_serializable, make_table
 
-  path = (pathlib.Path(args.workdir) / "eval_harness" /
-          f"results-step{trainer.step}-{time.strftime('%Y%m%dT%H%M%S')}.json")
-  path.parent.mkdir(exist_ok=True)
+  out = pathlib.Path(args.workdir) / "eval_harness"
+  path = out / f"results-step{trainer.step}-{time.strftime('%Y%m%dT%H%M%S')}.json"
+  out.mkdir(exist_ok=True)
   write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable))
   print(make_table(results))
+  if embedded:  # A copy to read and change: `--tasks W/eval_harness/stdlib_tasks` runs it.
+    print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks')}", file=sys.stderr)
   print(f"results {path}", file=sys.stderr)
   return 0
 

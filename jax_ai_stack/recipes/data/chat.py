@@ -52,7 +52,7 @@ import json
 import pathlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -137,10 +137,20 @@ STDLIB_SUMMARY_CHARS, STDLIB_CALL_CHARS = 60, 40
 the byte-level presets' 128 tokens."""
 
 
-def stdlib_conversations(patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, list[dict]]]:
-  """(function's qualified name, messages) pairs from the standard library's documented
-  public functions (public modules, tests left out): its summary asked for by its call, and
-  the call by its summary."""
+class StdlibFunction(NamedTuple):
+  """A documented public function of the standard library."""
+
+  key: str
+  """Its qualified name, "module.name"."""
+  call: str
+  """How it is called: "module.name(args)"."""
+  summary: str
+  """Its docstring's first line."""
+
+
+def stdlib_functions(patterns: tuple[str, ...] = ()) -> Iterator[StdlibFunction]:
+  """The standard library's documented public functions (public modules, tests left out),
+  whose summary and call are short enough to ask about."""
   for path in sources.stdlib_files(patterns):
     parts = path.relative_to(sources.stdlib_root()).parts
     if any(p.startswith("_") and p != "__init__.py" or p in ("test", "tests") for p in parts):
@@ -156,13 +166,18 @@ def stdlib_conversations(patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, 
       lines = (ast.get_docstring(node) or "").strip().splitlines()
       summary = lines[0].strip() if lines else ""
       call = f"{module}.{node.name}({ast.unparse(node.args)})"
-      if not summary or len(summary) > STDLIB_SUMMARY_CHARS or len(call) > STDLIB_CALL_CHARS:
-        continue
-      key = f"{module}.{node.name}"
-      yield key, [{"role": "user", "content": f"What does `{call}` do?"},
-                  {"role": "assistant", "content": summary}]
-      yield key, [{"role": "user", "content": f"Which function: {summary}"},
-                  {"role": "assistant", "content": f"`{call}`"}]
+      if summary and len(summary) <= STDLIB_SUMMARY_CHARS and len(call) <= STDLIB_CALL_CHARS:
+        yield StdlibFunction(f"{module}.{node.name}", call, summary)
+
+
+def stdlib_conversations(patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, list[dict]]]:
+  """(function's qualified name, messages) pairs from `stdlib_functions`: its summary asked
+  for by its call, and the call by its summary."""
+  for function in stdlib_functions(patterns):
+    yield function.key, [{"role": "user", "content": f"What does `{function.call}` do?"},
+                         {"role": "assistant", "content": function.summary}]
+    yield function.key, [{"role": "user", "content": f"Which function: {function.summary}"},
+                         {"role": "assistant", "content": f"`{function.call}`"}]
 
 
 def _module_name(path: pathlib.Path) -> str:
