@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import DataConfig, arithmetic, build_dataset, chat, prompts
+from jax_ai_stack.recipes.data import (DataConfig, arithmetic, build_dataset, chat, prompts,
+                                       reversal)
 
 
 @pytest.mark.parametrize("line,message", [
@@ -30,15 +31,26 @@ def test_arithmetic_problems_are_stable_and_answered_right():
     assert problem["reply"] == f"{a} {op} {b} = {problem['answer']}"
 
 
-def test_chat_arithmetic_holds_out_the_questions_prompts_arithmetic_holds_out():
-  config = DataConfig(source="prompts_arithmetic", max_documents=400, validation_fraction=0.2,
+@pytest.mark.parametrize("task", ["arithmetic", "reversal"])
+def test_a_made_tasks_chat_source_holds_out_the_questions_its_prompts_hold_out(task):
+  config = DataConfig(source=f"prompts_{task}", max_documents=400, validation_fraction=0.2,
                       seq_len=64)
   held_out = {r["messages"][0]["content"] for r in prompts.load_prompts(config)["validation"].records}
-  conversations = chat.arithmetic_conversations(400)
+  conversations = chat.made_conversations(f"chat_{task}", 400)
   keys = [key for key, _ in conversations]
   chat_held_out = {k for k, out in zip(keys, chat.held_out_by_key(
       keys, 0.2, salt=chat.HOLDOUT_SALT)) if out}
   assert held_out == chat_held_out and 40 < len(held_out) < 120
+
+
+def test_reversal_problems_are_stable_and_answered_right():
+  many = reversal.problems(300)
+  assert reversal.problems(10) == many[:10]
+  for p in many:
+    word = p["question"].removeprefix("Reverse ")
+    assert p["answer"] == word[::-1] and p["reply"] == f"{word} -> {word[::-1]}"
+    assert reversal.SHORTEST <= len(word) <= reversal.LONGEST and word.isalpha()
+  assert len({p["question"] for p in many}) > 290
 
 
 def test_the_pipeline_batches_prompt_indices_and_a_jsonl_file_keeps_its_columns(tmp_path):

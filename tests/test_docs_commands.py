@@ -553,20 +553,20 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
 
 # ---- README: reinforcement learning ---------------------------------------------------
 
-ARITHMETIC = doc("jax-ai-stack train lm-tiny-arithmetic")
+REVERSE = doc("jax-ai-stack train lm-tiny-reverse")
 GRPO = doc("jax-ai-stack train lm-tiny-grpo")
 GRPO_JSONL = doc("jax-ai-stack train lm-tiny-grpo data.source=prompts data.paths=[prompts.jsonl]")
 
 
 @pytest.mark.slow
 def test_grpo_on_the_sft_run_and_on_prompts_and_a_reward_of_one_s_own(tmp_path):
-  """The arithmetic SFT preset on a tiny base, GRPO on it (evaluated before and after), and
+  """The reversal SFT preset on a tiny base, GRPO on it (evaluated before and after), and
   GRPO on a prompts file with the README's reward module."""
   tiny = [*TINY_MODEL, "model.max_seq_len=64", "data.seq_len=48", "train.progress=false",
           "train.sample_tokens=4", "data.max_documents=100", "data.validation_fraction=0.2"]
   ok(run("jax-ai-stack train lm-tiny", *TINY, "train.steps=2", "model.max_seq_len=64",
          cwd=tmp_path))
-  ok(run(ARITHMETIC, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+  ok(run(REVERSE, *tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
          cwd=tmp_path))
   grpo = [*tiny, "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
           "data.batch_size=2", "rl.num_generations=2", "rl.max_completion_tokens=4"]

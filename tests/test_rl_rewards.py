@@ -10,6 +10,7 @@ import pytest
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import config as config_lib
+from jax_ai_stack.recipes.data import arithmetic, reversal
 from jax_ai_stack.recipes.rl import rewards
 
 
@@ -72,10 +73,19 @@ def test_a_reward_that_does_not_import_is_a_config_error():
 
 
 def test_the_arithmetic_rewards_check_the_answer_and_the_format():
-  completions = ["12 + 30 = 42", "the answer is 42", "12 + 30 = 41", "42 = 12 + 30 "]
-  answers = ["42"] * 4
-  assert rewards.exact_answer([], completions, answer=answers) == [1.0, 1.0, 0.0, 0.0]
-  assert rewards.answer_format([], completions) == [1.0, 0.0, 1.0, 0.0]
+  completions = ["12 + 30 = 42", "the answer is 42", "12 + 30 = 41", "42 = 12 + 30 ",
+                 "3 - 25 = -22"]
+  answers = ["42"] * 4 + ["-22"]
+  patterns = [arithmetic.PATTERN] * 5
+  assert rewards.exact_answer([], completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 1.0]
+  assert rewards.answer_format([], completions, pattern=patterns) == [1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_reversal_rewards_check_the_last_word_and_the_format():
+  completions = ["evq -> qve", "qve", "evq -> qev", "evq->qve", "evq -> qve."]
+  answers, patterns = ["qve"] * 5, [reversal.PATTERN] * 5
+  assert rewards.exact_answer([], completions, answer=answers) == [1.0, 1.0, 0.0, 1.0, 1.0]
+  assert rewards.answer_format([], completions, pattern=patterns) == [1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -33,7 +33,7 @@ def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task
   assert batch["inputs"].shape == batch["sampler_logps"].shape == (8, 64)
   assert batch["advantages"].shape == (8,)
   np.testing.assert_allclose(batch["advantages"].reshape(2, 4).sum(axis=1), 0.0, atol=1e-6)
-  samples = rollouts.sample(model, "train", [3, 1], 4, 1.0, step=5)
+  samples = rollouts.sample(model, "train", [3, 1], 4, rollouts.rl.temperature, step=5)
   for row, sample in enumerate(samples):
     prompt = sample.prompt_ids.size
     completion = batch["targets"][row][batch["loss_mask"][row] > 0]
@@ -76,10 +76,10 @@ def test_a_prompt_that_leaves_no_room_for_a_completion_is_named(task_and_model, 
 
 
 def parity_or_text(prompts, completions, answer, **columns):
-  """All equal for an even answer (no signal); for an odd one, a number drawn from the text
-  (different completions: different rewards)."""
+  """All equal for an answer of even length (no signal); for an odd one, a number drawn
+  from the text (different completions: different rewards)."""
   del prompts, columns
-  return [0.0 if int(a) % 2 == 0 else float(zlib.crc32(c.encode()) % 1000)
+  return [0.0 if len(a) % 2 == 0 else float(zlib.crc32(c.encode()) % 1000)
           for a, c in zip(answer, completions)]
 
 
@@ -88,13 +88,13 @@ def test_dynamic_sampling_drops_groups_without_signal_and_draws_more_prompts(tas
       *SMALL, f"rl.rewards=[{__name__}:parity_or_text]", "rl.reward_weights=null",
       "rl.dynamic_sampling=true", "rl.max_draws=4"]))
   records = task.rollouts.splits["train"].records
-  odd = [i for i, r in enumerate(records[:40]) if int(r["answer"]) % 2]
+  odd = [i for i, r in enumerate(records[:40]) if len(r["answer"]) % 2]
   draws = iter([{"prompt_index": np.arange(start, start + 4)} for start in range(0, 40, 4)])
   batch, metrics = task.rollouts.batch(task_and_model[1], lambda: next(draws), step=0)
   drawn = int(metrics["prompt_batches_drawn"])
   expected = [i for i in odd if i < 4 * drawn][:4]
   assert len(expected) == 4 and drawn < 4  # Enough odd answers among the first draws.
-  kept = [int(records[i]["answer"]) % 2 for i in expected]
+  kept = [len(records[i]["answer"]) % 2 for i in expected]
   assert kept == [1, 1, 1, 1] and metrics["groups_without_signal"] == 0.0
   assert metrics["groups_dropped"] == (4 * drawn - len([i for i in odd if i < 4 * drawn])) / (
       4 * drawn)

@@ -105,7 +105,7 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_and_loses_nothing(base,
       "def fine(prompts, completions, **columns):\n"
       "  return [0.5] * len(completions)\n"
       "def broken(prompts, completions, answer, **columns):\n"
-      "  return [float(int(a) / 0) for a in answer]\n")
+      "  return [float(len(a) / 0) for a in answer]\n")
   workdir = tmp_path / "run"
   common = [*RL, f"finetune.base={base}", "train.eval_every=0", "rl.reward_weights=null"]
 

@@ -38,8 +38,8 @@ Example:
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("arithmetic", "batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus",
-               "examples", "mixture", "permutation", "pipeline", "preference", "prompts",
-               "sources",
+               "examples", "made_tasks", "mixture", "permutation", "pipeline", "preference",
+               "prompts", "reversal", "sources",
                "token_cache", "tokenizers")
 _EXPORTS = {
     "BatchSchedule": "batch_schedule",

@@ -9,14 +9,16 @@ the rewards `rl.rewards.exact_answer` and `answer_format`); both hold out the
 same questions (`key`).
 
 Example:
-  >>> problems(2)[1]
-  {'question': 'What is 26 + 30?', 'answer': '56', 'reply': '26 + 30 = 56'}
+  >>> problems(2)[1]["reply"], problems(2)[1]["answer"]
+  ('26 + 30 = 56', '56')
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+PATTERN = r"\d+ [+-] \d+ = -?\d+"
+"""A well-formed reply, in full (`rl.rewards.answer_format`)."""
 LIMIT = 100
 """Operands are in [0, LIMIT)."""
 DEFAULT_COUNT = 5000
@@ -24,11 +26,11 @@ DEFAULT_COUNT = 5000
 
 
 def problems(count: int) -> list[dict[str, str]]:
-  """The first `count` problems: {"question", "answer", "reply"} each (see the module)."""
+  """The first `count` problems: {"question", "answer", "reply", "pattern"} each."""
   rng = np.random.default_rng(0)
   out = []
   for a, b, c in rng.integers(0, LIMIT, (count, 3)).tolist():  # Row i: draws 3i..3i+2.
     op, value = ("-", a - b) if c % 2 else ("+", a + b)
     out.append({"question": f"What is {a} {op} {b}?", "answer": str(value),
-                "reply": f"{a} {op} {b} = {value}"})
+                "reply": f"{a} {op} {b} = {value}", "pattern": PATTERN})
   return out

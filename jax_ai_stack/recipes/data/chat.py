@@ -10,7 +10,8 @@ Sources (`data.source`):
   do?" answered by the docstring's first line, and the reverse question
   answered by the call. Both of one function fall on the same split.
 * `chat_arithmetic`: `data.arithmetic`'s sums and differences, "What is 85 - 63?"
-  answered "85 - 63 = 22": the format `prompts_arithmetic`'s rewards check.
+  answered "85 - 63 = 22": the format `prompts_arithmetic`'s rewards check;
+  `chat_reversal`: `data.reversal`'s words, "Reverse evq" answered "evq -> qve".
 
 Each conversation is rendered by its chat template (`chat_template`), cut into
 its assistant and other pieces, and tokenized piece by piece, so a token's
@@ -58,7 +59,7 @@ import numpy as np
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import arithmetic, sources
+from jax_ai_stack.recipes.data import made_tasks, sources
 from jax_ai_stack.recipes.data import chat_template
 from jax_ai_stack.recipes.data.chat_template import ChatTemplate
 from jax_ai_stack.recipes.data.config import DataConfig
@@ -267,9 +268,9 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
   if config.source == "chat_stdlib":
     conversations, skipped = list(stdlib_conversations(config.paths)), 0
     what = "the standard library's functions"
-  elif config.source == "chat_arithmetic":
-    conversations, skipped = arithmetic_conversations(config.max_documents), 0
-    what = "arithmetic problems"
+  elif made_tasks.task_of(config.source):
+    conversations, skipped = made_conversations(config.source, config.max_documents), 0
+    what = f"{config.source.partition('_')[2]} problems"
   else:
     conversations, skipped = read_jsonl(sources.source_files(config), config.max_bad_lines)
     what = ", ".join(config.paths)
@@ -307,12 +308,12 @@ def file_stamps(config: DataConfig) -> tuple:
   return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sources.source_files(config))
 
 
-def arithmetic_conversations(count: int | None) -> list[tuple[str, list[dict]]]:
-  """(question, [user question, assistant reply]) of `data.arithmetic`'s first `count`
-  problems: the replies `prompts_arithmetic`'s rewards check."""
+def made_conversations(source: str, count: int | None) -> list[tuple[str, list[dict]]]:
+  """(question, [user question, assistant reply]) of the first `count` problems of a made
+  task (`data.made_tasks`): the replies its prompt source's rewards check."""
   return [(p["question"], [{"role": "user", "content": p["question"]},
                            {"role": "assistant", "content": p["reply"]}])
-          for p in arithmetic.problems(count or arithmetic.DEFAULT_COUNT)]
+          for p in made_tasks.problems(source, count)]
 
 
 HOLDOUT_SALT = 1

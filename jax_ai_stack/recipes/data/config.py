@@ -30,9 +30,9 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.configlib import config_dataclass
 
 Source = Literal["stdlib", "text", "npy", "arrayrecord", "parquet", "chat", "chat_stdlib",
-                 "chat_arithmetic",
-                 "preference", "preference_stdlib", "prompts", "prompts_arithmetic", "digits",
-                 "custom"]
+                 "chat_arithmetic", "chat_reversal",
+                 "preference", "preference_stdlib", "prompts", "prompts_arithmetic",
+                 "prompts_reversal", "digits", "custom"]
 TokenizerName = Literal["byte", "huggingface", "sentencepiece"]
 
 # Sources whose files are listed in `paths`.
@@ -40,11 +40,11 @@ _PATH_SOURCES = ("text", "npy", "arrayrecord", "parquet")
 # Sources of documents that become tokens; the others are images with labels.
 TOKEN_SOURCES = ("stdlib", *_PATH_SOURCES)
 # Conversations rendered with a chat template, the loss on the assistant's tokens (`chat`).
-CHAT_SOURCES = ("chat", "chat_stdlib", "chat_arithmetic")
+CHAT_SOURCES = ("chat", "chat_stdlib", "chat_arithmetic", "chat_reversal")
 # Pairs of replies to one prompt, the first preferred: what DPO trains on (`preference`).
 PREFERENCE_SOURCES = ("preference", "preference_stdlib")
 # Prompts a policy answers, with what its rewards read: reinforcement learning (`prompts`).
-PROMPT_SOURCES = ("prompts", "prompts_arithmetic")
+PROMPT_SOURCES = ("prompts", "prompts_arithmetic", "prompts_reversal")
 # Sources made from the standard library's own files (`data.paths`: patterns within it).
 STDLIB_SOURCES = ("stdlib", "chat_stdlib", "preference_stdlib")
 
@@ -151,9 +151,10 @@ class DataConfig:
   JSONL conversations in `paths`; chat_stdlib: question-answer pairs about the standard
   library's functions; preference: JSONL pairs of replies (DPO); preference_stdlib: right
   answers to chat_stdlib's questions over the same answers damaged; chat_arithmetic: sums
-  and differences with their replies ("85 - 63 = 22"); prompts: JSONL prompts with the
-  columns rewards read (reinforcement learning, the `rl` section); prompts_arithmetic: the
-  same sums asked, the answer a column; digits; custom: your Task's own `dataset` (with
+  and differences with their replies ("85 - 63 = 22"); chat_reversal: words and their
+  reversals ("evq -> qve"); prompts: JSONL prompts with the columns rewards read
+  (reinforcement learning, the `rl` section); prompts_arithmetic, prompts_reversal: the same
+  questions asked, the answer a column; digits; custom: your Task's own `dataset` (with
   `model.kind: custom`), nothing read here."""
   paths: tuple[str, ...] = ()
   """Files or globs (`**` recurses) for text/npy/arrayrecord/parquet; each must match a file.

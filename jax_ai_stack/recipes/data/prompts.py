@@ -7,8 +7,9 @@ Sources (`data.source`):
   user turn, answered through the run's chat template), plus any other columns
   (an answer, unit tests) that the rewards read.
 * `prompts_arithmetic`: `data.arithmetic`'s problems, `{"messages": [user:
-  "What is 85 - 63?"], "answer": "22", "reply": "85 - 63 = 22"}`: a task whose
-  answers a program checks, offline.
+  "What is 85 - 63?"], "answer": "22", "reply": "85 - 63 = 22", "pattern": ...}`:
+  a task whose answers a program checks, offline; `prompts_reversal` the same of
+  `data.reversal`'s words ("Reverse evq": "qve").
 
 The split is by a hash of the prompt's text (its last turn's, for a
 conversation), as chat sources split theirs: `chat_arithmetic` holds out the
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes.data import arithmetic, chat, sources
+from jax_ai_stack.recipes.data import chat, made_tasks, sources
 from jax_ai_stack.recipes.data.config import DataConfig
 
 
@@ -73,17 +74,17 @@ class PromptRows:
 def load_prompts(config: DataConfig) -> dict[str, PromptRows]:
   """`{"train": PromptRows, "validation": PromptRows}` of a prompt source (read once per
   config and files)."""
-  made = config.source == "prompts_arithmetic"  # Reads no file.
+  made = made_tasks.task_of(config.source) is not None  # Reads no file.
   return _load(config, () if made else chat.file_stamps(config))
 
 
 @functools.lru_cache(maxsize=2)
 def _load(config: DataConfig, stamps: tuple) -> dict[str, PromptRows]:
   del stamps  # Part of the cache key: a changed file is read again.
-  if config.source == "prompts_arithmetic":
+  if made_tasks.task_of(config.source):
     records = [{"messages": [{"role": "user", "content": p.pop("question")}], **p}
-               for p in arithmetic.problems(config.max_documents or arithmetic.DEFAULT_COUNT)]
-    what = "arithmetic problems"
+               for p in made_tasks.problems(config.source, config.max_documents)]
+    what = f"{config.source.partition('_')[2]} problems"
   else:
     lines, _ = chat.read_lines(sources.source_files(config), config.max_bad_lines, parse_prompt)
     records, what = [record for _, record in lines], ", ".join(config.paths)

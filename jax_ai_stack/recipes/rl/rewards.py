@@ -11,8 +11,9 @@ wrong number of values, or one that is not a finite number, stops the run
 with one line naming it (`RewardError`); the rollout happens before the
 update, so nothing is lost.
 
-`exact_answer` and `answer_format` are the rewards of the built-in arithmetic
-prompts (`data.source: prompts_arithmetic`).
+`exact_answer` and `answer_format` are the rewards of the built-in prompts
+(`data.source: prompts_arithmetic`, `prompts_reversal`): the completion's last
+word is the `answer` column; the whole completion matches the `pattern` column.
 
 Example:
   >>> rewards = load(("jax_ai_stack.recipes.rl.rewards:exact_answer",), (1.0,))
@@ -32,8 +33,7 @@ import numpy as np
 from jax_ai_stack.errors import ConfigError, UserError
 from jax_ai_stack.recipes import configlib
 
-_NUMBER = re.compile(r"-?\d+")
-_ARITHMETIC_REPLY = re.compile(r"\d+ [+-] \d+ = -?\d+")
+_WORD = re.compile(r"-?\w+")
 
 
 class RewardError(UserError):
@@ -88,13 +88,17 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list[str],
 
 def exact_answer(prompts: list, completions: list[str], answer: list[str],
                  **columns) -> list[float]:
-  """1.0 where the completion's last integer is the `answer` column, else 0.0."""
+  """1.0 where the completion's last word (letters, digits; a leading minus kept) is the
+  `answer` column, else 0.0."""
   del prompts, columns
-  found = [_NUMBER.findall(text) for text in completions]
-  return [float(bool(numbers) and numbers[-1] == want) for numbers, want in zip(found, answer)]
+  found = [_WORD.findall(text) for text in completions]
+  return [float(bool(words) and words[-1] == want) for words, want in zip(found, answer)]
 
 
-def answer_format(prompts: list, completions: list[str], **columns) -> list[float]:
-  """1.0 where the completion is "A + B = C" (or "A - B = C") and nothing else, else 0.0."""
+def answer_format(prompts: list, completions: list[str], pattern: list[str],
+                  **columns) -> list[float]:
+  """1.0 where the whole completion matches its row's `pattern` column (a regular
+  expression: "A + B = C" for arithmetic, "word -> drow" for reversal), else 0.0."""
   del prompts, columns
-  return [float(_ARITHMETIC_REPLY.fullmatch(text.strip()) is not None) for text in completions]
+  return [float(re.fullmatch(want, text.strip()) is not None)
+          for text, want in zip(completions, pattern)]
