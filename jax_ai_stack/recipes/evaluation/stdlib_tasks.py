@@ -1,5 +1,5 @@
 """Harness tasks made from the Python standard library itself, so `eval --tasks` runs
-offline on a fresh machine (`--tasks stdlib` runs all three).
+offline on a fresh machine (`--tasks stdlib` runs all four).
 
 They ask about the documented public functions the `chat_stdlib` source asks about
 (`data.chat.stdlib_functions`), in its words:
@@ -44,7 +44,7 @@ from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.recipes.data import chat
 
 NAME = "stdlib"
-"""What `--tasks` calls both tasks."""
+"""What `--tasks` calls all of them."""
 TASKS = ("stdlib_docstrings", "stdlib_docstrings_held_out", "stdlib_calls",
          "stdlib_definitions")
 HELD_OUT_FRACTION = 0.1
@@ -106,12 +106,12 @@ def docstring_rows(functions: list[chat.StdlibFunction]) -> list[dict]:
   from seed 0 (the same rows on every run)."""
   rng = np.random.default_rng(0)
   rows = []
-  for i, function in enumerate(functions):
+  for function in functions:
     others = [f.summary for f in functions if f.summary != function.summary]
     picked = [others[j] for j in rng.choice(len(others), CHOICES - 1, replace=False)]
     answer = int(rng.integers(CHOICES))
     picked.insert(answer, function.summary)
-    rows.append({"call": function.call, "choices": picked, "answer": answer, "index": i})
+    rows.append({"call": function.call, "choices": picked, "answer": answer})
   return rows
 
 
