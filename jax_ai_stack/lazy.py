@@ -21,7 +21,7 @@ from typing import Any
 
 def lazy_attributes(
     package: str, submodules: Iterable[str], exports: Mapping[str, str] | None = None,
-    moved: Mapping[str, str] | None = None,
+    moved: Mapping[str, str] | None = None, renamed: Mapping[str, str] | None = None,
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
   """`__getattr__` and `__dir__` for `package`.
 
@@ -32,8 +32,12 @@ def lazy_attributes(
     moved: old name -> the dotted path, below `package`, of the submodule that
       took its place. The old name still loads that module, with a
       `DeprecationWarning` naming the new path; `__dir__` leaves it out.
+    renamed: old name -> the full dotted name of what took its place (a module's
+      attribute). The old name still gives it, with a `DeprecationWarning` naming
+      the new one; `__dir__` leaves it out.
   """
   submodules, exports, moved = frozenset(submodules), dict(exports or {}), dict(moved or {})
+  renamed = dict(renamed or {})
 
   def __getattr__(name: str) -> Any:
     if name in submodules:
@@ -45,6 +49,11 @@ def lazy_attributes(
       warnings.warn(f"{package}.{name} moved to {new}; import it from there",
                     DeprecationWarning, stacklevel=2)
       return importlib.import_module(new)
+    if name in renamed:
+      warnings.warn(f"{package}.{name} is deprecated: use {renamed[name]}", DeprecationWarning,
+                    stacklevel=2)
+      module, _, attribute = renamed[name].rpartition(".")
+      return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
   def __dir__() -> list[str]:

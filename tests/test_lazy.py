@@ -28,3 +28,10 @@ def test_a_moved_name_loads_its_new_module_with_a_deprecation_warning():
     module = getattr_("qp")
   assert module.__name__ == "email.quoprimime"
   assert dir_() == ["charset"]
+
+
+def test_a_renamed_name_gives_what_took_its_place_with_a_deprecation_warning():
+  getattr_, dir_ = lazy_attributes("json", ["decoder"], renamed={"Decoder": "json.JSONDecoder"})
+  with pytest.warns(DeprecationWarning, match=r"json.Decoder is deprecated: use json.JSONDecoder"):
+    assert getattr_("Decoder") is sys.modules["json"].JSONDecoder
+  assert dir_() == ["decoder"]

@@ -8,7 +8,7 @@ feed-forward layers (Mixtral, Qwen3-MoE), `activation_memory` what a
 decoder keeps for the backward pass; `hf` reads and writes Hugging Face
 directories (config.json + safetensors); `layer_stack` converts a decoder between
 the unrolled and the scanned (`scan_layers`) layouts. `Llama` and `LlamaConfig`, the
-decoder's first names, still import (from `llama`) with a DeprecationWarning.
+decoder's first names, still import (here and from `llama`) with a DeprecationWarning.
 
 Example:
   >>> from jax_ai_stack.recipes import models
@@ -26,8 +26,6 @@ _SUBMODULES = ("decoder", "activation_memory", "adapting", "cnn", "configs", "de
 _EXPORTS = {
     "Decoder": "decoder",
     "DecoderConfig": "configs",
-    "Llama": "llama",
-    "LlamaConfig": "llama",
     "RopeScaling": "configs",
     "MoeConfig": "configs",
     "KVCache": "decoder",
@@ -37,9 +35,7 @@ _EXPORTS = {
     "CNNConfig": "configs",
     "CustomModelConfig": "configs",
 }
-_DEPRECATED = ("Llama", "LlamaConfig")  # Still importable; not star-exported.
-__all__ = ["eager_sharding_scope", *_SUBMODULES,
-           *(name for name in _EXPORTS if name not in _DEPRECATED)]
+__all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]
 
 
 def eager_sharding_scope():
@@ -58,7 +54,8 @@ def eager_sharding_scope():
   return nnx.use_eager_sharding(nnx.using_eager_sharding() and mesh_active)
 
 
-__getattr__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)[0]
+__getattr__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS, renamed={
+    "Llama": f"{__name__}.Decoder", "LlamaConfig": f"{__name__}.DecoderConfig"})[0]
 
 
 def __dir__():  # Also eager_sharding_scope, which is no lazy attribute.

@@ -12,16 +12,8 @@ Example:
 
 from __future__ import annotations
 
-import warnings
+from jax_ai_stack.lazy import lazy_attributes
 
-_RENAMED = {"Llama": "Decoder", "LlamaConfig": "DecoderConfig"}
-
-
-def __getattr__(name: str):
-  if name not in _RENAMED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  new = _RENAMED[name]
-  warnings.warn(f"{__name__}.{name} is deprecated: use jax_ai_stack.recipes.models.{new}",
-                DeprecationWarning, stacklevel=2)
-  from jax_ai_stack.recipes import models  # pylint: disable=g-import-not-at-top
-  return getattr(models, new)
+__getattr__, __dir__ = lazy_attributes(__name__, (), renamed={
+    "Llama": "jax_ai_stack.recipes.models.Decoder",
+    "LlamaConfig": "jax_ai_stack.recipes.models.DecoderConfig"})

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from jax_ai_stack.lazy import lazy_attributes
@@ -51,16 +50,9 @@ def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
   return registered(model_config).task_class().example_inputs(model_config, method)
 
 
-_lazy_getattr, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
-_RENAMED = {"FAMILIES": "REGISTRY", "Family": "RegisteredTask", "family": "registered"}
-
-
-def __getattr__(name: str):
-  if name in _RENAMED:
-    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{_RENAMED[name]}",
-                  DeprecationWarning, stacklevel=2)
-    return globals()[_RENAMED[name]]
-  return _lazy_getattr(name)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS, renamed={
+    "FAMILIES": f"{__name__}.REGISTRY", "Family": f"{__name__}.RegisteredTask",
+    "family": f"{__name__}.registered"})
 
 
 __all__ = [
