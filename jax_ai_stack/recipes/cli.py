@@ -181,7 +181,7 @@ def register(subparsers) -> None:
                         help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
   evaluate.add_argument("--tasks", metavar="A,B",
                         help="run lm-evaluation-harness tasks instead: registered names, "
-                        "directories of task YAML files, or `stdlib` (two tasks made from "
+                        "directories of task YAML files, or `stdlib` (four tasks made from "
                         "the standard library), comma-separated (the eval extra); their "
                         "data must be on disk")
   evaluate.add_argument("--limit", type=float, metavar="N",
@@ -456,9 +456,9 @@ def _run_harness(args: argparse.Namespace) -> int:
       raise UsageError(f"--tasks {entry}: no such directory")
   from jax_ai_stack.recipes.evaluation import stdlib_tasks
 
+  made = stdlib_tasks.make() if stdlib_tasks.NAME in entries else None
   with tempfile.TemporaryDirectory() as scratch:  # The embedded tasks, while they run.
-    embedded = str(stdlib_tasks.write(pathlib.Path(scratch))) if stdlib_tasks.NAME in entries \
-        else None
+    embedded = str(stdlib_tasks.write(pathlib.Path(scratch), made)) if made else None
     tasks = harness.resolve([embedded if e == stdlib_tasks.NAME else e for e in entries])
     trainer = _open_finished(args, validation=False, method="__call__")  # After the names.
     try:
@@ -479,8 +479,8 @@ def _run_harness(args: argparse.Namespace) -> int:
   out.mkdir(exist_ok=True)
   write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable))
   print(make_table(results))
-  if embedded:  # A copy to read and change: `--tasks W/eval_harness/stdlib_tasks` runs it.
-    print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks')}", file=sys.stderr)
+  if made:  # A copy to read and change: `--tasks W/eval_harness/stdlib_tasks` runs it.
+    print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks', made)}", file=sys.stderr)
   print(f"results {path}", file=sys.stderr)
   return 0
 

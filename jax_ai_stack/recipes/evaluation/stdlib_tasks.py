@@ -141,19 +141,27 @@ def definition_rows(functions: list[chat.StdlibFunction]) -> list[dict]:
   return rows
 
 
-def write(directory: pathlib.Path) -> pathlib.Path:
-  """Writes the tasks (YAML and JSONL each) into `directory`; returns it."""
-  directory.mkdir(parents=True, exist_ok=True)
+Made = list[tuple[str, list[dict], str, str]]
+"""Each task's name, rows, YAML body and which functions it asks about (`make`)."""
+
+
+def make() -> Made:
+  """The tasks, from one walk of the standard library."""
   functions = list(chat.stdlib_functions())
-  unseen = held_out(functions)
   held = f"the documented functions chat_stdlib holds out at validation_fraction " \
          f"{HELD_OUT_FRACTION}"
-  for task, rows, body, which in (
-      ("stdlib_docstrings", docstring_rows(functions), _DOCSTRINGS, "its documented functions"),
-      ("stdlib_docstrings_held_out", docstring_rows(unseen), _DOCSTRINGS, held),
-      ("stdlib_calls", call_rows(functions), _CALLS, "its documented functions"),
-      ("stdlib_definitions", definition_rows(functions), _DEFINITIONS,
-       "its documented functions")):
+  every = "its documented functions"
+  return [("stdlib_docstrings", docstring_rows(functions), _DOCSTRINGS, every),
+          ("stdlib_docstrings_held_out", docstring_rows(held_out(functions)), _DOCSTRINGS, held),
+          ("stdlib_calls", call_rows(functions), _CALLS, every),
+          ("stdlib_definitions", definition_rows(functions), _DEFINITIONS, every)]
+
+
+def write(directory: pathlib.Path, made: Made | None = None) -> pathlib.Path:
+  """Writes the tasks (`made`, else `make()`'s: YAML and JSONL each) into `directory`;
+  returns it."""
+  directory.mkdir(parents=True, exist_ok=True)
+  for task, rows, body, which in made or make():
     data = directory.resolve() / f"{task}.jsonl"
     write_atomically(data, "".join(json.dumps(row) + "\n" for row in rows))
     header = _HEADER.format(python=platform.python_version(), which=which, task=task,
