@@ -380,11 +380,12 @@ def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
   archived run on a read-only disk works.
   """
   workdir_lib.prepare_workdir(workdir, read_only=True)
-  manager = checkpoint.build_manager(workdir / workdir_lib.CHECKPOINT_DIR, checkpoint.CheckpointConfig(),
+  checkpoints = workdir / workdir_lib.CHECKPOINT_DIR
+  manager = checkpoint.build_manager(checkpoints, checkpoint.CheckpointConfig(),
                                      read_only=True)
   try:
     if manager.latest_step() is None:
-      raise WorkdirError(f"no checkpoints in {workdir / workdir_lib.CHECKPOINT_DIR}: train there first")
+      raise WorkdirError(f"no checkpoints in {checkpoints}: train there first")
     metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
     config = from_json(metadata["config"])
     if overrides:

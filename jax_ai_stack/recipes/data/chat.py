@@ -305,7 +305,8 @@ def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skippe
 
 def file_stamps(config: DataConfig) -> tuple:
   """(path, size, mtime) of each file a chat or preference source reads: its cache key."""
-  return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sources.source_files(config))
+  return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+               for f in sources.source_files(config))
 
 
 def made_conversations(source: str, count: int | None) -> list[tuple[str, list[dict]]]:

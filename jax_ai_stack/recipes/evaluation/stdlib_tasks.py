@@ -28,8 +28,8 @@ tasks: each file names the Python that made it.
 Example:
   >>> import pathlib, tempfile
   >>> written = write(pathlib.Path(tempfile.mkdtemp()))
-  >>> sorted(p.name for p in written.glob("*.yaml"))
-  ['stdlib_calls.yaml', 'stdlib_definitions.yaml', 'stdlib_docstrings.yaml', 'stdlib_docstrings_held_out.yaml']
+  >>> sorted(p.stem for p in written.glob("*.yaml")) == sorted(TASKS)
+  True
 """
 
 from __future__ import annotations

@@ -106,11 +106,12 @@ def _check_custom(config: Any) -> None:
 
 
 REGISTRY: tuple[RegisteredTask, ...] = (
-    RegisteredTask(DecoderConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel", _check_language_model,
-           lora_modules=DECODER_PROJECTIONS),
+    RegisteredTask(DecoderConfig, "jax_ai_stack.recipes.tasks.lm:LanguageModel",
+                   _check_language_model, lora_modules=DECODER_PROJECTIONS),
     RegisteredTask(CNNConfig, "jax_ai_stack.recipes.tasks.classification:ImageClassification",
-           _check_image_classification),
-    RegisteredTask(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask", _check_custom),
+                   _check_image_classification),
+    RegisteredTask(CustomModelConfig, "jax_ai_stack.recipes.tasks.custom:CustomTask",
+                   _check_custom),
 )
 """Every Task a recipe config can name (by its model); the first is the default."""
 
