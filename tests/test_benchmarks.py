@@ -526,3 +526,13 @@ def test_engine_quick_gives_the_loop_s_tokens_and_reports_each_variant(tmp_path)
   cache = quick["kv_cache_bytes"]
   assert cache["engine"] < cache["full_length_per_request"]  # 2 slots for 5 requests.
   assert quick["engine_vs_best_loop"]["target"] == 3.0
+
+
+def test_harness_quick_scores_packed_as_one_per_row_with_less_padding(tmp_path):
+  results = _run_quick("harness", tmp_path)
+  quick = results["sizes"]["quick"]
+  assert quick["requests"] == 12 and quick["same_greedy"]
+  assert quick["largest_loglikelihood_gap"] < 1e-4
+  assert quick["padding_share"]["packed"] < quick["padding_share"]["one_per_row"]
+  assert all(rate > 0 for rate in quick["requests_per_s"].values())
+  assert quick["packed_vs_one_per_row"]["target"] == 1.0

@@ -7,7 +7,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 from jax_ai_stack.recipes import data, inference, models
-from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel
+from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack
 from jax_ai_stack.recipes.tasks import objectives
 
 TOKENIZER = data.ByteTokenizer()
@@ -51,13 +51,23 @@ def test_is_greedy_says_whether_each_continuation_token_is_the_likeliest(model):
   assert [is_greedy for _, is_greedy in results] == [True, False]
 
 
-def test_a_request_scores_the_same_alone_and_among_longer_ones(model):
+def test_requests_fill_rows_longest_first_each_where_it_first_fits():
+  assert pack([5, 3, 8, 2], 8) == [[2], [0, 1], [3]]
+  assert pack([4, 4, 4], 16) == [[0, 1, 2]]
+
+
+def test_a_request_scores_the_same_alone_and_packed_among_longer_ones(model):
+  """In a row with others (its own segment and positions), as alone."""
   harness = HarnessModel(model, TOKENIZER, batch_size=4)
   request = (None, [97, 98], [99, 100])
   alone = harness._loglikelihood_tokens([request], disable_tqdm=True)[0]
   crowd = [(None, list(range(1, 40)), [5, 6, 7]), request, (None, [1] * 20, [2])]
-  among = harness._loglikelihood_tokens(crowd, disable_tqdm=True)[1]
-  assert among[0] == pytest.approx(alone[0], abs=1e-5) and among[1] == alone[1]
+  assert len(pack([41, 3, 20], 64)) == 1  # The three share one row.
+  among = harness._loglikelihood_tokens(crowd, disable_tqdm=True)
+  assert among[1][0] == pytest.approx(alone[0], abs=1e-5) and among[1][1] == alone[1]
+  for (_, context, continuation), (logp, _) in zip(crowd, among):
+    expected = training_logps(model, context + continuation)[-len(continuation):].sum()
+    assert logp == pytest.approx(float(expected), abs=1e-5)
 
 
 def test_a_rolling_log_likelihood_scores_disjoint_windows_as_the_harness_defines_them(model):

@@ -6,9 +6,11 @@ would greedy decoding have produced it. `loglikelihood_rolling`: the log-likelih
 of a whole document, in windows of the context (perplexity tasks). `generate_until`:
 a greedy or sampled continuation cut at the task's stop strings. Scoring runs the
 model as training does (the same forward pass and the same log-softmax of the
-targets as `head.target_logps`), one request per row, rows sorted by length and
-padded as the engine pads prompts (`engine.padded_length`), so that a few compiled
-programs serve every batch; generation goes through the generation engine.
+targets as `head.target_logps`) on packed rows: requests, longest first, fill rows
+as wide as the longest, each its own segment with its own positions, as training
+packs documents, so few positions are padding; a batch is padded as the engine
+pads prompts (`engine.padded_length`), so a few compiled programs serve every
+call. Generation goes through the generation engine.
 
 Example: a two-token continuation scored on a tiny model.
   >>> from flax import nnx
@@ -37,7 +39,7 @@ from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
 
-__all__ = ["HarnessModel"]
+__all__ = ["HarnessModel", "pack"]
 
 class HarnessModel(TemplateLM):
   """lm-evaluation-harness's model interface on a decoder (see the module)."""
@@ -45,17 +47,19 @@ class HarnessModel(TemplateLM):
   def __init__(self, model: nnx.Module, tokenizer, *, batch_size: int = 8,
                max_len: int | None = None, generation_model: nnx.Module | None = None,
                chat: Callable[[list[dict], bool], str] | None = None,
-               chat_template_source: str = ""):
+               chat_template_source: str = "", packed: bool = True):
     """`model` scores (as the run evaluates: LoRA adapters and fake quantization in its
     `__call__`); `generation_model` decodes (default `model`; a LoRA run's merged model).
     `chat(messages, add_generation_prompt)` renders a conversation with the run's chat
-    template, for tasks run with `apply_chat_template`."""
+    template, for tasks run with `apply_chat_template`. `packed` False: one request per
+    row (what `benchmarks/harness.py` compares packing with)."""
     super().__init__()
     self._model, self.tokenizer_ = model, tokenizer
     self._generation_model = generation_model or model
     self.batch_size_ = batch_size
     self.max_length = max_len or model.config.max_seq_len
     self._chat, self._chat_source = chat, chat_template_source
+    self._packed = packed
     self._vocab = model.config.vocab_size
     graphdef, self._state = nnx.split(model)
     self._score = functools.partial(_score, graphdef)
@@ -102,28 +106,24 @@ class HarnessModel(TemplateLM):
     each (key, context ids, continuation ids); a context longer than the model's window
     loses its oldest tokens."""
     del kwargs
-    rows = []
-    for _, context, continuation in requests:
-      whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-      rows.append((whole, len(continuation)))
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-    results: list[tuple[float, bool] | None] = [None] * len(rows)
-    batches = range(0, len(order), self.batch_size_)
-    for start in tqdm(batches, desc="scoring", disable=disable_tqdm):
-      chosen = order[start:start + self.batch_size_]
-      width = inference.engine.padded_length(max(len(rows[i][0]) - 1 for i in chosen),
-                                             self.max_length)
-      inputs = np.zeros((self.batch_size_, width), np.int32)
-      targets = np.zeros_like(inputs)
-      scored = np.zeros(inputs.shape, bool)
-      for row, index in enumerate(chosen):
-        whole, count = rows[index]
-        inputs[row, :len(whole) - 1], targets[row, :len(whole) - 1] = whole[:-1], whole[1:]
-        scored[row, len(whole) - 1 - count:len(whole) - 1] = True
-      logps, greedy = (np.asarray(x) for x in self._score(self._state, inputs, targets))
-      for row, index in enumerate(chosen):
-        mask = scored[row]
-        results[index] = (float(logps[row][mask].sum()), bool(greedy[row][mask].all()))
+    sequences = [(list(context) + list(continuation))[-(self.max_length + 1):]
+                 for _, context, continuation in requests]
+    counts = [len(continuation) for _, _, continuation in requests]
+    lengths = [len(s) - 1 for s in sequences]
+    width = inference.engine.padded_length(max(lengths), self.max_length)
+    rows = pack(lengths, width if self._packed else 0)
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    for start in tqdm(range(0, len(rows), self.batch_size_), desc="scoring",
+                      disable=disable_tqdm):
+      longest = max(sum(lengths[i] for i in row) for row in rows[start:start + self.batch_size_])
+      batch = _Packed(self.batch_size_, inference.engine.padded_length(longest, width))
+      places = [(row, batch.add(row, sequences[index]), index)
+                for row, members in enumerate(rows[start:start + self.batch_size_])
+                for index in members]
+      logps, greedy = (np.asarray(x) for x in self._score(self._state, *batch.arrays()))
+      for row, end, index in places:
+        scored = slice(end - counts[index], end)
+        results[index] = (float(logps[row, scored].sum()), bool(greedy[row, scored].all()))
     for (key, _, _), result in zip(requests, results):
       self.cache_hook.add_partial("loglikelihood", key, result)
     return results
@@ -205,9 +205,49 @@ def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
   return [until] if isinstance(until, str) else [s for s in until if s]
 
 
+def pack(lengths: Sequence[int], width: int) -> list[list[int]]:
+  """Rows of at most `width` positions holding sequences of `lengths`: first fit, longest
+  first; each row lists its sequences' indices (a width below a length: one per row)."""
+  rows: list[list[int]] = []
+  room: list[int] = []
+  for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    row = next((r for r, free in enumerate(room) if free >= lengths[index]), len(rows))
+    if row == len(rows):
+      rows.append([])
+      room.append(width)
+    rows[row].append(index)
+    room[row] -= lengths[index]
+  return rows
+
+
+class _Packed:
+  """One batch of packed rows being filled: inputs, targets, segment ids and positions."""
+
+  def __init__(self, batch_size: int, width: int):
+    self.inputs = np.zeros((batch_size, width), np.int32)
+    self.targets = np.zeros_like(self.inputs)
+    self.segment_ids = np.zeros_like(self.inputs)
+    self.positions = np.zeros_like(self.inputs)
+    self._used = [0] * batch_size
+
+  def add(self, row: int, sequence: list[int]) -> int:
+    """Puts `sequence` (inputs its tokens but the last, targets but the first) in `row` as
+    its next segment; the position after its last."""
+    first = self._used[row]
+    end = first + len(sequence) - 1
+    self.inputs[row, first:end], self.targets[row, first:end] = sequence[:-1], sequence[1:]
+    self.segment_ids[row, first:end] = self.segment_ids[row, :first].max(initial=0) + 1
+    self.positions[row, first:end] = np.arange(end - first)
+    self._used[row] = end
+    return end
+
+  def arrays(self) -> tuple[np.ndarray, ...]:
+    return self.inputs, self.targets, self.segment_ids, self.positions
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef, state, inputs, targets):
+def _score(graphdef, state, inputs, targets, segment_ids, positions):
   """log p(targets) and whether each is the likeliest token, [B, T] each."""
-  logits = nnx.merge(graphdef, state)(inputs)
+  logits = nnx.merge(graphdef, state)(inputs, segment_ids=segment_ids, positions=positions)
   logps = -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   return logps, jnp.argmax(logits, axis=-1) == targets

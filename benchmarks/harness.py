@@ -1,0 +1,132 @@
+"""Log-likelihood scoring through the lm-evaluation-harness adapter: packed rows against one
+request per row, same model, same requests.
+
+Multiple-choice shaped requests (drawn from a seed): a context of 16-400 tokens and four
+continuations of 1-24 tokens each, on a tiny Decoder (`HarnessModel._loglikelihood_tokens`,
+what the harness's `loglikelihood` calls), timed in one process:
+
+  packed        `HarnessModel(...)`: requests fill rows as wide as the longest, each its own
+                segment (the default)
+  one_per_row   `HarnessModel(..., packed=False)`: one request per row, rows of a batch
+                padded to the longest in it
+
+Each variant runs once to compile and is then timed. Reports requests per second of each,
+the share of row positions that are padding, and the largest difference between the two
+variants' log-likelihoods (the same arithmetic, other neighbours: within 1e-4). Target:
+packed at least `TARGET_PACKED` times one per row.
+
+    python benchmarks/harness.py            # 256 requests
+    python benchmarks/harness.py --quick    # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+import common
+from jax_ai_stack.recipes import data
+from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack
+from jax_ai_stack.recipes.inference.engine import padded_length
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+
+TARGET_PACKED = 1.0
+"""Packed scoring must be at least this many times as fast as one request per row."""
+SIZES = {
+    "tiny": DecoderConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                        max_seq_len=512),
+    "quick": DecoderConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                         max_seq_len=64),
+}
+WORKLOADS = {"full": dict(questions=64, context=(16, 400), continuation=(1, 24), batch=8),
+             "quick": dict(questions=3, context=(3, 30), continuation=(1, 6), batch=2)}
+CHOICES = 4
+
+
+def requests_for(workload: dict, vocab: int, seed: int = 0) -> list[tuple]:
+  """(key, context ids, continuation ids): `CHOICES` continuations of each context."""
+  rng = np.random.default_rng(seed)
+  requests = []
+  for _ in range(workload["questions"]):
+    context = rng.integers(1, vocab, int(rng.integers(*workload["context"]))).tolist()
+    for _ in range(CHOICES):
+      continuation = rng.integers(1, vocab, int(rng.integers(*workload["continuation"])))
+      requests.append((None, context, continuation.tolist()))
+  return requests
+
+
+def padding_share(requests: Sequence[tuple], batch: int, max_len: int, packed: bool) -> float:
+  """The share of the scored rows' positions that are padding, as the adapter lays them out."""
+  lengths = [min(len(c) + len(t), max_len + 1) - 1 for _, c, t in requests]
+  width = padded_length(max(lengths), max_len)
+  rows = pack(lengths, width if packed else 0)
+  positions = 0
+  for start in range(0, len(rows), batch):
+    fullest = max(sum(lengths[i] for i in row) for row in rows[start:start + batch])
+    positions += batch * padded_length(fullest, width)
+  return 1 - sum(lengths) / positions
+
+
+def measure(size: str, workload: dict) -> dict[str, Any]:
+  config = SIZES[size]
+  model = Decoder(config, rngs=nnx.Rngs(0))
+  requests = requests_for(workload, config.vocab_size)
+  tokenizer = data.ByteTokenizer()
+  variants = {name: HarnessModel(model, tokenizer, batch_size=workload["batch"],
+                                 packed=name == "packed")
+              for name in ("packed", "one_per_row")}
+  scores, seconds = {}, {}
+  for name, harness in variants.items():
+    harness._loglikelihood_tokens(requests, disable_tqdm=True)  # Compiles its programs.
+    started = time.perf_counter()
+    scores[name] = harness._loglikelihood_tokens(requests, disable_tqdm=True)
+    seconds[name] = time.perf_counter() - started
+  rates = {name: len(requests) / s for name, s in seconds.items()}
+  gap = max(abs(a[0] - b[0]) for a, b in zip(scores["packed"], scores["one_per_row"]))
+  return {
+      "model": dataclasses.asdict(config),
+      "requests": len(requests), "batch_size": workload["batch"],
+      "seconds": seconds, "requests_per_s": rates,
+      "padding_share": {name: padding_share(requests, workload["batch"], config.max_seq_len,
+                                            name == "packed") for name in variants},
+      "largest_loglikelihood_gap": gap,
+      "same_greedy": [s[1] for s in scores["packed"]] == [s[1] for s in scores["one_per_row"]],
+      "packed_vs_one_per_row": common.target(rates["packed"] / rates["one_per_row"],
+                                             TARGET_PACKED, at_least=True),
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(prog="benchmarks/harness.py",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="a smoke test: 12 tiny requests")
+  common.add_out_argument(parser, "harness")
+  args = parser.parse_args(argv)
+  size = "quick" if args.quick else "tiny"
+  workload = WORKLOADS["quick" if args.quick else "full"]
+  record = {**common.header("harness"), **common.versions(), "workload": workload,
+            "hf_backend": "not measured: torch and transformers are not installed in the "
+                          "project's environments (compare on a machine that has them)",
+            "sizes": {size: measure(size, workload)}}
+  result = record["sizes"][size]
+  rates, ratio = result["requests_per_s"], result["packed_vs_one_per_row"]["value"]
+  print(f"{size}: packed {rates['packed']:,.1f} requests/s, one per row "
+        f"{rates['one_per_row']:,.1f}; packed / one per row {ratio:.2f} (target >= "
+        f"{TARGET_PACKED}: {common.verdict(ratio, TARGET_PACKED, at_least=True)}); padding "
+        f"{result['padding_share']['packed']:.0%} against "
+        f"{result['padding_share']['one_per_row']:.0%}; largest log-likelihood gap "
+        f"{result['largest_loglikelihood_gap']:.1e}", flush=True)
+  common.write(record, args.out)
+  return record
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
+  sys.exit(0)
