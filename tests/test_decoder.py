@@ -516,7 +516,8 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
   layout has the one-device logits (max difference / max |logit| <= 2e-5, the
   tolerance of test_sharding.py: sharded matmuls sum in another order), one
   constraint after the embedding and two per block, and decodes a single
-  prompt (a batch that does not divide) greedily to the same tokens."""
+  prompt (a batch that does not divide) greedily to the same tokens. Its copy on one device
+  (`on_one_device`) pins nothing and computes the plain model's logits bit for bit."""
   from jax_ai_stack.recipes import sharding
   from multidevice import run_on_devices
 
@@ -527,7 +528,7 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       from jax.sharding import NamedSharding, PartitionSpec as P
       from jax_ai_stack.recipes import sharding
       from jax_ai_stack.recipes.models.decoding import generate
-      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig, on_one_device
 
       config = DecoderConfig(**{MICRO!r})
       placement = sharding.Placement.build(
@@ -545,6 +546,7 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       placed = jax.device_put(tokens, NamedSharding(placement.mesh, P(("data", "fsdp"))))
       run, laid_out_state = program(laid_out)
       plain_run, plain_state = program(plain)
+      one_run, one_state = program(on_one_device(laid_out, jax.devices()[0]))
       prompt = tokens[:1, :3]
       greedy = lambda model: generate(model, prompt, 4, temperature=0.0, rng=jax.random.key(0))
       print(json.dumps({{
@@ -553,6 +555,10 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
           "constraints": str(jax.make_jaxpr(run)(laid_out_state, placed)).count("sharding_constraint"),
           "plain_constraints": str(jax.make_jaxpr(plain_run)(plain_state, tokens)).count(
               "sharding_constraint"),
+          "one_device_same": bool(np.array_equal(one_run(one_state, tokens),
+                                                 plain_run(plain_state, tokens))),
+          "one_device_constraints": str(jax.make_jaxpr(one_run)(one_state, tokens)).count(
+              "sharding_constraint"),
           "generated": np.asarray(greedy(laid_out)).tolist(),
           "expected": np.asarray(greedy(plain)).tolist(),
       }}))
@@ -560,7 +566,8 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
   # The embedding table (whole for the lookup) and the rows it gives; per block, the
   # attention and MLP outputs.
   assert result["constraints"] == 2 + 2 * MICRO["num_layers"]
-  assert result["plain_constraints"] == 0
+  assert result["plain_constraints"] == result["one_device_constraints"] == 0
+  assert result["one_device_same"]
   assert result["error"] <= 2e-5
   assert result["generated"] == result["expected"]
 

@@ -20,6 +20,7 @@ import pytest
 
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import checkpoint, distributed, train
+from jax_ai_stack.recipes import config as config_lib
 
 STEPS = 40
 RECIPE = [
@@ -38,18 +39,21 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _train(workdir: pathlib.Path, *flags: str, devices: int) -> subprocess.Popen:
-  command = [sys.executable, "-m", "jax_ai_stack.cli", "train", "lm-tiny", "--workdir",
-             str(workdir), *RECIPE, *flags]
+def _train(workdir: pathlib.Path, *flags: str, devices: int, preset: str = "lm-tiny",
+           recipe: tuple[str, ...] = tuple(RECIPE)) -> subprocess.Popen:
+  command = [sys.executable, "-m", "jax_ai_stack.cli", "train", preset, "--workdir",
+             str(workdir), *recipe, *flags]
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
   return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env)
 
 
-def _start_job(workdir: pathlib.Path, *flags: str, processes: int = 2) -> list[subprocess.Popen]:
+def _start_job(workdir: pathlib.Path, *flags: str, processes: int = 2, **recipe
+               ) -> list[subprocess.Popen]:
+  """`recipe`: `_train`'s preset and recipe."""
   address = f"127.0.0.1:{_free_port()}"
   return [_train(workdir, *flags, "--coordinator", address, "--num-processes", str(processes),
-                 "--process-id", str(i), devices=2) for i in range(processes)]
+                 "--process-id", str(i), devices=2, **recipe) for i in range(processes)]
 
 
 def _finish(job: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -350,3 +354,72 @@ def test_a_mixture_and_a_batch_schedule_on_two_processes_train_like_one_and_resu
   for code, output in _finish(_start_job(tmp_path / "preempted", *MIXTURE)):
     assert code == 0, output
   assert _losses(tmp_path / "preempted") == _losses(tmp_path / "two")
+
+
+# ---- reinforcement learning: each process samples its own prompts -------------------
+
+GRPO = ("model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.mlp_dim=64", "train.progress=false", "train.sample_tokens=0")
+"""The base's model (lm-tiny's context: the chat prompts need it)."""
+GRPO_STEPS = 6
+GRPO_RUN = (*GRPO, "data.max_documents=200", "data.validation_fraction=0.1",
+            "data.batch_size=4", "rl.num_generations=4", "rl.max_completion_tokens=6",
+            "rl.rewards=[test_rl_rewards:distinct_characters]", "rl.reward_weights=null",
+            "train.eval_every=3", "train.eval_batches=1", "checkpoint.save_every=1",
+            "train.log_every=1", "optim.learning_rate=0.01", f"train.steps={GRPO_STEPS}",
+            "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp")
+
+
+def _records(workdir: pathlib.Path, split: str) -> list[dict]:
+  drop = {"step_time", "throughput"}
+  return [{k: v for k, v in r.items() if k not in drop}
+          for r in train.read_metrics(workdir) if r["split"] == split]
+
+
+@pytest.mark.slow
+def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_never_stopped(
+    tmp_path, monkeypatch):
+  """Each process samples the groups of its own prompts on a whole copy of the policy (the
+  parameters are sharded over both); a SIGKILL of one (during a rollout or an update) stops
+  the other, and both started again end bitwise where the job that never stopped did."""
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+      str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH")])))  # The reward.
+  base = tmp_path / "base"
+  train.run(config_lib.load("lm-tiny", overrides=[*GRPO, "data.max_documents=30",
+                                                  "train.steps=2", "train.eval_every=0"]),
+            base)
+  recipe = {"preset": "lm-tiny-grpo", "recipe": (*GRPO_RUN, f"finetune.base={base}")}
+  for code, output in _finish(_start_job(tmp_path / "whole", **recipe)):
+    assert code == 0, output
+    assert "4 device(s)" in output and f"done: step {GRPO_STEPS}" in output
+  whole = _records(tmp_path / "whole", "train")
+  assert [r["step"] for r in whole] == list(range(1, GRPO_STEPS + 1))
+  assert all(r["sampler_logp_gap"] < 1e-5 for r in whole)  # The copy is the policy.
+  assert any(r["grad_norm"] > 0 for r in whole) and all(r["reward"] > 0 for r in whole)
+
+  killed = tmp_path / "killed"
+  job = _start_job(killed, **recipe)
+  deadline = time.monotonic() + 180
+  while not (killed / "metrics.jsonl").exists() or len(_losses(killed)) < 3:
+    if any(p.poll() is not None for p in job) or time.monotonic() > deadline:
+      pytest.fail("the job ended or hung before step 3: "
+                  + "\n".join(output for _, output in _finish(job)))
+    time.sleep(0.02)
+  job[1].kill()
+  job[1].communicate()
+  [(code, output)] = _finish(job[:1])  # The survivor.
+  assert code == distributed.PEER_LOST_EXIT_CODE, output
+  saved = distributed.latest_saved_step(killed / train.CHECKPOINT_DIR)
+  assert saved is not None and saved < GRPO_STEPS
+  for code, output in _finish(_start_job(killed, **recipe)):
+    assert code == 0, output
+    assert f"resumed from step {saved}" in output
+  assert _records(killed, "train") == whole  # Every reward, loss and gradient.
+  assert _records(killed, "eval") == _records(tmp_path / "whole", "eval")
+  resumed, expected = (train.Trainer.open_finished(killed),
+                       train.Trainer.open_finished(tmp_path / "whole"))
+  try:
+    assert checkpoint.tree_equal(resumed.state, expected.state)
+  finally:
+    resumed.close()
+    expected.close()

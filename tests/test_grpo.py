@@ -61,22 +61,28 @@ def test_the_aggregations_weigh_rows_and_tokens_as_their_papers_do():
   assert float(grpo.aggregate(losses, mask, "constant", 4)) == pytest.approx(10.0 / 8)
 
 
-def _batch(vocab: int, rows: int = 4, length: int = 12):
-  tokens = RNG.integers(0, vocab, (rows, length + 1)).astype(np.int32)
+def _batch(model, rows: int = 4, length: int = 12):
+  """A fresh rollout batch whose `sampler_logps` are the model's own (an engine that agrees
+  with the trainer)."""
+  tokens = RNG.integers(0, model.config.vocab_size, (rows, length + 1)).astype(np.int32)
   mask = np.zeros((rows, length), np.float32)
   mask[:, 5:] = 1.0
-  return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
-          "segment_ids": jnp.ones((rows, length), jnp.int32),
-          "positions": jnp.tile(jnp.arange(length), (rows, 1)), "loss_mask": jnp.asarray(mask),
-          "advantages": jnp.asarray(RNG.normal(size=rows).astype(np.float32)),
-          "sampler_logps": jnp.zeros((rows, length)), "fresh": jnp.ones((rows,))}
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+           "segment_ids": jnp.ones((rows, length), jnp.int32),
+           "positions": jnp.tile(jnp.arange(length), (rows, 1)), "loss_mask": jnp.asarray(mask),
+           "advantages": jnp.asarray(RNG.normal(size=rows).astype(np.float32)),
+           "fresh": jnp.ones((rows,))}
+  batch["sampler_logps"] = objectives.target_logps(
+      model, batch["inputs"], batch["targets"], segment_ids=batch["segment_ids"],
+      positions=batch["positions"])
+  return batch
 
 
 def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
   """At one update per rollout the ratio is exactly 1: the loss is minus the advantage, and
   its gradient is that of -A log pi summed the same way."""
   model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
-  batch = _batch(model.config.vocab_size)
+  batch = _batch(model)
   objective = grpo.GroupRelative(aggregation="sequence")
   loss, metrics = objective.loss(model, batch)
   assert float(loss) == pytest.approx(-float(batch["advantages"].mean()), rel=1e-5)
@@ -101,7 +107,7 @@ def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
 
 def test_a_kl_penalty_needs_the_reference_and_is_zero_against_the_policy_itself():
   model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
-  batch = _batch(model.config.vocab_size)
+  batch = _batch(model)
   assert not grpo.GroupRelative().needs_reference
   penalised = grpo.GroupRelative(beta=0.5)
   assert penalised.needs_reference
@@ -124,7 +130,7 @@ def test_later_updates_on_a_rollout_compare_with_the_sampling_policy_and_clip():
   """Rows not fresh take the engine's log-probabilities as pi_old: a policy that moved far
   from them is clipped (positive advantages, ratio above 1 + epsilon_high)."""
   model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
-  batch = _batch(model.config.vocab_size)
+  batch = _batch(model)
   logps = objectives.target_logps(model, batch["inputs"], batch["targets"],
                                   segment_ids=batch["segment_ids"], positions=batch["positions"])
   later = {**batch, "fresh": jnp.zeros((4,)), "advantages": jnp.ones((4,)),
@@ -133,3 +139,22 @@ def test_later_updates_on_a_rollout_compare_with_the_sampling_policy_and_clip():
   assert float(metrics["clip_fraction"]) == 1.0
   assert float(loss) == pytest.approx(-1.3, rel=1e-5)
   assert float(metrics["sampler_logp_gap"]) == 0.0  # Measured at the first update only.
+
+
+def test_truncated_importance_sampling_weighs_a_first_update_by_the_capped_ratio():
+  """An engine whose log-probabilities are below the trainer's (a kernel's arithmetic) makes
+  the first update's tokens weigh pi / pi_engine, at most the cap; where they agree the loss
+  is exactly the uncorrected one."""
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+  batch = _batch(model)
+  logps = batch["sampler_logps"]
+  weights = grpo.importance_weights(logps, logps - jnp.float32([[0.1], [0.1], [5.0], [0.0]]),
+                                    jnp.float32([1, 1, 1, 0]), 3.0)
+  expected = np.float32([[np.exp(0.1)], [np.exp(0.1)], [3.0], [1.0]]) * np.ones(logps.shape)
+  np.testing.assert_allclose(weights, expected, rtol=1e-5)
+  agreeing = {**batch, "sampler_logps": logps}
+  corrected, uncorrected = grpo.GroupRelative(), grpo.GroupRelative(importance_cap=None)
+  assert float(corrected.loss(model, agreeing)[0]) == float(uncorrected.loss(model, agreeing)[0])
+  apart = {**batch, "sampler_logps": logps - 0.1, "advantages": jnp.ones((4,))}
+  assert float(corrected.loss(model, apart)[0]) == pytest.approx(-np.exp(0.1), rel=1e-5)
+  assert float(uncorrected.loss(model, apart)[0]) == pytest.approx(-1.0, rel=1e-5)

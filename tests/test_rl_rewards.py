@@ -94,6 +94,7 @@ def test_the_reversal_rewards_check_the_last_word_and_the_format():
     (["rl.reward_weights=[1.0]"], "rl.reward_weights has 1 weights for 2 rl.rewards"),
     (["rl.num_generations=1"], "rl.num_generations must be >= 2"),
     (["rl.epsilon_high=0.1"], r"rl.epsilon_high \(0.1\) must be >= rl.epsilon"),
+    (["rl.importance_cap=0.5"], r"rl.importance_cap must be >= 1 \(or null"),
     (["rl.beta=0.1", "finetune.base=null"], "rl.beta=0.1 penalises the distance"),
 ])
 def test_bad_rl_settings_name_the_field(overrides, message):

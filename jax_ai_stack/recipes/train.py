@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from jax_ai_stack import determinism
-from jax_ai_stack.errors import ConfigError, WorkdirError
+from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim, phases, profile,
                                   record, step)
 from jax_ai_stack.recipes import progress as progress_lib
@@ -171,9 +171,6 @@ class Trainer(Run):
     other `rl.updates_per_rollout` steps."""
     if not self.at_rollout_boundary():
       return {**self._rollout, "fresh": np.zeros_like(self._rollout["fresh"])}, {}
-    if jax.process_count() > 1:  # Each process would drive the engine with its own rows.
-      raise ConfigError("reinforcement learning (data.source prompts) runs on one process "
-                        "for now")
     step.merge(self.model, self.optimizer, self.state)
     self._rollout, metrics = self.task.rollouts.batch(
         self.inference_model(), lambda: next(self.train_batches), self.step)
@@ -290,6 +287,9 @@ class Trainer(Run):
               updates = (number - 1) // self.config.optim.accumulate_steps
               last = {**metrics, "lr": float(schedule(updates)), **self.task.data_metrics(number)}
               metrics_log.write(number, "train", last)
+              if self.task.rollouts is not None and (
+                  line := self.task.rollouts.notice(metrics)) is not None:
+                _print(progress, f"step {number}: {line}")
             if progress is not None:
               progress.update(len(pending))
               progress.set_postfix_str(f"loss {last['loss']:.3f}  "

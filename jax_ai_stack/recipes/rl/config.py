@@ -53,6 +53,11 @@ class RlConfig:
   """Optimizer steps on each rollout batch (a train step each: `train.steps`, saves and
   evaluations fall on rollout boundaries). From the second on, the importance ratio is the
   policy's probability over the sampling policy's (the engine's) and the clip applies."""
+  importance_cap: float | None = 3.0
+  """Truncated importance sampling at the first update on each rollout: each token's loss is
+  weighted by min(p_trainer / p_engine, importance_cap), for kernels whose log-probabilities
+  differ from the trainer's (exactly 1 where they agree: on CPU the gap is below 1e-6);
+  None: no correction."""
   dynamic_sampling: bool = False
   """DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped and
   groups of further prompts take its place, up to `max_draws` batches of prompts a step."""
@@ -86,6 +91,9 @@ class RlConfig:
                        f"({self.epsilon})")
     if self.updates_per_rollout < 1:
       raise ValueError(f"rl.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
+    if self.importance_cap is not None and self.importance_cap < 1:
+      raise ValueError(f"rl.importance_cap must be >= 1 (or null: no correction), got "
+                       f"{self.importance_cap}")
     if self.max_draws < 1:
       raise ValueError(f"rl.max_draws must be >= 1, got {self.max_draws}")
     if self.overlong_buffer is not None and not 0 < self.overlong_buffer <= (

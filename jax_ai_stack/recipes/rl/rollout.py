@@ -29,6 +29,12 @@ whose rewards are all equal: no signal) are logged with the step.
 each (`eval_reward`, `eval_reward_<function>`) and a sampled group
 (`eval_sampled_reward`), with seeds that are the same at every evaluation.
 
+On several processes each samples the prompts of its own rows of the batch, on
+a whole copy of the policy on its first device (gathered once per rollout):
+data-parallel rollouts with no collective while decoding. A completion depends
+only on its request (the engine is batch-invariant), so the rows are those one
+process would sample with the same copy; the metrics are the processes' mean.
+
 Example: (a run's Task builds it: `LanguageModel.rollouts`)
   >>> from jax_ai_stack.recipes import config, tasks
   >>> task = tasks.for_config(config.load("lm-tiny-grpo"))
@@ -41,14 +47,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes import inference
 from jax_ai_stack.recipes.data import examples
 from jax_ai_stack.recipes.data import prompts as prompts_lib
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer
+from jax_ai_stack.recipes.models import decoder
 from jax_ai_stack.recipes.rl import rewards as rewards_lib
 from jax_ai_stack.recipes.tasks import grpo
 
@@ -56,6 +65,8 @@ MAX_SLOTS = 64
 """The most completions the engine decodes at once."""
 EVAL_STEP = -1
 """The step in the evaluation's seeds: the same sampled completions at every evaluation."""
+NOTICED_GAP = 1e-5
+"""A larger `sampler_logp_gap` is said once: the engine's kernels differ from the trainer's."""
 
 
 @dataclasses.dataclass
@@ -81,6 +92,7 @@ class Rollouts:
     self.rewards = rewards_lib.load(self.rl.rewards, self.rl.resolved_weights)
     self.weights = np.asarray([r.weight for r in self.rewards], np.float32)
     self.limit = min(config.data.seq_len + 1, config.model.max_seq_len)
+    self._noticed = False
 
   def batch(self, model: nnx.Module, draw: Callable[[], dict[str, np.ndarray]], step: int
             ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -88,6 +100,7 @@ class Rollouts:
     indices (several with `rl.dynamic_sampling`: groups whose rewards are all equal are
     dropped and others drawn in their place, up to `rl.max_draws` batches)."""
     group, draws = self.rl.num_generations, self.rl.max_draws if self.rl.dynamic_sampling else 1
+    model = on_this_process(model)
     kept, dropped, wanted, drawn = [], [], None, 0
     while drawn < draws and (wanted is None or len(kept) < wanted):
       indices = [int(i) for i in draw()["prompt_index"]]
@@ -116,7 +129,21 @@ class Rollouts:
     if self.rl.dynamic_sampling:
       metrics["groups_dropped"] = len(dropped) / (len(kept) + len(dropped))
       metrics["prompt_batches_drawn"] = float(drawn)
-    return self._arrays(samples, advantage), metrics
+    return self._arrays(samples, advantage), mean_over_processes(metrics)
+
+  def notice(self, metrics: dict[str, float]) -> str | None:
+    """The line to print, once, when a step's `sampler_logp_gap` shows the engine's
+    log-probabilities differ from the trainer's (kernels), and how the run corrects it."""
+    gap = metrics.get("sampler_logp_gap", 0.0)
+    if self._noticed or gap <= NOTICED_GAP:
+      return None
+    self._noticed = True
+    cap = self.rl.importance_cap
+    correction = (f"truncated importance sampling weighs each token by min(p_trainer / "
+                  f"p_engine, rl.importance_cap={cap:g})" if cap is not None else
+                  "rl.importance_cap=null: not corrected")
+    return (f"the engine's log-probabilities differ from the trainer's by up to {gap:.1e} "
+            f"({jax.default_backend()} kernels): {correction}")
 
   def _overlong(self, samples: list[Sample]) -> np.ndarray:
     """DAPO's soft overlong penalty of each sample (0 without `rl.overlong_buffer`): 0 up to
@@ -133,6 +160,7 @@ class Rollouts:
                max_batches: int) -> dict[str, float]:
     """Rewards on the held-out prompts of the first `max_batches` batches (see the module)."""
     greedy, sampled, lengths = [], [], []
+    model = on_this_process(model)
     for number, batch in enumerate(batches):
       if number == max_batches:
         break
@@ -147,11 +175,11 @@ class Rollouts:
       raise DataError("data: the validation split has no full batch of prompts: lower "
                       "data.batch_size or raise data.validation_fraction")
     greedy_scores, sampled_scores = np.concatenate(greedy), np.concatenate(sampled)
-    return {"eval_reward": float((greedy_scores @ self.weights).mean()),
+    return mean_over_processes({"eval_reward": float((greedy_scores @ self.weights).mean()),
             **{f"eval_reward_{r.short_name}": float(greedy_scores[:, i].mean())
                for i, r in enumerate(self.rewards)},
             "eval_sampled_reward": float((sampled_scores @ self.weights).mean()),
-            "eval_completion_tokens": float(np.mean(lengths))}
+            "eval_completion_tokens": float(np.mean(lengths))})
 
   def sample(self, model: nnx.Module, split: str, indices: list[int], group: int,
              temperature: float, step: int) -> list[Sample]:
@@ -203,3 +231,22 @@ class Rollouts:
       arrays["sampler_logps"][row, first:first + len(sample.tokens)] = sample.logprobs
     return {**arrays, "advantages": np.asarray(advantage, np.float32),
             "fresh": np.ones(len(samples), np.float32)}
+
+
+def on_this_process(model: nnx.Module) -> nnx.Module:
+  """`model` itself on one process; on several, a copy whole on this process's first device
+  with no mesh layout (`decoder.on_one_device`), for the engine to decode this process's rows
+  alone."""
+  if jax.process_count() == 1:
+    return model
+  return decoder.on_one_device(model, jax.local_devices()[0])
+
+
+def mean_over_processes(metrics: dict[str, float]) -> dict[str, float]:
+  """Each metric's mean over the processes (each measured the same number of rows); as is
+  on one process."""
+  if jax.process_count() == 1:
+    return metrics
+  names = sorted(metrics)
+  values = multihost_utils.process_allgather(np.asarray([metrics[n] for n in names]))
+  return dict(zip(names, (float(v) for v in np.mean(values, axis=0))))

@@ -29,7 +29,11 @@ gradient, whatever the engine's arithmetic. At the later ones
 the engine reported it (`sampler_logps`), and the clip applies. At each first
 update the engine's log-probabilities are compared with the trainer's and the
 largest gap is logged (`sampler_logp_gap`: below 1e-6 on CPU; 0 at the later
-updates), to show that they are the same policy and no correction is needed.
+updates), to show that they are the same policy. Where a backend's kernels make
+them differ, truncated importance sampling corrects the first update (TRL's
+`vllm_importance_sampling_correction`; `importance_weights`): each token's
+policy-gradient loss is weighted by min(pi / pi_engine, `rl.importance_cap`),
+exactly 1 where the two agree bitwise.
 
 `entropy` is the mean of -log pi over the completion tokens: the sampled tokens'
 estimate of the policy's per-token entropy (exact in expectation at temperature
@@ -87,6 +91,15 @@ def token_losses(logps: jax.Array, old_logps: jax.Array, advantage: jax.Array, *
   return -jnp.minimum(unclipped, clipped), clipped < unclipped
 
 
+def importance_weights(logps: jax.Array, sampler_logps: jax.Array, fresh: jax.Array,
+                       cap: float) -> jax.Array:
+  """Truncated importance sampling: each token's weight [N, T], min(pi / pi_engine, cap) on
+  the rows of a first update (`fresh`), 1 on the later ones (their ratio already compares
+  with the engine's log-probabilities). No gradient flows through it."""
+  weights = jnp.minimum(jnp.exp(jax.lax.stop_gradient(logps) - sampler_logps), cap)
+  return jnp.where(fresh[:, None] > 0, weights, 1.0)
+
+
 def kl_to_reference(logps: jax.Array, reference_logps: jax.Array) -> jax.Array:
   """The k3 estimate of KL(policy || reference) per token: exp(d) - d - 1, d = ref - logp."""
   delta = reference_logps - logps
@@ -124,6 +137,7 @@ class GroupRelative(Objective):
   beta: float = 0.0
   aggregation: str = "sequence"
   max_completion_tokens: int = 32
+  importance_cap: float | None = 3.0
 
   data_kind: ClassVar[str] = "prompts"
   loss_metric: ClassVar[str] = "policy_loss"
@@ -142,6 +156,9 @@ class GroupRelative(Objective):
                     batch["sampler_logps"])
     losses, clipped = token_losses(logps, old, batch["advantages"], epsilon=self.epsilon,
                                    epsilon_high=self.epsilon_high)
+    if self.importance_cap is not None:
+      losses = losses * importance_weights(logps, batch["sampler_logps"], batch["fresh"],
+                                           self.importance_cap)
     metrics = {"clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
                "entropy": masked_mean(-jax.lax.stop_gradient(logps), mask),
                "sampler_logp_gap": jnp.max(jnp.abs(logps - batch["sampler_logps"]) * mask
@@ -166,4 +183,5 @@ def for_config(config) -> GroupRelative:
   rl = config.rl
   return GroupRelative(epsilon=rl.epsilon, epsilon_high=rl.upper_clip, beta=rl.beta,
                        aggregation=rl.loss_aggregation,
-                       max_completion_tokens=rl.max_completion_tokens)
+                       max_completion_tokens=rl.max_completion_tokens,
+                       importance_cap=rl.importance_cap)
