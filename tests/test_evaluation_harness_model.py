@@ -1,5 +1,9 @@
 """HarnessModel: lm-evaluation-harness's questions answered by a decoder, as training scores
-and as the engine generates."""
+and as the engine generates, and as the harness's own `hf` backend scores each family
+(tests/references/harness/, from scripts/make_harness_references.py)."""
+
+import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -8,9 +12,12 @@ from lm_eval.api.instance import Instance
 
 from jax_ai_stack.recipes import data, inference, models
 from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack
+from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.tasks import objectives
 
 TOKENIZER = data.ByteTokenizer()
+REFERENCES = pathlib.Path(__file__).parent / "references"
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +107,21 @@ def test_generation_is_the_engines_greedy_text_cut_before_the_stop_string(model)
   outputs = harness.generate_until(requests, disable_tqdm=True)
   assert outputs == [t[:t.index(stop)] if stop in t else t for t in texts]
   assert outputs[0] == texts[0][:2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_scores_as_the_harness_s_hf_backend_does(family):
+  """The same requests (contexts longer than the window cut from the left, as the harness
+  cuts them) give log-likelihoods within 1e-4 of transformers' through the harness, the same
+  greedy flags, and so the same choice on each multiple-choice question."""
+  record = json.loads((REFERENCES / "harness" / f"{family}.json").read_text())
+  harness = HarnessModel(hf.load_model(REFERENCES / "hf" / family), TOKENIZER, batch_size=4)
+  assert harness.max_length == record["max_length"]
+  asked = record["requests"]
+  ours = harness._loglikelihood_tokens([(None, r["context"], r["continuation"]) for r in asked],
+                                       disable_tqdm=True)
+  theirs = [r["loglikelihood"] for r in asked]
+  np.testing.assert_allclose([logp for logp, _ in ours], theirs, atol=1e-4, rtol=0)
+  assert [greedy for _, greedy in ours] == [r["is_greedy"] for r in asked]
+  picks = lambda scores: np.asarray(scores).reshape(-1, 4).argmax(axis=1).tolist()
+  assert picks([logp for logp, _ in ours]) == picks(theirs)
