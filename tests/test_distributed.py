@@ -423,3 +423,20 @@ def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_neve
   finally:
     resumed.close()
     expected.close()
+
+
+@pytest.mark.slow
+def test_harness_tasks_during_training_on_two_processes_come_from_process_0(tmp_path):
+  """Every process takes a whole copy of the sharded model; process 0 runs the harness on its
+  copy and the others receive its metrics: both finish, the log has them once."""
+  from test_evaluation_harness import write_tasks
+
+  tasks = write_tasks(tmp_path / "tasks")
+  flags = ("train.steps=20", "train.eval_every=10", f"train.eval_tasks=[{tasks}]",
+           "train.eval_tasks_limit=3", "checkpoint.save_every=10")
+  for code, output in _finish(_start_job(tmp_path / "run", *flags)):
+    assert code == 0, output
+    assert "eval_harness_tiny_sums_acc" in output  # Printed by each process.
+  evals = [r for r in train.read_metrics(tmp_path / "run") if r["split"] == "eval"]
+  assert [r["step"] for r in evals] == [10, 20]
+  assert all(0 <= r["eval_harness_tiny_sums_acc"] <= 1 for r in evals)

@@ -77,6 +77,9 @@ SKIPPED = {
         "a trained run",
     "jax-ai-stack eval --workdir runs/lm-tiny-sft --tasks stdlib":
         "needs a chat-tuned run: tests/test_evaluation_harness.py runs eval --tasks stdlib",
+    "jax-ai-stack train lm-tiny-sft train.eval_tasks=[stdlib]":
+        "fine-tunes a trained lm-tiny, evaluating on the whole embedded tasks: "
+        "tests/test_evaluation_in_training.py runs train.eval_tasks on tiny runs",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
 }

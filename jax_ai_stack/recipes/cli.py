@@ -451,20 +451,13 @@ def _run_harness(args: argparse.Namespace) -> int:
     raise MissingExtraError(f"eval --tasks needs the {e.name!r} package: pip install "
                             "'jax-ai-stack[eval]'") from None
   entries = [entry.strip() for entry in args.tasks.split(",") if entry.strip()]
-  for entry in entries:
-    if ("/" in entry or entry.startswith(".")) and not pathlib.Path(entry).is_dir():
-      raise UsageError(f"--tasks {entry}: no such directory")
   from jax_ai_stack.recipes.evaluation import stdlib_tasks
 
-  made = stdlib_tasks.make() if stdlib_tasks.NAME in entries else None
   with tempfile.TemporaryDirectory() as scratch:  # The embedded tasks, while they run.
-    embedded = str(stdlib_tasks.write(pathlib.Path(scratch), made)) if made else None
-    tasks = harness.resolve([embedded if e == stdlib_tasks.NAME else e for e in entries])
+    tasks, made = harness.prepare(entries, pathlib.Path(scratch))
     trainer = _open_finished(args, validation=False, method="__call__")  # After the names.
     try:
-      model = harness_model.HarnessModel(
-          trainer.model, trainer.task.tokenizer(), batch_size=args.batch_size,
-          generation_model=trainer.inference_model(), **_chat_of(trainer))
+      model = harness_model.for_run(trainer, batch_size=args.batch_size)
       limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
       with trainer.kernel_configs():
         results = harness.evaluate(model, tasks, limit=limit, num_fewshot=args.num_fewshot,
@@ -483,17 +476,6 @@ def _run_harness(args: argparse.Namespace) -> int:
     print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks', made)}", file=sys.stderr)
   print(f"results {path}", file=sys.stderr)
   return 0
-
-
-def _chat_of(trainer) -> dict:
-  """HarnessModel's chat arguments: the run's chat template (`data.chat_template`, the
-  tokenizer's own, or the built-in one), as `generate --chat` renders it."""
-  from jax_ai_stack.recipes import data
-
-  template = data.chat_template.for_data(trainer.config.data, trainer.task.tokenizer())
-  return {"chat": lambda messages, prompt: template.render(messages,
-                                                           add_generation_prompt=prompt),
-          "chat_template_source": template.source}
 
 
 def _check_quantized(args: argparse.Namespace) -> None:

@@ -69,6 +69,15 @@ class TrainConfig:
   whole batch at once."""
   eval_batches: int = 4
   """Validation batches per evaluation (the same ones every time)."""
+  eval_tasks: tuple[str, ...] = ()
+  """lm-evaluation-harness tasks also run at evaluations (the `eval` extra): registered names
+  whose data is on disk, task directories, or 'stdlib' (the embedded ones); each metric is
+  logged as eval_harness_<task>_<metric>. (): none."""
+  eval_tasks_every: int | None = None
+  """Run train.eval_tasks every this many steps (a multiple of eval_every) and at the end;
+  None: at every evaluation."""
+  eval_tasks_limit: int | None = None
+  """The most documents of each of train.eval_tasks (None: all): keeps the evaluations short."""
   resume: Literal["auto", "never"] = "auto"
   """auto: continue from the newest checkpoint in the workdir; never: refuse a workdir that has one."""
   sample_prompt: str = "def "
@@ -100,6 +109,15 @@ class TrainConfig:
                        f"{self.microbatch_size}")
     if self.eval_every < 0:
       raise ValueError(f"train.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+    if self.eval_tasks and not self.eval_every:
+      raise ValueError("train.eval_tasks run at evaluations: set train.eval_every (it is 0)")
+    if self.eval_tasks_every is not None and (
+        self.eval_tasks_every < 1 or self.eval_tasks_every % max(self.eval_every, 1)):
+      raise ValueError(f"train.eval_tasks_every={self.eval_tasks_every} must be a multiple of "
+                       f"train.eval_every={self.eval_every}")
+    if self.eval_tasks_limit is not None and self.eval_tasks_limit < 1:
+      raise ValueError(f"train.eval_tasks_limit must be >= 1 (None: all), got "
+                       f"{self.eval_tasks_limit}")
     if self.sample_tokens < 0:
       raise ValueError(f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
     if self.profile is not None:

@@ -139,8 +139,9 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 
 
 def plot(workdir: str | pathlib.Path) -> pathlib.Path:
-  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl, and
-  the held-out reward of a reinforcement-learning run on a second axis.
+  """Writes loss.png (atomically): the train and eval loss curves of metrics.jsonl, and on
+  a second axis the held-out reward of a reinforcement-learning run and the scores of
+  `train.eval_tasks` (eval_harness_*).
 
   Drawn on a figure of its own with the Agg canvas, not through pyplot: the
   process's matplotlib backend and pyplot's figures are left as they are.
@@ -152,8 +153,9 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   train_points = [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
   eval_points = [(r["step"], r["eval_loss"]) for r in records
                  if r["split"] == "eval" and "eval_loss" in r]
-  reward_points = [(r["step"], r["eval_reward"]) for r in records
-                   if r["split"] == "eval" and "eval_reward" in r]
+  evals = [r for r in records if r["split"] == "eval"]
+  second = sorted({k for r in evals for k in r
+                   if k == "eval_reward" or k.startswith("eval_harness_")})
   figure = Figure(figsize=(7, 4))
   FigureCanvasAgg(figure)
   axes = figure.subplots()
@@ -166,11 +168,14 @@ def plot(workdir: str | pathlib.Path) -> pathlib.Path:
   if eval_points:
     steps, losses = zip(*eval_points)
     axes.plot(steps, losses, "o-", label="eval")
-  if reward_points:
-    steps, rewards = zip(*reward_points)
+  if second:
     twin = axes.twinx()
-    twin.plot(steps, rewards, "s-", color="tab:green", label="eval reward")
-    twin.set_ylabel("held-out reward")
+    for name in second:
+      steps, values = zip(*[(r["step"], r[name]) for r in evals if name in r])
+      label = "eval reward" if name == "eval_reward" else name.removeprefix("eval_harness_")
+      twin.plot(steps, values, "s-", label=label,
+                **({"color": "tab:green"} if name == "eval_reward" else {}))
+    twin.set_ylabel("held-out reward" if second == ["eval_reward"] else "held-out score")
     twin.legend(loc="upper right")
   axes.set_xlabel("step")
   axes.set_ylabel("loss")

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -48,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jax_ai_stack import determinism
-from jax_ai_stack.errors import WorkdirError
+from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim, phases, profile,
                                   record, step)
 from jax_ai_stack.recipes import progress as progress_lib
@@ -218,7 +219,7 @@ class Trainer(Run):
     run's base: its later evaluations show what tuning changed on the held-out text)."""
     if self.step or self.validation is None:
       return
-    metrics = self.evaluate()
+    metrics = {**self.evaluate(), **self.harness_metrics()}
     # -1: an attempt killed before its first checkpoint logged this evaluation too; it goes.
     log = MetricsLog(self.workdir, -1, enabled=distributed.is_primary())
     try:
@@ -226,6 +227,28 @@ class Trainer(Run):
     finally:
       log.close()
     print(f"before fine-tuning: {format_metrics(metrics)}", flush=True)
+
+  @functools.cached_property
+  def training_tasks(self):
+    """`train.eval_tasks` resolved (`evaluation.in_training.TrainingTasks`); None without
+    them. ConfigError for a bad name, or a Task with no language model."""
+    if not self.config.train.eval_tasks:
+      return None
+    if not hasattr(self.task, "tokenizer"):
+      raise ConfigError(f"train.eval_tasks: {type(self.task).__name__} has no language model "
+                        "to run lm-evaluation-harness tasks on")
+    from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
+
+    return in_training.TrainingTasks(self.config.train)
+
+  def harness_metrics(self) -> dict[str, float]:
+    """`train.eval_tasks`' metrics on the model as it stands, where they are due at this
+    step; {} elsewhere."""
+    tasks = self.training_tasks
+    if tasks is None or not tasks.due(self.step):
+      return {}
+    step.merge(self.model, self.optimizer, self.state)
+    return tasks.measure(self)
 
   def eval_due(self) -> bool:
     every = self.config.train.eval_every
@@ -300,7 +323,7 @@ class Trainer(Run):
               on_first_step()
               on_first_step = None
           if evaluating:
-            eval_metrics = self.evaluate()
+            eval_metrics = {**self.evaluate(), **self.harness_metrics()}
             metrics_log.write(self.step, "eval", eval_metrics)
             last.update(eval_metrics)
             _print(progress, f"step {self.step}: " + format_metrics(eval_metrics))
@@ -404,6 +427,12 @@ def run(
                                    resume=resume or config.train.resume, environ=environ,
                                    capture_stderr=capture_stderr))
   except BaseException:
+    compile_times.stop()
+    raise
+  try:
+    _ = trainer.training_tasks  # A bad task name stops the run before its first step.
+  except BaseException:
+    trainer.close()
     compile_times.stop()
     raise
   if on_open is not None:

@@ -28,7 +28,7 @@ import yaml
 
 from jax_ai_stack.errors import ConfigError, DataError
 
-__all__ = ["Tasks", "evaluate", "resolve", "task_files"]
+__all__ = ["Tasks", "evaluate", "prepare", "resolve", "task_files"]
 
 
 def task_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -59,9 +59,24 @@ class Tasks:
   manager: Any
 
 
-def resolve(entries: list[str]) -> Tasks:
+def prepare(entries: list[str], scratch: pathlib.Path, *, what: str = "--tasks"
+            ) -> tuple[Tasks, Any]:
+  """(`resolve` of `entries`, the embedded tasks made or None): 'stdlib' is made and written
+  into `scratch` first (`stdlib_tasks`); ConfigError, named as `what`, for a path that is not
+  a directory or an unknown name."""
+  from jax_ai_stack.recipes.evaluation import stdlib_tasks  # pylint: disable=g-import-not-at-top
+
+  for entry in entries:
+    if ("/" in entry or entry.startswith(".")) and not pathlib.Path(entry).is_dir():
+      raise ConfigError(f"{what} {entry}: no such directory")
+  made = stdlib_tasks.make() if stdlib_tasks.NAME in entries else None
+  embedded = str(stdlib_tasks.write(scratch, made)) if made else None
+  return resolve([embedded if e == stdlib_tasks.NAME else e for e in entries], what=what), made
+
+
+def resolve(entries: list[str], *, what: str = "--tasks") -> Tasks:
   """`entries` (names, directories of task YAML files) as Tasks; ConfigError naming an
-  unknown one, with the close names."""
+  unknown one, with the close names (`what`: the flag or field that gave them)."""
   from lm_eval.tasks import TaskManager
 
   directories = [pathlib.Path(e) for e in entries if pathlib.Path(e).is_dir()]
@@ -75,7 +90,7 @@ def resolve(entries: list[str]) -> Tasks:
     if name not in known:
       close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
       hint = f"; close: {', '.join(close)}" if close else ""
-      raise ConfigError(f"--tasks: no task {name!r} in lm-eval{hint} (or give a directory "
+      raise ConfigError(f"{what}: no task {name!r} in lm-eval{hint} (or give a directory "
                         "of task YAML files)")
   return Tasks(tuple(names), manager)
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
 
-__all__ = ["HarnessModel", "pack"]
+__all__ = ["HarnessModel", "for_run", "pack"]
 
 class HarnessModel(TemplateLM):
   """lm-evaluation-harness's model interface on a decoder (see the module)."""
@@ -203,6 +203,22 @@ def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
   """The harness's `until` strings (one string or a list); its default is the EOS text."""
   until = settings.get("until", [decode([eot])])
   return [until] if isinstance(until, str) else [s for s in until if s]
+
+
+def for_run(run, *, batch_size: int, scoring: nnx.Module | None = None,
+            generating: nnx.Module | None = None) -> HarnessModel:
+  """The HarnessModel of a run (a `Run`): its model scores, its inference model generates
+  (or the given copies of them), its tokenizer, and its chat template (`data.chat_template`,
+  the tokenizer's own, or the built-in one, as `generate --chat` renders it)."""
+  from jax_ai_stack.recipes import data  # pylint: disable=g-import-not-at-top
+
+  tokenizer = run.task.tokenizer()
+  template = data.chat_template.for_data(run.config.data, tokenizer)
+  return HarnessModel(
+      run.model if scoring is None else scoring, tokenizer, batch_size=batch_size,
+      generation_model=run.inference_model() if generating is None else generating,
+      chat=lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
+      chat_template_source=template.source)
 
 
 def pack(lengths: Sequence[int], width: int) -> list[list[int]]:
