@@ -113,7 +113,7 @@ def test_the_overlong_penalty_falls_linearly_over_the_buffer(task_and_model):
 def test_a_gap_between_engine_and_trainer_is_said_once_with_its_correction(task_and_model):
   task, _ = task_and_model
   rollouts = rollout.Rollouts(task.config, task.tokenizer(), task.prompt_encoder())
-  assert rollouts.notice({"sampler_logp_gap": 3e-7, "loss": 1.0}) is None  # CPU's arithmetic.
+  assert rollouts.notice({"sampler_logp_gap": 2e-5, "loss": 1.0}) is None  # CPU's arithmetic.
   line = rollouts.notice({"sampler_logp_gap": 2e-3})
   assert line == ("the engine's log-probabilities differ from the trainer's by up to 2.0e-03 "
                   "(cpu kernels): truncated importance sampling weighs each token by "

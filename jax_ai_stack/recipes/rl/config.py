@@ -56,7 +56,7 @@ class RlConfig:
   importance_cap: float | None = 3.0
   """Truncated importance sampling at the first update on each rollout: each token's loss is
   weighted by min(p_trainer / p_engine, importance_cap), for kernels whose log-probabilities
-  differ from the trainer's (exactly 1 where they agree: on CPU the gap is below 1e-6);
+  differ from the trainer's (exactly 1 where they agree; on CPU the gap stays near 1e-5);
   None: no correction."""
   dynamic_sampling: bool = False
   """DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped and

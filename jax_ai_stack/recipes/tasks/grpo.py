@@ -28,7 +28,7 @@ gradient, whatever the engine's arithmetic. At the later ones
 (`rl.updates_per_rollout`), pi_old is the sampling policy's log-probability as
 the engine reported it (`sampler_logps`), and the clip applies. At each first
 update the engine's log-probabilities are compared with the trainer's and the
-largest gap is logged (`sampler_logp_gap`: below 1e-6 on CPU; 0 at the later
+largest gap is logged (`sampler_logp_gap`: near 1e-5 at most on CPU; 0 at the later
 updates), to show that they are the same policy. Where a backend's kernels make
 them differ, truncated importance sampling corrects the first update (TRL's
 `vllm_importance_sampling_correction`; `importance_weights`): each token's
