@@ -517,7 +517,7 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
   tolerance of test_sharding.py: sharded matmuls sum in another order), one
   constraint after the embedding and two per block, and decodes a single
   prompt (a batch that does not divide) greedily to the same tokens. Its copy on one device
-  (`on_one_device`) pins nothing and computes the plain model's logits bit for bit."""
+  (`sharding.on_one_device`) pins nothing and computes the plain model's logits bit for bit."""
   from jax_ai_stack.recipes import sharding
   from multidevice import run_on_devices
 
@@ -528,7 +528,7 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       from jax.sharding import NamedSharding, PartitionSpec as P
       from jax_ai_stack.recipes import sharding
       from jax_ai_stack.recipes.models.decoding import generate
-      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig, on_one_device
+      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
       config = DecoderConfig(**{MICRO!r})
       placement = sharding.Placement.build(
@@ -546,7 +546,7 @@ def test_a_layout_pins_activations_only_under_a_mesh_of_several_devices():
       placed = jax.device_put(tokens, NamedSharding(placement.mesh, P(("data", "fsdp"))))
       run, laid_out_state = program(laid_out)
       plain_run, plain_state = program(plain)
-      one_run, one_state = program(on_one_device(laid_out, jax.devices()[0]))
+      one_run, one_state = program(sharding.on_one_device(laid_out, jax.devices()[0]))
       prompt = tokens[:1, :3]
       greedy = lambda model: generate(model, prompt, 4, temperature=0.0, rng=jax.random.key(0))
       print(json.dumps({{

@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_ai_stack.errors import ConfigError
@@ -273,3 +274,23 @@ class Placement:
 
   def describe(self) -> str:
     return " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items()) + " mesh"
+
+
+def on_one_device(model: nnx.Module, device: jax.Device) -> nnx.Module:
+  """A copy of `model` with every value whole on `device` and no mesh in it (each module's
+  `Layout` and `AttentionSharding` attributes None: no constraints, nothing run per shard):
+  the program one device runs alone, as a process decoding its own rows does (`rl.rollout`,
+  `evaluation.in_training`). A value sharded over several processes is gathered, so every
+  process must call this together."""
+  def whole(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_put(x, device)
+
+  graphdef, state = nnx.split(model)
+  copy = nnx.merge(graphdef, jax.tree.map(whole, state))
+  for _, module in nnx.iter_modules(copy):
+    for name, value in list(vars(module).items()):
+      if isinstance(value, (Layout, AttentionSharding)):
+        setattr(module, name, None)
+  return copy

@@ -8,7 +8,7 @@ A resumed run logs each once: an evaluation whose step was not saved is cut from
 log with the rest of that attempt and runs again.
 
 On several processes every process takes a whole copy of the model on its first
-device (`decoder.on_one_device`, gathered together), process 0 runs the harness on
+device (`sharding.on_one_device`, gathered together), process 0 runs the harness on
 its copy alone and the others wait for its metrics, broadcast at the end: no
 collective inside the harness (Levanter instead broadcasts each batch of requests
 from process 0 for the others to compute their shards).
@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jax_ai_stack.errors import MissingExtraError
-from jax_ai_stack.recipes import distributed
+from jax_ai_stack.recipes import distributed, sharding
 
 PREFIX = "eval_harness_"
 BATCH_SIZE = 8
@@ -75,11 +75,9 @@ class TrainingTasks:
     """The tasks' metrics on `run`'s model as it stands (its state merged by the caller)."""
     scoring, generating = run.model, run.inference_model()
     if jax.process_count() > 1:
-      from jax_ai_stack.recipes.models import decoder  # pylint: disable=g-import-not-at-top
-
       device = jax.local_devices()[0]
-      scoring = decoder.on_one_device(scoring, device)
-      generating = decoder.on_one_device(generating, device)
+      scoring = sharding.on_one_device(scoring, device)
+      generating = sharding.on_one_device(generating, device)
     metrics = {}
     if distributed.is_primary():
       from jax_ai_stack.recipes.evaluation import harness_model  # pylint: disable=g-import-not-at-top

@@ -64,7 +64,6 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
@@ -308,26 +307,6 @@ class Decoder(nnx.Module):
     if (cap := self.config.final_logit_softcap) is not None:
       logits = cap * jnp.tanh(logits / cap)
     return logits
-
-
-def on_one_device(model: nnx.Module, device: jax.Device) -> nnx.Module:
-  """A copy of `model` with every value whole on `device` and no mesh layout (no sharding
-  constraints, attention and experts not run per shard): the program one device runs alone,
-  as a process decoding its own rows does (`rl.rollout`). A value sharded over several
-  processes is gathered (every process must call this together)."""
-  def whole(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      x = multihost_utils.process_allgather(x, tiled=True)
-    return jax.device_put(x, device)
-
-  graphdef, state = nnx.split(model)
-  copy = nnx.merge(graphdef, jax.tree.map(whole, state))
-  for _, module in nnx.iter_modules(copy):
-    if getattr(module, "layout", None) is not None:
-      module.layout = None
-    if getattr(module, "attention_sharding", None) is not None:
-      module.attention_sharding = None
-  return copy
 
 
 def moe_losses(config: DecoderConfig, stats: list[MoeStats]) -> dict[str, jax.Array]:

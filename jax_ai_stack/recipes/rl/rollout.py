@@ -53,11 +53,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jax_ai_stack.errors import DataError
-from jax_ai_stack.recipes import inference
+from jax_ai_stack.recipes import inference, sharding
 from jax_ai_stack.recipes.data import examples
 from jax_ai_stack.recipes.data import prompts as prompts_lib
 from jax_ai_stack.recipes.data.tokenizers import Tokenizer
-from jax_ai_stack.recipes.models import decoder
 from jax_ai_stack.recipes.rl import rewards as rewards_lib
 from jax_ai_stack.recipes.tasks import grpo
 
@@ -236,11 +235,11 @@ class Rollouts:
 
 def on_this_process(model: nnx.Module) -> nnx.Module:
   """`model` itself on one process; on several, a copy whole on this process's first device
-  with no mesh layout (`decoder.on_one_device`), for the engine to decode this process's rows
+  with no mesh layout (`sharding.on_one_device`), for the engine to decode this process's rows
   alone."""
   if jax.process_count() == 1:
     return model
-  return decoder.on_one_device(model, jax.local_devices()[0])
+  return sharding.on_one_device(model, jax.local_devices()[0])
 
 
 def mean_over_processes(metrics: dict[str, float]) -> dict[str, float]:
