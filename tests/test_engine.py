@@ -93,6 +93,26 @@ def test_requests_end_at_a_stop_token_or_their_limit_and_free_their_slot(tiny):
   assert [c.tokens for c in rest] == [c.tokens for c in free[1:]]
 
 
+def _text(ids) -> str:
+  return bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+
+
+def test_a_stop_string_ends_a_request_in_the_engine_its_text_cut_before_it(tiny):
+  """The slot is freed at the token that completes the stop string (the waiting request
+  takes it); `text` holds what came before."""
+  prompts = _prompts(256, [4, 6])
+  free = Engine(tiny, max_slots=1, decode=_text).run(
+      [Request(p, 12, temperature=0) for p in prompts])
+  assert free[0].text == _text(free[0].tokens)
+  stop = _text(free[0].tokens[3:5])  # Made by the fourth and fifth greedy tokens.
+  first, second = Engine(tiny, max_slots=1, decode=_text).run(
+      [Request(prompts[0], 12, temperature=0, stop=(stop,)), Request(prompts[1], 12,
+                                                                     temperature=0)])
+  assert first.finish_reason == "stop" and first.tokens == free[0].tokens[:5]
+  assert first.text == free[0].text[:free[0].text.index(stop)]
+  assert second.tokens == free[1].tokens
+
+
 def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(tiny):
   completion = Engine(tiny, max_slots=2).run([Request((256, 1, 2), 4, temperature=0,
                                                       top_logprobs=3)])[0]
@@ -113,6 +133,7 @@ def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(tiny):
     (Request((1,), 4, top_p=1.5), r"top_p must be in \(0, 1\]"),
     (Request((1,), 4, stop_ids=(300,)), r"stop token ids must be in \[0, 259\); got \[300\]"),
     (Request((1,), 4, top_logprobs=9), r"top_logprobs must be in \[0, 5\]"),
+    (Request((1,), 4, stop=("\n",)), "stop strings need the tokenizer"),
 ])
 def test_a_bad_request_is_named_with_its_field(tiny, request_, message):
   with pytest.raises(ValueError, match=message):

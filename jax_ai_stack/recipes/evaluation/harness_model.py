@@ -154,30 +154,14 @@ class HarnessModel(TemplateLM):
     """Each context continued (greedy unless `do_sample`) until a stop string, EOS or
     `max_gen_toks`, all through one generation engine; the text ends before the stop."""
     slots = min(len(requests), self.batch_size_) or 1
-    engine = inference.Engine(self._generation_model, max_slots=slots, max_len=self.max_length)
-    texts = []
-    taken = [0] * len(requests)  # Tokens of each completion fed to its text so far.
+    engine = inference.Engine(self._generation_model, max_slots=slots, max_len=self.max_length,
+                              decode=self.tok_decode)
+    asked = [self._request(*request.args) for request in requests]
     outputs = [""] * len(requests)
-    for request in requests:
-      context, settings = request.args
-      engine_request = self._request(context, settings)
-      engine.add(engine_request)
-      texts.append(inference.TextStream(
-          self.tok_decode, _stops(settings, self.tok_decode, self.eot_token_id),
-          engine_request.stop_ids))
-    progress = tqdm(total=len(requests), desc="generating", disable=disable_tqdm)
-    while engine.busy:
-      for completion in engine.step():
-        stream = texts[completion.index]
-        new = completion.tokens[taken[completion.index]:]
-        taken[completion.index] = len(completion.tokens)
-        stream.add(new, final=bool(completion.finish_reason))
-        if stream.stopped or completion.finish_reason:
-          if not completion.finish_reason:
-            engine.cancel(completion.index)
-          outputs[completion.index] = stream.text
-          progress.update(1)
-    progress.close()
+    with tqdm(total=len(requests), desc="generating", disable=disable_tqdm) as progress:
+      for completion in engine.stream(asked):
+        outputs[completion.index] = completion.text
+        progress.update(1)
     for request, output in zip(requests, outputs):
       self.cache_hook.add_partial("generate_until", request.args, output)
     return outputs
@@ -196,13 +180,14 @@ class HarnessModel(TemplateLM):
         tuple(prompt), max_tokens, temperature=temperature,
         top_p=float(top_p) if top_p and top_p < 1 else None,
         top_k=int(top_k) if top_k else None, seed=int(settings.get("seed", 0) or 0),
-        stop_ids=(self.eot_token_id,) if self.eot_token_id < self._vocab else ())
+        stop_ids=(self.eot_token_id,) if self.eot_token_id < self._vocab else (),
+        stop=tuple(_stops(settings, self.tok_decode, self.eot_token_id)))
 
 
 def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
   """The harness's `until` strings (one string or a list); its default is the EOS text."""
   until = settings.get("until", [decode([eot])])
-  return [until] if isinstance(until, str) else [s for s in until if s]
+  return [s for s in ([until] if isinstance(until, str) else until) if s]
 
 
 def for_run(run, *, batch_size: int, scoring: nnx.Module | None = None,

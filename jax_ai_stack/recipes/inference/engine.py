@@ -11,9 +11,9 @@ prompt is prefilled alone (padded to a power of two, so that prompt lengths
 share a few compiled programs) and its keys and values are copied into the
 slot; then one compiled call decodes `steps_per_call` tokens for every occupied slot
 (a loop on the device, each token fed to the next), each at its own position (the
-cache's `length` per row). A request that ends (a stop token, `max_tokens`, the end
-of the context) frees its slot, and the next waiting request takes it before the
-next step: continuous batching.
+cache's `length` per row). A request that ends (a stop token, a stop string in its
+text, `max_tokens`, the end of the context) frees its slot, and the next waiting
+request takes it before the next step: continuous batching.
 
 Slots, not pages: a slot reserves `max_len` positions for a request however
 short, so memory follows the slots rather than the tokens held. It keeps
@@ -41,7 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jax_ai_stack.recipes.inference import sampling
+from jax_ai_stack.recipes.inference.text import TextStream
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
 
@@ -77,6 +78,9 @@ class Request:
   top_logprobs: int = 0
   """How many alternatives (the likeliest tokens and their log-probabilities) to report
   for each new token; at most the engine's `max_top_logprobs`."""
+  stop: tuple[str, ...] = ()
+  """Strings that end the completion once its text holds one (read with the engine's
+  `decode`); the completion's `text` ends before it."""
 
 
 class RequestError(ValueError):
@@ -101,6 +105,9 @@ class Completion:
   """"stop" (a stop token) or "length" (`max_tokens`, or the context was full)."""
   top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   """Per new token, the request's `top_logprobs` likeliest (token, log-probability)."""
+  text: str = ""
+  """With the engine's `decode`: the new tokens' text so far that no stop string can still
+  change (a stop token left out), cut before the stop string that ended it."""
 
 
 @dataclasses.dataclass
@@ -114,20 +121,25 @@ class _Slot:
   """Tokens in its cache row (the prompt, then each new token once it is fed back)."""
   row: tuple | None = None
   """Its prefilled (keys, values), until copied into the engine's cache."""
+  text: TextStream | None = None
+  """Its text as tokens arrive (an engine given `decode`)."""
 
 
 class Engine:
   """Continuous batching over `max_slots` rows of a decoder's KV cache (see the module)."""
 
   def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
-               max_top_logprobs: int = 5, steps_per_call: int = 4):
+               max_top_logprobs: int = 5, steps_per_call: int = 4,
+               decode: Callable[[list[int]], str] | None = None):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
     `steps_per_call`: tokens decoded per slot in one compiled call (a loop on the device):
     fewer round trips to the host (tiny model on CPU: 2x the tokens/s at 8 over 1), at the
     price of requests admitted or ended only between calls (a request that ends inside a
-    call wastes the rest of it). The tokens and log-probs do not depend on it."""
+    call wastes the rest of it). The tokens and log-probs do not depend on it. `decode`:
+    token ids to text (the tokenizer's): each completion's `text`, and requests' `stop`
+    strings."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     config = model.config
@@ -136,6 +148,7 @@ class Engine:
       raise ValueError(f"max_len={max_len} must be in [1, model.max_seq_len="
                        f"{config.max_seq_len}]")
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
+    self._detokenize = decode
     self._stacked = config.scan_layers  # Keys [layers, B, S, ...] rather than per layer.
     graphdef, self._state = nnx.split(model)
     # The compiled programs are shared by engines of the same model structure (the jits
@@ -244,6 +257,11 @@ class Engine:
     if any(not 0 <= t < self.vocab_size for t in request.stop_ids):
       raise bad("stop_ids", f"stop token ids must be in [0, {self.vocab_size}); got "
                 f"{list(request.stop_ids)}")
+    if request.stop and self._detokenize is None:
+      raise bad("stop", "stop strings need the tokenizer: give the engine `decode`")
+    if isinstance(request.stop, str) or not all(isinstance(stop, str) and stop
+                                                for stop in request.stop):
+      raise bad("stop", f"stop strings must be non-empty strings; got {list(request.stop)}")
     if not 0 <= request.top_logprobs <= self.max_top_logprobs:
       raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
                 f"{request.top_logprobs}")
@@ -254,7 +272,10 @@ class Engine:
     padded = np.zeros((1, padded_length(prompt.size, self.max_len)), np.int32)
     padded[0, :prompt.size] = prompt
     logits, keys, values = self._prefill(self._state, padded, np.int32(prompt.size))
-    slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values))
+    text = (None if self._detokenize is None else
+            TextStream(self._detokenize, request.stop, request.stop_ids))
+    slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values),
+                 text)
     sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
     return slot, self._take(slot, *[np.asarray(x)[0] for x in sampled])
 
@@ -306,6 +327,11 @@ class Engine:
       completion.finish_reason = "stop"
     elif len(completion.tokens) >= request.max_tokens:
       completion.finish_reason = "length"
+    if slot.text is not None:
+      slot.text.add([int(token)], final=bool(completion.finish_reason))
+      completion.text = slot.text.text
+      if slot.text.stopped:
+        completion.finish_reason = "stop"
     return bool(completion.finish_reason)
 
 
