@@ -280,6 +280,28 @@ def test_generate_input_gives_one_json_line_per_request_equal_to_generate_alone(
   assert f"{path}:2: a line holds" in capsys.readouterr().err
 
 
+def test_generate_input_stops_a_request_at_its_stop_strings(reference, tmp_path, capsys):
+  """The text ends before the first stop string of the reply (not of the prompt), and the
+  engine stops decoding there."""
+  ref_dir, _ = reference
+  path = tmp_path / "in.jsonl"
+  path.write_text(json.dumps({"prompt": "def "}) + "\n")
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path),
+                   "--max-new-tokens", "12", "--temperature", "0"]) == 0
+  free = json.loads(capsys.readouterr().out)["text"]
+  stop = free[6:8]  # Two characters the greedy reply makes after its first two.
+  path.write_text(json.dumps({"prompt": "def ", "stop": [stop, "def"]}) + "\n")
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path),
+                   "--max-new-tokens", "12", "--temperature", "0"]) == 0
+  stopped = json.loads(capsys.readouterr().out)
+  assert stopped["text"] == free[:free.index(stop, 4)]
+  assert stopped["finish_reason"] == "stop" and stopped["tokens"] < 12
+  path.write_text(json.dumps({"prompt": "def ", "stop": [""]}) + "\n")
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path)]) == 2
+  assert f'{path}:1: "stop" must be a string or a list of non-empty strings' in (
+      capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

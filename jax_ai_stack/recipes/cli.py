@@ -164,7 +164,8 @@ def register(subparsers) -> None:
                         "conversation ending with a user turn, or {\"prompt\"})")
   generate.add_argument("--input", metavar="FILE.jsonl",
                         help="one request per line, {\"prompt\": TEXT} (continued) or "
-                        "{\"messages\": [...]} (answered as the assistant), decoded together; "
+                        "{\"messages\": [...]} (answered as the assistant), each with an "
+                        "optional \"stop\" (strings that end it), decoded together; "
                         "one JSON line per result on stdout as each finishes: {index, text, "
                         "finish_reason, tokens}")
   generate.set_defaults(func=run_generate)
@@ -338,11 +339,17 @@ def _generation_items(path: str) -> list[dict]:
       record = json.loads(line)
     except json.JSONDecodeError:
       record = None  # The parser below names the line.
+    stop = record.pop("stop", []) if isinstance(record, dict) else []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+      raise DataError(f"{where}: \"stop\" must be a string or a list of non-empty strings")
     if isinstance(record, dict) and "messages" not in record and isinstance(
         record.get("prompt"), str):
-      items.append({"prompt": record["prompt"]})
+      item = {"prompt": record["prompt"]}
     else:  # A conversation to answer, or the parser's one-line error naming the line.
-      items.append({"messages": chat_data.parse_line(line, where, to_answer=True)})
+      line = json.dumps(record) if isinstance(record, dict) else line
+      item = {"messages": chat_data.parse_line(line, where, to_answer=True)}
+    items.append({**item, "stop": stop} if stop else item)
   if not items:
     raise UsageError(f"--input {path}: no requests in the file")
   return items

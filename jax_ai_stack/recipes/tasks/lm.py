@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 from collections.abc import Callable, Iterator
@@ -213,8 +214,10 @@ class LanguageModel(Task):
 
     An item is {"prompt": text} (continued, the prompt included in the text, as
     `generate`) or {"messages": [...]} (answered as `chat`: the reply alone, cut
-    at its end of turn). Yields {"index", "text", "finish_reason" ("stop" or
-    "length"), "tokens" (new tokens)} with `index` the item's place in `items`.
+    at its end of turn), with an optional "stop": strings that end it (the engine
+    stops there; the text ends before the first). Yields {"index", "text",
+    "finish_reason" ("stop" or "length"), "tokens" (new tokens)} with `index` the
+    item's place in `items`.
     """
     tokenizer, encode = self.tokenizer(), self.prompt_encoder()
     prompts, stop_ids = zip(*(encode(item) for item in items)) if items else ((), ())
@@ -222,7 +225,10 @@ class LanguageModel(Task):
     ends = tokenizer.end_of_turn_ids()
     requests, lengths = self._requests(list(prompts), max_new_tokens, temperature, seed,
                                        top_k, top_p, list(stop_ids))
-    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    stops = [tuple(item.get("stop", ())) for item in items]
+    requests = [dataclasses.replace(r, stop=stop) for r, stop in zip(requests, stops)]
+    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS),
+                              decode=lambda ids: tokenizer.decode(np.asarray(ids, np.int32)))
     for index, request in enumerate(requests):
       try:
         engine.check(request, index)  # A sampling setting out of range: the user's mistake.
@@ -232,10 +238,13 @@ class LanguageModel(Task):
       index = completion.index
       new = np.asarray(completion.tokens[:lengths[index]], np.int32)
       if chats[index]:
-        stops = np.isin(new, ends)
-        text = tokenizer.decode(new[:np.argmax(stops)] if stops.any() else new)
+        turn_ends = np.isin(new, ends)
+        text, start = tokenizer.decode(new[:np.argmax(turn_ends)] if turn_ends.any() else new), 0
       else:
         text = tokenizer.decode(np.concatenate([prompts[index], new]))
+        start = len(tokenizer.decode(prompts[index]))
+      found = [at for at in (text.find(stop, start) for stop in stops[index]) if at >= 0]
+      text = text[:min(found)] if found else text
       yield {"index": index, "text": text, "finish_reason": completion.finish_reason,
              "tokens": int(new.size)}
 
