@@ -39,7 +39,7 @@ import time
 
 from jax_ai_stack import logs
 from jax_ai_stack.atomic import write_atomically
-from jax_ai_stack.errors import DataError, MissingExtraError, UsageError
+from jax_ai_stack.errors import DataError, UsageError
 
 # Exit codes of a run stopped early (after saving), as shells report a signal.
 STOPPED_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
@@ -450,13 +450,9 @@ def _run_harness(args: argparse.Namespace) -> int:
     raise UsageError(f"--limit must be above 0; got {args.limit}")
   if args.overrides:
     raise UsageError("--tasks takes no data overrides: the tasks bring their own data")
-  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # Read when `datasets` is imported.
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  try:
-    from jax_ai_stack.recipes.evaluation import harness, harness_model
-  except ImportError as e:
-    raise MissingExtraError(f"eval --tasks needs the {e.name!r} package: pip install "
-                            "'jax-ai-stack[eval]'") from None
+  from jax_ai_stack.recipes import evaluation
+
+  harness, harness_model = evaluation.harness_modules("eval --tasks")
   entries = [entry.strip() for entry in args.tasks.split(",") if entry.strip()]
   from jax_ai_stack.recipes.evaluation import stdlib_tasks
 

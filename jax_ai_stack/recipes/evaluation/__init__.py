@@ -11,9 +11,26 @@ Example:
   'Tasks'
 """
 
+import importlib
+import os
+
+from jax_ai_stack.errors import MissingExtraError
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("harness", "harness_model", "in_training", "stdlib_tasks")
 _EXPORTS = {"HarnessModel": "harness_model", "evaluate": "harness"}
-__all__ = [*_SUBMODULES, *_EXPORTS]
+__all__ = ["harness_modules", *_SUBMODULES, *_EXPORTS]
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)
+
+
+def harness_modules(what: str):
+  """(`harness`, `harness_model`), the Hugging Face Hub switched off first (nothing is
+  downloaded at run time); MissingExtraError naming `what` without the `eval` extra."""
+  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # Read when `datasets` is imported.
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  try:
+    return (importlib.import_module(f"{__name__}.harness"),
+            importlib.import_module(f"{__name__}.harness_model"))
+  except ImportError as e:
+    raise MissingExtraError(f"{what} needs the {e.name!r} package: pip install "
+                            "'jax-ai-stack[eval]'") from None

@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import tempfile
 from typing import Any
@@ -34,8 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_ai_stack.errors import MissingExtraError
-from jax_ai_stack.recipes import distributed, sharding
+from jax_ai_stack.recipes import distributed, evaluation, sharding
 
 PREFIX = "eval_harness_"
 BATCH_SIZE = 8
@@ -48,18 +46,12 @@ class TrainingTasks:
   def __init__(self, train_config):
     """Resolves `train_config.eval_tasks` now (ConfigError naming a bad one, before any
     step); 'stdlib' is made into a scratch directory kept while this object lives."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # Read when `datasets` is imported.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-      from jax_ai_stack.recipes.evaluation import harness  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise MissingExtraError(f"train.eval_tasks needs the {e.name!r} package: pip install "
-                              "'jax-ai-stack[eval]'") from None
     self.train = train_config
-    self._harness = harness
+    self._harness, self._harness_model = evaluation.harness_modules("train.eval_tasks")
     self._scratch = tempfile.TemporaryDirectory(prefix="jax-ai-stack-tasks-")
-    self.tasks, _ = harness.prepare(list(train_config.eval_tasks),
-                                    pathlib.Path(self._scratch.name), what="train.eval_tasks")
+    self.tasks, _ = self._harness.prepare(list(train_config.eval_tasks),
+                                          pathlib.Path(self._scratch.name),
+                                          what="train.eval_tasks")
 
   @classmethod
   def of(cls, train_config) -> TrainingTasks | None:
@@ -80,9 +72,7 @@ class TrainingTasks:
       generating = sharding.on_one_device(generating, device)
     metrics = {}
     if distributed.is_primary():
-      from jax_ai_stack.recipes.evaluation import harness_model  # pylint: disable=g-import-not-at-top
-
-      model = harness_model.for_run(run, batch_size=BATCH_SIZE, scoring=scoring,
+      model = self._harness_model.for_run(run, batch_size=BATCH_SIZE, scoring=scoring,
                                     generating=generating)
       with run.kernel_configs():
         results = self._harness.evaluate(model, self.tasks, limit=self.train.eval_tasks_limit,
