@@ -294,3 +294,11 @@ def on_one_device(model: nnx.Module, device: jax.Device) -> nnx.Module:
       if isinstance(value, (Layout, AttentionSharding)):
         setattr(module, name, None)
   return copy
+
+
+def on_this_process(model: nnx.Module) -> nnx.Module:
+  """`model` itself on one process; on several, `on_one_device(model)` on this process's
+  first device, for it to compute alone (every process must call this together)."""
+  if jax.process_count() == 1:
+    return model
+  return on_one_device(model, jax.local_devices()[0])

@@ -8,7 +8,7 @@ A resumed run logs each once: an evaluation whose step was not saved is cut from
 log with the rest of that attempt and runs again.
 
 On several processes every process takes a whole copy of the model on its first
-device (`sharding.on_one_device`, gathered together), process 0 runs the harness on
+device (`sharding.on_this_process`, gathered together), process 0 runs the harness on
 its copy alone and the others wait for its metrics, broadcast at the end: no
 collective inside the harness (Levanter instead broadcasts each batch of requests
 from process 0 for the others to compute their shards).
@@ -65,15 +65,12 @@ class TrainingTasks:
 
   def measure(self, run) -> dict[str, float]:
     """The tasks' metrics on `run`'s model as it stands (its state merged by the caller)."""
-    scoring, generating = run.model, run.inference_model()
-    if jax.process_count() > 1:
-      device = jax.local_devices()[0]
-      scoring = sharding.on_one_device(scoring, device)
-      generating = sharding.on_one_device(generating, device)
+    scoring = sharding.on_this_process(run.model)
+    generating = sharding.on_this_process(run.inference_model())
     metrics = {}
     if distributed.is_primary():
       model = self._harness_model.for_run(run, batch_size=BATCH_SIZE, scoring=scoring,
-                                    generating=generating)
+                                          generating=generating)
       with run.kernel_configs():
         results = self._harness.evaluate(model, self.tasks, limit=self.train.eval_tasks_limit,
                                          seed=self.train.seed)

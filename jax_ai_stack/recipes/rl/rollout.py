@@ -100,7 +100,7 @@ class Rollouts:
     indices (several with `rl.dynamic_sampling`: groups whose rewards are all equal are
     dropped and others drawn in their place, up to `rl.max_draws` batches)."""
     group, draws = self.rl.num_generations, self.rl.max_draws if self.rl.dynamic_sampling else 1
-    model = on_this_process(model)
+    model = sharding.on_this_process(model)
     kept, dropped, wanted, drawn = [], [], None, 0
     while drawn < draws and (wanted is None or len(kept) < wanted):
       indices = [int(i) for i in draw()["prompt_index"]]
@@ -160,7 +160,7 @@ class Rollouts:
                max_batches: int) -> dict[str, float]:
     """Rewards on the held-out prompts of the first `max_batches` batches (see the module)."""
     greedy, sampled, lengths = [], [], []
-    model = on_this_process(model)
+    model = sharding.on_this_process(model)
     for number, batch in enumerate(batches):
       if number == max_batches:
         break
@@ -231,15 +231,6 @@ class Rollouts:
       arrays["sampler_logps"][row, first:first + len(sample.tokens)] = sample.logprobs
     return {**arrays, "advantages": np.asarray(advantage, np.float32),
             "fresh": np.ones(len(samples), np.float32)}
-
-
-def on_this_process(model: nnx.Module) -> nnx.Module:
-  """`model` itself on one process; on several, a copy whole on this process's first device
-  with no mesh layout (`sharding.on_one_device`), for the engine to decode this process's rows
-  alone."""
-  if jax.process_count() == 1:
-    return model
-  return sharding.on_one_device(model, jax.local_devices()[0])
 
 
 def mean_over_processes(metrics: dict[str, float]) -> dict[str, float]:

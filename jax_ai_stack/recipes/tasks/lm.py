@@ -227,8 +227,9 @@ class LanguageModel(Task):
                                        top_k, top_p, list(stop_ids))
     stops = [tuple(item.get("stop", ())) for item in items]
     requests = [dataclasses.replace(r, stop=stop) for r, stop in zip(requests, stops)]
+    decode = lambda ids: tokenizer.decode(np.asarray(ids, np.int32))
     engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS),
-                              decode=lambda ids: tokenizer.decode(np.asarray(ids, np.int32)))
+                              decode=decode if any(stops) else None)  # Text only for stops.
     for index, request in enumerate(requests):
       try:
         engine.check(request, index)  # A sampling setting out of range: the user's mistake.
