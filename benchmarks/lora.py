@@ -39,7 +39,7 @@ from flax import nnx
 
 import common
 from jax_ai_stack.recipes import optim, step
-from jax_ai_stack.recipes.finetune import lora
+from jax_ai_stack.recipes.finetune.adapters import add_adapters
 from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.tasks import lm_loss
@@ -68,7 +68,7 @@ def build(model_config: DecoderConfig, adapters: LoraConfig | None):
   """(train_step, state, trainable parameters, optimizer-state bytes) of one variant."""
   def create():
     model = Decoder(model_config, rngs=nnx.Rngs(0))
-    return model if adapters is None else lora.add_adapters(model, adapters, model_config, seed=1)
+    return model if adapters is None else add_adapters(model, adapters, model_config, seed=1)
 
   model = nnx.jit(create)()  # One compiled init (op by op, each initialiser compiles alone).
   wrt = nnx.Param if adapters is None else nnx.LoRAParam

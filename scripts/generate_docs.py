@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
 import inspect
 import pathlib
 import sys
@@ -75,12 +76,23 @@ def _default(field: dataclasses.Field) -> str:
 
 
 def type_aliases(cls: type) -> dict[str, str]:
-  """{name: definition as written} of the module-level aliases of `cls`'s module."""
-  source = inspect.getsource(inspect.getmodule(cls))
-  return {stmt.targets[0].id: ast.get_source_segment(source, stmt.value)
-          for stmt in ast.parse(source).body
-          if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-          and isinstance(stmt.targets[0], ast.Name)}
+  """{name: definition as written} of the module-level aliases of `cls`'s module, and of
+  those it imports from another module of the package (`from ...configs import DType`)."""
+  return _module_aliases(inspect.getmodule(cls).__name__)
+
+
+def _module_aliases(module: str) -> dict[str, str]:
+  source = inspect.getsource(importlib.import_module(module))
+  aliases = {}
+  for stmt in ast.parse(source).body:
+    if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("jax_ai_stack."):
+      imported = _module_aliases(stmt.module)
+      aliases.update({name.name: imported[name.name] for name in stmt.names
+                      if name.name in imported})
+    elif (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+          and isinstance(stmt.targets[0], ast.Name)):
+      aliases[stmt.targets[0].id] = ast.get_source_segment(source, stmt.value)
+  return aliases
 
 
 def field_table(cls: type) -> str:

@@ -6,8 +6,8 @@ import pytest
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.models import adapting
-from jax_ai_stack.recipes.models.configs import (MOE_KINDS, CNNConfig, CustomModelConfig,
-                                                 DecoderConfig)
+from jax_ai_stack.recipes.models.cnn_config import CNNConfig
+from jax_ai_stack.recipes.models.configs import MOE_KINDS, CustomModelConfig, DecoderConfig
 from jax_ai_stack.recipes.models.decoder import KVCache
 
 

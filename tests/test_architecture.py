@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
          "recipes.rl.config",
-         "recipes.models.configs", "recipes.models.hf.families", "recipes.models.hf.families.*",
+         "recipes.models.configs", "recipes.models.cnn_config", "recipes.models.hf.families",
+         "recipes.models.hf.families.*",
          "recipes.tasks", "recipes.tasks.registry", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
      "checkpoint manager, Task) from a config; none opens a workdir as a run", (
@@ -48,11 +49,13 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
          "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
-         "recipes.transforms", "recipes.finetune.lora", "recipes.finetune.quant",
+         "recipes.transforms", "recipes.stop_signal", "recipes.finetune.lora",
+         "recipes.finetune.adapters", "recipes.finetune.base_run", "recipes.finetune.quant",
          "recipes.finetune.reference", "recipes.finetune.transforms")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
-         "recipes.workdir", "recipes.held_out", "recipes.run", "recipes.train", "recipes.record",
+         "recipes.workdir", "recipes.opening", "recipes.held_out", "recipes.run", "recipes.train",
+         "recipes.record",
          "recipes.finetune.ptq",
          "recipes.finetune.lora_merge")),
     ("command lines", "parse flags, read the environment once, call one function below, "

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jax_ai_stack import cli
 from jax_ai_stack.recipes import train
-from jax_ai_stack.recipes.finetune import lora, ptq
+from jax_ai_stack.recipes.finetune import adapters, ptq
 from jax_ai_stack.recipes.models import hf
 
 from training_helpers import tiny_config
@@ -74,7 +74,7 @@ def test_a_qlora_run_merges_into_the_float_base_it_was_quantized_from(base, tmp_
           f"of its base ({base / 'checkpoints'} step 30), not into their w8 quantization") in err
   run = train.Trainer.open_finished(tmp_path / "q")
   try:
-    a, b = (np.asarray(x) for x in lora.adapter_pairs(run.model)["layers/0/mlp/up_proj/kernel"])
+    a, b = (np.asarray(x) for x in adapters.adapter_pairs(run.model)["layers/0/mlp/up_proj/kernel"])
   finally:
     run.close()
   floats = train.Trainer.open_finished(base)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import checkpoint, sharding, train
-from jax_ai_stack.recipes.finetune import lora, quant
+from jax_ai_stack.recipes.finetune import adapters, quant
 from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models import hf, layer_stack
 from jax_ai_stack.recipes.models.decoding import generate
@@ -165,7 +165,7 @@ def test_quantization_and_lora_refuse_a_scanned_model():
   with pytest.raises(ConfigError, match="not supported by post-training quantization yet"):
     quant.ptq(model, "w8", config)
   with pytest.raises(ConfigError, match="not supported by finetune.lora yet"):
-    lora.add_adapters(model, LoraConfig(), config, seed=0)
+    adapters.add_adapters(model, LoraConfig(), config, seed=0)
 
 
 def test_cli_qat_with_scan_layers_exits_2_and_saves_nothing(tmp_path, capsys):

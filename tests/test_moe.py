@@ -207,7 +207,7 @@ def test_the_memory_plan_of_a_moe_model_is_measured():
 
 @pytest.mark.slow
 def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tmp_path, capsys):
-  from jax_ai_stack.recipes.finetune import lora
+  from jax_ai_stack.recipes.finetune import adapters
 
   train.run(config_lib.load("moe-tiny", overrides=[*SMALL, "train.steps=2"]), tmp_path / "base")
   tuned = config_lib.load("moe-tiny", overrides=[
@@ -216,7 +216,7 @@ def test_lora_adapts_the_attention_of_a_moe_model_and_quantization_is_refused(tm
   run = train.Trainer.open_finished(tmp_path / "lora")
   tokens = jnp.arange(16, dtype=jnp.int32)[None]
   try:
-    adapted = lora.adapter_pairs(run.model)
+    adapted = adapters.adapter_pairs(run.model)
     logits = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, tokens))
   finally:
     run.close()

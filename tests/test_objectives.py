@@ -10,7 +10,7 @@ from flax import nnx
 
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import config as config_lib
-from jax_ai_stack.recipes.finetune import lora, reference
+from jax_ai_stack.recipes.finetune import adapters, reference
 from jax_ai_stack.recipes.tasks import objectives
 from jax_ai_stack.recipes.tasks.lm import LanguageModel
 
@@ -62,13 +62,13 @@ def test_the_reference_is_the_base_bitwise_with_trained_adapters():
   config = config_lib.load("lm-tiny", overrides=TINY)
   task = LanguageModel(config)
   base = task.build_model(0)
-  adapted = lora.add_adapters(task.build_model(0), config.finetune.lora, config.model, 2)
+  adapted = adapters.add_adapters(task.build_model(0), config.finetune.lora, config.model, 2)
   graphdef, state = nnx.split(adapted)
   trained = jax.tree_util.tree_map_with_path(  # Adapters that moved: B no longer zero.
       lambda path, x: x + 0.5 if "lora" in jax.tree_util.keystr(path) else x, state)
   adapted = nnx.merge(graphdef, trained)
   batch = _pair_batch()
-  reference = objectives.sequence_logps(lora.adapters_off(adapted), batch)
+  reference = objectives.sequence_logps(adapters.adapters_off(adapted), batch)
   theirs = objectives.sequence_logps(base, batch)
   policy = objectives.sequence_logps(adapted, batch)
   for ours, base_logps, moved in zip(reference, theirs, policy):

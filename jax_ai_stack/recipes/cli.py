@@ -266,7 +266,8 @@ def run_train(args: argparse.Namespace) -> int:
     if replayed is None:
       result = run_phase(config, stop_after=args.stop_after)
     else:
-      result = _replay(replayed[1], run_phase, train.saved_step(workdir))
+      saved = distributed.latest_saved_step(workdir / train.CHECKPOINT_DIR)
+      result = _replay(replayed[1], run_phase, saved)
   except train.TrainingError as e:
     print(f"jax-ai-stack train: {e}")
     return 1
@@ -306,55 +307,6 @@ def _replay(replayed: tuple[dict, list], run_phase, saved_step: int | None) -> d
   return record.replay(recorded, configs, run_phase, saved_step=saved_step)
 
 
-def _conversations(chat: str, prompt: str) -> list[list[dict]]:
-  """`generate --chat`'s conversations: --prompt as one user turn, or each line of a JSONL file
-  (DataError naming the file and line of a bad one)."""
-  if chat == "-":
-    return [[{"role": "user", "content": prompt}]]
-  from jax_ai_stack.recipes.data import chat as chat_data  # pylint: disable=g-import-not-at-top
-
-  try:
-    lines = pathlib.Path(chat).read_text(encoding="utf-8").splitlines()
-  except OSError as e:
-    raise UsageError(f"--chat {chat}: {e.strerror}") from None
-  return [chat_data.parse_line(line, f"{chat}:{number}", to_answer=True)
-          for number, line in enumerate(lines, start=1) if line.strip()]
-
-
-def _generation_items(path: str) -> list[dict]:
-  """`generate --input`'s requests: {"prompt"} or a conversation (`{"messages"}`) per line
-  (DataError naming the file and line of a bad one)."""
-  from jax_ai_stack.recipes.data import chat as chat_data  # pylint: disable=g-import-not-at-top
-
-  try:
-    lines = pathlib.Path(path).read_text(encoding="utf-8").splitlines()
-  except OSError as e:
-    raise UsageError(f"--input {path}: {e.strerror}") from None
-  items = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    where = f"{path}:{number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      record = None  # The parser below names the line.
-    stop = record.pop("stop", []) if isinstance(record, dict) else []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-      raise DataError(f"{where}: \"stop\" must be a string or a list of non-empty strings")
-    if isinstance(record, dict) and "messages" not in record and isinstance(
-        record.get("prompt"), str):
-      item = {"prompt": record["prompt"]}
-    else:  # A conversation to answer, or the parser's one-line error naming the line.
-      line = json.dumps(record) if isinstance(record, dict) else line
-      item = {"messages": chat_data.parse_line(line, where, to_answer=True)}
-    items.append({**item, "stop": stop} if stop else item)
-  if not items:
-    raise UsageError(f"--input {path}: no requests in the file")
-  return items
-
-
 def _process_index(launch) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -377,8 +329,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
   if args.input and args.chat:
     raise UsageError("--input and --chat both name what to answer: give one")
-  conversations = _conversations(args.chat, args.prompt) if args.chat else None
-  items = _generation_items(args.input) if args.input else None
+  from jax_ai_stack.recipes.inference import request_file
+
+  conversations = request_file.conversations(args.chat, args.prompt) if args.chat else None
+  items = request_file.read(args.input) if args.input else None
   trainer = _open_finished(args, validation=False, method="decode")
   try:
     sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)

@@ -149,6 +149,15 @@ class CompileTimes:
   cache_hits: int = 0
   cache_misses: int = 0
 
+  def startup_line(self, import_s: float | None, init_s: float, first_step_s: float) -> str:
+    """Where the wait for the first step went: import, init, trace, compile, cache hits."""
+    imported = f"import {import_s:.1f} s, " if import_s is not None else ""
+    cache = active_dir()
+    hits = f"{self.cache_hits} loaded from the cache {cache}" if cache else "no persistent cache"
+    return (f"start-up: {imported}init {init_s:.1f} s (data, model, checkpoint), "
+            f"first step after {first_step_s:.1f} s; of which trace {self.trace_s:.1f} s, "
+            f"compile {self.compile_s:.1f} s ({self.compiles} programs, {hits})")
+
   def _on_duration(self, event: str, duration: float, **kwargs) -> None:
     del kwargs
     if event in _TRACE_EVENTS:

@@ -28,6 +28,14 @@ def bar(label: str, *, unit: str, total: int | None, initial: int = 0):
               mininterval=0.5, dynamic_ncols=True)
 
 
+def say(progress, text: str) -> None:
+  """`text` on its own line of stdout: above the bar `progress` (None: no bar, printed)."""
+  if progress is not None:
+    progress.write(text, file=sys.stdout)
+  else:
+    print(text, flush=True)
+
+
 class Lines:
   """The bar's stand-in where stderr is no terminal: one line per postfix update."""
 

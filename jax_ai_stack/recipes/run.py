@@ -34,26 +34,24 @@ import logging
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import grain
 import jax
 from flax import nnx
 
-from jax_ai_stack import determinism, kernels, logs
-from jax_ai_stack.errors import (CheckpointMismatchError, ConfigError, DataError, UserError,
-                                 WorkdirError)
-from jax_ai_stack.recipes import (checkpoint, configlib, held_out, optim, phases, sharding, step,
-                                  tasks)
+from jax_ai_stack import kernels
+from jax_ai_stack.errors import CheckpointMismatchError, WorkdirError
+from jax_ai_stack.recipes import (checkpoint, configlib, held_out, opening, optim, phases,
+                                  sharding, step, tasks)
 from jax_ai_stack.recipes import workdir as workdir_lib
-from jax_ai_stack.recipes.config import RecipeConfig, from_json
+from jax_ai_stack.recipes.config import RecipeConfig
+from jax_ai_stack.recipes.opening import TaskArg
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["train", "read"]
-TaskArg = Union[tasks.Task, Callable[[RecipeConfig], tasks.Task], None]
-"""A run's Task: given, built from the config by a function, or None (the config's)."""
 __all__ = ["Run", "build_run"]
 
 
@@ -203,28 +201,6 @@ def _vocabulary_padding(model: Any) -> str:
           f"({model.vocab_size} -> {padded}, model.vocab_multiple={model.vocab_multiple})")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Opened:
-  """What opening a workdir settled, before the model and state exist."""
-
-  config: RecipeConfig
-  task: tasks.Task
-  workdir: pathlib.Path
-  manager: checkpoint.Manager
-  plan: kernels.AttentionPlan | None
-  choice: kernels.Choice | None
-  placement: sharding.Placement
-  train_data: grain.IterDataset | None
-  """None: read-only (no data position to restore, nothing to train)."""
-  validation: grain.IterDataset | None
-  restore: bool
-  """Whether the manager has a step to restore."""
-  capture_stderr: bool
-  """`build_run`'s: how the checkpoint is read."""
-  resumed: phases.Resumed | None = None
-  """The run's phases (train); None: read-only, the saved ones."""
-
-
 def build_run(
     config: RecipeConfig | None,
     workdir: str | pathlib.Path,
@@ -275,12 +251,12 @@ def build_run(
   environ = os.environ if environ is None else environ  # The one read of the environment.
   workdir = pathlib.Path(workdir)
   if mode == "read":
-    opened = _open_finished(workdir, environ=environ, overrides=overrides, task=task,
+    opened = opening.open_finished(workdir, environ=environ, overrides=overrides, task=task,
                             validation=bool(validation), capture_stderr=capture_stderr)
   elif mode == "train":
     if config is None:
       raise ValueError("build_run(mode='train') needs the recipe config to train")
-    opened = _open_to_train(config, workdir, environ=environ, resume=resume, task=task,
+    opened = opening.open_to_train(config, workdir, environ=environ, resume=resume, task=task,
                             validation=validation, capture_stderr=capture_stderr)
   else:
     raise ValueError(f"mode must be 'train' or 'read', not {mode!r}")
@@ -291,122 +267,7 @@ def build_run(
     raise
 
 
-def _open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   resume: str, task: TaskArg, validation: bool | None,
-                   capture_stderr: bool) -> _Opened:
-  """Checks, data, attention plan and checkpoint manager of a run to train."""
-  determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
-  created = not workdir.exists()
-  workdir_lib.prepare_workdir(workdir, read_only=False)
-  try:
-    metadata = workdir_lib.newest_metadata(workdir, capture_stderr) if resume != "never" else None
-    config, resumed = workdir_lib.resume_phases(config, metadata, workdir)
-    task = tasks.resolve(task, config)
-    opened = _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
-                                    validation=validation, capture_stderr=capture_stderr,
-                                    saved_attention=(metadata or {}).get("attention"))
-    return dataclasses.replace(opened, resumed=resumed)
-  except UserError:
-    if created and not any(workdir.iterdir()):  # Refused input leaves no empty workdir.
-      workdir.rmdir()
-    raise
-
-
-def _open_data_and_manager(config: RecipeConfig, workdir: pathlib.Path, task: tasks.Task, *,
-                           environ: Mapping[str, str], resume: str, validation: bool | None,
-                           capture_stderr: bool, saved_attention: dict | None) -> _Opened:
-  """The data, attention plan and checkpoint manager; `saved_attention`: the newest
-  checkpoint's attention metadata, whose kernel a resume keeps (None: none reads)."""
-  task.check_data()  # Bad input is refused before anything in the workdir is opened.
-  placement = sharding.Placement.build(config.mesh, task.batch_axes())
-  placement.check_rows(_batch_rows(config))  # Each size the schedule will reach: now.
-  autotune_path = workdir / kernels.AUTOTUNE_FILENAME
-  if config.train.autotune_attention and not autotune_path.exists():
-    if jax.process_count() > 1:
-      raise ConfigError(  # Each process would time the kernels and might choose another one.
-          "train.autotune_attention=true tunes in one process only: run the recipe once on one "
-          f"host to write {autotune_path}, then launch every process")
-    if task.attention_request() is not None:
-      kernels.autotune([task.attention_request()], autotune_path)
-  settings = dict(implementation=task.attention_implementation(), environ=environ,
-                  autotune_file=kernels.workdir_autotune_file(workdir))
-  plan, choice = kernels.plan_for_run(task.attention_request(), **settings)  # Bad names: now.
-  train_data = task.dataset("train", config.train.seed)
-  validation_data = None
-  if config.train.eval_every if validation is None else validation:
-    try:
-      validation_data = task.dataset("validation", config.train.seed)
-    except DataError as e:  # The train split loaded: the held-out one is too small.
-      config = _without_evaluation(config)
-      logs.note("no held-out evaluation in this run (train.eval_every=0): "
-                + str(e).removeprefix("data: "))
-  manager = checkpoint.build_manager(workdir / workdir_lib.CHECKPOINT_DIR, config.checkpoint)
-  try:
-    latest = manager.latest_step()
-    if latest is not None and resume == "never":
-      raise WorkdirError(
-          f"workdir {workdir} already has checkpoints (newest step {latest}) and resume is "
-          "'never': choose another --workdir, or resume with --resume auto"
-      )
-    if latest is not None:  # The kernel it trained with, unless one is named.
-      plan, choice = kernels.plan_for_run(task.attention_request(), **settings,
-                                          saved=saved_attention)
-  except BaseException:
-    manager.close()
-    raise
-  return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
-                 choice=choice, placement=placement, train_data=train_data,
-                 validation=validation_data, restore=latest is not None,
-                 capture_stderr=capture_stderr)
-
-
-def _batch_rows(config: RecipeConfig) -> list[tuple[str, int]]:
-  """(field, rows) of every batch a step of `config` passes through the model at once (a
-  config without a `data` section: its Task's batches, checked as they come)."""
-  data = getattr(config, "data", None)
-  sizes = data.batch_sizes() if data is not None else []
-  micro = getattr(config.train, "microbatch_size", None)
-  if micro is not None and any(rows > micro for _, rows in sizes):
-    sizes.append(("train.microbatch_size", micro))
-  return sizes
-
-
-def _open_finished(workdir: pathlib.Path, *, environ: Mapping[str, str],
-                   overrides: Sequence[str], task: TaskArg, validation: bool,
-                   capture_stderr: bool) -> _Opened:
-  """A trained run, read-only, with its saved config and attention plan.
-
-  No train data is built and nothing in the workdir is written, so an
-  archived run on a read-only disk works.
-  """
-  workdir_lib.prepare_workdir(workdir, read_only=True)
-  checkpoints = workdir / workdir_lib.CHECKPOINT_DIR
-  manager = checkpoint.build_manager(checkpoints, checkpoint.CheckpointConfig(),
-                                     read_only=True)
-  try:
-    if manager.latest_step() is None:
-      raise WorkdirError(f"no checkpoints in {checkpoints}: train there first")
-    metadata = checkpoint.read_metadata(manager, capture_stderr=capture_stderr)
-    config = from_json(metadata["config"])
-    if overrides:
-      config = configlib.from_dict(
-          RecipeConfig, configlib.apply_overrides(configlib.to_dict(config), list(overrides)),
-          source=f"{workdir}'s config + overrides {' '.join(overrides)}")
-    task = tasks.resolve(task, config)
-    plan, choice = kernels.plan_for_run(
-        task.attention_request(), task.attention_implementation(), environ=environ,
-        autotune_file=kernels.workdir_autotune_file(workdir), saved=metadata.get("attention"),
-        read_only=True)
-    data = task.dataset("validation", config.train.seed) if validation else None
-  except BaseException:
-    manager.close()
-    raise
-  return _Opened(config=config, task=task, workdir=workdir, manager=manager, plan=plan,
-                 choice=choice, placement=sharding.Placement.build(config.mesh, task.batch_axes()),
-                 train_data=None, validation=data, restore=True, capture_stderr=capture_stderr)
-
-
-def _assemble(opened: _Opened, *, initial_params=None) -> Run:
+def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
   """Model, optimizer and steps, restored into (no initialisation) or initialised."""
   config, task, plan, placement = opened.config, opened.task, opened.plan, opened.placement
   transforms = task.model_transforms()
@@ -475,8 +336,3 @@ def _assemble(opened: _Opened, *, initial_params=None) -> Run:
              phases=(opened.resumed.phases if opened.resumed is not None
                      else phases.history(restored.metadata) if restored else []),
              phase_changes=opened.resumed.started if opened.resumed is not None else [])
-
-
-def _without_evaluation(config):
-  """`config` with `train.eval_every=0`: a run whose validation split has no full batch."""
-  return dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=0))

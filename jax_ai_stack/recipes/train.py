@@ -35,11 +35,8 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import pathlib
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,60 +47,28 @@ from flax import nnx
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import ConfigError, WorkdirError
-from jax_ai_stack.recipes import (checkpoint, compile_cache, distributed, optim, phases, profile,
-                                  record, step)
+from jax_ai_stack.recipes import (compile_cache, distributed, optim, phases, profile, record,
+                                  step)
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, MetricsLog, eval_change,
                                           format_metrics, plot, read_metrics)
 from jax_ai_stack.recipes.run import Run, TaskArg, build_run
-from jax_ai_stack.recipes.workdir import CHECKPOINT_DIR, prepare_workdir, write_config
+from jax_ai_stack.recipes.stop_signal import StopSignal
+from jax_ai_stack.recipes.workdir import (CHECKPOINT_DIR, default_workdir, prepare_workdir,
+                                          write_config)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_DIR", "METRICS_FILE", "PLOT_FILE", "Trainer", "TrainingError",
-    "WorkdirError", "prepare_workdir", "read_metrics", "run",
+    "WorkdirError", "default_workdir", "prepare_workdir", "read_metrics", "run",
 ]
 
 
 class TrainingError(RuntimeError):
   """Training cannot go on (a NaN loss, say); the last good checkpoint stays."""
-
-
-class _StopSignal:
-  """Records SIGTERM/SIGINT so the loop can finish its step, save and stop.
-
-  With several processes (`shared=True`) one process must not stop alone: the
-  others would wait for it in the next collective (or the save) forever. So
-  SIGTERM is left to JAX's preemption notifier (which `jax.distributed`
-  installs), and a SIGINT is passed on to it as a SIGTERM to this process:
-  Orbax's `reached_preemption` then makes every process stop and save at the
-  same step, the one that got the signal reporting it by name.
-  """
-
-  def __init__(self, *, shared: bool = False):
-    self.received: str | None = None
-    self._shared = shared
-    self._signals = (signal.SIGINT,) if shared else (signal.SIGTERM, signal.SIGINT)
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in self._signals:
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-    if self._shared:
-      os.kill(os.getpid(), signal.SIGTERM)  # To the preemption notifier: every process stops.
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
 
 
 class Trainer(Run):
@@ -258,7 +223,7 @@ class Trainer(Run):
     """Whether every host agreed to stop at this step (Orbax; multi-host only)."""
     return jax.process_count() > 1 and self.manager.reached_preemption(self.step)
 
-  def _stop_reason(self, stop: _StopSignal) -> str | None:
+  def _stop_reason(self, stop: StopSignal) -> str | None:
     """The signal that stops the run now, "preemption" for another process's, or None."""
     if jax.process_count() == 1:
       return stop.received
@@ -290,14 +255,14 @@ class Trainer(Run):
     pending: list[tuple[int, dict]] = []  # Steps dispatched, metrics not yet fetched.
     try:
       # Saves in the background; leaving the block waits until they are on disk.
-      with (_StopSignal(shared=jax.process_count() > 1) as stop, self.kernel_configs(),
+      with (StopSignal(shared=jax.process_count() > 1) as stop, self.kernel_configs(),
             self.manager.async_saves()):
         since = time.perf_counter()
         while self.step < total:
           with profiler.step(self.step + 1):
             pending.append((self.step + 1, self.run_step()))
           if (line := profiler.after(self.step, self.state)) is not None:
-            _print(progress, line)
+            progress_lib.say(progress, line)
           reached = stop_after is not None and self.step >= stop_after
           stopping = self._stop_reason(stop) or (f"stop_after={stop_after}" if reached else None)
           if not self.at_rollout_boundary():
@@ -312,7 +277,7 @@ class Trainer(Run):
               metrics_log.write(number, "train", last)
               if self.task.rollouts is not None and (
                   line := self.task.rollouts.notice(metrics)) is not None:
-                _print(progress, f"step {number}: {line}")
+                progress_lib.say(progress, f"step {number}: {line}")
             if progress is not None:
               progress.update(len(pending))
               progress.set_postfix_str(f"loss {last['loss']:.3f}  "
@@ -326,7 +291,7 @@ class Trainer(Run):
             eval_metrics = {**self.evaluate(), **self.harness_metrics()}
             metrics_log.write(self.step, "eval", eval_metrics)
             last.update(eval_metrics)
-            _print(progress, f"step {self.step}: " + format_metrics(eval_metrics))
+            progress_lib.say(progress, f"step {self.step}: " + format_metrics(eval_metrics))
           if self.save(force=bool(stopping) or self.step == total):
             metrics_log.flush()
           if stopping:
@@ -336,7 +301,7 @@ class Trainer(Run):
             since = time.perf_counter()  # Step times leave out evaluations and saves.
     finally:
       if (line := profiler.stop(self.state)) is not None:  # Stopped inside the range.
-        _print(progress, line)
+        progress_lib.say(progress, line)
       if progress is not None:
         progress.close()
       metrics_log.close()
@@ -367,30 +332,6 @@ def _progress_bar(config: RecipeConfig, start: int):
   if not config.train.progress:
     return None
   return progress_lib.bar("train", unit="step", total=config.train.steps, initial=start)
-
-
-def _print(progress, text: str) -> None:
-  if progress is not None:
-    progress.write(text, file=sys.stdout)
-  else:
-    print(text, flush=True)
-
-
-def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) -> pathlib.Path:
-  """`workdir`, or runs/<recipe name> when it is None."""
-  return pathlib.Path(workdir or pathlib.Path("runs") / config.name)
-
-
-def saved_step(workdir: str | pathlib.Path) -> int | None:
-  """The newest checkpoint's step in `workdir`, None without one."""
-  directory = pathlib.Path(workdir) / CHECKPOINT_DIR
-  if not directory.is_dir():
-    return None
-  manager = checkpoint.build_manager(directory, checkpoint.CheckpointConfig(), read_only=True)
-  try:
-    return manager.latest_step()
-  finally:
-    manager.close()
 
 
 def run(
@@ -447,7 +388,7 @@ def run(
     if verbose:
       from tqdm import tqdm  # Above the bar, not on its line.
 
-      tqdm.write(_startup_line(compile_times, import_s, init_s, time.perf_counter() - started),
+      tqdm.write(compile_times.startup_line(import_s, init_s, time.perf_counter() - started),
                  file=sys.stdout)
 
   try:
@@ -491,17 +432,6 @@ def run(
   return result
 
 
-def _startup_line(times: compile_cache.CompileTimes, import_s: float | None, init_s: float,
-                  first_step_s: float) -> str:
-  """Where the wait for the first step went: import, init, trace, compile, cache hits."""
-  imported = f"import {import_s:.1f} s, " if import_s is not None else ""
-  cache = compile_cache.active_dir()
-  hits = f"{times.cache_hits} loaded from the cache {cache}" if cache else "no persistent cache"
-  return (f"start-up: {imported}init {init_s:.1f} s (data, model, checkpoint), "
-          f"first step after {first_step_s:.1f} s; of which trace {times.trace_s:.1f} s, "
-          f"compile {times.compile_s:.1f} s ({times.compiles} programs, {hits})")
-
-
 def _print_lines(lines: list[str]) -> None:
   for line in lines:
     print(line, flush=True)
@@ -516,6 +446,6 @@ def _print_done(result: dict[str, Any], workdir: pathlib.Path) -> None:
 
 def _final_metrics(workdir: pathlib.Path) -> dict[str, Any]:
   out: dict[str, Any] = {}
-  for record in read_metrics(workdir):
-    out.update({k: v for k, v in record.items() if k != "split"})
+  for line in read_metrics(workdir):
+    out.update({k: v for k, v in line.items() if k != "split"})
   return out

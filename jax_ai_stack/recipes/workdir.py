@@ -29,6 +29,11 @@ CONFIG_FILE = "config.yaml"
 """The workdir's resolved config: `train --config W/config.yaml` runs it again."""
 
 
+def default_workdir(config: RecipeConfig, workdir: str | pathlib.Path | None) -> pathlib.Path:
+  """`workdir`, or runs/<recipe name> when it is None."""
+  return pathlib.Path(workdir or pathlib.Path("runs") / config.name)
+
+
 def prepare_workdir(workdir: pathlib.Path, *, read_only: bool) -> None:
   """Checks (and for training creates) the workdir; WorkdirError says what is wrong."""
   if workdir.exists() and not workdir.is_dir():

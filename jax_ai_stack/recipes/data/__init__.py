@@ -15,6 +15,7 @@ Modules, in the order data flows:
   permutation the stateless per-epoch order: a Feistel permutation per index
   mixture     several corpora by stage weights: each row's corpus from (seed, row)
   pipeline    order (seed, epoch, index), per-process shards, workers, state
+  grain_exit  the pipeline's iterators still open at exit, closed while Grain can
   token_cache the corpus tokenized once into TensorStore, read per batch (`data.cache`)
   corpora     `load_corpus`: from memory (corpus) or the token cache
   cli         `jax-ai-stack data prepare`
@@ -37,10 +38,10 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("arithmetic", "batch_schedule", "chat", "chat_template", "cli", "config", "corpora", "corpus",
-               "examples", "made_tasks", "mixture", "permutation", "pipeline", "preference",
-               "prompts", "reversal", "sources",
-               "token_cache", "tokenizers")
+_SUBMODULES = ("arithmetic", "batch_schedule", "chat", "chat_template", "cli", "config", "corpora",
+               "corpus", "examples", "grain_exit", "made_tasks", "mixture", "permutation",
+               "pipeline", "preference", "prompts", "reversal", "sources", "token_cache",
+               "tokenizers")
 _EXPORTS = {
     "BatchSchedule": "batch_schedule",
     "ChatRows": "chat",

@@ -41,10 +41,8 @@ the main module: scripts must create and iterate the dataset under
 (grain reads an absl flag there). Close iterators you are done with
 (`iterator.close()`, or `with contextlib.closing(iter(ds)) as iterator:`) so
 the prefetch thread, workers and shared memory are released at once. Those
-still open when the interpreter exits are closed by an `atexit` hook: left to
-the garbage collector during shutdown, Grain's `DatasetIterator.__del__` finds
-its modules torn down and prints "Exception ignored in ... 'NoneType' object
-has no attribute 'Empty'".
+still open when the interpreter exits are closed by an `atexit` hook
+(`grain_exit`).
 
 Example: step batches over an in-memory token array, then a pipeline over a
 .npy file that resumes from its saved state.
@@ -73,10 +71,8 @@ Example: step batches over an in-memory token array, then a pipeline over a
 
 from __future__ import annotations
 
-import atexit
 import math
 import sys
-import weakref
 import zlib
 from typing import Literal
 
@@ -93,6 +89,7 @@ from jax_ai_stack.recipes.data import sources
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
 from jax_ai_stack.recipes.data.config import DataConfig
 from jax_ai_stack.recipes.data.corpora import load_corpus
+from jax_ai_stack.recipes.data.grain_exit import ClosedAtExit
 from jax_ai_stack.recipes.data.permutation import hash_uniform, permute
 from jax_ai_stack.recipes.data.tokenizers import build_tokenizer
 
@@ -347,58 +344,6 @@ def _examples(config: DataConfig, split: Split):
                     "your Task's `dataset` (tasks.CustomTask, or a Task subclass)")
 
 
-class _ClosedAtExit(grain.IterDataset):
-  """Its parent, whose iterators are closed at interpreter exit if still open.
-
-  The iterator is the parent's own (same `get_state`/`set_state` and Orbax
-  checkpointing); it is only remembered in a `WeakSet`, so tracking keeps
-  nothing alive.
-  """
-
-  def __iter__(self) -> grain.DatasetIterator:
-    iterator = self._parent.__iter__()
-    _open_iterators.add(iterator)
-    return iterator
-
-  def __str__(self) -> str:
-    return "ClosedAtExit"
-
-
-_open_iterators: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_iterators() -> None:
-  """Closes this module's iterators still open, while Grain can still close cleanly.
-
-  atexit runs before module teardown. Grain closes every iterator again from
-  `__del__` later in shutdown, and its thread-prefetch `close` (also used by
-  `mp_prefetch` for each worker) is not idempotent: a second call looks up
-  module globals that are gone by then. Once ours are closed, a closed one
-  has nothing left to release, so from here on a second `close` returns.
-
-  That last part patches a grain class: grain 0.2.18's `DatasetIterator.close`
-  promises to be idempotent and `ThreadPrefetchDatasetIterator.close` breaks
-  the promise (even after an explicit `close()`, a script prints "Exception
-  ignored" at exit). The patch only adds the check the base class has, and
-  only once the interpreter is exiting; per-object fixes cannot reach the
-  iterators `mp_prefetch` builds inside. Remove it with a grain that checks.
-  """
-  iterators = list(_open_iterators)
-  for iterator in iterators:
-    iterator.close()
-  if not iterators:
-    return
-  thread_prefetch = grain.experimental.ThreadPrefetchDatasetIterator
-  close = thread_prefetch.close
-
-  def close_once(self) -> None:
-    if not self._closed:  # pylint: disable=protected-access
-      close(self)
-
-  thread_prefetch.close = close_once
-
-
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   if process_index is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top
@@ -478,4 +423,4 @@ def build_dataset(
   elif config.prefetch_batches:
     ds = grain.experimental.ThreadPrefetchIterDataset(
         ds, prefetch_buffer_size=config.prefetch_batches)
-  return _ClosedAtExit(ds)
+  return ClosedAtExit(ds)

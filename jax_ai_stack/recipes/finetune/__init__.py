@@ -8,7 +8,9 @@ converts a finished run (PTQ).
 Modules:
   config      the `finetune` and `quant` sections and the scheme names (no jax)
   quant       Qwix rules of each scheme for the recipe models; `qat` and `ptq` of a model
-  lora        adapters on a frozen base, their checkpoints (what a run builds with)
+  lora        the fine-tuning transform: what trains, what is saved, the reference
+  adapters    Qwix LoRA adapters: added, read, switched off, merged into a plain model
+  base_run    the trained run a fine-tune starts from: read, checked, quantized (QLoRA)
   reference   a frozen copy of the base: DPO's reference in full fine-tuning
   transforms  the model transforms a recipe asks for (what `Task.model_transforms` gives)
   lora_merge  `merge`: a LoRA run's adapters folded into a plain run
@@ -26,8 +28,8 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("config", "lora", "lora_cli", "lora_merge", "ptq", "quant", "quant_cli",
-               "reference", "transforms")
+_SUBMODULES = ("adapters", "base_run", "config", "lora", "lora_cli", "lora_merge", "ptq", "quant",
+               "quant_cli", "reference", "transforms")
 _EXPORTS = {
     "FinetuneConfig": "config",
     "LoraConfig": "config",
@@ -35,9 +37,9 @@ _EXPORTS = {
     "SCHEMES": "config",
     "SchemeError": "config",
     "check_scheme": "config",
-    "BaseCheckpointError": "lora",
+    "BaseCheckpointError": "base_run",
     "Finetune": "lora",
-    "merged_model": "lora",
+    "merged_model": "adapters",
     "open_quantized": "ptq",
     "quantize_run": "ptq",
 }

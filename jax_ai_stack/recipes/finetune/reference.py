@@ -1,6 +1,6 @@
 """DPO's reference model in a full fine-tuning run: a frozen copy of the base's weights.
 
-With LoRA the reference costs nothing (`lora.adapters_off`: the same weights,
+With LoRA the reference costs nothing (`adapters.adapters_off`: the same weights,
 adapters switched off). When every parameter trains, the base must be kept as
 it was: `add_frozen_copy` puts a copy of each weight beside the model, as
 `transforms.Frozen` variables under the model's `reference` attribute (laid out

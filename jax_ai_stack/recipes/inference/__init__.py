@@ -1,6 +1,7 @@
 """Generation: the engine that decodes many requests at once (`engine`), and sampling one
-token per row with each row's own settings (`sampling`), and a completion's text as its
-tokens arrive, cut at stop strings (`text`).
+token per row with each row's own settings (`sampling`), a completion's text as its
+tokens arrive, cut at stop strings (`text`), and the request files `generate` reads
+(`request_file`).
 
 Names load on first use.
 
@@ -12,7 +13,7 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("engine", "sampling", "text")
+_SUBMODULES = ("engine", "request_file", "sampling", "text")
 _EXPORTS = {"Completion": "engine", "Engine": "engine", "Request": "engine",
             "RequestError": "engine", "TextStream": "text", "sample": "sampling"}
 __all__ = [*_SUBMODULES, *_EXPORTS]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("decoder", "activation_memory", "adapting", "cnn", "configs", "decoding", "head",
-               "hf", "layer_stack", "layers", "llama", "moe", "rope")
+_SUBMODULES = ("decoder", "activation_memory", "adapting", "cnn", "cnn_config", "configs",
+               "decoding", "head", "hf", "layer_stack", "layers", "llama", "moe", "rope")
 _EXPORTS = {
     "Decoder": "decoder",
     "DecoderConfig": "configs",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "generate": "decoding",
     "apply_rope": "rope",
     "CNN": "cnn",
-    "CNNConfig": "configs",
+    "CNNConfig": "cnn_config",
     "CustomModelConfig": "configs",
 }
 __all__ = ["eager_sharding_scope", *_SUBMODULES, *_EXPORTS]

@@ -7,7 +7,8 @@ transforms back). The layers LoRA adapts by default are the config's own
 (`configs.DECODER_PROJECTIONS`), readable without jax.
 
 Example:
-  >>> from jax_ai_stack.recipes.models.configs import CNNConfig, DecoderConfig
+  >>> from jax_ai_stack.recipes.models.cnn_config import CNNConfig
+  >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
   >>> [x.shape for x in example_inputs(DecoderConfig.small())]
   [(1, 8)]
   >>> quant_layers("cnn").other, quant_layers("mixtral")
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models.configs import MOE_KINDS, CNNConfig, DecoderConfig
+from jax_ai_stack.recipes.models.cnn_config import CNNConfig
+from jax_ai_stack.recipes.models.configs import MOE_KINDS, DecoderConfig
 from jax_ai_stack.recipes.models.decoder import KVCache
 
 

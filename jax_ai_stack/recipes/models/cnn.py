@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ai_stack.recipes.models import eager_sharding_scope
-# The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
-from jax_ai_stack.recipes.models.configs import CNNConfig, DType  # noqa: F401
+# The config lives in `cnn_config` (no jax), for recipe configs to load cheaply; re-exported.
+from jax_ai_stack.recipes.models.cnn_config import CNNConfig  # noqa: F401
 
 LOGICAL_AXES = ("conv_in", "conv_out", "embed", "mlp", "classes")
 

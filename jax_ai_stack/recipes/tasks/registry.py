@@ -10,7 +10,7 @@ use. The config then loads, validates and prints in a fraction of a second.
 "kind" is `model.kind`, which names one. Neither is a Task.)
 
 Example:
-  >>> from jax_ai_stack.recipes.models.configs import CNNConfig
+  >>> from jax_ai_stack.recipes.models.cnn_config import CNNConfig
   >>> registered(CNNConfig()).task
   'jax_ai_stack.recipes.tasks.classification:ImageClassification'
 """
@@ -23,8 +23,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jax_ai_stack.recipes import configlib
-from jax_ai_stack.recipes.models.configs import (DECODER_PROJECTIONS, CNNConfig,
-                                                 CustomModelConfig, DecoderConfig)
+from jax_ai_stack.recipes.models.cnn_config import CNNConfig
+from jax_ai_stack.recipes.models.configs import (DECODER_PROJECTIONS, CustomModelConfig,
+                                                 DecoderConfig)
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task

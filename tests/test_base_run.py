@@ -1,0 +1,31 @@
+"""The base of a fine-tune: what `finetune.base` may name, and the checksum that guards it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_ai_stack.recipes.finetune import base_run
+
+
+def test_a_workdir_a_step_directory_and_a_checkpoint_directory_resolve(tmp_path):
+  (tmp_path / "run" / "checkpoints" / "30").mkdir(parents=True)
+  checkpoints = (tmp_path / "run" / "checkpoints").absolute()
+  assert base_run.resolve_base(tmp_path / "run") == (checkpoints, None)
+  assert base_run.resolve_base(checkpoints / "30") == (checkpoints, 30)
+  assert base_run.resolve_base(checkpoints) == (checkpoints, None)
+
+
+def test_a_directory_without_a_run_is_named(tmp_path):
+  with pytest.raises(base_run.BaseCheckpointError, match=r"finetune.base='.*empty': no trained "
+                     r"run there .* train the base first"):
+    base_run.resolve_base(tmp_path / "empty")
+
+
+def test_the_checksum_sees_one_changed_bit_and_a_reordering():
+  weights = {"a": jnp.arange(6, dtype=jnp.float32), "b": jnp.ones((2, 2), jnp.bfloat16)}
+  before = base_run.checksum(weights).tolist()
+  assert base_run.checksum(dict(weights)).tolist() == before
+  flipped = weights["a"].at[3].set(jnp.nextafter(weights["a"][3], 10.0))
+  assert base_run.checksum({**weights, "a": flipped}).tolist() != before
+  assert base_run.checksum({**weights, "a": weights["a"][::-1]}).tolist() != before
