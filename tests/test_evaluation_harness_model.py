@@ -113,7 +113,9 @@ def test_generation_is_the_engines_greedy_text_cut_before_the_stop_string(model)
 def test_each_family_scores_as_the_harness_s_hf_backend_does(family):
   """The same requests (contexts longer than the window cut from the left, as the harness
   cuts them) give log-likelihoods within 1e-4 of transformers' through the harness, the same
-  greedy flags, and so the same choice on each multiple-choice question."""
+  greedy flags, and so the same choice on each multiple-choice question whose best two
+  choices the reference tells apart by more than that tolerance (a tie, two continuations
+  the model scores alike, is any pick within float rounding)."""
   record = json.loads((REFERENCES / "harness" / f"{family}.json").read_text())
   harness = HarnessModel(hf.load_model(REFERENCES / "hf" / family), TOKENIZER, batch_size=4)
   assert harness.max_length == record["max_length"]
@@ -123,5 +125,8 @@ def test_each_family_scores_as_the_harness_s_hf_backend_does(family):
   theirs = [r["loglikelihood"] for r in asked]
   np.testing.assert_allclose([logp for logp, _ in ours], theirs, atol=1e-4, rtol=0)
   assert [greedy for _, greedy in ours] == [r["is_greedy"] for r in asked]
-  picks = lambda scores: np.asarray(scores).reshape(-1, 4).argmax(axis=1).tolist()
-  assert picks([logp for logp, _ in ours]) == picks(theirs)
+  questions, ours = np.asarray(theirs).reshape(-1, 4), np.asarray([l for l, _ in ours])
+  best_two = np.sort(questions, axis=1)[:, -2:]
+  told_apart = best_two[:, 1] - best_two[:, 0] > 2e-4
+  assert told_apart.sum() >= len(questions) - 1, "a reference with more than one tie"
+  assert (ours.reshape(-1, 4).argmax(axis=1) == questions.argmax(axis=1))[told_apart].all()
