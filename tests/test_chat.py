@@ -15,7 +15,7 @@ import pytest
 
 from jax_ai_stack.errors import ConfigError, DataError
 from jax_ai_stack.recipes import configlib, train
-from jax_ai_stack.recipes.data import DataConfig, build_dataset
+from jax_ai_stack.recipes.data import DataConfig
 from jax_ai_stack.recipes.data.chat import (ChatRows, load_chat, read_jsonl,
                                             stdlib_conversations, tokenize)
 from jax_ai_stack.recipes.data.chat_template import BYTE_TEMPLATE, ChatTemplate
@@ -280,7 +280,7 @@ def test_a_chat_run_of_each_family_resumes_bitwise(preset, tmp_path):
                                        for i in range(60)])
   settings = config_lib.load(preset, overrides=[
       *PRESET_SIZE, "data.source=chat", f"data.paths=[{path}]", "data.max_documents=null",
-      "model.sliding_window=8", "train.steps=6",
+      "train.steps=6",
       "train.eval_every=6", "train.sample_tokens=0", "checkpoint.save_every=3"])
   train.run(settings, tmp_path / "whole")
   train.run(settings, tmp_path / "stopped", stop_after=3)

@@ -32,12 +32,9 @@ def tiny():
   return Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("name", ["llama-scanned", "gemma2",
-                                  pytest.param("mixtral", marks=pytest.mark.slow),
-                                  pytest.param("qwen3", marks=pytest.mark.slow),
-                                  pytest.param("mistral", marks=pytest.mark.slow),
-                                  pytest.param("gemma3", marks=pytest.mark.slow),
-                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["llama-scanned", *(
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("gemma2", "mixtral", "qwen3", "mistral", "gemma3", "qwen3_moe"))])
 def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
   """Two slots for three prompts: the third is admitted mid-way, into a freed slot."""
   if name == "llama-scanned":

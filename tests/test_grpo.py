@@ -78,6 +78,7 @@ def _batch(model, rows: int = 4, length: int = 12):
   return batch
 
 
+@pytest.mark.slow
 def test_the_loss_on_a_model_is_the_policy_gradient_of_its_advantages():
   """At one update per rollout the ratio is exactly 1: the loss is minus the advantage, and
   its gradient is that of -A log pi summed the same way."""
