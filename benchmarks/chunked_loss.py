@@ -2,12 +2,15 @@
 
 The loss of a language model needs the log-probability of each target, not the
 logits: `models.head.target_logps` makes the logits a chunk of positions at a
-time and makes them again in the backward pass. This compiles, from the same
-hidden states and head, the next-token loss and its gradient (with respect to
-both) two ways:
+time and makes them again in the backward pass; `models.head.linear_target_logps`
+(the decoder's, on one device) also goes over the vocabulary in tiles in the
+backward pass, so no chunk makes the head's whole [D, V] gradient. This compiles,
+from the same hidden states and head, the next-token loss and its gradient (with
+respect to both) three ways:
 
   unchunked  log softmax of the whole [B, T, V] float32 logits (the old loss)
-  chunked    `target_logps` with `--chunk` positions per chunk
+  chunked    `target_logps` with `--chunk` positions per chunk (any head)
+  tiled      `linear_target_logps`: chunks, and tiles of `--vocab-tile` in the backward
 
 and reports the memory each program needs beyond its inputs and outputs (XLA's
 `memory_analysis` temporaries: the head and its gradient are the model's and
@@ -32,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_ai_stack.recipes.models.head import target_logps
+from jax_ai_stack.recipes.models.head import LinearHead, linear_target_logps, target_logps
 
-SHAPE = {"vocab": 262_144, "d_model": 1_152, "batch": 2, "tokens": 1_024, "chunk": 256}
-QUICK = {"vocab": 512, "d_model": 32, "batch": 2, "tokens": 64, "chunk": 16}
+SHAPE = {"vocab": 262_144, "d_model": 1_152, "batch": 2, "tokens": 1_024, "chunk": 256,
+         "vocab_tile": 8_192}
+QUICK = {"vocab": 512, "d_model": 32, "batch": 2, "tokens": 64, "chunk": 16, "vocab_tile": 128}
 MEMORY_RATIO = 0.25
 """Chunked peak memory at most this share of the unchunked."""
 LOSS_RTOL, GRAD_RTOL, TIME_RATIO = 1e-6, 1e-5, 1.10
@@ -53,7 +57,12 @@ def losses(shape: dict[str, int]):
   def chunked(hidden, head, targets):
     return -target_logps(logits_of(head), hidden, targets, shape["chunk"]).mean()
 
-  return {"unchunked": unchunked, "chunked": chunked}
+  def tiled(hidden, head, targets):
+    linear = LinearHead(shape["vocab"], jnp.float32)
+    return -linear_target_logps(linear, hidden, head, targets, shape["chunk"],
+                                vocab_tile=shape["vocab_tile"]).mean()
+
+  return {"unchunked": unchunked, "chunked": chunked, "tiled": tiled}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,17 +93,24 @@ def main(argv: list[str] | None = None) -> dict:
       {name: (lambda c=c: c(hidden, head, targets)) for name, c in compiled.items()}, rounds)
   ms = {name: statistics.median(t) for name, t in times.items()}
 
-  (loss_a, grads_a), (loss_b, grads_b) = values["unchunked"], values["chunked"]
-  loss_error = abs(float(loss_b) - float(loss_a)) / abs(float(loss_a))
-  grad_error = max(float(np.max(np.abs(b - a)) / np.max(np.abs(a)))
-                   for a, b in zip(grads_a, grads_b))
-  memory_ratio = memory["chunked"]["temporaries"] / memory["unchunked"]["temporaries"]
-  time_ratio = ms["chunked"] / ms["unchunked"]
+  loss_a, grads_a = values["unchunked"]
+  errors = {}
+  for name in ("chunked", "tiled"):
+    loss_b, grads_b = values[name]
+    errors[name] = {
+        "loss": abs(float(loss_b) - float(loss_a)) / abs(float(loss_a)),
+        "grad": max(float(np.max(np.abs(b - a)) / np.max(np.abs(a)))
+                    for a, b in zip(grads_a, grads_b))}
+  # The targets are the decoder's loss: the tiled one (`linear_target_logps`).
+  loss_error, grad_error = errors["tiled"]["loss"], errors["tiled"]["grad"]
+  memory_ratio = memory["tiled"]["temporaries"] / memory["unchunked"]["temporaries"]
+  time_ratio = ms["tiled"] / ms["unchunked"]
   results = {
       **common.header("chunked_loss"),
       "shape": shape,
       "bytes": memory,
       "times_ms": times,
+      "relative_errors": errors,
       "loss_relative_error": loss_error,
       "grad_relative_error": grad_error,
       "targets": {
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
   }
   print(f"next-token loss + gradient on {results['device']}: vocabulary {shape['vocab']:,}, "
         f"d_model {shape['d_model']:,}, {shape['batch']} x {shape['tokens']:,} tokens, "
-        f"chunks of {shape['chunk']}")
+        f"chunks of {shape['chunk']}, vocabulary tiles of {shape['vocab_tile']:,}")
   print(f"{'':<10}{'loss MB':>10}{'ms':>10}")
   for name in compiled:
     print(f"{name:<10}{memory[name]['temporaries'] / 2**20:>10.0f}{ms[name]:>10.1f}")

@@ -73,7 +73,8 @@ from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
 # The config lives in `configs` (no jax), for recipe configs to load cheaply; re-exported.
 from jax_ai_stack.recipes.models.configs import (  # noqa: F401
     DType, DecoderConfig, RematPolicy, RopeScaling)
-from jax_ai_stack.recipes.models.head import LOGPS_CHUNK_TOKENS, target_logps
+from jax_ai_stack.recipes.models.head import (LOGPS_CHUNK_TOKENS, LinearHead,
+                                               linear_target_logps, target_logps)
 # The layers live in `layers`; re-exported, since they were defined here first.
 from jax_ai_stack.recipes.models.layers import (  # noqa: F401
     HIDDEN_AXES, MLP, Attention, Block, KVCache, OffsetRMSNorm, constrain, on_tokens, rms_norm)
@@ -234,10 +235,7 @@ class Decoder(nnx.Module):
       for block, rope in zip(self.layers, ropes):
         x, layer_stats = run_block(block, x, rope, segment_ids)
         stats += [layer_stats] if layer_stats is not None else []
-    if targets is None:
-      out = self._logits(x)
-    else:
-      out = target_logps(self._logits, x, targets, chunk_tokens)
+    out = self._logits(x) if targets is None else self._target_logps(x, targets, chunk_tokens)
     return (out, moe_losses(self.config, stats)) if with_moe_losses else out
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -297,6 +295,19 @@ class Decoder(nnx.Module):
     if self.config.embed_scale:  # Gemma's sqrt(d_model), rounded to the compute dtype.
       x = x * jnp.asarray(self.config.d_model ** 0.5, x.dtype)
     return constrain(self.layout, x)
+
+  def _target_logps(self, x: jax.Array, targets: jax.Array, chunk_tokens: int) -> jax.Array:
+    """log softmax(logits)[targets] in chunks. On one device with a plain head, through
+    `head.linear_target_logps`, whose backward pass tiles the vocabulary too; with LoRA
+    adapters on the head (Qwix adds them inside the head's call) or on a mesh (the tiles
+    would cut across a vocabulary split over devices), through `head.target_logps`."""
+    head = self.embed if self.lm_head is None else self.lm_head
+    if self.layout is not None or jax.tree.leaves(nnx.state(head, nnx.LoRAParam)):
+      return target_logps(self._logits, x, targets, chunk_tokens)
+    linear = LinearHead(self.config.vocab_size, jnp.dtype(self.config.dtype),
+                        self.config.final_logit_softcap, vocab_major=self.lm_head is None)
+    weight = head.embedding[...] if self.lm_head is None else head.kernel[...]
+    return linear_target_logps(linear, self.final_norm(x), weight, targets, chunk_tokens)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)

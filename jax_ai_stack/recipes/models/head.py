@@ -5,9 +5,14 @@ Gemma 3's 262,144-token vocabulary the float32 logits of one 4,096-token
 sequence are 4.3 GB, and their gradient as much again, so fine-tuning a real
 model on one accelerator is bounded by the loss rather than the model.
 `target_logps` makes the logits a chunk of positions at a time and drops them;
-the backward pass makes each chunk again instead of keeping it (the vocabulary
-tiling of Levanter and MaxText). `python benchmarks/chunked_loss.py` measures
-the memory and time against the unchunked loss.
+the backward pass makes each chunk again instead of keeping it. Autodiff then
+still makes, for each chunk, the head's whole weight gradient [D, V] before
+adding it up (1.2 GB at Gemma's vocabulary); for a head that is one matmul
+(the decoder's, `LinearHead`), `linear_target_logps` has a backward pass of its
+own that goes over the vocabulary in tiles and adds each tile's columns in
+place (the vocabulary tiling of Levanter and MaxText).
+`python benchmarks/chunked_loss.py` measures the memory and time against the
+unchunked loss.
 
 Example:
   >>> import jax.numpy as jnp
@@ -20,7 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,3 +62,153 @@ def target_logps(logits_of: Callable[[jax.Array], jax.Array], x: jax.Array,
   targets = targets.reshape(b, chunks, chunk_tokens).swapaxes(0, 1)
   out = jax.lax.map(lambda xt: jax.checkpoint(logps)(*xt), (x, targets))  # [chunks, B, c]
   return out.swapaxes(0, 1).reshape(b, chunks * chunk_tokens)[:, :t]
+
+
+VOCAB_TILE = 8192
+"""Vocabulary entries per tile of `linear_target_logps`' backward pass: a [B, chunk, 8192]
+float32 block is 8 MB a row of 256 positions, whatever the vocabulary."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearHead:
+  """A head that is one matmul: logits = hidden @ weight ([D, V] a dense layer's kernel, or
+  [V, D] with `vocab_major`, a tied embedding table), in `dtype`; the first `vocab_size`
+  columns kept (the rest are vocabulary padding), then float32 and an optional soft cap."""
+
+  vocab_size: int
+  dtype: Any
+  softcap: float | None = None
+  vocab_major: bool = False
+
+  def logits(self, hidden: jax.Array, weight: jax.Array) -> jax.Array:
+    """Float32 logits [N, vocab_size] of hidden [N, D], as the decoder's own head computes
+    them (`nnx.Linear` or `nnx.Embed.attend` on a [tokens, D] matrix)."""
+    return self._capped(self._raw(hidden, weight)[:, :self.vocab_size].astype(jnp.float32))[0]
+
+  def _raw(self, hidden, weight, start=None, width=None):
+    """hidden @ weight in `dtype` [N, columns]: all of them, or `width` from `start`."""
+    hidden, weight = hidden.astype(self.dtype), weight.astype(self.dtype)
+    if start is not None:
+      weight = jax.lax.dynamic_slice_in_dim(weight, start, width, 0 if self.vocab_major else 1)
+    return jnp.dot(hidden, weight.T) if self.vocab_major else jnp.dot(hidden, weight)
+
+  def _capped(self, logits):
+    """(cap * tanh(logits / cap), tanh(logits / cap)) with a soft cap; (logits, None) without."""
+    if self.softcap is None:
+      return logits, None
+    tanh = jnp.tanh(logits / self.softcap)
+    return self.softcap * tanh, tanh
+
+
+def linear_target_logps(head: LinearHead, hidden: jax.Array, weight: jax.Array,
+                        targets: jax.Array, chunk_tokens: int,
+                        vocab_tile: int = VOCAB_TILE) -> jax.Array:
+  """`target_logps` of a one-matmul head, with a backward pass that never holds a whole
+  row of the vocabulary nor a whole [D, V] gradient per chunk.
+
+  The forward pass is `target_logps`' (equal up to the order of the softmax's sums: the
+  vocabulary padding is masked, not sliced off, which would copy the logits). Autodiff of
+  it would, for each chunk, make the head's weight gradient [D, V] whole and then add it
+  to the sum (XLA:CPU does not add inside the matmul): at Gemma's vocabulary that is
+  1.2 GB beside the gradient itself. The backward pass here goes over the chunks and,
+  in each, over tiles of `vocab_tile` vocabulary entries: it makes the chunk's logits
+  of one tile again, and adds that tile's share to the hidden states' gradient and to
+  its own columns of the weight's (vocabulary tiling, as Levanter and MaxText do).
+  """
+  if targets.shape[1] <= chunk_tokens:
+    return target_logps(lambda x: _on_rows(head.logits, x, weight), hidden, targets, chunk_tokens)
+  return _tiled(head, chunk_tokens, vocab_tile, hidden, weight, targets)
+
+
+def _on_rows(fn, x, *args):
+  """fn applied to x [..., D] as one [rows, D] matrix (`layers.on_tokens`), reshaped back."""
+  y = fn(x.reshape(-1, x.shape[-1]), *args)
+  return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _chunked(x: jax.Array, chunk: int) -> jax.Array:
+  """[B, T, ...] -> [chunks, B, chunk, ...], the sequence padded with zeros to whole chunks."""
+  b, t = x.shape[:2]
+  n = -(-t // chunk)
+  x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+  return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunked(y: jax.Array, t: int) -> jax.Array:
+  """[chunks, B, chunk, ...] -> [B, t, ...]."""
+  n, b, c = y.shape[:3]
+  return y.swapaxes(0, 1).reshape(b, n * c, *y.shape[3:])[:, :t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled(head, chunk_tokens, vocab_tile, hidden, weight, targets):
+  return _tiled_forward(head, chunk_tokens, vocab_tile, hidden, weight, targets)[0]
+
+
+def _tiled_forward(head, chunk_tokens, vocab_tile, hidden, weight, targets):
+  del vocab_tile
+
+  def one(chunk):
+    x, t = chunk
+    x, t = x.reshape(-1, x.shape[-1]), t.reshape(-1)
+    # Padding columns masked rather than sliced off: a slice would copy the chunk's logits.
+    logits = head._capped(head._raw(x, weight).astype(jnp.float32))[0]
+    if logits.shape[-1] > head.vocab_size:
+      logits = jnp.where(jnp.arange(logits.shape[-1]) < head.vocab_size, logits, -jnp.inf)
+    normalizer = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    return (target - normalizer).reshape(chunk[1].shape), normalizer.reshape(chunk[1].shape)
+
+  logps, normalizers = jax.lax.map(one, (_chunked(hidden, chunk_tokens),
+                                         _chunked(targets, chunk_tokens)))
+  t = targets.shape[1]
+  return _unchunked(logps, t), (hidden, weight, targets, _unchunked(normalizers, t))
+
+
+def _tiled_backward(head, chunk_tokens, vocab_tile, residuals, cotangent):
+  hidden, weight, targets, normalizers = residuals
+  columns = weight.shape[0 if head.vocab_major else 1]
+  width = min(vocab_tile, columns)
+  tiles = -(-columns // width)
+
+  def chunk_grads(weight_grad, chunk):
+    x, t, g, normalizer = (a.reshape(-1, *a.shape[2:]) for a in chunk)  # [rows, ...]
+
+    def tile_grads(j, carry):
+      x_grad, weight_grad = carry
+      start = jnp.minimum(j * width, columns - width)  # The last tile ends at the last column.
+      column = start + jnp.arange(width)
+      logits, tanh = head._capped(head._raw(x, weight, start, width).astype(jnp.float32))
+      probs = jnp.exp(logits - normalizer[:, None])
+      # d logp / d logit = onehot - softmax; columns of a previous tile or of the padding: 0.
+      grad = g[:, None] * ((column == t[:, None]) - probs)
+      grad = jnp.where((column >= j * width) & (column < head.vocab_size), grad, 0.0)
+      if tanh is not None:
+        grad = grad * (1 - tanh * tanh)
+      grad = grad.astype(head.dtype)
+      tile = jax.lax.dynamic_slice_in_dim(weight, start, width, 0 if head.vocab_major else 1)
+      tile = tile.astype(head.dtype)
+      x_grad += jnp.dot(grad, tile if head.vocab_major else tile.T,
+                        preferred_element_type=jnp.float32)
+      xd = x.astype(head.dtype)
+      share = (jnp.dot(grad.T, xd, preferred_element_type=jnp.float32) if head.vocab_major
+               else jnp.dot(xd.T, grad, preferred_element_type=jnp.float32))
+      axis = 0 if head.vocab_major else 1
+      weight_grad = jax.lax.dynamic_update_slice_in_dim(
+          weight_grad, jax.lax.dynamic_slice_in_dim(weight_grad, start, width, axis) + share,
+          start, axis)
+      return x_grad, weight_grad
+
+    x_grad, weight_grad = jax.lax.fori_loop(
+        0, tiles, tile_grads, (jnp.zeros(x.shape, jnp.float32), weight_grad))
+    return weight_grad, x_grad.astype(hidden.dtype)
+
+  chunks = (_chunked(hidden, chunk_tokens), _chunked(targets, chunk_tokens),
+            _chunked(cotangent, chunk_tokens), _chunked(normalizers, chunk_tokens))
+  weight_grad, x_grads = jax.lax.scan(chunk_grads, jnp.zeros(weight.shape, jnp.float32), chunks)
+  b, c = hidden.shape[0], chunk_tokens
+  x_grads = x_grads.reshape(x_grads.shape[0], b, c, hidden.shape[-1])
+  return _unchunked(x_grads, hidden.shape[1]), weight_grad.astype(weight.dtype), None
+
+
+_tiled.defvjp(_tiled_forward, _tiled_backward)
