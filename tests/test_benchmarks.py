@@ -543,3 +543,17 @@ def test_harness_quick_scores_packed_as_one_per_row_with_less_padding(tmp_path):
   assert quick["padding_share"]["packed"] < quick["padding_share"]["one_per_row"]
   assert all(rate > 0 for rate in quick["requests_per_s"].values())
   assert quick["packed_vs_one_per_row"]["target"] == 1.0
+
+
+@pytest.mark.slow
+def test_rl_quick_splits_the_step_and_compares_it_with_an_sft_step(tmp_path):
+  results = _run_quick("rl", tmp_path)
+  parts = results["seconds_per_step"]
+  assert set(parts) == {"rollout", "engine", "scoring", "update", "reference", "sft"}
+  assert all(seconds > 0 for seconds in parts.values())
+  assert parts["engine"] < parts["rollout"]  # The engine's run is part of the rollout.
+  assert results["rl_step_s"] == pytest.approx(parts["rollout"] + parts["scoring"]
+                                               + parts["update"])
+  assert results["rows"] == results["prompts"] * results["generations"] == 4
+  assert results["engine_tokens_per_s"] > results["rollout_tokens_per_s"] > 0
+
