@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("*.md"))
 # Over conftest.SLOW_S (tests/durations.json).
 SLOW_NOTEBOOKS = {"quantize_and_finetune", "hugging_face", "your_own_model", "chat_and_preferences",
-                  "bring_your_own_data", "getting_started", "scaling", "reinforcement_learning"}
+                  "bring_your_own_data", "getting_started", "scaling", "reinforcement_learning",
+                  "evaluation"}
 CELL_TIMEOUT_S = 300
 
 
