@@ -31,14 +31,11 @@ import argparse
 import functools
 import json
 import os
-import pathlib
 import secrets
 import sys
-import tempfile
 import time
 
 from jax_ai_stack import logs
-from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import DataError, UsageError
 
 # Exit codes of a run stopped early (after saving), as shells report a signal.
@@ -385,53 +382,16 @@ def run_eval(args: argparse.Namespace) -> int:
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
   if args.tasks:
-    return _run_harness(args)
+    from jax_ai_stack.recipes.evaluation import cli as evaluation_cli
+
+    return evaluation_cli.run_harness(
+        args, lambda: _open_finished(args, validation=False, method="__call__"))
   trainer = _open_finished(args, validation=True, method="__call__")
   try:
     metrics = trainer.evaluate()
   finally:
     trainer.close()
   print(json.dumps({"step": trainer.step, **metrics}, indent=2))
-  return 0
-
-
-def _run_harness(args: argparse.Namespace) -> int:
-  """`eval --tasks`: lm-evaluation-harness tasks on the run's model; the results JSON goes
-  to W/eval_harness/, the table to stdout."""
-  if args.batch_size < 1:
-    raise UsageError(f"--batch-size must be at least 1; got {args.batch_size}")
-  if args.limit is not None and args.limit <= 0:
-    raise UsageError(f"--limit must be above 0; got {args.limit}")
-  if args.overrides:
-    raise UsageError("--tasks takes no data overrides: the tasks bring their own data")
-  from jax_ai_stack.recipes import evaluation
-
-  harness, harness_model = evaluation.harness_modules("eval --tasks")
-  entries = [entry.strip() for entry in args.tasks.split(",") if entry.strip()]
-  from jax_ai_stack.recipes.evaluation import stdlib_tasks
-
-  with tempfile.TemporaryDirectory() as scratch:  # The embedded tasks, while they run.
-    tasks, made = harness.prepare(entries, pathlib.Path(scratch))
-    trainer = _open_finished(args, validation=False, method="__call__")  # After the names.
-    try:
-      model = harness_model.for_run(trainer, batch_size=args.batch_size)
-      limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-      with trainer.kernel_configs():
-        results = harness.evaluate(model, tasks, limit=limit, num_fewshot=args.num_fewshot,
-                                   apply_chat_template=args.apply_chat_template,
-                                   seed=trainer.config.train.seed)
-    finally:
-      trainer.close()
-  from lm_eval.utils import handle_non_serializable, make_table
-
-  out = pathlib.Path(args.workdir) / "eval_harness"
-  path = out / f"results-step{trainer.step}-{time.strftime('%Y%m%dT%H%M%S')}.json"
-  out.mkdir(exist_ok=True)
-  write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable))
-  print(make_table(results))
-  if made:  # A copy to read and change: `--tasks W/eval_harness/stdlib_tasks` runs it.
-    print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks', made)}", file=sys.stderr)
-  print(f"results {path}", file=sys.stderr)
   return 0
 
 
