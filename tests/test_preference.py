@@ -174,7 +174,8 @@ def test_dpo_trains_another_family_with_its_own_template(pairs_and_base, tmp_pat
   from test_families import PRESET_SIZE
 
   path, _ = pairs_and_base
-  size = [*PRESET_SIZE, *BASE, "model.max_seq_len=128", "data.seq_len=128"]  # Its system turn.
+  size = [*PRESET_SIZE, *BASE, "model.layer_types=[sliding]",  # BASE's one layer.
+          "model.max_seq_len=128", "data.seq_len=128"]  # Its system turn.
   base = config_lib.load("qwen3-tiny", overrides=[*size, "data.max_documents=30",
                                                   "train.steps=1"])
   train.run(base, tmp_path / "base")
