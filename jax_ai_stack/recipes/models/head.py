@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_ai_stack.recipes.models.layers import on_tokens
+
 LOGPS_CHUNK_TOKENS = 256
 """Sequence positions per chunk of the head in `target_logps`: at Gemma's 262,144-token
 vocabulary a [B, 256, V] float32 block of logits is 0.27 GB a row, not 4.3 GB per 4,096."""
@@ -51,17 +53,11 @@ def target_logps(logits_of: Callable[[jax.Array], jax.Array], x: jax.Array,
   def logps(x, targets):
     return -optax.softmax_cross_entropy_with_integer_labels(logits_of(x), targets)
 
-  b, t = targets.shape
-  if t <= chunk_tokens:
+  if targets.shape[1] <= chunk_tokens:
     return logps(x, targets)
-  chunks = -(-t // chunk_tokens)
-  pad = chunks * chunk_tokens - t
-  x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
-  targets = jnp.pad(targets, ((0, 0), (0, pad)))
-  x = x.reshape(b, chunks, chunk_tokens, x.shape[-1]).swapaxes(0, 1)
-  targets = targets.reshape(b, chunks, chunk_tokens).swapaxes(0, 1)
-  out = jax.lax.map(lambda xt: jax.checkpoint(logps)(*xt), (x, targets))  # [chunks, B, c]
-  return out.swapaxes(0, 1).reshape(b, chunks * chunk_tokens)[:, :t]
+  out = jax.lax.map(lambda xt: jax.checkpoint(logps)(*xt),
+                    (_chunked(x, chunk_tokens), _chunked(targets, chunk_tokens)))
+  return _unchunked(out, targets.shape[1])
 
 
 VOCAB_TILE = 8192
@@ -116,14 +112,9 @@ def linear_target_logps(head: LinearHead, hidden: jax.Array, weight: jax.Array,
   its own columns of the weight's (vocabulary tiling, as Levanter and MaxText do).
   """
   if targets.shape[1] <= chunk_tokens:
-    return target_logps(lambda x: _on_rows(head.logits, x, weight), hidden, targets, chunk_tokens)
+    return target_logps(functools.partial(on_tokens, lambda h: head.logits(h, weight)), hidden,
+                        targets, chunk_tokens)
   return _tiled(head, chunk_tokens, vocab_tile, hidden, weight, targets)
-
-
-def _on_rows(fn, x, *args):
-  """fn applied to x [..., D] as one [rows, D] matrix (`layers.on_tokens`), reshaped back."""
-  y = fn(x.reshape(-1, x.shape[-1]), *args)
-  return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _chunked(x: jax.Array, chunk: int) -> jax.Array:
