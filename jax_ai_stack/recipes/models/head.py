@@ -81,11 +81,14 @@ class LinearHead:
     them (`nnx.Linear` or `nnx.Embed.attend` on a [tokens, D] matrix)."""
     return self._capped(self._raw(hidden, weight)[:, :self.vocab_size].astype(jnp.float32))[0]
 
-  def _raw(self, hidden, weight, start=None, width=None):
-    """hidden @ weight in `dtype` [N, columns]: all of them, or `width` from `start`."""
+  @property
+  def vocab_axis(self) -> int:
+    """The weight's vocabulary axis."""
+    return 0 if self.vocab_major else 1
+
+  def _raw(self, hidden, weight):
+    """hidden @ weight (all of its columns, or a tile of them) in `dtype`: [N, columns]."""
     hidden, weight = hidden.astype(self.dtype), weight.astype(self.dtype)
-    if start is not None:
-      weight = jax.lax.dynamic_slice_in_dim(weight, start, width, 0 if self.vocab_major else 1)
     return jnp.dot(hidden, weight.T) if self.vocab_major else jnp.dot(hidden, weight)
 
   def _capped(self, logits):
@@ -158,18 +161,21 @@ def _tiled_forward(head, chunk_tokens, vocab_tile, hidden, weight, targets):
 
 def _tiled_backward(head, chunk_tokens, vocab_tile, residuals, cotangent):
   hidden, weight, targets, normalizers = residuals
-  columns = weight.shape[0 if head.vocab_major else 1]
+  axis = head.vocab_axis
+  columns = weight.shape[axis]
   width = min(vocab_tile, columns)
   tiles = -(-columns // width)
 
   def chunk_grads(weight_grad, chunk):
     x, t, g, normalizer = (a.reshape(-1, *a.shape[2:]) for a in chunk)  # [rows, ...]
+    x = x.astype(head.dtype)
 
     def tile_grads(j, carry):
       x_grad, weight_grad = carry
       start = jnp.minimum(j * width, columns - width)  # The last tile ends at the last column.
       column = start + jnp.arange(width)
-      logits, tanh = head._capped(head._raw(x, weight, start, width).astype(jnp.float32))
+      tile = jax.lax.dynamic_slice_in_dim(weight, start, width, axis).astype(head.dtype)
+      logits, tanh = head._capped(head._raw(x, tile).astype(jnp.float32))
       probs = jnp.exp(logits - normalizer[:, None])
       # d logp / d logit = onehot - softmax; columns of a previous tile or of the padding: 0.
       grad = g[:, None] * ((column == t[:, None]) - probs)
@@ -177,14 +183,10 @@ def _tiled_backward(head, chunk_tokens, vocab_tile, residuals, cotangent):
       if tanh is not None:
         grad = grad * (1 - tanh * tanh)
       grad = grad.astype(head.dtype)
-      tile = jax.lax.dynamic_slice_in_dim(weight, start, width, 0 if head.vocab_major else 1)
-      tile = tile.astype(head.dtype)
       x_grad += jnp.dot(grad, tile if head.vocab_major else tile.T,
                         preferred_element_type=jnp.float32)
-      xd = x.astype(head.dtype)
-      share = (jnp.dot(grad.T, xd, preferred_element_type=jnp.float32) if head.vocab_major
-               else jnp.dot(xd.T, grad, preferred_element_type=jnp.float32))
-      axis = 0 if head.vocab_major else 1
+      share = (jnp.dot(grad.T, x, preferred_element_type=jnp.float32) if head.vocab_major
+               else jnp.dot(x.T, grad, preferred_element_type=jnp.float32))
       weight_grad = jax.lax.dynamic_update_slice_in_dim(
           weight_grad, jax.lax.dynamic_slice_in_dim(weight_grad, start, width, axis) + share,
           start, axis)
