@@ -37,8 +37,8 @@ def model():
 
 
 def app_client(model, **fields):
-  served = server.Served("tiny", inference.Engine(model, max_slots=2, max_len=64), TOKENIZER,
-                         encode, **fields)
+  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode)
+  served = server.Served("tiny", engine, TOKENIZER, encode, **fields)
   return TestClient(server.build_app(served))
 
 
@@ -61,13 +61,31 @@ def test_a_completion_and_its_stream_give_the_same_greedy_text(model):
   assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
 
 
-def test_a_stop_string_cuts_the_text_and_ends_the_choice(model):
+def test_a_stop_string_ends_the_request_in_the_engine_and_cuts_the_text(model):
+  """The engine ends it in the step that made the stop string: no token after it is
+  decoded, and nothing is left to cancel."""
   with app_client(model) as client:
     ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 0}
     full = client.post("/v1/completions", json=ask).json()["choices"][0]["text"]
     stop = full[3:5]
-    cut = client.post("/v1/completions", json={**ask, "stop": stop}).json()["choices"][0]
+    whole = client.post("/v1/completions", json={**ask, "stop": stop}).json()
+    streamed = events(client.post("/v1/completions", json={**ask, "stop": [stop],
+                                                           "stream": True}).text)
+    health = client.get("/health").json()
+  cut = whole["choices"][0]
   assert cut["text"] == full[:full.index(stop)] and cut["finish_reason"] == "stop"
+  tokens = inference.Engine(model, max_slots=1, max_len=64).run(
+      [inference.Request(tuple(TOKENIZER.encode("Hi")), 12, temperature=0)])[0].tokens
+  made = next(k for k in range(1, 13) if stop in TOKENIZER.decode(tokens[:k]))
+  assert whole["usage"]["completion_tokens"] == made < 12  # The token that made the stop, last.
+  assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == cut["text"]
+  assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+  assert health == {"status": "ok", "running": 0, "cancelled": 0}
+
+
+def test_an_engine_that_cannot_decode_text_is_refused(model):
+  with pytest.raises(ValueError, match="an engine given `decode`"):
+    server.Served("tiny", inference.Engine(model, max_slots=1), TOKENIZER, encode)
 
 
 def test_chat_logprobs_of_greedy_tokens_are_the_likeliest(model):

@@ -148,7 +148,8 @@ class Engine:
       raise ValueError(f"max_len={max_len} must be in [1, model.max_seq_len="
                        f"{config.max_seq_len}]")
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
-    self._detokenize = decode
+    self.detokenize = decode
+    """The `decode` given (None: completions have no text, requests no stop strings)."""
     self._stacked = config.scan_layers  # Keys [layers, B, S, ...] rather than per layer.
     graphdef, self._state = nnx.split(model)
     # The compiled programs are shared by engines of the same model structure (the jits
@@ -257,7 +258,7 @@ class Engine:
     if any(not 0 <= t < self.vocab_size for t in request.stop_ids):
       raise bad("stop_ids", f"stop token ids must be in [0, {self.vocab_size}); got "
                 f"{list(request.stop_ids)}")
-    if request.stop and self._detokenize is None:
+    if request.stop and self.detokenize is None:
       raise bad("stop", "stop strings need the tokenizer: give the engine `decode`")
     if isinstance(request.stop, str) or not all(isinstance(stop, str) and stop
                                                 for stop in request.stop):
@@ -272,8 +273,8 @@ class Engine:
     padded = np.zeros((1, padded_length(prompt.size, self.max_len)), np.int32)
     padded[0, :prompt.size] = prompt
     logits, keys, values = self._prefill(self._state, padded, np.int32(prompt.size))
-    text = (None if self._detokenize is None else
-            TextStream(self._detokenize, request.stop, request.stop_ids))
+    text = (None if self.detokenize is None else
+            TextStream(self.detokenize, request.stop, request.stop_ids))
     slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values),
                  text)
     sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)

@@ -86,8 +86,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if max_len > config.model.max_seq_len:
       raise UsageError(f"--max-len {max_len} is past the model's max_seq_len "
                        f"({config.model.max_seq_len})")
-    engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len)
     tokenizer = task.tokenizer()
+    engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len,
+                              decode=tokenizer.decode)
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=args.api_key or None, max_queue=args.max_queue,

@@ -4,8 +4,8 @@
 whole or streamed as server-sent events, for the one model in `served`, and `/health`
 (requests running, requests cancelled) without a key. Each request's choices become
 engine requests (choice i seeded `seed + i`), decoded with every other client's by one
-`EngineWorker`; the text is cut at the request's stop strings and, for a chat, before
-the model's end-of-turn token. Errors take OpenAI's shape with the field named: a bad
+`EngineWorker`; the engine ends each at its stop strings (its text cut before them) and,
+for a chat, at the model's end-of-turn token, in the step that made it. Errors take OpenAI's shape with the field named: a bad
 request 400, a wrong API key 401, an unknown model or route 404, a full queue 429, a
 stopped engine 503; a client that goes away has its requests cancelled, so their slots
 free at once. `serve` runs the app until SIGTERM or Ctrl-C, which stop taking
@@ -17,7 +17,8 @@ Example (in-process, without a socket):
   >>> from jax_ai_stack.recipes import data, inference, models
   >>> model = models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
   >>> tokenizer = data.ByteTokenizer()
-  >>> served = Served("tiny", inference.Engine(model, max_slots=2), tokenizer,
+  >>> engine = inference.Engine(model, max_slots=2, decode=tokenizer.decode)
+  >>> served = Served("tiny", engine, tokenizer,
   ...                 lambda item: (tokenizer.encode(item["prompt"]), (tokenizer.eos_id,)))
   >>> with TestClient(build_app(served)) as client:
   ...   reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
@@ -49,7 +50,6 @@ from starlette.routing import Route
 
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes.inference import engine as engine_lib
-from jax_ai_stack.recipes.inference.text import TextStream
 from jax_ai_stack.recipes.serve import openai_api
 from jax_ai_stack.recipes.serve.openai_api import ApiError
 from jax_ai_stack.recipes.serve.worker import EngineStopped, EngineWorker, Job, Update
@@ -67,8 +67,9 @@ class Served:
   name: str
   """What clients pass as `model` (and /v1/models lists)."""
   engine: engine_lib.Engine
+  """Given the tokenizer's `decode`: it gives each reply's text and ends it at a stop string."""
   tokenizer: object
-  """A `data.Tokenizer`: `decode` of the new tokens gives the reply's text."""
+  """A `data.Tokenizer`: its `decode` of each token gives the log-probs' text."""
   encode: Callable[[dict], tuple[np.ndarray, tuple[int, ...]]]
   """{"prompt": text} or {"messages": [...]} -> (prompt ids, ids that end the reply)."""
   api_key: str | None = None
@@ -76,6 +77,11 @@ class Served:
   max_queue: int = DEFAULT_MAX_QUEUE
   around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   """The context the engine's thread runs in (`Run.kernel_configs`)."""
+
+  def __post_init__(self):
+    if self.engine.detokenize is None:
+      raise ValueError("Served needs an engine given `decode` (the tokenizer's): replies' "
+                       "text and their stop strings come from the engine")
 
 
 def build_app(served: Served) -> Starlette:
@@ -166,7 +172,7 @@ class _Choice:
 
   index: int
   job: Job
-  text: TextStream
+  text: str = ""
   tokens: int = 0
   finish_reason: str = ""
 
@@ -183,9 +189,7 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
   if worker.running + len(requests) > served.engine.max_slots + served.max_queue:
     raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
                    "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
-  decode = served.tokenizer.decode
-  choices = [_Choice(number, worker.submit(req), TextStream(decode, ask.stop, req.stop_ids))
-             for number, req in enumerate(requests)]
+  choices = [_Choice(number, worker.submit(req)) for number, req in enumerate(requests)]
   reply = _Reply(ask, served, chat, prompt_tokens)
   if ask.stream:
     return StreamingResponse(_streamed(worker, choices, reply), media_type="text/event-stream")
@@ -220,7 +224,7 @@ def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: b
       request = engine_lib.Request(
           tuple(int(t) for t in ids), ask.max_tokens or room, temperature=ask.temperature,
           top_k=ask.top_k, top_p=ask.top_p, seed=(seed + len(requests)) % 2**32,
-          stop_ids=stop_ids, top_logprobs=ask.top_logprobs)
+          stop_ids=stop_ids, top_logprobs=ask.top_logprobs, stop=ask.stop)
       try:
         engine.check(request, number)
       except engine_lib.RequestError as e:
@@ -252,7 +256,7 @@ async def _updates(worker: EngineWorker, choices: Sequence[_Choice]
       if isinstance(update, EngineStopped):
         raise update
       yield choice, update
-      if update.finish_reason or choice.finish_reason:  # Ended, or cut by a stop string.
+      if update.finish_reason:
         running.discard(choice.index)
   finally:
     for task in pumps:
@@ -270,19 +274,15 @@ class _Reply:
     self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     self.created = int(time.time())
 
-  def take(self, worker: EngineWorker, choice: _Choice, update: Update
+  def take(self, choice: _Choice, update: Update
            ) -> tuple[str, dict | None, str]:
     """The new text of `choice` after `update`, its log-probs part, and its finish reason
     ("" while it runs)."""
-    ended = bool(update.finish_reason)
-    before = len(choice.text.text)
-    text = choice.text.add(update.tokens, final=ended)
+    before = len(choice.text)
+    choice.text += update.text
     choice.tokens += len(update.tokens)
-    if choice.text.stopped and not ended:  # A stop string: no more tokens are needed.
-      worker.cancel(choice.job)
-    if choice.text.stopped or ended:
-      choice.finish_reason = "stop" if choice.text.stopped else update.finish_reason
-    return text, self._logprobs(update, before), choice.finish_reason
+    choice.finish_reason = update.finish_reason
+    return update.text, self._logprobs(update, before), choice.finish_reason
 
   def _logprobs(self, update: Update, offset: int) -> dict | None:
     if not self.ask.logprobs:
@@ -301,11 +301,11 @@ class _Reply:
       logprobs = _joined(parts[choice.index], self.chat) if self.ask.logprobs else None
       if self.chat:
         out.append({"index": choice.index, "finish_reason": choice.finish_reason,
-                    "message": {"role": "assistant", "content": choice.text.text},
+                    "message": {"role": "assistant", "content": choice.text},
                     "logprobs": logprobs})
       else:
         out.append({"index": choice.index, "finish_reason": choice.finish_reason,
-                    "text": choice.text.text, "logprobs": logprobs})
+                    "text": choice.text, "logprobs": logprobs})
     return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.served.name, "choices": out,
             "usage": self._usage(choices)}
@@ -347,9 +347,7 @@ def _joined(parts: list[dict], chat: bool) -> dict:
 async def _gathered(worker: EngineWorker, choices: list[_Choice], reply: _Reply) -> dict:
   parts: dict[int, list[dict]] = {choice.index: [] for choice in choices}
   async for choice, update in _updates(worker, choices):
-    if choice.finish_reason:  # Already stopped by a stop string.
-      continue
-    _, logprobs, _ = reply.take(worker, choice, update)
+    _, logprobs, _ = reply.take(choice, update)
     if logprobs is not None:
       parts[choice.index].append(logprobs)
   return reply.whole(choices, parts)
@@ -361,9 +359,7 @@ async def _streamed(worker: EngineWorker, choices: list[_Choice], reply: _Reply
   first = {choice.index for choice in choices}
   try:
     async for choice, update in _updates(worker, choices):
-      if choice.finish_reason:
-        continue
-      text, logprobs, finish = reply.take(worker, choice, update)
+      text, logprobs, finish = reply.take(choice, update)
       if text or finish or logprobs or choice.index in first:
         yield _event(reply.chunk(choice, text, logprobs, finish, choice.index in first))
         first.discard(choice.index)

@@ -44,13 +44,15 @@ class EngineStopped(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Update:
-  """What one step added to a request: its new tokens, their log-probs (and alternatives)."""
+  """What one step added to a request: its new tokens, their log-probs (and alternatives),
+  and the new text (an engine given `decode`: cut at a stop string, an end token left out)."""
 
   tokens: list[int]
   logprobs: list[float]
   top_logprobs: list[list[tuple[int, float]]]
   finish_reason: str
-  """"" while it runs; "stop" or "length" with its last update."""
+  """"" while it runs; "stop" (a stop token or string) or "length" with its last update."""
+  text: str = ""
 
 
 class Job:
@@ -60,6 +62,7 @@ class Job:
     self.request = request
     self.index: int | None = None  # The engine's, set on the worker's thread.
     self.sent = 0  # Tokens handed to the loop so far (worker's thread).
+    self.sent_text = 0  # Characters of text handed to the loop so far (worker's thread).
     self._loop = loop
     self._updates: asyncio.Queue[Update | BaseException] = asyncio.Queue()
 
@@ -90,7 +93,7 @@ class EngineWorker:
     self._jobs: dict[int, Job] = {}
     self._failure: BaseException | None = None
     self.cancelled = 0
-    """Requests cancelled before they ended (their clients went away, or a stop string)."""
+    """Requests cancelled before they ended (their clients went away)."""
     self._thread = threading.Thread(target=self._run, name="jax-ai-stack-engine", daemon=True)
     self._thread.start()
 
@@ -157,8 +160,10 @@ class EngineWorker:
       if completion.finish_reason:  # Not counted as running once its last update is out.
         del self._jobs[completion.index]
       start, job.sent = job.sent, len(completion.tokens)
+      text_start, job.sent_text = job.sent_text, len(completion.text)
       update = Update(completion.tokens[start:], completion.logprobs[start:],
-                      completion.top_logprobs[start:], completion.finish_reason)
+                      completion.top_logprobs[start:], completion.finish_reason,
+                      completion.text[text_start:])
       job._send(update)  # pylint: disable=protected-access
 
   def _fail(self, error: BaseException) -> None:
