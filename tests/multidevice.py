@@ -1,40 +1,57 @@
-"""Runs a snippet of Python on N simulated CPU devices, in a subprocess.
+"""Runs the programs of tests/programs/ in fresh interpreters, some on N simulated CPU devices.
 
 The rest of the suite keeps its one device: JAX fixes the device count when it
-starts, so a test that needs a mesh runs its body in a fresh interpreter with
-`JAX_NUM_CPU_DEVICES` set and reads back what the body prints as JSON.
+starts, so a test that needs a mesh runs a program with `JAX_NUM_CPU_DEVICES` set
+(`run_on_devices`) and reads back what the program prints as JSON. Other tests need
+a fresh interpreter for what a process does once (exit hooks, signals, its imports,
+its command line): `run_program`. A program is a plain file, tests/programs/<name>.py,
+that reads its inputs from `sys.argv`, so linters see it like any other module.
 
-The snippets that compare a Hugging Face reference checkpoint on a mesh with one
-device share the rest of this module (`sys.path.insert(0, <tests>)`, then import it).
+The programs that compare a Hugging Face reference checkpoint on a mesh with one
+device share the rest of this module (they put tests/ on `sys.path`, then import it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
-import textwrap
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+PROGRAMS = pathlib.Path(__file__).resolve().with_name("programs")
+"""tests/programs/: one file per program, named by what it does."""
 
-def run_on_devices(code: str, devices: int = 8, timeout: int = 600, *,
+
+def run_program(program: str, *args, env: dict[str, str] | None = None, timeout: float = 600,
+                **options) -> subprocess.CompletedProcess:
+  """Runs tests/programs/`program`.py in a fresh interpreter with `args` on its command line
+  (a str or path as itself, anything else as its JSON), in `env` (None: this process's);
+  `options` go to `subprocess.run` (by default, stdout and stderr captured as text)."""
+  options = {"capture_output": True, "text": True, **options}
+  command = [sys.executable, str(PROGRAMS / f"{program}.py"),
+             *(os.fspath(a) if isinstance(a, (str, os.PathLike)) else json.dumps(a) for a in args)]
+  return subprocess.run(command, env=env, timeout=timeout, **options)
+
+
+def run_on_devices(program: str, *args, devices: int = 8, timeout: int = 600,
                    with_stderr: bool = False) -> object:
-  """Runs `code` with `devices` CPU devices; returns the JSON its last line prints (and,
-  `with_stderr`, what it wrote to stderr: XLA's C++ warnings go there, past Python; the
-  persistent compilation cache is then off, since a program read from it is not
-  compiled and warns of nothing)."""
+  """Runs tests/programs/`program`.py with `args` (as `run_program`) on `devices` CPU
+  devices; returns the JSON its last line prints (and, `with_stderr`, what it wrote to
+  stderr: XLA's C++ warnings go there, past Python; the persistent compilation cache is
+  then off, since a program read from it is not compiled and warns of nothing)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
   if with_stderr:
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-  result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+  result = run_program(program, *args, env=env, timeout=timeout)
   if result.returncode != 0:
-    raise AssertionError(f"the {devices}-device snippet failed:\n{result.stdout}\n{result.stderr}")
+    raise AssertionError(f"the program {program} failed on {devices} devices:\n"
+                         f"{result.stdout}\n{result.stderr}")
   printed = json.loads(result.stdout.strip().splitlines()[-1])
   return (printed, result.stderr) if with_stderr else printed
 

@@ -147,14 +147,8 @@ def test_a_grown_batch_in_micro_batches_on_a_mesh_trains_as_on_one_device(tmp_pa
   overrides = [*TINY, "train.steps=4", "train.sample_tokens=0", "train.eval_every=0",
                "data.batch_schedule=[{step: 2, batch_size: 16}]", "train.microbatch_size=8"]
   train.run(config_lib.load("lm-tiny", overrides=overrides), tmp_path / "one")
-  on_mesh = run_on_devices(f"""
-      import json
-      from jax_ai_stack.recipes import config, train
-      workdir = {str(tmp_path / "mesh")!r}
-      train.run(config.load("lm-tiny", overrides={overrides + ["mesh.fsdp=2"]!r}), workdir)
-      print(json.dumps([(r["step"], r["loss"]) for r in train.read_metrics(workdir)
-                        if r["split"] == "train"]))
-  """, devices=4)
+  on_mesh = run_on_devices("lm_tiny_losses_on_mesh", tmp_path / "mesh",
+                           [*overrides, "mesh.fsdp=2"], devices=4)
   one = train_losses(tmp_path / "one")
   assert [step for step, _ in on_mesh] == [step for step, _ in one] == [1, 2, 3, 4]
   np.testing.assert_allclose([loss for _, loss in on_mesh], [loss for _, loss in one], rtol=1e-5)

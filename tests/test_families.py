@@ -168,32 +168,7 @@ def test_every_family_on_8_devices_under_fsdp_tp_equals_one_device():
   embedding's rows under data x fsdp x tensor (looked up in a table split along
   d_model) and with a MoE layer's tokens (sorted by expert across the devices).
   """
-  results, stderr = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      import jax.numpy as jnp, numpy as np
-      from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.sharding_config import MeshConfig
-      from multidevice import grads_difference, load_on_mesh, logits_and_grads
-
-      meshes = {{"fsdp": MeshConfig(rules="fsdp", data=2, fsdp=4),
-                "fsdp_tp": MeshConfig(rules="fsdp_tp", data=2, fsdp=2, tensor=2)}}
-      out = {{}}
-      for index, name in enumerate({CAUSAL!r}):
-        directory = {str(REFERENCES)!r} + "/" + name
-        tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
-        tokens = jnp.concatenate([tokens] * 4)  # Rows for the data and fsdp axes.
-        one_logits, one_grads = logits_and_grads(hf.load_model(directory), tokens)
-        for mesh_name, mesh_config in list(meshes.items())[0 if index == 0 else 1:]:
-          model = load_on_mesh(directory, mesh_config)
-          logits, grads = logits_and_grads(model, tokens)
-          out[name + " " + mesh_name] = {{
-              "logits": float(jnp.abs(logits - one_logits).max()),
-              "grads": grads_difference(grads, one_grads),
-              "q_proj": list(model.layers[0].attention.q_proj.kernel.get_value().sharding.spec),
-              "devices": len(logits.sharding.device_set)}}
-      print(json.dumps(out))
-  """, with_stderr=True)
+  results, stderr = run_on_devices("families_on_mesh", CAUSAL, REFERENCES, with_stderr=True)
   assert "Involuntary full rematerialization" not in stderr, stderr
   assert len(results) == len(CAUSAL) + 1
   for name, result in results.items():

@@ -379,34 +379,7 @@ def test_save_refuses_a_non_empty_directory_and_leaves_it(tmp_path):
 
 def test_loaded_parameters_have_their_target_sharding_on_8_devices(tmp_path):
   directory = write_hf(tmp_path, TINY_HF, hf_weights(TINY_HF), shards=2)
-  result = run_on_devices(f"""
-      import json
-      import jax
-      import numpy as np
-      from flax import nnx
-      from jax_ai_stack.recipes import sharding
-      from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
-
-      config = DecoderConfig(**hf.read_config({str(directory)!r}))
-      placement = sharding.Placement.build(
-          sharding.MeshConfig(data=1, fsdp=4, tensor=2, rules="fsdp_tp"), {{}})
-      abstract = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-      shardings = placement.state_shardings(abstract)
-      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
-      params = hf.load_params({str(directory)!r}, config, target)
-      got = jax.tree.leaves(params)
-      wanted = jax.tree.leaves(shardings)
-      same = all(a.sharding == s for a, s in zip(got, wanted))
-      split = sum(not a.sharding.is_fully_replicated for a in got)
-      reference = hf.load_model({str(directory)!r})
-      equal = all(np.array_equal(np.asarray(a), np.asarray(b))
-                  for a, b in zip(got, jax.tree.leaves(nnx.state(reference))))
-      q = params["layers"][0]["attention"]["q_proj"]["kernel"].get_value()
-      print(json.dumps({{"same": same, "split": split, "equal": equal, "leaves": len(got),
-                        "q_spec": list(q.sharding.spec)}}))
-  """)
+  result = run_on_devices("hf_load_onto_mesh", directory)
   assert result["same"] and result["equal"] and result["leaves"] == 21
   assert result["split"] == 21 - 5  # fsdp_tp splits all but the 5 norm scales ("norm").
   assert result["q_spec"] == ["fsdp", "tensor", None]

@@ -4,8 +4,6 @@ and the per-layer code paths (Qwix rules, Hugging Face names) refuse or convert 
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,24 +118,9 @@ def test_scanned_trains_on_one_device_and_on_an_8_device_mesh(tmp_path):
   single = train.run(tiny_config(*SCAN), tmp_path / "one")
   losses = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
   assert len(losses) == 3 and np.isfinite(single["eval_loss"])
-  result = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      import jax
-      from jax_ai_stack.recipes import train
-      from training_helpers import tiny_config
-      config = tiny_config(*{SCAN!r}, "mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4",
-                           "mesh.tensor=2")
-      workdir = {str(tmp_path / "eight")!r}
-      train.run(config, workdir)
-      trainer = train.Trainer.open(config, workdir)
-      trainer.close()
-      kernel = trainer.state[0]["layers"]["attention"]["q_proj"]["kernel"].get_value()
-      print(json.dumps({{"losses": [r["loss"] for r in train.read_metrics(workdir)
-                                    if r["split"] == "train"],
-                         "spec": [s if s is None or isinstance(s, str) else list(s)
-                                  for s in kernel.sharding.spec]}}))
-  """)
+  result = run_on_devices("scanned_train_on_mesh", tmp_path / "eight",
+                          [*SCAN, "mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4",
+                           "mesh.tensor=2"])
   np.testing.assert_allclose(result["losses"], losses, rtol=2e-5)
   assert result["spec"] == [None, "fsdp", "tensor", None]
 

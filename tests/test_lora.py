@@ -5,7 +5,6 @@ is a named error with exit 2 that writes nothing."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 import shutil
 import signal
@@ -133,19 +132,8 @@ def test_merge_gives_the_logits_of_base_plus_adapters(lora_run, tmp_path, capsys
 def test_lora_on_an_fsdp_mesh_of_4_devices_trains_like_one_device(base, lora_run, tmp_path):
   """The frozen base is sharded over the mesh and the adapters train across it: the
   same losses as on one device (float32 sums in another order: last bits only)."""
-  sharded = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      import jax
-      from jax_ai_stack.recipes import train
-      from training_helpers import tiny_config
-      overrides = {lora_overrides(base, "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp")!r}
-      train.run(tiny_config(*overrides), {str(tmp_path)!r})
-      trainer = train.Trainer.open_finished({str(tmp_path)!r})
-      trainer.close()
-      leaves = jax.tree.leaves(trainer.model)
-      print(json.dumps(sum(not leaf.sharding.is_fully_replicated for leaf in leaves)))
-  """, devices=4)
+  overrides = lora_overrides(base, "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp")
+  sharded = run_on_devices("lora_on_mesh", tmp_path, overrides, devices=4)
   assert sharded > 0  # Some weights really are split over the 4 devices.
   expected = dict(train_losses(lora_run[0]))
   losses = dict(train_losses(tmp_path))

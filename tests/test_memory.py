@@ -36,42 +36,7 @@ def test_the_plan_is_the_real_sharded_state_and_near_xla_s_step(tmp_path):
   the real arrays' per-device shards (Trainer-built); the estimate from a device
   count alone (an AbstractMesh) equals the one from the real mesh; and XLA's
   temporary bytes of the compiled train step are within ACTIVATION_FACTOR."""
-  results = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(HERE)!r})
-      import jax, jax.numpy as jnp
-      from flax import nnx
-      from jax_ai_stack.recipes import memory, sharding, train
-      from training_helpers import tiny_config
-
-      def shard_bytes(tree):
-        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-
-      out = {{}}
-      for name, mesh in {MESHES!r}.items():
-        config = tiny_config(*{MESH_TINY!r}, *{SHAPES!r}, *mesh)
-        trainer = train.Trainer.open(config, {str(tmp_path)!r} + "/" + name)
-        trainer.close()
-        placement = trainer.placement
-        plan = memory.estimate_memory(config, placement.mesh)
-        rows, seq_len = config.data.batch_size, config.data.seq_len
-        shardings = sharding.batch_shardings(
-            placement.batch_axes, {{k: (rows, seq_len) for k in placement.batch_axes}},
-            placement.mesh, placement.rules)
-        batch = {{k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=s)
-                 for k, s in shardings.items()}}
-        analysis = trainer.train_step.lower(trainer.state, batch).compile().memory_analysis()
-        out[name] = {{
-            "real": [shard_bytes(trainer.state[0]), shard_bytes(trainer.state[1]),
-                     shard_bytes(nnx.state(trainer.model, nnx.Param))],
-            "plan": [plan.parameters, plan.optimizer, plan.gradients],
-            "same_from_count": memory.estimate_memory(config, 8) == plan,
-            "temp": analysis.temp_size_in_bytes,
-            "estimate": plan.activations + plan.gradients + plan.gathered,
-            "gathered": plan.gathered,
-        }}
-      print(json.dumps(out))
-  """)
+  results = run_on_devices("memory_plan_on_mesh", tmp_path, [*MESH_TINY, *SHAPES], MESHES)
   for name, result in results.items():
     assert result["plan"] == result["real"], name
     assert result["same_from_count"], name

@@ -264,38 +264,7 @@ def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
   logits and gradients equal one device's, for a batch split over the expert axis and
   for one row (replicated: no token exchange, the experts' outputs summed), and the
   step exchanges tokens inside a shard_map."""
-  results = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      import jax, jax.numpy as jnp, numpy as np
-      from jax_ai_stack.recipes.models import hf
-      from jax_ai_stack.recipes.sharding_config import MeshConfig
-      from multidevice import grads_difference, load_on_mesh, logits_and_grads, next_token_loss
-
-      def differences(model, tokens, one):
-        logits, grads = logits_and_grads(model, tokens)
-        return {{"logits": float(jnp.abs(logits - one[0]).max()),
-                 "grads": grads_difference(grads, one[1])}}
-
-      meshes = {{"data 2 x expert 4": MeshConfig(data=2, expert=4),
-                "fsdp 2 x expert 2 x tensor 2": MeshConfig(rules="fsdp_tp", data=1, fsdp=2,
-                                                           expert=2, tensor=2)}}
-      out = {{}}
-      directory = {str(REFERENCES / name)!r}
-      tokens = jnp.asarray(np.load(directory + "/reference.npz")["tokens"])
-      tokens = jnp.concatenate([tokens] * 8)
-      one = hf.load_model(directory)
-      expected = {{rows: logits_and_grads(one, tokens[:rows]) for rows in (len(tokens), 1)}}
-      for mesh_name, mesh_config in meshes.items():
-        model = load_on_mesh(directory, mesh_config)
-        program = str(jax.make_jaxpr(lambda m, t: next_token_loss(m, t)[0])(model, tokens))
-        out[mesh_name] = {{
-            "batch": differences(model, tokens, expected[len(tokens)]),
-            "one row": differences(model, tokens[:1], expected[1]),
-            "experts": str(model.layers[0].mlp.gate_proj.get_value().sharding.spec[0]),
-            "exchange": all(p in program for p in ("shard_map", "all_gather", "reduce_scatter"))}}
-      print(json.dumps(out))
-  """)
+  results = run_on_devices("experts_on_mesh", REFERENCES / name)
   assert len(results) == 2
   for mesh_name, result in results.items():
     for rows in ("batch", "one row"):
@@ -313,16 +282,7 @@ def test_moe_tiny_trains_expert_parallel_like_one_device_and_resumes_bitwise(tmp
   train.run(config_lib.load("moe-tiny", overrides=small), tmp_path / "one")
   expected = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
   mesh = ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.expert=4", "mesh.tensor=2"]
-  result = run_on_devices(f"""
-      import json
-      from jax_ai_stack.recipes import config, train
-      config = config.load("moe-tiny", overrides={[*small, *mesh]!r})
-      runs = {{"whole": {str(tmp_path / "whole")!r}, "stopped": {str(tmp_path / "stopped")!r}}}
-      train.run(config, runs["whole"])
-      train.run(config, runs["stopped"], stop_after=4)
-      train.run(config, runs["stopped"])
-      print(json.dumps({{name: [r["loss"] for r in train.read_metrics(workdir)
-                               if r["split"] == "train"] for name, workdir in runs.items()}}))
-  """)
+  result = run_on_devices("moe_tiny_on_mesh", [*small, *mesh],
+                          {"whole": str(tmp_path / "whole"), "stopped": str(tmp_path / "stopped")})
   assert len(result["whole"]) == 8 and result["stopped"] == result["whole"]
   np.testing.assert_allclose(result["whole"], expected, rtol=2e-5)

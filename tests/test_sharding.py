@@ -63,30 +63,7 @@ def test_one_device_is_a_single_device_mesh():
 
 def test_each_rule_set_places_parameters_and_their_optimizer_state():
   """On 8 devices: the specs the rules say, for parameters and Adam's moments."""
-  specs = run_on_devices("""
-      import json, jax, optax
-      from flax import nnx
-      from jax_ai_stack.recipes import sharding
-      from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
-
-      config = DecoderConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
-                           vocab_size=256, max_seq_len=16)
-      def create():
-        model = Decoder(config, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-      state = nnx.state(nnx.eval_shape(create))
-      out = {}
-      for rules, sizes in [("dp", {}), ("fsdp", {"data": 2, "fsdp": 4}),
-                           ("fsdp_tp", {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2})]:
-        mesh_config = sharding.MeshConfig(rules=rules, **sizes)
-        mesh = sharding.build_mesh(mesh_config)
-        shardings = sharding.state_shardings(state, mesh, sharding.logical_rules(mesh_config))
-        flat = {jax.tree_util.keystr(p, simple=True, separator="/"): list(s.spec)
-                for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
-        out[rules] = {k: v for k, v in flat.items()
-                      if k.endswith(("q_proj/kernel/value", "up_proj/kernel/value", "embed/embedding/value"))}
-      print(json.dumps(out))
-  """)
+  specs = run_on_devices("rule_set_specs")
   q = "0/layers/0/attention/q_proj/kernel/value"
   up, embed = "0/layers/0/mlp/up_proj/kernel/value", "0/embed/embedding/value"
   assert specs["dp"][q] == [None, None, None]
@@ -101,19 +78,7 @@ def test_each_rule_set_places_parameters_and_their_optimizer_state():
 
 
 def test_process_shares_become_one_global_batch():
-  rows = run_on_devices("""
-      import json, numpy as np
-      from jax_ai_stack.recipes import sharding
-      mesh_config = sharding.MeshConfig(data=2, fsdp=4)
-      mesh = sharding.build_mesh(mesh_config)
-      local = {"inputs": np.arange(8 * 3).reshape(8, 3)}
-      shardings = sharding.batch_shardings({"inputs": ("batch", "length")}, {"inputs": (8, 3)},
-                                           mesh, sharding.logical_rules(mesh_config))
-      batch = sharding.global_batch(local, shardings, 8)
-      print(json.dumps({"spec": list(batch["inputs"].sharding.spec),
-                        "shards": len(batch["inputs"].addressable_shards),
-                        "rows": np.asarray(batch["inputs"]).tolist()}))
-  """)
+  rows = run_on_devices("global_batch_rows")
   assert rows["spec"] == [["data", "fsdp", "expert"], None] and rows["shards"] == 8
   assert rows["rows"] == np.arange(24).reshape(8, 3).tolist()
 
@@ -134,33 +99,7 @@ def test_each_rule_set_trains_like_one_device(tmp_path):
 
   single = train.run(tiny_config(*MESH_TINY), tmp_path / "one")
   expected = [r["loss"] for r in train.read_metrics(tmp_path / "one") if r["split"] == "train"]
-  results = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      import jax
-      from jax_ai_stack.recipes import train
-      from training_helpers import tiny_config
-      out = {{}}
-      for name, mesh in [("dp", ["mesh.rules=dp"]),
-                         ("fsdp", ["mesh.rules=fsdp", "mesh.data=2", "mesh.fsdp=4"]),
-                         ("fsdp_tp", ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4",
-                                      "mesh.tensor=2"])]:
-        workdir = {str(tmp_path)!r} + "/" + name
-        result = train.run(tiny_config(*{MESH_TINY!r}, *mesh), workdir)
-        trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *mesh), workdir)
-        trainer.close()
-        state = dict(jax.tree_util.tree_leaves_with_path(trainer.state))
-        spec = lambda suffix: [list(v.sharding.spec) for k, v in state.items()
-                               if jax.tree_util.keystr(k, simple=True, separator="/").endswith(suffix)]
-        out[name] = {{
-            "losses": [r["loss"] for r in train.read_metrics(workdir) if r["split"] == "train"],
-            "eval_loss": result["eval_loss"],
-            "q_proj": spec("0/layers/0/attention/q_proj/kernel/value"),
-            "q_proj_mu": spec("/mu/layers/0/attention/q_proj/kernel/value"),
-            "devices": len(trainer.placement.mesh.devices.flat),
-        }}
-      print(json.dumps(out))
-  """)
+  results = run_on_devices("train_under_each_rule_set", tmp_path, MESH_TINY)
   for name, result in results.items():
     assert result["devices"] == 8
     np.testing.assert_allclose(result["losses"], expected, rtol=2e-5, err_msg=name)
@@ -195,50 +134,13 @@ def test_fsdp_tp_with_a_pallas_kernel_trains_like_one_device(tmp_path):
   finally:
     trainer.close()
   assert "shard_map" not in one_device and "sharding_constraint" not in one_device
-  result = run_on_devices(f"""
-      import json, sys
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      from jax_ai_stack.recipes import train
-      from training_helpers import tiny_config
-      from test_sharding import _step_program
-
-      config = tiny_config(*{overrides!r}, "mesh.rules=fsdp_tp", "mesh.data=2", "mesh.fsdp=2",
-                           "mesh.tensor=2")
-      workdir = {str(tmp_path / "mesh")!r}
-      train.run(config, workdir)
-      trainer = train.Trainer.open(config, workdir)
-      try:
-        program = _step_program(trainer)
-      finally:
-        trainer.close()
-      print(json.dumps({{
-          "losses": [r["loss"] for r in train.read_metrics(workdir) if r["split"] == "train"],
-          "kernel": trainer.attention_choice.name,
-          "shard_map": "shard_map" in program and "pallas_call" in program,
-          "constraints": program.count("sharding_constraint"),
-      }}))
-  """)
+  result = run_on_devices("pallas_step_on_mesh", tmp_path / "mesh",
+                          [*overrides, "mesh.rules=fsdp_tp", "mesh.data=2", "mesh.fsdp=2",
+                           "mesh.tensor=2"])
   assert result["kernel"] == "pallas_gpu"
   np.testing.assert_allclose(result["losses"], expected, rtol=2e-5)
   assert result["shard_map"]
   assert result["constraints"] >= 3  # After the embedding, on attention and MLP outputs.
-
-
-_RESHARD_HELPERS = """
-    import json, logging, sys
-    sys.path.insert(0, {here!r})
-    import jax, numpy as np
-    from jax_ai_stack.recipes import train
-    from training_helpers import tiny_config
-
-    def leaves(state):
-      return {{jax.tree_util.keystr(p, simple=True, separator="."): x
-               for p, x in jax.tree_util.tree_leaves_with_path(state)}}
-
-    def host(x):
-      key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-      return np.asarray(jax.random.key_data(x) if key else x)
-"""
 
 
 def _restored_as_saved(trainer, saved: pathlib.Path) -> dict:
@@ -273,32 +175,13 @@ def test_a_checkpoint_restores_bitwise_onto_another_mesh(tmp_path, caplog):
   from training_helpers import tiny_config
 
   workdir, saved = tmp_path / "run", tmp_path / "saved.npz"
-  helpers = _RESHARD_HELPERS.format(here=str(pathlib.Path(__file__).parent))
   fsdp = ["mesh.rules=fsdp", "mesh.data=1", "mesh.fsdp=8"]
-  first = run_on_devices(helpers + f"""
-    trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *{fsdp!r}), {str(workdir)!r})
-    try:
-      trainer.fit()
-    finally:
-      trainer.close()
-    np.savez({str(saved)!r}, **{{k: host(x) for k, x in leaves(trainer.state).items()}})
-    print(json.dumps({{"step": trainer.step, "saved": trainer.manager.latest_step(),
-                      "q_proj": [list(x.sharding.spec) for k, x in leaves(trainer.state).items()
-                                 if k.endswith("q_proj.kernel.value")]}}))
-  """)
+  first = run_on_devices("checkpoint_across_meshes", "save", workdir, saved, [*MESH_TINY, *fsdp])
   assert first == {"step": 4, "saved": 4, "q_proj": [["fsdp", None, None]] * 3}  # Param, mu, nu.
 
   fsdp_tp = ["mesh.rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
-  second = run_on_devices(helpers + f"""
-    from test_sharding import _restored_as_saved
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("jax_ai_stack").addHandler(handler)
-    trainer = train.Trainer.open(tiny_config(*{MESH_TINY!r}, *{fsdp_tp!r}), {str(workdir)!r})
-    trainer.close()
-    print(json.dumps({{**_restored_as_saved(trainer, {str(saved)!r}), "warnings": warnings}}))
-  """)
+  second = run_on_devices("checkpoint_across_meshes", "restore", workdir, saved,
+                          [*MESH_TINY, *fsdp_tp])
   assert second["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
   assert second["q_proj"] == [["fsdp", "tensor", None]] * 3
 
