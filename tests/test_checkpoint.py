@@ -11,8 +11,6 @@ import pathlib
 import shutil
 import stat
 import subprocess
-import sys
-import textwrap
 
 import grain
 import jax
@@ -21,6 +19,8 @@ from flax import nnx
 
 from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes import checkpoint
+
+from multidevice import run_program
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -60,10 +60,9 @@ def _save_steps(directory, steps, **config):
   manager.close()
 
 
-def _run_python(code: str, *args) -> subprocess.CompletedProcess:
+def _run_python(program: str, *args) -> subprocess.CompletedProcess:
   """A fresh interpreter, so exit hooks run and absl/TensorStore/asyncio output is seen."""
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                        capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  return run_program(program, *args, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def _listing(directory: pathlib.Path) -> list[str]:
@@ -131,15 +130,8 @@ def test_an_in_flight_step_is_never_moved_aside(directory, monkeypatch):
 
 
 def test_a_script_that_ends_right_after_save_keeps_the_step(directory):
-  result = _run_python("""
-      import sys, grain
-      from flax import nnx
-      from jax_ai_stack.recipes import checkpoint
-      manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
-      state = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-      data = iter(grain.MapDataset.range(4).to_iter_dataset())
-      assert checkpoint.save(manager, 1, state, data, {"step": 1}, force=True)
-      """, directory)  # No close(), no wait, no block: the interpreter exits at once.
+  # No close(), no wait, no block: the interpreter exits at once.
+  result = _run_python("checkpoint_save_then_exit", directory)
   assert result.returncode == 0, result.stderr
   assert "Traceback" not in result.stderr, result.stderr
   assert _listing(directory) == ["1"]
@@ -158,14 +150,7 @@ def test_a_corrupt_newest_step_prints_one_line_and_logs_the_detail(tmp_path):
   assert arrays
   for path in arrays:  # Truncated array data: opening each array fails.
     path.write_bytes(b"garbage")
-  result = _run_python("""
-      import sys
-      sys.path.insert(0, sys.argv[2])
-      from test_checkpoint import _abstract, checkpoint
-      manager = checkpoint.build_manager(sys.argv[1], checkpoint.CheckpointConfig())
-      restored = checkpoint.restore(manager, _abstract(), capture_stderr=True)  # As the CLI.
-      print("restored", restored.step)
-      """, directory, pathlib.Path(__file__).parent)
+  result = _run_python("checkpoint_restore_past_a_corrupt_step", directory)
   assert result.returncode == 0, result.stderr
   assert result.stdout == "restored 1\n"
   lines = result.stderr.splitlines()

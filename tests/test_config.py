@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from jax_ai_stack.recipes import config, configlib
+from multidevice import run_program
 
 
 def test_every_preset_loads_and_validates():
@@ -124,25 +122,9 @@ def test_field_docstrings_become_descriptions():
 HEAVY_MODULES = ("jax", "jaxlib", "flax", "optax", "grain", "orbax", "tensorstore", "tokamax",
                  "qwix")
 
-_LOAD_AND_PRINT = """
-import sys
-from jax_ai_stack import cli
-from jax_ai_stack.recipes import config, configlib
-cli.build_parser()  # Every subcommand registers itself: what --help and --list pay for.
-configlib.to_yaml(config.load("lm-tiny", overrides=["train.steps=3", "model.attention_impl=xla"]))
-configlib.to_yaml(config.load("digits-cnn"))
-try:
-  config.load("lm-tiny", overrides=["model.attention_impl=fastest"])
-except configlib.ConfigError:
-  pass
-print(" ".join(sorted({name.split(".")[0] for name in sys.modules})))
-"""
-
-
 def test_loading_and_printing_a_config_imports_no_heavy_library():
   """`train --print-config` and `--list` stay fast: the config is pure Python."""
-  result = subprocess.run([sys.executable, "-c", _LOAD_AND_PRINT], capture_output=True,
-                          text=True, check=True)
+  result = run_program("config_imports", check=True)
   imported = set(result.stdout.split()) & set(HEAVY_MODULES)
   assert not imported, f"loading a config imported {sorted(imported)}"
 

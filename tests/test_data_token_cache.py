@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from data_helpers import read_batches
 from jax_ai_stack import cli
 from jax_ai_stack.errors import DataError
 from jax_ai_stack.recipes.data import DataConfig, load_corpus, token_cache
+from multidevice import run_program
 
 # 4 compressed blocks per 64-token chunk, as in real caches: shard commits rewrite partly
 # filled chunk files.
@@ -103,31 +102,13 @@ def test_a_finished_cache_is_nothing_to_do(corpus_dir, tmp_path, capsys):
   assert _tree(tmp_path / "cache") == before
 
 
-_KILLED_PREPARE = """
-import os, signal, sys
-from jax_ai_stack.recipes.data import DataConfig, token_cache
-
-def on_shard(shard, stage):
-  if (shard, stage) == ({shard}, {stage!r}):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-config = DataConfig(source="text", paths=({pattern!r},))
-if __name__ == "__main__":  # spawned workers import this script again
-  token_cache.prepare(config, {cache!r}, shard_documents=5, chunk_tokens=64,
-                      read_block_tokens=16, progress=False, on_shard=on_shard,
-                      workers={workers})
-"""
-
-
 @pytest.mark.parametrize("shard, stage", [(0, "committed"), (2, "written")])
 def test_sigkill_during_prepare_then_rerun_is_byte_identical(corpus_dir, tmp_path, shard, stage):
   config = DataConfig(source="text", paths=(str(corpus_dir / "*.txt"),))
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
-  script = _KILLED_PREPARE.format(shard=shard, stage=stage, pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), workers=1)
-  killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+  killed = run_program("killed_prepare", corpus_dir / "*.txt", cache, [shard, stage], 1,
+                       timeout=120)
   assert killed.returncode == -9, killed.stderr
   assert not (cache / "manifest.json").exists()
   assert (cache / "shards" / "00000.json").is_file()
@@ -147,42 +128,16 @@ def test_sigkill_then_rerun_with_workers_is_byte_identical(corpus_dir, tmp_path)
   config = DataConfig(source="text", paths=(str(corpus_dir / "*.txt"),))
   token_cache.prepare(config, tmp_path / "reference", **SMALL)
   cache = tmp_path / "cache"
-  script = _KILLED_PREPARE.format(shard=1, stage="written", pattern=str(corpus_dir / "*.txt"),
-                                  cache=str(cache), workers=2)
-  (tmp_path / "killed.py").write_text(script)
-  killed = subprocess.run([sys.executable, str(tmp_path / "killed.py")], capture_output=True,
-                          text=True, timeout=120)
+  killed = run_program("killed_prepare", corpus_dir / "*.txt", cache, [1, "written"], 2,
+                       timeout=120)
   assert killed.returncode == -9, killed.stderr
   token_cache.prepare(config, cache, **SMALL, workers=2)
   assert _tree(cache) == _tree(tmp_path / "reference")
 
 
-_INTERRUPTED_PREPARE = """
-import os, signal, sys
-from jax_ai_stack import cli
-from jax_ai_stack.recipes.data import token_cache
-
-real_prepare = token_cache.prepare
-
-def prepare(*args, **kwargs):
-  def on_shard(shard, stage):
-    if (shard, stage) == (1, "written"):  # Ctrl-C: the terminal signals the whole group.
-      os.killpg(0, signal.SIGINT)
-  return real_prepare(*args, **{{**kwargs, "on_shard": on_shard, "shard_documents": 5}})
-
-token_cache.prepare = prepare
-if __name__ == "__main__":  # spawned workers import this script again
-  sys.exit(cli.main(["data", "prepare", "lm-tiny", "data.source=text",
-                     "data.paths=[{pattern}]", "--cache", {cache!r}, "--workers", "2"]))
-"""
-
-
 def test_ctrl_c_during_prepare_with_workers_is_one_line_and_exit_130(corpus_dir, tmp_path):
-  script = tmp_path / "interrupted.py"
-  script.write_text(_INTERRUPTED_PREPARE.format(pattern=corpus_dir / "*.txt",
-                                                cache=str(tmp_path / "cache")))
-  interrupted = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                               timeout=120, start_new_session=True)
+  interrupted = run_program("interrupted_prepare", corpus_dir / "*.txt", tmp_path / "cache",
+                            timeout=120, start_new_session=True)
   assert interrupted.returncode == 130, interrupted.stderr
   assert interrupted.stderr.strip().splitlines()[-1].endswith(  # After the bar, if any.
       "jax-ai-stack data: interrupted (Ctrl-C)")

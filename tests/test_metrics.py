@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 
 from jax_ai_stack import atomic
 from jax_ai_stack.recipes import metrics
+from multidevice import run_program
 
 
 def _log(workdir, start, steps):
@@ -83,20 +82,10 @@ def test_plot_writes_a_png(tmp_path):
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-_PLOT_IN_ANOTHER_BACKEND = """
-import sys, matplotlib
-matplotlib.use("pdf")
-from jax_ai_stack.recipes import metrics
-metrics.plot(sys.argv[1])
-print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
-"""
-
-
 def test_plot_leaves_the_backend_and_pyplot_alone(tmp_path):
   """A library call changes nothing process-wide: the user's backend stays, pyplot unloaded."""
   _log(tmp_path, 0, range(1, 11))
-  result = subprocess.run([sys.executable, "-c", _PLOT_IN_ANOTHER_BACKEND, str(tmp_path)],
-                          capture_output=True, text=True, check=True)
+  result = run_program("plot_in_a_pdf_backend", tmp_path, check=True)
   assert result.stdout.split() == ["pdf", "False"], result.stderr
   png = (tmp_path / metrics.PLOT_FILE).read_bytes()
   assert struct.unpack(">II", png[16:24]) == (700, 400)  # IHDR: 7 x 4 inches at 100 dpi.

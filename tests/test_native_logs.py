@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from jax_ai_stack import logs, native_logs
+from multidevice import run_program
 from training_helpers import TINY
 
 WARNING = b"W1125 21:40:17.123456   4242 spmd_partitioner.cc:652] Involuntary full rematerialization"
@@ -28,29 +28,9 @@ def test_which_lines_are_kept_aside():
     assert not native_logs.kept(line, after_kept=False)
 
 
-SCRIPT = textwrap.dedent("""
-    import os, pathlib, sys, time
-    from jax_ai_stack import logs, native_logs
-
-    with logs.routed(pathlib.Path(sys.argv[1]), verbose=False) as routes:
-      with native_logs.kept_off_console(enabled=sys.argv[2] == "on"):
-        os.write(2, %r + b"\\n  its second line\\n")
-        os.write(2, b"E1125 21:40:17.123456   4242 foo.cc:1] an error\\n")
-        sys.stderr.write("\\rstep 1/2"); sys.stderr.flush()
-        print("\\nours", file=sys.stderr)
-        os.write(2, b"I1125 21:40:17.1")  # A log line written in two pieces.
-        time.sleep(0.05)
-        os.write(2, b"23456   4242 pjrt_client.cc:579] device count\\n")
-      summary = routes.summary()
-    if summary:
-      print(summary, file=sys.stderr)
-""") % WARNING
-
-
 def _run(tmp_path, mode):
   log = tmp_path / "jax-ai-stack.log"
-  done = subprocess.run([sys.executable, "-c", SCRIPT, str(log), mode], capture_output=True,
-                        check=True)
+  done = run_program("native_log_lines", log, mode, WARNING.decode(), text=False, check=True)
   return done.stderr.decode(), log.read_text() if log.exists() else ""
 
 

@@ -9,6 +9,7 @@ import pytest
 
 import jax_ai_stack
 from jax_ai_stack import recipes
+from multidevice import run_program
 
 
 @pytest.mark.parametrize("package", [jax_ai_stack, recipes], ids=lambda p: p.__name__)
@@ -38,48 +39,12 @@ def test_kernels_attention_is_the_function_even_after_its_module_loads():
 HEAVY_MODULES = ("jax", "jaxlib", "flax", "optax", "grain", "orbax", "tensorstore", "tokamax",
                  "qwix")
 
-# In a fresh process: import each package of jax_ai_stack top-down, noting what
-# its own `__init__` defined before any of its children loaded (a child import
-# sets the child as an attribute of its parent, which would hide a missing lazy
-# name); then ask each package for every public module that `pkgutil` finds in it.
-_WALK = """
-import importlib, json, pkgutil, sys
-
-packages, found = {}, []
-def walk(name):
-  package = importlib.import_module(name)
-  packages[name] = (package, set(vars(package)), set(dir(package)))
-  for info in pkgutil.iter_modules(package.__path__):
-    if not info.name.startswith("_"):
-      found.append((name, info.name))
-      if info.ispkg:
-        walk(f"{name}.{info.name}")
-walk("jax_ai_stack")
-heavy = sorted({m.split(".")[0] for m in sys.modules} & set(%r))
-
-unreachable = []
-for parent, child in found:
-  package, eager, listed = packages[parent]
-  module = importlib.import_module(f"{parent}.{child}")
-  try:
-    value = getattr(package, child) if child in eager else package.__getattr__(child)
-  except AttributeError:
-    value = None
-  # `kernels.attention` is the function that its module of the same name defines.
-  if child not in listed or (value is not module and getattr(value, "__module__", None)
-                             != module.__name__):
-    unreachable.append(f"{parent}.{child}")
-print(json.dumps({"heavy": heavy, "modules": len(found), "unreachable": unreachable}))
-""" % (HEAVY_MODULES,)
-
-
 def test_every_public_module_is_an_attribute_of_its_package_and_packages_import_cheaply():
   """`recipes.finetune.lora`, `kernels.table`, ...: each module that `pkgutil` finds
   in a package (a name without a leading underscore) is in the package's `dir()`
   and loads when asked for as an attribute, with no `import` of its own; and
   importing the packages themselves loads no jax or other heavy library."""
-  result = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True,
-                          check=True)
+  result = run_program("package_walk", HEAVY_MODULES, check=True)
   walk = json.loads(result.stdout.splitlines()[-1])
   assert walk["heavy"] == [], f"importing the packages imported {walk['heavy']}"
   assert walk["modules"] > 50

@@ -15,6 +15,7 @@ import pytest
 from jax_ai_stack.recipes import config, train
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
+from multidevice import run_program
 from training_helpers import STEPS, TINY, start_training, wait_for_step
 
 
@@ -77,17 +78,7 @@ def test_a_workdir_that_is_a_file_is_named(tmp_path):
 
 
 def test_a_bug_shows_its_traceback_and_exits_1(tmp_path):
-  inject = (
-      "import sys\n"
-      "from jax_ai_stack import cli\n"
-      "from jax_ai_stack.recipes import config\n"
-      "def broken(*a, **k):\n"
-      "  raise ValueError('an injected bug')\n"  # A ValueError too: not a user error.
-      "config.load = broken\n"
-      "sys.exit(cli.main(['train', '--print-config']))\n"
-  )
-  result = subprocess.run([sys.executable, "-c", inject], capture_output=True, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  result = run_program("injected_bug", env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
   assert result.returncode == 1
   assert "Traceback (most recent call last)" in result.stderr
   assert "ValueError: an injected bug" in result.stderr
