@@ -269,28 +269,3 @@ def test_a_tokenizer_file_s_turn_tokens_end_a_reply(tmp_path):
   assert ByteTokenizer().end_of_turn_ids() == [257]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "gemma3-tiny"])  # Llama: test_preference.
-def test_a_chat_run_of_each_family_resumes_bitwise(preset, tmp_path):
-  from jax_ai_stack.recipes import checkpoint
-  from jax_ai_stack.recipes import config as config_lib
-  from test_families import PRESET_SIZE
-
-  path = _jsonl(tmp_path / "c.jsonl", [{"prompt": f"{i} + 1", "completion": f"{i + 1}"}
-                                       for i in range(60)])
-  settings = config_lib.load(preset, overrides=[
-      *PRESET_SIZE, "data.source=chat", f"data.paths=[{path}]", "data.max_documents=null",
-      "train.steps=6",
-      "train.eval_every=6", "train.sample_tokens=0", "checkpoint.save_every=3"])
-  train.run(settings, tmp_path / "whole")
-  train.run(settings, tmp_path / "stopped", stop_after=3)
-  train.run(settings, tmp_path / "stopped")
-  losses = [[(r["step"], r["loss"]) for r in train.read_metrics(tmp_path / w)
-             if r["split"] == "train"] for w in ("whole", "stopped")]
-  assert len(losses[0]) == 6 and losses[0] == losses[1]
-  whole, stopped = (train.Trainer.open_finished(tmp_path / w) for w in ("whole", "stopped"))
-  try:
-    assert checkpoint.tree_equal(whole.state, stopped.state)
-  finally:
-    whole.close()
-    stopped.close()

@@ -1,5 +1,5 @@
-"""`train.eval_tasks`: harness tasks at a run's evaluations, logged with the held-out metrics,
-once each across a kill and a resume; a bad task name stops the run before its first step."""
+"""`train.eval_tasks`: harness tasks at a run's evaluations, logged with the held-out metrics
+(once each across a kill and a resume: test_kill_and_resume.py); a bad task name stops the run before its first step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import train
 from jax_ai_stack.recipes.evaluation import in_training
 from test_evaluation_harness import write_tasks
-from training_helpers import TINY, kill_at_step
+from training_helpers import TINY
 
 HARNESS = ("eval_harness_tiny_sums_acc", "eval_harness_tiny_calls_exact_match")
 
@@ -36,17 +36,6 @@ def test_the_tasks_run_at_their_evaluations_and_are_logged_with_its_metrics(tmp_
   for record in evals[1:]:
     assert "eval_loss" in record and all(0 <= record[name] <= 1 for name in HARNESS)
   assert (tmp_path / "run" / "loss.png").stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_a_run_killed_and_resumed_logs_each_evaluation_once_as_the_whole_run(tmp_path):
-  overrides = _run(tmp_path)
-  train.run(config_lib.load("lm-tiny", overrides=overrides), tmp_path / "whole")
-  kill_at_step("lm-tiny", tmp_path / "killed", overrides, 5)
-  train.run(config_lib.load("lm-tiny", overrides=overrides), tmp_path / "killed")
-  drop = lambda r: {k: v for k, v in r.items() if k not in ("step_time", "throughput")}
-  assert [drop(r) for r in _evals(tmp_path / "killed")] == [
-      drop(r) for r in _evals(tmp_path / "whole")]
 
 
 @pytest.mark.slow  # The harness indexes its tasks (about 15 s).

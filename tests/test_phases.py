@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import checkpoint, phases, train
-from training_helpers import start_training, tiny_config, train_losses, wait_for_step
+from training_helpers import tiny_config, train_losses
 
 COMPONENTS = "{logs: {paths: ['logging/*']}, js: {paths: ['json/*']}}"
 FIRST = "{step: 0, weights: {logs: 3, js: 1}}"
@@ -62,17 +60,6 @@ def test_a_run_resumed_at_the_stage_boundary_with_the_next_settings_equals_the_p
   capsys.readouterr()
   train.run(_config(*second), tmp_path)  # The same settings again: no new phase.
   assert "phase" not in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_a_planned_run_killed_at_random_moments_and_resumed_is_the_same_run(planned, tmp_path):
-  for step in (2, 7):
-    process = start_training(tmp_path, *SHORT, *PLANNED, "train.steps=12")
-    wait_for_step(process, tmp_path, step)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-  train.run(_config(*PLANNED), tmp_path)
-  assert train_losses(tmp_path) == train_losses(planned)
 
 
 @pytest.mark.parametrize("change,field", [

@@ -1,5 +1,5 @@
 """Preference pairs: parsed by line, rendered with the chat template, one row per side; DPO
-and chat SFT runs from a base, killed and resumed."""
+and chat SFT from a base (their runs killed and resumed: test_kill_and_resume.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from jax_ai_stack.recipes.data.preference import (PreferenceRows, load_preferenc
                                                   read_pairs, stdlib_pairs)
 from jax_ai_stack.recipes.data.tokenizers import ByteTokenizer
 from data_helpers import read_batches
-from training_helpers import checkpoint_paths, kill_at_step, train_losses
 
 BYTES = ChatTemplate(BYTE_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
 TALK = [{"role": "user", "content": "hi"}]
@@ -112,46 +111,6 @@ def _dpo_overrides(pairs_and_base, tuning: str) -> list[str]:
   return [*BASE, "data.source=preference", f"data.paths=[{path}]", f"finetune.base={base}", lora,
           f"train.steps={DPO_STEPS}", "train.eval_every=4", "checkpoint.save_every=1",
           "optim.learning_rate=0.01" if tuning == "lora" else "optim.learning_rate=0.002"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tuning", ["lora", "full"])
-def test_a_dpo_run_starts_at_the_base_moves_from_it_and_resumes_bitwise_after_a_kill(
-    pairs_and_base, tmp_path, tuning, capsys):
-  """The reference is the base: the adapters off (LoRA), or a frozen copy read again from the
-  base on resume (full fine-tuning), which no checkpoint holds."""
-  overrides = _dpo_overrides(pairs_and_base, tuning)
-  train.run(config_lib.load("lm-tiny-dpo", overrides=overrides), tmp_path / "whole")
-  if tuning == "full":
-    assert "and a frozen copy of the base's, DPO's reference" in capsys.readouterr().out
-  killed_at = kill_at_step("lm-tiny-dpo", tmp_path / "killed", overrides, 3)
-  assert killed_at < DPO_STEPS, "the run finished before the kill"
-  train.run(config_lib.load("lm-tiny-dpo", overrides=overrides), tmp_path / "killed")
-  evals = [r for r in train.read_metrics(tmp_path / "whole") if r["split"] == "eval"]
-  assert evals[0]["step"] == 0 and evals[0]["eval_loss"] == pytest.approx(np.log(2), abs=1e-6)
-  assert evals[0]["eval_reward_margin"] == 0  # Step 0: the policy is the reference.
-  assert evals[-1]["eval_preference_accuracy"] == 1.0 and evals[-1]["eval_loss"] < np.log(2)
-  assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "killed")
-  assert len(train_losses(tmp_path / "whole")) == DPO_STEPS
-  saved = checkpoint_paths(tmp_path / "killed")
-  assert saved and not [p for p in saved if "reference" in p]  # The copy is never saved.
-
-
-@pytest.mark.slow
-def test_a_chat_sft_run_from_a_base_killed_and_resumed_is_bitwise(pairs_and_base, tmp_path):
-  """Chat SFT (the assistant's tokens only) from the base, SIGKILLed mid-run."""
-  _, base = pairs_and_base
-  chats = tmp_path / "c.jsonl"
-  chats.write_text("".join(json.dumps({"prompt": f"{i} + 1", "completion": f"{i + 1}"}) + "\n"
-                           for i in range(60)))
-  overrides = [*BASE, "data.source=chat", f"data.paths=[{chats}]", "data.max_documents=null",
-               f"finetune.base={base}", f"train.steps={DPO_STEPS}", "train.eval_every=4",
-               "checkpoint.save_every=1", "optim.learning_rate=0.002"]
-  train.run(config_lib.load("lm-tiny-sft", overrides=overrides), tmp_path / "whole")
-  assert kill_at_step("lm-tiny-sft", tmp_path / "killed", overrides, 3) < DPO_STEPS
-  train.run(config_lib.load("lm-tiny-sft", overrides=overrides), tmp_path / "killed")
-  assert len(train_losses(tmp_path / "whole")) == DPO_STEPS
-  assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "killed")
 
 
 def test_the_dry_run_states_the_frozen_copy_of_full_fine_tuning(pairs_and_base):

@@ -1,12 +1,11 @@
 """Qwix quantization at tiny size: the schemes' rules, PTQ of a trained run (loss within
 a bound of float, bytes by the expected factor, saved and served), QAT (trains, converts
-to PTQ losslessly, resumes bitwise after SIGKILL), and the bad-input paths."""
+to PTQ losslessly; its resume after SIGKILL: test_kill_and_resume.py), and the bad-input paths."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import signal
 
 import jax
 import numpy as np
@@ -15,12 +14,12 @@ from flax import nnx, traverse_util
 
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import checkpoint, config, train
+from jax_ai_stack.recipes import config, train
 from jax_ai_stack.recipes.finetune import ptq, quant
 from jax_ai_stack.recipes.models.cnn import CNN, CNNConfig
 from jax_ai_stack.recipes.models.decoder import Decoder
 
-from training_helpers import STEPS, start_training, tiny_config, train_losses, wait_for_step
+from training_helpers import STEPS, tiny_config, train_losses
 
 LOSS_BOUNDS = {"w8": 0.005, "w8a8": 0.01, "w4": 0.02}
 """How far each scheme's eval loss may move from float on the tiny LM (loss about 4.3;
@@ -180,28 +179,6 @@ def test_qat_trains_and_converts_to_its_scheme_at_no_cost(qat_run):
   assert report.scheme == "w8a8" and report.trained == "qat w8a8"
   delta = report.quantized_metrics["eval_loss"] - report.metrics["eval_loss"]
   assert abs(delta) < QAT_BOUND
-
-
-@pytest.mark.slow
-def test_qat_resumes_bitwise_after_sigkill(qat_run, tmp_path):
-  ref_dir, _ = qat_run
-  process = start_training(tmp_path, "quant.qat=w8a8", "train.sample_tokens=0",
-                           "checkpoint.save_every=1")
-  wait_for_step(process, tmp_path, 8)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  killed_at = train_losses(tmp_path)[-1][0]
-  assert killed_at < STEPS, "the run finished before the kill; the test proves nothing"
-  resumed = train.run(tiny_config("quant.qat=w8a8", "train.sample_tokens=0",
-                                  "checkpoint.save_every=1"), tmp_path)
-  assert resumed["step"] == STEPS
-  assert train_losses(tmp_path) == train_losses(ref_dir)
-  finals = []
-  for workdir in (ref_dir, tmp_path):
-    trainer = train.Trainer.open_finished(workdir)
-    trainer.close()
-    finals.append(trainer.state)
-  assert checkpoint.tree_equal(*finals)
 
 
 # ---- bad input ---------------------------------------------------------------------

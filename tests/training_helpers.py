@@ -1,7 +1,9 @@
-"""Shared by the trainer and CLI tests: the tiny LM recipe and a training subprocess."""
+"""Shared by the trainer and CLI tests: the tiny LM recipe, a training subprocess, and what
+tells two runs apart (their logged records, their final state's arrays)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import signal
@@ -9,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from jax_ai_stack.recipes import checkpoint, config, train
@@ -62,14 +66,48 @@ def checkpoint_paths(workdir: pathlib.Path) -> list[str]:
     manager.close()
 
 
-def kill_at_step(preset: str, workdir: pathlib.Path, overrides: list[str], step: int) -> int:
-  """`jax-ai-stack train preset` in a subprocess, SIGKILLed once it has logged `step`;
-  returns the last step it logged."""
+def kill_at_step(preset: str, workdir: pathlib.Path, overrides: list[str], step: int, *,
+                 devices: int = 1) -> int:
+  """`jax-ai-stack train preset` in a subprocess on `devices` CPU devices, SIGKILLed once
+  it has logged `step`; returns the last step it logged."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
   process = subprocess.Popen(
       [sys.executable, "-m", "jax_ai_stack.cli", "train", preset, "--workdir", str(workdir),
-       *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+       *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   wait_for_step(process, workdir, step)
   process.send_signal(signal.SIGKILL)
   process.wait()
   return train_losses(workdir)[-1][0]
+
+
+def records(workdir, split: str) -> list[dict]:
+  """The run's logged records of `split`, less the wall-clock fields that no two runs share."""
+  clock = {"step_time", "throughput"}
+  return [{k: v for k, v in r.items() if k not in clock}
+          for r in train.read_metrics(workdir) if r["split"] == split]
+
+
+def state_digests(workdir) -> dict[str, str]:
+  """Each array of the finished run's state (parameters, optimizer moments, RNG, step) by
+  path, as its dtype, shape and a hash of its bytes: two runs are bitwise the same when
+  these are equal, and a difference names the array."""
+  trainer = train.Trainer.open_finished(workdir)
+  trainer.close()
+  digests = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(trainer.state)[0]:
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    array = np.asarray(leaf)
+    digest = hashlib.sha256(array.tobytes()).hexdigest()[:16]
+    digests[jax.tree_util.keystr(path)] = f"{array.dtype}{list(array.shape)} {digest}"
+  return digests
+
+
+def finish_both(preset: str, overrides: list[str], whole: pathlib.Path,
+                killed: pathlib.Path) -> dict[str, dict[str, str]]:
+  """Trains `whole` through without a stop and resumes the killed run in `killed` with the
+  same settings; returns each one's `state_digests`."""
+  settings = config.load(preset, overrides=overrides)
+  train.run(settings, whole)
+  train.run(settings, killed)
+  return {"whole": state_digests(whole), "killed": state_digests(killed)}
