@@ -180,3 +180,23 @@ def test_several_steps_per_call_give_the_tokens_of_one_step_per_call(tiny):
   assert [t for t, _ in four[3].top_logprobs[0]] == [t for t, _ in one[3].top_logprobs[0]]
   with pytest.raises(ValueError, match="steps_per_call=0"):
     Engine(tiny, steps_per_call=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mesh", [
+    ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}),
+    ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2}),
+], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor"])
+def test_on_a_mesh_the_engine_gives_one_device_s_tokens_its_slots_split_over_the_batch(
+    name, mesh):
+  """Weights split over `tensor` (and a MoE's experts over `expert`), the slots of the KV
+  cache over the batch axes and its heads over `tensor`: greedy and seeded sampled tokens
+  equal one device's, five requests for four slots (one admitted mid-way); log-probs within
+  float32 rounding (a split matmul sums in another order)."""
+  from multidevice import run_on_devices
+
+  result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
+  assert result["tokens"] == result["expected"]
+  assert result["logprobs"] < 1e-5
+  batch = "('data', 'fsdp')" if "fsdp" in mesh else "('data', 'expert')"
+  assert result["cache"] == f"P({batch}, None, 'tensor')"

@@ -15,6 +15,11 @@ cache's `length` per row). A request that ends (a stop token, a stop string in i
 text, `max_tokens`, the end of the context) frees its slot, and the next waiting
 request takes it before the next step: continuous batching.
 
+On a mesh: give it a model whose parameters are placed (a run's `inference_model()` on
+its mesh). The compiled calls follow the parameters' shardings, and the cache takes the
+layout XLA gives it: slots over the batch axes (data-parallel replicas of the step) and
+key/value heads over `tensor`; the tokens are one device's (tests/test_engine.py).
+
 Slots, not pages: a slot reserves `max_len` positions for a request however
 short, so memory follows the slots rather than the tokens held. It keeps
 the model's own attention path (the kernel layer's, with per-row lengths)
