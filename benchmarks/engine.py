@@ -11,8 +11,9 @@ seed), on a tiny and a ~25M-parameter Decoder, timed in one process:
 Each variant runs once to compile (every prompt length the loop sees is a program of its
 own) and is then timed. Reports new tokens per second of each, the engine's time to
 first token (from the start of the run to each request's first token: median and worst),
-and the KV cache the engine holds (slots x max_len) against a full-length cache per
-request (what the loop allocates, one request at a time, times the requests in flight).
+and the KV cache: the engine's pool (slots x max_len in pages) and the most of it its
+requests held at once, against a full-length cache per request (what the loop allocates,
+one request at a time, times the requests in flight).
 Greedy, so every variant must give the same tokens: the record says whether they do.
 Target: the engine's tokens/s at least `TARGET_VS_LOOP` times the better loop's.
 
@@ -65,8 +66,9 @@ def requests_for(workload: dict, vocab: int, seed: int = 0) -> list[Request]:
 
 
 def run_engine(model, requests: Sequence[Request], slots: int,
-               steps_per_call: int | None = None) -> tuple[list[list[int]], list[float]]:
-  """The engine's tokens per request and each request's time to its first token (s)."""
+               steps_per_call: int | None = None) -> tuple[list[list[int]], list[float], Engine]:
+  """The engine's tokens per request, each request's time to its first token (s), and the
+  engine (its pages)."""
   options = {} if steps_per_call is None else {"steps_per_call": steps_per_call}
   engine = Engine(model, max_slots=slots, **options)
   started, first, tokens = time.perf_counter(), {}, {}
@@ -77,7 +79,8 @@ def run_engine(model, requests: Sequence[Request], slots: int,
       first.setdefault(completion.index, time.perf_counter() - started)
       if completion.finish_reason:
         tokens[completion.index] = completion.tokens
-  return [tokens[i] for i in range(len(requests))], [first[i] for i in range(len(requests))]
+  return ([tokens[i] for i in range(len(requests))], [first[i] for i in range(len(requests))],
+          engine)
 
 
 def run_loop(model, requests: Sequence[Request]) -> list[list[int]]:
@@ -118,10 +121,10 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dic
     started = time.perf_counter()
     tokens[name] = call()
     seconds[name] = time.perf_counter() - started
-  _, first = run_engine(model, requests, workload["slots"], steps_per_call)
+  _, first, engine = run_engine(model, requests, workload["slots"], steps_per_call)
   rates = {name: new_tokens / s for name, s in seconds.items()}
   best_loop = max(rates["loop"], rates["loop-batched"])
-  slot_bytes = _cache_bytes(config, workload["slots"], config.max_seq_len)
+  page_bytes = _cache_bytes(config, 1, engine.page_size)
   return {
       "model": dataclasses.asdict(config) | {"params": _params(model)},
       "requests": len(requests), "new_tokens": new_tokens, "slots": workload["slots"],
@@ -129,7 +132,8 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dic
       "seconds": seconds, "tokens_per_s": rates,
       "same_tokens": tokens["engine"] == tokens["loop"] == tokens["loop-batched"],
       "time_to_first_token_s": {"median": statistics.median(first), "worst": max(first)},
-      "kv_cache_bytes": {"engine": slot_bytes,
+      "kv_cache_bytes": {"engine_pool": engine.max_pages * page_bytes,
+                         "engine_peak_held": engine.peak_pages * page_bytes,
                          "full_length_per_request": _cache_bytes(config, len(requests),
                                                                  config.max_seq_len),
                          "tokens_held": _cache_bytes(config, 1, sum(

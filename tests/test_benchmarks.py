@@ -531,7 +531,8 @@ def test_engine_quick_gives_the_loop_s_tokens_and_reports_each_variant(tmp_path)
   assert all(rate > 0 for rate in quick["tokens_per_s"].values())
   assert 0 < quick["time_to_first_token_s"]["median"] <= quick["time_to_first_token_s"]["worst"]
   cache = quick["kv_cache_bytes"]
-  assert cache["engine"] < cache["full_length_per_request"]  # 2 slots for 5 requests.
+  assert cache["engine_pool"] < cache["full_length_per_request"]  # 2 slots for 5 requests.
+  assert 0 < cache["engine_peak_held"] <= cache["engine_pool"]
   assert quick["engine_vs_best_loop"]["target"] == 3.0
 
 

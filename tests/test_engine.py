@@ -157,8 +157,36 @@ def test_requests_join_a_running_engine_and_a_cancelled_one_frees_its_slot(tiny)
       if completion.finish_reason:
         tokens[completion.index] = completion.tokens
   assert engine.free_slots == 2 and sorted(tokens) == [second, third]
+  assert engine.pages_in_use == 0  # The cancelled request's pages came back too.
   alone = Engine(tiny, max_slots=2).run([b, c])
   assert [tokens[second], tokens[third]] == [done.tokens for done in alone]
+
+
+def test_a_small_pool_of_pages_admits_requests_as_pages_free_and_gives_the_same_tokens(tiny):
+  """Eight slots but a pool of 6 pages of 8 positions: a request holds the pages of its
+  prompt and max_tokens, so at most three of these (2 pages each) run at once, and the
+  rest wait their turn; the tokens are those of an engine with every slot's pages."""
+  requests = [Request(p, 6, temperature=0.8, seed=i)
+              for i, p in enumerate(_prompts(256, [3, 9, 5, 7, 10, 4]))]
+  small = Engine(tiny, max_slots=8, page_size=8, max_pages=6)
+  assert [small.pages_for(r) for r in requests] == [2] * 6
+  running = []
+  for request in requests:
+    small.add(request)
+  tokens = {}
+  while small.busy:
+    for completion in small.step():
+      tokens.setdefault(completion.index, completion.tokens)
+    running.append(small.max_slots - small.free_slots)
+  assert max(running) == 3 and small.peak_pages == 6 and small.pages_in_use == 0
+  roomy = Engine(tiny, max_slots=8).run(requests)
+  assert [tokens[i] for i in range(6)] == [c.tokens for c in roomy]
+
+
+def test_a_request_longer_than_the_pool_is_refused_by_name(tiny):
+  with pytest.raises(ValueError, match=r"request 0: the prompt \(20 tokens\) and max_tokens "
+                     r"\(5\) need 4 pages of 8 positions; the engine's pool holds 3 \(max_pages\)"):
+    Engine(tiny, max_slots=2, page_size=8, max_pages=3).run([Request((1,) * 20, 5)])
 
 
 def test_several_steps_per_call_give_the_tokens_of_one_step_per_call(tiny):
@@ -187,16 +215,15 @@ def test_several_steps_per_call_give_the_tokens_of_one_step_per_call(tiny):
     ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}),
     ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2}),
 ], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor"])
-def test_on_a_mesh_the_engine_gives_one_device_s_tokens_its_slots_split_over_the_batch(
+def test_on_a_mesh_the_engine_gives_one_device_s_tokens_its_pages_heads_split_over_tensor(
     name, mesh):
-  """Weights split over `tensor` (and a MoE's experts over `expert`), the slots of the KV
-  cache over the batch axes and its heads over `tensor`: greedy and seeded sampled tokens
-  equal one device's, five requests for four slots (one admitted mid-way); log-probs within
-  float32 rounding (a split matmul sums in another order)."""
+  """Weights split over `tensor` (and a MoE's experts over `expert`), the pool of pages'
+  key/value heads over `tensor`: greedy and seeded sampled tokens equal one device's, five
+  requests for four slots (one admitted mid-way); log-probs within float32 rounding (a
+  split matmul sums in another order)."""
   from multidevice import run_on_devices
 
   result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
   assert result["tokens"] == result["expected"]
   assert result["logprobs"] < 1e-5
-  batch = "('data', 'fsdp')" if "fsdp" in mesh else "('data', 'expert')"
-  assert result["cache"] == f"P({batch}, None, 'tensor')"
+  assert result["cache"] == "P(None, None, 'tensor')"  # [pages, page_size, heads, head_dim]

@@ -29,6 +29,7 @@ Modules, one job each:
   autotuning       `autotune`: measuring the choice
   cli              `jax-ai-stack kernels`
   experts          MoE experts' grouped matmul: tokamax, XLA or the dense reference
+  paged            decoding attention over a paged KV cache (the generation engine's)
 
 Example:
   >>> from jax_ai_stack import kernels
@@ -71,6 +72,7 @@ _EXPORTS = {
     "clear_cache": "plan",
     "grouped_matmul": "experts",
     "load_plan": "autotune_file",
+    "paged_attention": "paged",
     "parse_implementation": "selection",
     "plan_for_run": "resolve",
     "report": "resolve",

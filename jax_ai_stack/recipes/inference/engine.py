@@ -16,20 +16,27 @@ text, `max_tokens`, the end of the context) frees its slot, and the next waiting
 request takes it before the next step: continuous batching.
 
 On a mesh: give it a model whose parameters are placed (a run's `inference_model()` on
-its mesh). The compiled calls follow the parameters' shardings, and the cache takes the
-layout XLA gives it: slots over the batch axes (data-parallel replicas of the step) and
-key/value heads over `tensor`; the tokens are one device's (tests/test_engine.py).
+its mesh). The compiled calls follow the parameters' shardings, and the pool of pages
+takes the layout XLA gives it, key/value heads over `tensor`; the tokens are one
+device's (tests/test_engine.py). Every device of a data axis holds the whole pool: a pool
+per data-parallel replica, each slot's pages in its own, is still to come.
 
-Slots, not pages: a slot reserves `max_len` positions for a request however
-short, so memory follows the slots rather than the tokens held. It keeps
-the model's own attention path (the kernel layer's, with per-row lengths)
-and the same compiled step for any mix of requests; pages with a block table
-are the next step, behind the same `Request` / `Completion` interface.
+Pages: the keys and values live in a pool of `max_pages` pages of `page_size` positions,
+and each slot has a block table, the pages of its positions in order. A request is
+admitted when the pool has the pages its prompt and `max_tokens` can fill, which it holds
+until it ends: memory follows the tokens requests may hold, not `max_len` per slot, and
+a pool smaller than `max_slots` full rows (`max_pages`) serves as many short requests
+at once as fit. (Reserved whole at admission rather than page by page as tokens come,
+so a running request never waits for a page and nothing is preempted.) A step reads
+only the table's first columns, as many pages as the longest running request needs,
+rounded up to a power of two (a few compiled programs), so its attention follows the
+tokens held rather than `max_len` (`kernels.paged`).
 
 Batch-invariant: a request's tokens depend only on the request. Its prefill
-runs alone; the decode step has one shape whatever the occupancy and no row
-reads another; token i is sampled with `fold_in(key(seed), i)`. So a seeded
-request gives the same tokens alone, among 31 others or admitted mid-way.
+runs alone; in the decode step no row reads another, and a page past a row's
+length adds exactly nothing to its attention, however many pages the step reads;
+token i is sampled with `fold_in(key(seed), i)`. So a seeded request gives the
+same tokens alone, among 31 others or admitted mid-way.
 
 Example: two prompts of different lengths, greedy.
   >>> from flax import nnx
@@ -55,6 +62,7 @@ from flax import nnx
 
 from jax_ai_stack.recipes.inference import sampling
 from jax_ai_stack.recipes.inference.text import TextStream
+from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
 
@@ -128,6 +136,8 @@ class _Slot:
   """Its prefilled (keys, values), until copied into the engine's cache."""
   text: TextStream | None = None
   """Its text as tokens arrive (an engine given `decode`)."""
+  pages: list[int] = dataclasses.field(default_factory=list)
+  """The pool's pages it holds, in the order of its positions."""
 
 
 class Engine:
@@ -135,7 +145,8 @@ class Engine:
 
   def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
                max_top_logprobs: int = 5, steps_per_call: int = 4,
-               decode: Callable[[list[int]], str] | None = None):
+               decode: Callable[[list[int]], str] | None = None, page_size: int = 64,
+               max_pages: int | None = None):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
@@ -144,9 +155,12 @@ class Engine:
     price of requests admitted or ended only between calls (a request that ends inside a
     call wastes the rest of it). The tokens and log-probs do not depend on it. `decode`:
     token ids to text (the tokenizer's): each completion's `text`, and requests' `stop`
-    strings."""
+    strings. `page_size`: positions per page of the KV cache; `max_pages`: the pool's
+    pages (default: `max_slots` rows of `max_len`)."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+    if page_size < 1:
+      raise ValueError(f"page_size={page_size} must be >= 1")
     config = model.config
     self.max_slots, self.max_len = max_slots, max_len or config.max_seq_len
     if not 1 <= self.max_len <= config.max_seq_len:
@@ -155,18 +169,27 @@ class Engine:
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
     self.detokenize = decode
     """The `decode` given (None: completions have no text, requests no stop strings)."""
-    self._stacked = config.scan_layers  # Keys [layers, B, S, ...] rather than per layer.
+    self._stacked = config.scan_layers  # Pools [layers, pages, ...] rather than per layer.
+    self.page_size = page_size
+    self.pages_per_slot = -(-self.max_len // page_size)
+    self.max_pages = max_pages or max_slots * self.pages_per_slot
     graphdef, self._state = nnx.split(model)
     # The compiled programs are shared by engines of the same model structure (the jits
     # below are module-level, their static arguments the graph and sizes).
-    self._prefill = functools.partial(_prefill, graphdef, self.max_len)
-    cache = model.init_cache(max_slots, self.max_len)
+    self._prefill = functools.partial(_prefill, graphdef)
     self.steps_per_call = steps_per_call
-    self._steps = functools.partial(_steps, graphdef, max_top_logprobs, type(cache),
-                                    steps_per_call)
+    self._steps = functools.partial(_steps, graphdef, max_top_logprobs, steps_per_call)
     self._insert = functools.partial(_insert, self._stacked)
-    # Buffers of their own: the step donates both (init_cache may share one zeros array).
-    self._keys, self._values = cache.keys, jax.tree.map(jnp.zeros_like, cache.values)
+    # Page 0 is never handed out: idle rows and positions past a table write there.
+    page = (self.max_pages + 1, page_size, config.num_kv_heads, config.resolved_head_dim)
+    pool = lambda: jnp.zeros((config.num_layers, *page) if self._stacked else page,
+                             jnp.dtype(config.dtype))
+    layers = lambda: pool() if self._stacked else tuple(pool() for _ in range(config.num_layers))
+    self._keys, self._values = layers(), layers()  # Buffers of their own: the step donates both.
+    self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)
+    self._free = list(range(self.max_pages, 0, -1))  # pop() hands out page 1 first.
+    self.peak_pages = 0
+    """The most pages held at once so far."""
     self._slots: list[_Slot | None] = [None] * max_slots
     self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
     self._added = 0
@@ -203,15 +226,15 @@ class Engine:
     return index
 
   def cancel(self, index: int) -> bool:
-    """Drops a waiting or running request (its client went away) and frees its slot;
-    whether it was there."""
+    """Drops a waiting or running request (its client went away) and frees its slot and
+    pages; whether it was there."""
     for entry in self._waiting:
       if entry[0] == index:
         self._waiting.remove(entry)
         return True
     for number, slot in enumerate(self._slots):
       if slot is not None and slot.index == index:
-        self._slots[number] = None  # Its cache row is overwritten by the next admission.
+        self._release(number, slot)
         return True
     return False
 
@@ -224,6 +247,14 @@ class Engine:
   def free_slots(self) -> int:
     return sum(slot is None for slot in self._slots)
 
+  @property
+  def pages_in_use(self) -> int:
+    return self.max_pages - len(self._free)
+
+  def pages_for(self, request: Request) -> int:
+    """The pages `request` holds while it runs: its prompt's and `max_tokens`' positions."""
+    return -(-(len(request.prompt) + request.max_tokens) // self.page_size)
+
   def step(self) -> list[Completion]:
     """Admits waiting requests into free slots, then decodes `steps_per_call` tokens for
     every occupied slot. Returns the completions that grew, once each (one admitted now
@@ -231,10 +262,15 @@ class Engine:
     free again."""
     grown = []
     for number in range(self.max_slots):
-      while self._slots[number] is None and self._waiting:  # One that ends at once frees it.
-        slot, done = self._admit(*self._waiting.popleft())
+      # In order: the first waiting request is admitted once the pool has its pages.
+      while (self._slots[number] is None and self._waiting
+             and self.pages_for(self._waiting[0][1]) <= len(self._free)):
+        slot, done = self._admit(number, *self._waiting.popleft())
         grown.append(slot.completion)
-        self._slots[number] = None if done else slot
+        if done:  # It ended at once: its slot and pages are free again.
+          self._release(number, slot)
+        else:
+          self._slots[number] = slot
     if self.busy:
       grown += self._decode()
     return list({completion.index: completion for completion in grown}.values())
@@ -254,6 +290,11 @@ class Engine:
     if len(request.prompt) + request.max_tokens > self.max_len:
       raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
                 f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
+    if self.pages_for(request) > self.max_pages:
+      raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
+                f"({request.max_tokens}) need {self.pages_for(request)} pages of "
+                f"{self.page_size} positions; the engine's pool holds {self.max_pages} "
+                "(max_pages)")
     if request.temperature < 0:
       raise bad("temperature", f"temperature must be >= 0; got {request.temperature}")
     if request.top_k is not None and not 1 <= request.top_k <= self.vocab_size:
@@ -272,16 +313,22 @@ class Engine:
       raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
                 f"{request.top_logprobs}")
 
-  def _admit(self, index: int, request: Request) -> tuple[_Slot, bool]:
-    """The request prefilled alone, its first token sampled; (its slot, whether it ended)."""
+  def _admit(self, number: int, index: int, request: Request) -> tuple[_Slot, bool]:
+    """The request given its pages (in slot `number`'s table) and prefilled alone, its
+    first token sampled; (its slot, whether it ended)."""
+    pages = [self._free.pop() for _ in range(self.pages_for(request))]
+    self.peak_pages = max(self.peak_pages, self.pages_in_use)
+    self._tables[number, :len(pages)] = pages
     prompt = np.asarray(request.prompt, np.int32)
     padded = np.zeros((1, padded_length(prompt.size, self.max_len)), np.int32)
     padded[0, :prompt.size] = prompt
-    logits, keys, values = self._prefill(self._state, padded, np.int32(prompt.size))
+    row_pages = -(-padded.shape[1] // self.page_size)
+    logits, keys, values = self._prefill(row_pages * self.page_size, self._state, padded,
+                                         np.int32(prompt.size))
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
     slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values),
-                 text)
+                 text, pages)
     sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
     return slot, self._take(slot, *[np.asarray(x)[0] for x in sampled])
 
@@ -296,7 +343,11 @@ class Engine:
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
     settings = _settings(slots)
-    outputs = self._steps(self._state, self._keys, self._values, tokens, lengths, *settings)
+    needed = max(-(-(slot.length + self.steps_per_call) // self.page_size)
+                 for slot in slots if slot is not None)
+    width = min(1 << (needed - 1).bit_length(), self.pages_per_slot)  # A few programs.
+    outputs = self._steps(self._state, self._keys, self._values, tokens, lengths,
+                          self._tables[:, :width], *settings)
     *sampled, self._keys, self._values = outputs  # Each [steps, B, ...].
     new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
     grown = []
@@ -308,16 +359,25 @@ class Engine:
         slot.length += 1
         if self._take(slot, new_tokens[step, number], logps[step, number],
                       top_tokens[step, number], top_logps[step, number]):
-          slots[number] = None  # Its later tokens (and cache positions) are dropped.
+          self._release(number, slot)  # Its later tokens (and cache positions) are dropped.
           break
     return grown
 
+  def _release(self, number: int, slot: _Slot) -> None:
+    """Frees slot `number` and the pages `slot` held (rewritten by whoever gets them)."""
+    self._slots[number] = None
+    self._free.extend(reversed(slot.pages))
+    self._tables[number] = 0
+
   def _place(self) -> None:
-    """Copies the prefilled rows of newly admitted requests into their slots."""
+    """Copies the prefilled rows of newly admitted requests into their pages."""
     for number, slot in enumerate(self._slots):
       if slot is not None and slot.row is not None:
-        self._keys, self._values = self._insert(self._keys, self._values, *slot.row,
-                                                np.int32(number))
+        row_pages = jax.tree.leaves(slot.row[0])[0].shape[-3] // self.page_size  # [.., S, K, H]
+        pages = np.zeros((row_pages,), np.int32)  # Past the pages it holds: page 0.
+        held = min(row_pages, len(slot.pages))
+        pages[:held] = slot.pages[:held]
+        self._keys, self._values = self._insert(self._keys, self._values, *slot.row, pages)
         slot.row = None
 
   def _take(self, slot: _Slot, token, logp, top_tokens, top_logps) -> bool:
@@ -373,35 +433,39 @@ def _first_token(logits, seeds, counts, temperature, top_k, top_p, max_top: int)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _prefill(graphdef, max_len: int, state, tokens, length):
-  """The last prompt position's logits [V] and the prompt's cache row (keys, values)."""
+def _prefill(graphdef, row_len: int, state, tokens, length):
+  """The last prompt position's logits [V] and the prompt's cache row (keys, values) of
+  `row_len` positions (whole pages)."""
   model = nnx.merge(graphdef, state)
-  logits, cache = model.decode(tokens, model.init_cache(1, max_len))
+  logits, cache = model.decode(tokens, model.init_cache(1, row_len))
   return jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False), \
       cache.keys, cache.values
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _insert(stacked: bool, keys, values, row_keys, row_values, slot):
-  """The engine's cache with `slot`'s row replaced by a prefilled one."""
-  axis = 1 if stacked else 0  # Stacked: [layers, B, S, ...]; else per layer [B, S, ...].
-  put = lambda full, row: jax.lax.dynamic_update_slice_in_dim(full, row, slot, axis=axis)
+def _insert(stacked: bool, keys, values, row_keys, row_values, pages):
+  """The engine's pools with a prefilled row [1, n * page_size, ...] (stacked: [layers, 1,
+  ...]) written into `pages` [n]."""
+  def put(pool, row):
+    if stacked:  # Pool [layers, pages, P, K, H]; row [layers, 1, n * P, K, H].
+      return pool.at[:, pages].set(row[:, 0].reshape(row.shape[0], -1, *pool.shape[2:]))
+    return pool.at[pages].set(row[0].reshape(-1, *pool.shape[1:]))
   return jax.tree.map(put, keys, row_keys), jax.tree.map(put, values, row_values)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
-def _steps(graphdef, max_top: int, cache_type, count: int, state, keys, values, tokens,
-           lengths, seeds, counts, temperature, top_k, top_p):
-  """`count` tokens for every row, each at its own position (`cache_type`: the model's
-  `init_cache` class, with one length per row), each step's tokens fed to the next, in a
-  loop on the device: outputs [count, B, ...] and the updated cache. A row's token i is
-  keyed `fold_in(seed, i)`, so the tokens do not depend on `count`."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+def _steps(graphdef, max_top: int, count: int, state, keys, values, tokens, lengths,
+           block_table, seeds, counts, temperature, top_k, top_p):
+  """`count` tokens for every row, each at its own position of its pages (`block_table`),
+  each step's tokens fed to the next, in a loop on the device: outputs [count, B, ...] and
+  the updated pools. A row's token i is keyed `fold_in(seed, i)`, so the tokens do not
+  depend on `count`."""
   def one(carry, _):
     # The parameters ride in the carry: a scanned-layer model splits them again inside
     # `decode`, which NNX allows only for values of the loop's own trace.
     state, keys, values, tokens, lengths, counts = carry
     model = nnx.merge(graphdef, state)
-    logits, cache = model.decode(tokens[:, None], cache_type(keys, values, lengths))
+    logits, cache = model.decode(tokens[:, None], KVCache(keys, values, lengths, block_table))
     sampled = _sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
     return (state, cache.keys, cache.values, sampled[0], lengths + 1, counts + 1), sampled
 

@@ -138,13 +138,13 @@ def _scan_decode(blocks: Block, x, rope, cache: KVCache):
   if isinstance(keys, (tuple, list)):  # A per-layer cache: stack it.
     keys, values = jnp.stack(keys), jnp.stack(values)
 
-  @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0, 0),
+  @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None, None), out_axes=(nnx.Carry, 0, 0),
             transform_metadata=_STACKED)
-  def body(x, block, k, v, rope, length):
-    x, (k, v), _ = block(x, rope, cache=(k, v, length))
+  def body(x, block, k, v, rope, length, block_table):
+    x, (k, v), _ = block(x, rope, cache=(k, v, length, block_table))
     return x, k, v
 
-  return body(x, blocks, keys, values, rope, cache.length)
+  return body(x, blocks, keys, values, rope, cache.length, cache.block_table)
 
 
 class Decoder(nnx.Module):
@@ -264,13 +264,15 @@ class Decoder(nnx.Module):
     x = self._embed(tokens)
     if self.config.scan_layers:
       x, keys, values = _scan_decode(self.layers, x, ropes[0], cache)
-      return self._logits(x), KVCache(keys, values, cache.length + t)
+      return self._logits(x), cache._replace(keys=keys, values=values, length=cache.length + t)
     keys, values = [], []
     for i, (block, rope) in enumerate(zip(self.layers, ropes)):
-      x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length))
+      x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length,
+                                           cache.block_table))
       keys.append(k)
       values.append(v)
-    return self._logits(x), KVCache(tuple(keys), tuple(values), cache.length + t)
+    return self._logits(x), cache._replace(keys=tuple(keys), values=tuple(values),
+                                           length=cache.length + t)
 
   def _ropes(self, positions: jax.Array) -> list[RopeTables]:
     """Each layer's RoPE tables, computed once per distinct (theta, scaling)."""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ai_stack import kernels
+from jax_ai_stack.kernels.paged import paged_attention
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.moe import ACTIVATIONS, MoE
 from jax_ai_stack.recipes.models.rope import RopeTables, rotate
@@ -52,6 +53,11 @@ class KVCache(NamedTuple):
   length: jax.Array
   """int32: a scalar (every row holds as many tokens), or [B], one per row (the generation
   engine's slots, each at its own position; decoding one token at a time only)."""
+  block_table: jax.Array | None = None
+  """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
+  page block_table[b, j] of keys[i] and values[i], which are then pools of pages
+  [pages, page_size, num_kv_heads, head_dim] (stacked: [num_layers, pages, ...]); `length`
+  is [B]. Decoding one token at a time only."""
 
 
 def _fan_in_init(in_axis, out_axis):
@@ -118,7 +124,7 @@ class Attention(nnx.Module):
       x: jax.Array,
       rope: RopeTables,
       segment_ids: jax.Array | None = None,
-      cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+      cache: tuple[jax.Array, ...] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """x [B, T, D] -> ([B, T, D], updated (keys, values) or None).
 
@@ -128,6 +134,7 @@ class Attention(nnx.Module):
     `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
     decodes one token that attends to the first length + 1 cached positions
     (with a sliding window, to the last `window + 1` of them, read as one slice).
+    (keys, values, length, block_table): pools of pages (`KVCache.block_table`).
     """
     q, k = self.q_proj(x), self.k_proj(x)
     if self.q_norm is not None:
@@ -138,7 +145,9 @@ class Attention(nnx.Module):
     if cache is None:
       out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
       return self.o_proj(out), None
-    keys, values, length = cache
+    keys, values, length = cache[:3]
+    if len(cache) > 3 and cache[3] is not None:
+      return self._decode_pages(q, k, v, keys, values, length, cache[3])
     if jnp.ndim(length) == 1:  # One position per row (the engine's slots).
       return self._decode_rows(q, k, v, keys, values, length)
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
@@ -172,6 +181,20 @@ class Attention(nnx.Module):
     else:
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=length + 1)
     return self.o_proj(out), (keys, values)
+
+  def _decode_pages(self, q, k, v, keys, values, length, block_table):
+    """`_decode_rows` over pools of pages: row i's token written into the page that holds
+    position length[i] (a position past its table goes to page 0, which the engine
+    never hands out), then `kernels.paged.paged_attention`."""
+    page_size = keys.shape[1]
+    rows = jnp.arange(q.shape[0])
+    page = block_table.at[rows, length // page_size].get(mode="fill", fill_value=0)
+    keys = keys.at[page, length % page_size].set(k[:, 0].astype(keys.dtype))
+    values = values.at[page, length % page_size].set(v[:, 0].astype(values.dtype))
+    scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q[:, 0], keys, values, block_table, length + 1, scale=scale,
+                          logits_soft_cap=self.logits_soft_cap, local_window=self.local_window)
+    return self.o_proj(out[:, None]), (keys, values)
 
 
 def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
