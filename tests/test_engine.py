@@ -183,6 +183,25 @@ def test_a_small_pool_of_pages_admits_requests_as_pages_free_and_gives_the_same_
   assert [tokens[i] for i in range(6)] == [c.tokens for c in roomy]
 
 
+def test_a_long_prompt_prefills_in_chunks_while_the_others_decode(tiny):
+  """Chunks of 8: a 40-token prompt takes five steps to be in, and the running request
+  gets its tokens at each of them; its tokens are those of a prefill in one chunk."""
+  short, long = (Request(p, 24, temperature=0) for p in _prompts(256, [3, 40]))
+  engine = Engine(tiny, max_slots=2, prefill_chunk=8)
+  first = engine.add(short)
+  engine.step()
+  second = engine.add(long)
+  grown = []
+  while engine.busy:
+    grown.append({c.index: len(c.tokens) for c in engine.step()})
+  assert [step.get(second) for step in grown[:5]] == [None] * 4 + [1 + engine.steps_per_call]
+  assert all(step[first] > 0 for step in grown[:5])  # Decoding all along.
+  chunked = {c.index: c for c in engine.run([short, long])}
+  whole = Engine(tiny, max_slots=2).run([short, long])
+  assert [chunked[i].tokens for i in (0, 1)] == [c.tokens for c in whole]
+  np.testing.assert_allclose(chunked[1].logprobs, whole[1].logprobs, atol=1e-6, rtol=0)
+
+
 def test_a_request_longer_than_the_pool_is_refused_by_name(tiny):
   with pytest.raises(ValueError, match=r"request 0: the prompt \(20 tokens\) and max_tokens "
                      r"\(5\) need 4 pages of 8 positions; the engine's pool holds 3 \(max_pages\)"):

@@ -5,15 +5,14 @@
 it finishes. A server drives it a step at a time: `add` queues a request at
 any moment, `step` admits and decodes `steps_per_call` tokens for every running
 request (returning the completions that grew), `cancel` frees the slot of a
-request whose client went away. The cache holds `max_slots` slots of `max_len`
-positions (a row of `Decoder.init_cache` each). A request is admitted to a free slot: its
-prompt is prefilled alone (padded to a power of two, so that prompt lengths
-share a few compiled programs) and its keys and values are copied into the
-slot; then one compiled call decodes `steps_per_call` tokens for every occupied slot
-(a loop on the device, each token fed to the next), each at its own position (the
-cache's `length` per row). A request that ends (a stop token, a stop string in its
-text, `max_tokens`, the end of the context) frees its slot, and the next waiting
-request takes it before the next step: continuous batching.
+request whose client went away. A request is admitted to a free slot (of `max_slots`,
+each with up to `max_len` positions) when the KV cache has its pages; its prompt is
+prefilled into them alone, `prefill_chunk` tokens per step, between the decoding calls of
+the running requests, so that a long prompt does not stall them; then one compiled call
+decodes `steps_per_call` tokens for every slot past its prompt (a loop on the device,
+each token fed to the next), each at its own position. A request that ends (a stop
+token, a stop string in its text, `max_tokens`, the end of the context) frees its slot
+and pages, and the next waiting request takes them: continuous batching.
 
 On a mesh: give it a model whose parameters are placed (a run's `inference_model()` on
 its mesh). The compiled calls follow the parameters' shardings, and the pool of pages
@@ -131,9 +130,8 @@ class _Slot:
   request: Request
   completion: Completion
   length: int
-  """Tokens in its cache row (the prompt, then each new token once it is fed back)."""
-  row: tuple | None = None
-  """Its prefilled (keys, values), until copied into the engine's cache."""
+  """Tokens in its pages: its prompt's as chunks are prefilled, then each new token once it
+  is fed back. Until the whole prompt is in, the slot has no token and is not decoded."""
   text: TextStream | None = None
   """Its text as tokens arrive (an engine given `decode`)."""
   pages: list[int] = dataclasses.field(default_factory=list)
@@ -146,7 +144,7 @@ class Engine:
   def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
                max_top_logprobs: int = 5, steps_per_call: int = 4,
                decode: Callable[[list[int]], str] | None = None, page_size: int = 64,
-               max_pages: int | None = None):
+               max_pages: int | None = None, prefill_chunk: int = 256):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
@@ -156,11 +154,12 @@ class Engine:
     call wastes the rest of it). The tokens and log-probs do not depend on it. `decode`:
     token ids to text (the tokenizer's): each completion's `text`, and requests' `stop`
     strings. `page_size`: positions per page of the KV cache; `max_pages`: the pool's
-    pages (default: `max_slots` rows of `max_len`)."""
+    pages (default: `max_slots` rows of `max_len`). `prefill_chunk`: the most prompt
+    tokens a request prefills per `step`, between the decoding calls of the others."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
-    if page_size < 1:
-      raise ValueError(f"page_size={page_size} must be >= 1")
+    if page_size < 1 or prefill_chunk < 1:
+      raise ValueError(f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1")
     config = model.config
     self.max_slots, self.max_len = max_slots, max_len or config.max_seq_len
     if not 1 <= self.max_len <= config.max_seq_len:
@@ -177,9 +176,8 @@ class Engine:
     # The compiled programs are shared by engines of the same model structure (the jits
     # below are module-level, their static arguments the graph and sizes).
     self._prefill = functools.partial(_prefill, graphdef)
-    self.steps_per_call = steps_per_call
+    self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._steps = functools.partial(_steps, graphdef, max_top_logprobs, steps_per_call)
-    self._insert = functools.partial(_insert, self._stacked)
     # Page 0 is never handed out: idle rows and positions past a table write there.
     page = (self.max_pages + 1, page_size, config.num_kv_heads, config.resolved_head_dim)
     pool = lambda: jnp.zeros((config.num_layers, *page) if self._stacked else page,
@@ -256,22 +254,22 @@ class Engine:
     return -(-(len(request.prompt) + request.max_tokens) // self.page_size)
 
   def step(self) -> list[Completion]:
-    """Admits waiting requests into free slots, then decodes `steps_per_call` tokens for
-    every occupied slot. Returns the completions that grew, once each (one admitted now
-    also has the prefill's token); one with a `finish_reason` has ended and its slot is
-    free again."""
+    """Admits waiting requests into free slots, prefills the next chunk of each prompt not
+    yet in (a prompt that is in has its first token sampled), then decodes
+    `steps_per_call` tokens for every slot past its prompt. Returns the completions that
+    grew, once each; one with a `finish_reason` has ended and its slot is free again."""
     grown = []
     for number in range(self.max_slots):
       # In order: the first waiting request is admitted once the pool has its pages.
-      while (self._slots[number] is None and self._waiting
-             and self.pages_for(self._waiting[0][1]) <= len(self._free)):
-        slot, done = self._admit(number, *self._waiting.popleft())
+      if (self._slots[number] is None and self._waiting
+          and self.pages_for(self._waiting[0][1]) <= len(self._free)):
+        self._slots[number] = self._admit(number, *self._waiting.popleft())
+    for number, slot in enumerate(self._slots):
+      if slot is not None and not slot.completion.tokens and self._prefill_next(number, slot):
         grown.append(slot.completion)
-        if done:  # It ended at once: its slot and pages are free again.
+        if slot.completion.finish_reason:  # It ended at its first token.
           self._release(number, slot)
-        else:
-          self._slots[number] = slot
-    if self.busy:
+    if any(slot is not None and slot.completion.tokens for slot in self._slots):
       grown += self._decode()
     return list({completion.index: completion for completion in grown}.values())
 
@@ -313,41 +311,57 @@ class Engine:
       raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
                 f"{request.top_logprobs}")
 
-  def _admit(self, number: int, index: int, request: Request) -> tuple[_Slot, bool]:
-    """The request given its pages (in slot `number`'s table) and prefilled alone, its
-    first token sampled; (its slot, whether it ended)."""
+  def _admit(self, number: int, index: int, request: Request) -> _Slot:
+    """The request in slot `number`, given its pages (in the slot's table)."""
     pages = [self._free.pop() for _ in range(self.pages_for(request))]
     self.peak_pages = max(self.peak_pages, self.pages_in_use)
     self._tables[number, :len(pages)] = pages
-    prompt = np.asarray(request.prompt, np.int32)
-    padded = np.zeros((1, padded_length(prompt.size, self.max_len)), np.int32)
-    padded[0, :prompt.size] = prompt
-    row_pages = -(-padded.shape[1] // self.page_size)
-    logits, keys, values = self._prefill(row_pages * self.page_size, self._state, padded,
-                                         np.int32(prompt.size))
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
-    slot = _Slot(index, request, Completion(index, [], [], ""), prompt.size, (keys, values),
-                 text, pages)
+    return _Slot(index, request, Completion(index, [], [], ""), 0, text, pages)
+
+  def _prefill_next(self, number: int, slot: _Slot) -> bool:
+    """The next chunk of `slot`'s prompt into its pages (alone: its bits depend on the
+    request only; padded to a power of two, so that chunk lengths share a few compiled
+    programs); once the prompt is in, its first token sampled. Whether it was."""
+    prompt = slot.request.prompt
+    chunk = prompt[slot.length:slot.length + self.prefill_chunk]
+    tokens = np.zeros((1, padded_length(len(chunk), self.prefill_chunk)), np.int32)
+    tokens[0, :len(chunk)] = chunk
+    table = self._tables[number:number + 1, :self._width(slot.length + tokens.shape[1])]
+    logits, self._keys, self._values = self._prefill(
+        self._state, self._keys, self._values, tokens, np.asarray([slot.length], np.int32),
+        table, np.int32(len(chunk) - 1))
+    slot.length += len(chunk)
+    if slot.length < len(prompt):
+      return False
     sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
-    return slot, self._take(slot, *[np.asarray(x)[0] for x in sampled])
+    self._take(slot, *[np.asarray(x)[0] for x in sampled])
+    return True
+
+  def _width(self, positions: int) -> int:
+    """Table columns that cover `positions` positions, rounded up to a power of two (a few
+    compiled programs): what a call reads."""
+    pages = -(-positions // self.page_size)
+    return min(1 << (pages - 1).bit_length(), self.pages_per_slot)
 
   def _decode(self) -> list[Completion]:
     """`steps_per_call` tokens for every occupied slot (fewer for one that ends); the
     completions that grew."""
-    slots = self._slots
-    self._place()
+    slots = [slot if slot is not None and slot.completion.tokens else None
+             for slot in self._slots]  # A slot still prefilling sits this call out.
     tokens = np.zeros((self.max_slots,), np.int32)
     lengths = np.zeros((self.max_slots,), np.int32)
     for number, slot in enumerate(slots):
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
     settings = _settings(slots)
-    needed = max(-(-(slot.length + self.steps_per_call) // self.page_size)
-                 for slot in slots if slot is not None)
-    width = min(1 << (needed - 1).bit_length(), self.pages_per_slot)  # A few programs.
-    outputs = self._steps(self._state, self._keys, self._values, tokens, lengths,
-                          self._tables[:, :width], *settings)
+    width = self._width(max(slot.length for slot in slots if slot is not None)
+                        + self.steps_per_call)
+    table = self._tables[:, :width].copy()
+    table[[slot is None for slot in slots]] = 0  # Idle rows write to page 0 only.
+    outputs = self._steps(self._state, self._keys, self._values, tokens, lengths, table,
+                          *settings)
     *sampled, self._keys, self._values = outputs  # Each [steps, B, ...].
     new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
     grown = []
@@ -368,17 +382,6 @@ class Engine:
     self._slots[number] = None
     self._free.extend(reversed(slot.pages))
     self._tables[number] = 0
-
-  def _place(self) -> None:
-    """Copies the prefilled rows of newly admitted requests into their pages."""
-    for number, slot in enumerate(self._slots):
-      if slot is not None and slot.row is not None:
-        row_pages = jax.tree.leaves(slot.row[0])[0].shape[-3] // self.page_size  # [.., S, K, H]
-        pages = np.zeros((row_pages,), np.int32)  # Past the pages it holds: page 0.
-        held = min(row_pages, len(slot.pages))
-        pages[:held] = slot.pages[:held]
-        self._keys, self._values = self._insert(self._keys, self._values, *slot.row, pages)
-        slot.row = None
 
   def _take(self, slot: _Slot, token, logp, top_tokens, top_logps) -> bool:
     """Appends a sampled token to `slot`'s completion; whether the request has ended."""
@@ -432,25 +435,14 @@ def _first_token(logits, seeds, counts, temperature, top_k, top_p, max_top: int)
   return _sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _prefill(graphdef, row_len: int, state, tokens, length):
-  """The last prompt position's logits [V] and the prompt's cache row (keys, values) of
-  `row_len` positions (whole pages)."""
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _prefill(graphdef, state, keys, values, tokens, start, block_table, last):
+  """A chunk of one prompt, tokens [1, T] at positions start..., into its pages
+  (`block_table` [1, W]): the logits [V] of its token `last`, and the updated pools."""
   model = nnx.merge(graphdef, state)
-  logits, cache = model.decode(tokens, model.init_cache(1, row_len))
-  return jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False), \
-      cache.keys, cache.values
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _insert(stacked: bool, keys, values, row_keys, row_values, pages):
-  """The engine's pools with a prefilled row [1, n * page_size, ...] (stacked: [layers, 1,
-  ...]) written into `pages` [n]."""
-  def put(pool, row):
-    if stacked:  # Pool [layers, pages, P, K, H]; row [layers, 1, n * P, K, H].
-      return pool.at[:, pages].set(row[:, 0].reshape(row.shape[0], -1, *pool.shape[2:]))
-    return pool.at[pages].set(row[0].reshape(-1, *pool.shape[1:]))
-  return jax.tree.map(put, keys, row_keys), jax.tree.map(put, values, row_values)
+  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table))
+  return jax.lax.dynamic_index_in_dim(logits[0], last, keepdims=False), cache.keys, \
+      cache.values
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))

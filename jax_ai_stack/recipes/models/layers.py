@@ -57,7 +57,7 @@ class KVCache(NamedTuple):
   """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
   page block_table[b, j] of keys[i] and values[i], which are then pools of pages
   [pages, page_size, num_kv_heads, head_dim] (stacked: [num_layers, pages, ...]); `length`
-  is [B]. Decoding one token at a time only."""
+  is [B]: row i's T tokens go to positions length[i] ... (a chunk of its prompt, or one)."""
 
 
 def _fan_in_init(in_axis, out_axis):
@@ -134,7 +134,9 @@ class Attention(nnx.Module):
     `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
     decodes one token that attends to the first length + 1 cached positions
     (with a sliding window, to the last `window + 1` of them, read as one slice).
-    (keys, values, length, block_table): pools of pages (`KVCache.block_table`).
+    (keys, values, length, block_table): pools of pages (`KVCache.block_table`), length [B],
+    T tokens per row (a chunk of a prompt, or one) written at length[i] ... and attending
+    causally to all the row's positions before.
     """
     q, k = self.q_proj(x), self.k_proj(x)
     if self.q_norm is not None:
@@ -183,18 +185,19 @@ class Attention(nnx.Module):
     return self.o_proj(out), (keys, values)
 
   def _decode_pages(self, q, k, v, keys, values, length, block_table):
-    """`_decode_rows` over pools of pages: row i's token written into the page that holds
-    position length[i] (a position past its table goes to page 0, which the engine
-    never hands out), then `kernels.paged.paged_attention`."""
+    """T tokens per row at positions length[i] ... over pools of pages: each written into
+    the page that holds its position (a position past the row's table goes to page 0,
+    which the engine never hands out), then `kernels.paged.paged_attention`."""
     page_size = keys.shape[1]
-    rows = jnp.arange(q.shape[0])
-    page = block_table.at[rows, length // page_size].get(mode="fill", fill_value=0)
-    keys = keys.at[page, length % page_size].set(k[:, 0].astype(keys.dtype))
-    values = values.at[page, length % page_size].set(v[:, 0].astype(values.dtype))
+    positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
+    page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
+                               fill_value=0)
+    keys = keys.at[page, positions % page_size].set(k.astype(keys.dtype))
+    values = values.at[page, positions % page_size].set(v.astype(values.dtype))
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q[:, 0], keys, values, block_table, length + 1, scale=scale,
+    out = paged_attention(q, keys, values, block_table, positions, scale=scale,
                           logits_soft_cap=self.logits_soft_cap, local_window=self.local_window)
-    return self.o_proj(out[:, None]), (keys, values)
+    return self.o_proj(out), (keys, values)
 
 
 def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
