@@ -130,3 +130,34 @@ def test_each_family_scores_as_the_harness_s_hf_backend_does(family):
   told_apart = best_two[:, 1] - best_two[:, 0] > 2e-4
   assert told_apart.sum() >= len(questions) - 1, "a reference with more than one tie"
   assert (ours.reshape(-1, 4).argmax(axis=1) == questions.argmax(axis=1))[told_apart].all()
+
+
+class WordTokenizer:
+  """The reference script's stand-in: one word per id ("t7 t42"), EOS the last id; id 0
+  is its padding (and unknown) token, which decoding leaves out, as transformers' does."""
+
+  def __init__(self, vocab: int):
+    self.eos_id = self.bos_id = vocab - 1
+
+  def encode_rendered(self, text: str) -> np.ndarray:
+    return np.asarray([int(word[1:]) for word in text.split()], np.int32)
+
+  def decode(self, ids) -> str:
+    return " ".join(f"t{int(i)}" for i in ids if int(i) != 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_generates_the_harness_s_hf_backend_s_strings(family):
+  """Greedy `generate_until` through the engine gives the strings the harness's `hf`
+  backend gave on transformers: cut at the `until` word where one came, else ended by
+  `max_gen_toks` or EOS; the longest context cut from the left to leave room."""
+  record = json.loads((REFERENCES / "harness" / f"{family}-generate_until.json").read_text())
+  model = hf.load_model(REFERENCES / "hf" / family)
+  harness = HarnessModel(model, WordTokenizer(model.config.vocab_size), batch_size=4)
+  assert harness.max_length == record["max_length"]
+  asked = record["requests"]
+  ours = harness.generate_until([instance("generate_until", (r["context"], dict(r["settings"])))
+                                 for r in asked], disable_tqdm=True)
+  assert ours == [r["string"] for r in asked]
+  cut = [r for r in asked if r["settings"]["until"] != ["t0"]]  # A word of its greedy text.
+  assert cut and all(len(r["string"].split()) < r["settings"]["max_gen_toks"] for r in cut)
