@@ -17,16 +17,27 @@ one request at a time, times the requests in flight).
 Greedy, so every variant must give the same tokens: the record says whether they do.
 Target: the engine's tokens/s at least `TARGET_VS_LOOP` times the better loop's.
 
+With `--transformers`, the same model exported (`models.hf.save`) and the same requests
+also go through transformers' `generate` (per request, and in left-padded batches of
+`slots`), in a child process (`hf_generate.py`) run by `--torch-python` (an interpreter
+with torch and transformers; default this one): tokens/s, whether its greedy tokens are
+the engine's, and the engine against the better of the two (target >= 1x).
+
     python benchmarks/engine.py            # both sizes, 64 requests
     python benchmarks/engine.py --quick    # smoke test
+    python benchmarks/engine.py --transformers --torch-python ~/hf/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import pathlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,11 +49,14 @@ from flax import nnx
 
 import common
 from jax_ai_stack.recipes.inference import Engine, Request
+from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoding import generate
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 TARGET_VS_LOOP = 3.0
 """The engine's tokens/s must reach this many times the better loop variant's."""
+TARGET_VS_TRANSFORMERS = 1.0
+"""... and at least the better of transformers' `generate` variants' (when measured)."""
 SIZES = {
     "tiny": DecoderConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
                         max_seq_len=1024),
@@ -106,7 +120,22 @@ def run_loop_batched(model, requests: Sequence[Request]) -> list[list[int]]:
   return out
 
 
-def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dict[str, Any]:
+def run_transformers(model, requests: Sequence[Request], batch: int, python: str) -> dict:
+  """transformers' `generate` on `model` exported, in a child process (`hf_generate.py`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "model"
+    hf.save(model, out)
+    (out / "requests.json").write_text(json.dumps({"batch": batch, "requests": [
+        {"prompt": list(r.prompt), "max_tokens": r.max_tokens} for r in requests]}))
+    done = subprocess.run([python, str(pathlib.Path(__file__).with_name("hf_generate.py")),
+                           str(out)], capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f"hf_generate.py failed under {python}:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(size: str, workload: dict, steps_per_call: int | None = None,
+            torch_python: str | None = None) -> dict[str, Any]:
   config = SIZES[size]
   model = Decoder(config, rngs=nnx.Rngs(0))
   requests = requests_for(workload, config.vocab_size)
@@ -125,6 +154,13 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dic
   rates = {name: new_tokens / s for name, s in seconds.items()}
   best_loop = max(rates["loop"], rates["loop-batched"])
   page_bytes = _cache_bytes(config, 1, engine.page_size)
+  transformers = None
+  if torch_python:
+    transformers = run_transformers(model, requests, workload["slots"], torch_python)
+    for name, s in transformers.pop("seconds").items():
+      rates[f"transformers {name}"] = new_tokens / s
+    transformers["same_tokens"] = {name: got == tokens["engine"]
+                                   for name, got in transformers.pop("tokens").items()}
   return {
       "model": dataclasses.asdict(config) | {"params": _params(model)},
       "requests": len(requests), "new_tokens": new_tokens, "slots": workload["slots"],
@@ -140,7 +176,11 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None) -> dic
                              len(r.prompt) + r.max_tokens for r in requests))},
       "engine_vs_best_loop": common.target(rates["engine"] / best_loop, TARGET_VS_LOOP,
                                            at_least=True),
-  }
+  } | ({} if transformers is None else {
+      "transformers": transformers,
+      "engine_vs_transformers": common.target(
+          rates["engine"] / max(v for k, v in rates.items() if k.startswith("transformers")),
+          TARGET_VS_TRANSFORMERS, at_least=True)})
 
 
 def _cache_bytes(config: DecoderConfig, rows: int, length: int) -> int:
@@ -159,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--sizes", default="tiny,25m", help="models to measure (default tiny,25m)")
   parser.add_argument("--steps-per-call", type=int,
                       help="the engine's decode steps per compiled call (default: the engine's)")
+  parser.add_argument("--transformers", action="store_true",
+                      help="also time transformers' generate on the exported model")
+  parser.add_argument("--torch-python", default=sys.executable,
+                      help="the interpreter with torch and transformers (default: this one)")
   common.add_out_argument(parser, "engine")
   args = parser.parse_args(argv)
   workload = WORKLOADS["quick" if args.quick else "full"]
@@ -167,11 +211,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if unknown:
     parser.error(f"--sizes: no size {sorted(unknown)}; choose from {sorted(SIZES)}")
   record = {**common.header("engine"), **common.versions(), "workload": workload,
-            "transformers": "not measured: torch and transformers are not installed in the "
-                            "project's environments (compare on a machine that has them)",
             "sizes": {}}
+  if not args.transformers:
+    record["transformers"] = "not measured (--transformers)"
   for size in sizes:
-    record["sizes"][size] = measure(size, workload, args.steps_per_call)
+    record["sizes"][size] = measure(size, workload, args.steps_per_call,
+                                    args.torch_python if args.transformers else None)
     result = record["sizes"][size]
     rates, ratio = result["tokens_per_s"], result["engine_vs_best_loop"]["value"]
     verdict = common.verdict(ratio, TARGET_VS_LOOP, at_least=True)
@@ -179,6 +224,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"loop-batched {rates['loop-batched']:,.0f}; engine / best loop {ratio:.2f} "
           f"(target >= {TARGET_VS_LOOP}: {verdict}); same tokens: {result['same_tokens']}",
           flush=True)
+    if "transformers" in result:
+      versus = result["engine_vs_transformers"]["value"]
+      measured = ", ".join(f"{name.split(' ', 1)[1]} {rate:,.0f}"
+                           for name, rate in rates.items() if name.startswith("transformers"))
+      print(f"{size}: transformers {measured} tokens/s; engine / the better {versus:.2f} "
+            f"(target >= {TARGET_VS_TRANSFORMERS}: "
+            f"{common.verdict(versus, TARGET_VS_TRANSFORMERS, at_least=True)}); same tokens: "
+            f"{result['transformers']['same_tokens']}", flush=True)
   common.write(record, args.out)
   return record
 
