@@ -15,15 +15,26 @@ the share of row positions that are padding, and the largest difference between 
 variants' log-likelihoods (the same arithmetic, other neighbours: within 1e-4). Target:
 packed at least `TARGET_PACKED` times one per row.
 
+With `--hf-backend`, the same model exported (`models.hf.save`) and the same requests also
+go through the harness's own `hf` backend on transformers (`HFLM`, the same batch size), in
+a child process (`hf_harness.py`) run by `--torch-python` (an interpreter with torch,
+transformers and lm-eval; default this one): its requests/s, the largest difference of its
+log-likelihoods from the adapter's, and the adapter against it (target >= 1x).
+
     python benchmarks/harness.py            # 256 requests
     python benchmarks/harness.py --quick    # smoke test
+    python benchmarks/harness.py --hf-backend --torch-python /tmp/hf/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,10 +46,13 @@ import common
 from jax_ai_stack.recipes import data
 from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack
 from jax_ai_stack.recipes.inference.engine import padded_length
+from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
 TARGET_PACKED = 1.0
 """Packed scoring must be at least this many times as fast as one request per row."""
+TARGET_VS_HF_BACKEND = 1.0
+"""... and at least as fast as the harness's `hf` backend on transformers (when measured)."""
 SIZES = {
     "tiny": DecoderConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
                         max_seq_len=512),
@@ -74,7 +88,21 @@ def padding_share(requests: Sequence[tuple], batch: int, max_len: int, packed: b
   return 1 - sum(lengths) / positions
 
 
-def measure(size: str, workload: dict) -> dict[str, Any]:
+def run_hf_backend(model, requests: Sequence[tuple], batch: int, python: str) -> dict:
+  """lm-eval's `HFLM` on `model` exported, in a child process (`hf_harness.py`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "model"
+    hf.save(model, out)
+    (out / "requests.json").write_text(json.dumps({"batch": batch, "requests": [
+        [context, continuation] for _, context, continuation in requests]}))
+    done = subprocess.run([python, str(pathlib.Path(__file__).with_name("hf_harness.py")),
+                           str(out)], capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f"hf_harness.py failed under {python}:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(size: str, workload: dict, torch_python: str | None = None) -> dict[str, Any]:
   config = SIZES[size]
   model = Decoder(config, rngs=nnx.Rngs(0))
   requests = requests_for(workload, config.vocab_size)
@@ -90,6 +118,17 @@ def measure(size: str, workload: dict) -> dict[str, Any]:
     seconds[name] = time.perf_counter() - started
   rates = {name: len(requests) / s for name, s in seconds.items()}
   gap = max(abs(a[0] - b[0]) for a, b in zip(scores["packed"], scores["one_per_row"]))
+  versus = {}
+  if torch_python:
+    theirs = run_hf_backend(model, requests, workload["batch"], torch_python)
+    rates["hf_backend"] = len(requests) / theirs["seconds"]
+    versus = {"hf_backend": {
+        "versions": {k: theirs[k] for k in ("lm_eval", "transformers", "torch")},
+        "largest_loglikelihood_gap": max(abs(a[0] - b[0])
+                                         for a, b in zip(scores["packed"], theirs["scores"])),
+        "same_greedy": [s[1] for s in scores["packed"]] == [s[1] for s in theirs["scores"]]},
+        "packed_vs_hf_backend": common.target(rates["packed"] / rates["hf_backend"],
+                                              TARGET_VS_HF_BACKEND, at_least=True)}
   return {
       "model": dataclasses.asdict(config),
       "requests": len(requests), "batch_size": workload["batch"],
@@ -100,21 +139,27 @@ def measure(size: str, workload: dict) -> dict[str, Any]:
       "same_greedy": [s[1] for s in scores["packed"]] == [s[1] for s in scores["one_per_row"]],
       "packed_vs_one_per_row": common.target(rates["packed"] / rates["one_per_row"],
                                              TARGET_PACKED, at_least=True),
-  }
+  } | versus
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(prog="benchmarks/harness.py",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a smoke test: 12 tiny requests")
+  parser.add_argument("--hf-backend", action="store_true",
+                      help="also time the harness's hf backend on the exported model")
+  parser.add_argument("--torch-python", default=sys.executable,
+                      help="the interpreter with torch, transformers and lm-eval (default: this "
+                           "one)")
   common.add_out_argument(parser, "harness")
   args = parser.parse_args(argv)
   size = "quick" if args.quick else "tiny"
   workload = WORKLOADS["quick" if args.quick else "full"]
   record = {**common.header("harness"), **common.versions(), "workload": workload,
-            "hf_backend": "not measured: torch and transformers are not installed in the "
-                          "project's environments (compare on a machine that has them)",
-            "sizes": {size: measure(size, workload)}}
+            "sizes": {size: measure(size, workload,
+                                    args.torch_python if args.hf_backend else None)}}
+  if not args.hf_backend:
+    record["hf_backend"] = "not measured (--hf-backend)"
   result = record["sizes"][size]
   rates, ratio = result["requests_per_s"], result["packed_vs_one_per_row"]["value"]
   print(f"{size}: packed {rates['packed']:,.1f} requests/s, one per row "
@@ -123,6 +168,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{result['padding_share']['packed']:.0%} against "
         f"{result['padding_share']['one_per_row']:.0%}; largest log-likelihood gap "
         f"{result['largest_loglikelihood_gap']:.1e}", flush=True)
+  if "hf_backend" in result:
+    versus = result["packed_vs_hf_backend"]["value"]
+    print(f"{size}: hf backend {rates['hf_backend']:,.1f} requests/s; packed / hf backend "
+          f"{versus:.2f} (target >= {TARGET_VS_HF_BACKEND}: "
+          f"{common.verdict(versus, TARGET_VS_HF_BACKEND, at_least=True)}); largest gap "
+          f"{result['hf_backend']['largest_loglikelihood_gap']:.1e}, same greedy flags: "
+          f"{result['hf_backend']['same_greedy']}", flush=True)
   common.write(record, args.out)
   return record
 
