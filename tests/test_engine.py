@@ -245,4 +245,4 @@ def test_on_a_mesh_the_engine_gives_one_device_s_tokens_its_pages_heads_split_ov
   result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
   assert result["tokens"] == result["expected"]
   assert result["logprobs"] < 1e-5
-  assert result["cache"] == "P(None, None, 'tensor')"  # [pages, page_size, heads, head_dim]
+  assert result["cache"] == "P('tensor',)"  # [kv_heads, pages, page_size, head_dim]

@@ -34,9 +34,11 @@ def test_table_names_every_implementation_and_the_true_choice(capsys):
   truth = kernels.select(
       kernels.Request.from_shapes((2, 64, 4, 16), (2, 64, 2, 16), "float32", segment_ids=True))
   assert f"* {truth.name} " in out and f"Chosen: {truth.name} (deterministic)\n" in out
-  grouped = kernels.choose_grouped_matmul("auto")
-  assert out.rstrip().endswith(f"grouped matmul (MoE experts): {grouped[0]} ({grouped[1]}); a "
-                               "recipe sets model.moe.grouped_matmul")
+  grouped, paged = kernels.choose_grouped_matmul("auto"), kernels.choose_paged_attention("auto")
+  assert f"grouped matmul (MoE experts): {grouped[0]} ({grouped[1]}); a recipe sets " \
+         "model.moe.grouped_matmul\n" in out
+  assert out.rstrip().endswith(f"paged attention (the generation engine's decoding): "
+                               f"{paged[0]} ({paged[1]})")
   assert "q [2,64,4,16] k/v [2,64,2,16] float32, causal, segment_ids" in out
   assert "runs on gpu, not cpu" in out
 

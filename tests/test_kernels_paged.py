@@ -1,6 +1,7 @@
 """Paged attention: equal to a dense causal softmax over each row's positions (decoding
-and chunks of queries, grouped queries, a soft cap, a sliding window), and bitwise the
-same however wide the table."""
+and chunks of queries, grouped queries, a soft cap, a sliding window), bitwise the same
+however wide the table; JAX's Pallas GPU kernel (interpret mode here) equal to the XLA
+loop, which takes the calls the kernel cannot; the choice per backend."""
 
 from __future__ import annotations
 
@@ -8,20 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ai_stack.kernels.paged import paged_attention
+from jax_ai_stack.kernels.paged import choose_paged_attention, paged_attention
 
 RNG = np.random.default_rng(0)
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
 
 def _pool_and_tables(rows, width):
-  """Random pages, each row's positions on pages drawn at random from the pool (page 0
-  unused), and the same keys laid out densely [B, width * PAGE, K, H]."""
+  """Random pools (keys, values) [K, pages, PAGE, H], each row's positions on pages drawn
+  at random (page 0 unused), and the same keys laid out densely [B, width * PAGE, K, H]."""
   pages = 1 + RNG.permutation(len(rows) * width)
   tables = pages.reshape(len(rows), width).astype(np.int32)
-  pool = RNG.normal(size=(2, 1 + pages.size, PAGE, KV_HEADS, DIM)).astype(np.float32)
-  dense = pool[:, tables].reshape(2, len(rows), width * PAGE, KV_HEADS, DIM)
-  return pool, tables, dense
+  pool = RNG.normal(size=(2, KV_HEADS, 1 + pages.size, PAGE, DIM)).astype(np.float32)
+  dense = np.moveaxis(pool[:, :, tables], 1, -2)  # [2, B, width, PAGE, K, H]
+  return pool, tables, dense.reshape(2, len(rows), width * PAGE, KV_HEADS, DIM)
 
 
 def _dense(q, keys, values, positions, scale, cap=None, window=None):
@@ -61,9 +62,9 @@ def test_pages_past_a_row_s_length_change_no_bit_of_it():
   engine reads as many pages as its longest row needs, so this is batch invariance."""
   positions = jnp.asarray([[1, 2], [6, 7]])
   pool, tables, _ = _pool_and_tables(positions, width=2)
-  wide_pool = np.concatenate([pool, 100 * RNG.normal(size=(2, 4, *pool.shape[2:]))], axis=1)
-  wide_pool = wide_pool.astype(np.float32)
-  extra = np.arange(pool.shape[1], pool.shape[1] + 4, dtype=np.int32).reshape(2, 2)
+  garbage = 100 * RNG.normal(size=(2, KV_HEADS, 4, *pool.shape[3:]))
+  wide_pool = np.concatenate([pool, garbage], axis=2).astype(np.float32)
+  extra = np.arange(pool.shape[2], pool.shape[2] + 4, dtype=np.int32).reshape(2, 2)
   q = jnp.asarray(RNG.normal(size=(2, 2, HEADS, DIM)).astype(np.float32))
   for window in (None, 3):
     narrow = paged_attention(q, jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
@@ -72,3 +73,38 @@ def test_pages_past_a_row_s_length_change_no_bit_of_it():
                            jnp.asarray(np.concatenate([tables, extra], axis=1)),
                            positions, scale=0.3, local_window=window)
     assert np.array_equal(np.asarray(narrow), np.asarray(wide))
+
+
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_the_pallas_gpu_kernel_equals_the_xla_loop_when_decoding(cap):
+  """Interpret mode on this CPU: the kernel's own code, run by JAX's interpreter."""
+  positions = np.asarray([[0], [6], [11], [15]], np.int32)
+  pool, tables, _ = _pool_and_tables(positions, width=4)
+  args = (jnp.asarray(RNG.normal(size=(4, 1, HEADS, DIM)).astype(np.float32)),
+          jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
+          jnp.asarray(positions))
+  pallas, xla = (paged_attention(*args, scale=0.3, logits_soft_cap=cap, implementation=name)
+                 for name in ("pallas_gpu", "xla"))
+  np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions, window", [([[5, 6, 7]], None), ([[9]], 3)])
+def test_what_the_pallas_kernel_cannot_take_runs_the_xla_loop(positions, window):
+  """A prompt's chunk (several queries a row) or a sliding window: the same bits as xla."""
+  positions = np.asarray(positions, np.int32)
+  pool, tables, _ = _pool_and_tables(positions, width=4)
+  args = (jnp.asarray(RNG.normal(size=(*positions.shape, HEADS, DIM)).astype(np.float32)),
+          jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
+          jnp.asarray(positions))
+  pallas, xla = (paged_attention(*args, scale=0.3, local_window=window, implementation=name)
+                 for name in ("pallas_gpu", "xla"))
+  assert np.array_equal(np.asarray(pallas), np.asarray(xla))
+
+
+def test_auto_picks_the_pallas_kernel_on_gpu_only_and_an_unknown_name_is_named():
+  assert choose_paged_attention("auto", "gpu")[0] == "pallas_gpu"
+  assert choose_paged_attention("auto", "tpu")[0] == choose_paged_attention("auto", "cpu")[0]
+  assert choose_paged_attention("auto", "cpu")[0] == "xla"
+  with pytest.raises(ValueError, match="unknown paged attention 'flash'; choose auto or one of "
+                                       "pallas_gpu, xla"):
+    choose_paged_attention("flash")

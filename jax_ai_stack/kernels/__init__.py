@@ -29,7 +29,8 @@ Modules, one job each:
   autotuning       `autotune`: measuring the choice
   cli              `jax-ai-stack kernels`
   experts          MoE experts' grouped matmul: tokamax, XLA or the dense reference
-  paged            decoding attention over a paged KV cache (the generation engine's)
+  paged            attention over a paged KV cache (the generation engine's): XLA, or
+                   JAX's Pallas kernel on GPU
 
 Example:
   >>> from jax_ai_stack import kernels
@@ -69,6 +70,7 @@ _EXPORTS = {
     "autotune": "autotuning",
     "autotune_unsupported_reason": "autotuning",
     "choose_grouped_matmul": "experts",
+    "choose_paged_attention": "paged",
     "clear_cache": "plan",
     "grouped_matmul": "experts",
     "load_plan": "autotune_file",

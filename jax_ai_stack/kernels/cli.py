@@ -155,6 +155,7 @@ def _autotune(request, workdir: str) -> int:
 def run_kernels(args: argparse.Namespace) -> int:
   from jax_ai_stack.kernels import request as request_lib
   from jax_ai_stack.kernels.experts import choose_grouped_matmul
+  from jax_ai_stack.kernels.paged import choose_paged_attention
   from jax_ai_stack.kernels.resolve import resolve_plan
 
   shapes = parse_shape(args.shape or default_recipe_shape(), args.kv_len)
@@ -170,6 +171,8 @@ def run_kernels(args: argparse.Namespace) -> int:
   if not args.json:  # Mixture-of-experts layers' other kernel (`experts`).
     name, why = choose_grouped_matmul("auto")
     print(f"grouped matmul (MoE experts): {name} ({why}); a recipe sets model.moe.grouped_matmul")
+    name, why = choose_paged_attention("auto")
+    print(f"paged attention (the generation engine's decoding): {name} ({why})")
   if choice.name is None:
     print("error: no attention implementation fits; see the table above", file=sys.stderr)
     return 1

@@ -13,13 +13,26 @@ adds exactly nothing: its weights are exp(-inf) = 0 and the running maximum does
 move (a rescale by exp(0) = 1). So a row's result does not depend on the width: a
 request gives the same bits beside short rows or long ones.
 
+Implementations ("auto": pallas_gpu on GPU, else xla), as `choose_paged_attention` says
+(what `jax-ai-stack kernels` reports):
+
+  pallas_gpu  JAX's Pallas paged-attention kernel for GPUs
+              (`jax.experimental.pallas.ops.gpu.paged_attention`; interpret mode elsewhere),
+              for one query per row and no sliding window; other calls (a prompt's chunk,
+              a sliding-window layer) fall back to xla
+  xla         the loop over pages above, everywhere
+
+The pools' layout is the Pallas kernel's: [kv_heads, pages, page_size, head_dim].
+
 Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pages 1, 2).
   >>> import jax.numpy as jnp
-  >>> pool = jnp.ones((3, 2, 1, 4))  # [pages, page_size, kv_heads, head_dim]
+  >>> pool = jnp.ones((1, 3, 2, 4))  # [kv_heads, pages, page_size, head_dim]
   >>> out = paged_attention(jnp.ones((1, 1, 2, 4)), pool, pool, jnp.asarray([[1, 2]]),
   ...                       jnp.asarray([[2]]), scale=0.5)
   >>> out.shape, float(out[0, 0, 0, 0])
   ((1, 1, 2, 4), 1.0)
+  >>> choose_paged_attention("auto", "cpu")[0]
+  'xla'
 """
 
 from __future__ import annotations
@@ -27,21 +40,63 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+__all__ = ["PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention"]
+
+PAGED_ATTENTIONS = ("pallas_gpu", "xla")
+_WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
+                      "window; other calls fall back to xla)",
+        "xla": "a loop over the pages with an online softmax, in XLA"}
+
+
+def choose_paged_attention(requested: str = "auto", platform: str | None = None
+                           ) -> tuple[str, str]:
+  """(implementation, why) for `requested` ("auto" or one of `PAGED_ATTENTIONS`) on
+  `platform` (None: JAX's default backend). Raises ValueError naming the choices."""
+  if requested not in ("auto", *PAGED_ATTENTIONS):
+    raise ValueError(f"unknown paged attention {requested!r}; choose auto or one of "
+                     f"{', '.join(PAGED_ATTENTIONS)}")
+  if requested != "auto":
+    return requested, f"requested: {_WHY[requested]}"
+  platform = platform or jax.default_backend()
+  name = "pallas_gpu" if platform == "gpu" else "xla"
+  return name, f"auto on {platform}: {_WHY[name]}"
+
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_table: jax.Array, positions: jax.Array, *, scale: float,
-                    logits_soft_cap: float | None = None,
-                    local_window: int | None = None) -> jax.Array:
+                    logits_soft_cap: float | None = None, local_window: int | None = None,
+                    implementation: str = "auto") -> jax.Array:
   """Each row's queries over its pages.
 
-  q [B, T, N, H]; k_pages, v_pages [pages, page_size, K, H] (N a multiple of K: grouped
+  q [B, T, N, H]; k_pages, v_pages [K, pages, page_size, H] (N a multiple of K: grouped
   queries); block_table [B, W] int32, row b's positions j * page_size ... in page
   block_table[b, j]; positions [B, T]: query t of row b sits at positions[b, t] and
   attends to the row's positions up to it, with `local_window` w to the last w + 1 of
   them. Returns [B, T, N, H] in q's dtype.
   """
+  name, _ = choose_paged_attention(implementation)
+  if name == "pallas_gpu" and q.shape[1] == 1 and local_window is None:
+    return _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap)
+  return _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap,
+              local_window)
+
+
+def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap):
+  """One query per row through JAX's Pallas kernel (which scales nothing itself)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas  # pylint: disable=g-import-not-at-top
+
+  width = block_table.shape[1]
+  splits = min(16, width)  # Each must get a whole number of compute blocks of pages.
+  out = pallas.paged_attention(
+      (q[:, 0] * scale).astype(q.dtype), k_pages, v_pages, block_table, positions[:, 0] + 1,
+      k_splits=splits, pages_per_compute_block=min(8, width // splits),
+      attn_logits_soft_cap=logits_soft_cap, interpret=jax.default_backend() != "gpu")
+  return out[:, None]
+
+
+def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window):
   b, t, n, h = q.shape
-  page_size, k = k_pages.shape[1], k_pages.shape[2]
+  k, page_size = k_pages.shape[0], k_pages.shape[2]
   queries = q.reshape(b, t, k, n // k, h).astype(jnp.float32) * scale
   last = positions[:, :, None]  # [B, T, 1]: each query's own position.
   first = jnp.zeros_like(last) if local_window is None else last - local_window
@@ -50,9 +105,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   def page(carry, column):
     top, total, weighted = carry  # [B, T, K, G], [B, T, K, G], [B, T, K, G, H]
     pages = block_table[:, column]
-    keys = k_pages[pages].astype(jnp.float32)  # [B, P, K, H]
-    values = v_pages[pages].astype(jnp.float32)
-    logits = jnp.einsum("btkgh,bpkh->btkgp", queries, keys)
+    keys = k_pages[:, pages].astype(jnp.float32)  # [K, B, P, H]
+    values = v_pages[:, pages].astype(jnp.float32)
+    logits = jnp.einsum("btkgh,kbph->btkgp", queries, keys)
     if logits_soft_cap is not None:
       logits = jnp.tanh(logits / logits_soft_cap) * logits_soft_cap
     keys_at = column * page_size + offsets
@@ -64,7 +119,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     weights = jnp.where(seen, jnp.exp(logits - new_top[..., None]), 0.0)
     total = total * rescale + weights.sum(-1)
     weighted = (weighted * rescale[..., None]
-                + jnp.einsum("btkgp,bpkh->btkgh", weights, values))
+                + jnp.einsum("btkgp,kbph->btkgh", weights, values))
     return (new_top, total, weighted), None
 
   groups = (b, t, k, n // k)

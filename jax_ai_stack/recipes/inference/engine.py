@@ -168,7 +168,7 @@ class Engine:
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
     self.detokenize = decode
     """The `decode` given (None: completions have no text, requests no stop strings)."""
-    self._stacked = config.scan_layers  # Pools [layers, pages, ...] rather than per layer.
+    self._stacked = config.scan_layers  # Pools [layers, ...] rather than one per layer.
     self.page_size = page_size
     self.pages_per_slot = -(-self.max_len // page_size)
     self.max_pages = max_pages or max_slots * self.pages_per_slot
@@ -179,7 +179,7 @@ class Engine:
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._steps = functools.partial(_steps, graphdef, max_top_logprobs, steps_per_call)
     # Page 0 is never handed out: idle rows and positions past a table write there.
-    page = (self.max_pages + 1, page_size, config.num_kv_heads, config.resolved_head_dim)
+    page = (config.num_kv_heads, self.max_pages + 1, page_size, config.resolved_head_dim)
     pool = lambda: jnp.zeros((config.num_layers, *page) if self._stacked else page,
                              jnp.dtype(config.dtype))
     layers = lambda: pool() if self._stacked else tuple(pool() for _ in range(config.num_layers))

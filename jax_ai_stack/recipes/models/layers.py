@@ -56,7 +56,7 @@ class KVCache(NamedTuple):
   block_table: jax.Array | None = None
   """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
   page block_table[b, j] of keys[i] and values[i], which are then pools of pages
-  [pages, page_size, num_kv_heads, head_dim] (stacked: [num_layers, pages, ...]); `length`
+  [num_kv_heads, pages, page_size, head_dim] (stacked: [num_layers, ...]); `length`
   is [B]: row i's T tokens go to positions length[i] ... (a chunk of its prompt, or one)."""
 
 
@@ -188,12 +188,13 @@ class Attention(nnx.Module):
     """T tokens per row at positions length[i] ... over pools of pages: each written into
     the page that holds its position (a position past the row's table goes to page 0,
     which the engine never hands out), then `kernels.paged.paged_attention`."""
-    page_size = keys.shape[1]
+    page_size = keys.shape[2]  # Pools [K, pages, page_size, H].
     positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
     page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
                                fill_value=0)
-    keys = keys.at[page, positions % page_size].set(k.astype(keys.dtype))
-    values = values.at[page, positions % page_size].set(v.astype(values.dtype))
+    put = lambda pool, new: pool.at[:, page, positions % page_size].set(
+        jnp.moveaxis(new, 2, 0).astype(pool.dtype))  # new [B, T, K, H] as [K, B, T, H].
+    keys, values = put(keys, k), put(values, v)
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, keys, values, block_table, positions, scale=scale,
                           logits_soft_cap=self.logits_soft_cap, local_window=self.local_window)
