@@ -85,7 +85,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "autotune_file", "autotuning", "blocked", "choice", "cli", "experts",
     "implementations", "names",
-    "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
+    "paged", "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
 )  # And `attention`, whose name the function takes.
 __all__ = list(_EXPORTS)
 
