@@ -34,6 +34,8 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
+from jax_ai_stack.kernels import names
+
 __all__ = ["GROUPED_MATMULS", "choose_grouped_matmul", "grouped_matmul"]
 
 GROUPED_MATMULS = ("tokamax", "xla", "blocked", "dense")
@@ -51,11 +53,9 @@ def choose_grouped_matmul(requested: str = "auto", platform: str | None = None
 
   Raises ValueError naming the implementations for an unknown name.
   """
-  if requested not in ("auto", *GROUPED_MATMULS):
-    raise ValueError(f"unknown grouped matmul {requested!r}; choose auto or one of "
-                     f"{', '.join(GROUPED_MATMULS)}")
-  if requested != "auto":
-    return requested, f"requested: {_WHY[requested]}"
+  chosen = names.requested(requested, GROUPED_MATMULS, _WHY, "grouped matmul")
+  if chosen is not None:
+    return chosen
   platform = platform or jax.default_backend()
   if platform == "cpu":
     return "blocked", (f"auto on cpu: {_WHY['blocked']} (XLA:CPU's ragged_dot costs about "

@@ -57,3 +57,13 @@ def parse(
           + ", ".join(known)
       )
   return names
+
+
+def requested(name: str, choices: Sequence[str], why: dict[str, str], kind: str
+              ) -> tuple[str, str] | None:
+  """For a kernel chosen by name (the MoE grouped matmul, paged attention): None for
+  "auto", else (name, "requested: " + its `why`); ValueError naming `choices` for a name
+  not among them (`kind` says which kernel)."""
+  if name not in (AUTO, *choices):
+    raise ValueError(f"unknown {kind} {name!r}; choose auto or one of {', '.join(choices)}")
+  return None if name == AUTO else (name, f"requested: {why[name]}")

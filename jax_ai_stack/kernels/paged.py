@@ -40,6 +40,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_ai_stack.kernels import names
+
 __all__ = ["PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention"]
 
 PAGED_ATTENTIONS = ("pallas_gpu", "xla")
@@ -52,11 +54,9 @@ def choose_paged_attention(requested: str = "auto", platform: str | None = None
                            ) -> tuple[str, str]:
   """(implementation, why) for `requested` ("auto" or one of `PAGED_ATTENTIONS`) on
   `platform` (None: JAX's default backend). Raises ValueError naming the choices."""
-  if requested not in ("auto", *PAGED_ATTENTIONS):
-    raise ValueError(f"unknown paged attention {requested!r}; choose auto or one of "
-                     f"{', '.join(PAGED_ATTENTIONS)}")
-  if requested != "auto":
-    return requested, f"requested: {_WHY[requested]}"
+  chosen = names.requested(requested, PAGED_ATTENTIONS, _WHY, "paged attention")
+  if chosen is not None:
+    return chosen
   platform = platform or jax.default_backend()
   name = "pallas_gpu" if platform == "gpu" else "xla"
   return name, f"auto on {platform}: {_WHY[name]}"
