@@ -390,6 +390,12 @@ def test_cached_decoding_gives_the_full_forward_logits(model):
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 
 
+def test_a_length_per_row_without_a_block_table_is_refused(model):
+  cache = model.init_cache(batch_size=2, max_length=16)._replace(length=jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match="one length per row is a paged one: give its block_table"):
+    model.decode(random_tokens((2, 1)), cache)
+
+
 def test_greedy_generate_matches_recomputing_the_whole_sequence(model):
   prompt = random_tokens((2, 4))
   out = generate(model, prompt, 8, temperature=0.0, rng=jax.random.key(0))

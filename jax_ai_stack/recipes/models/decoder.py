@@ -252,15 +252,14 @@ class Decoder(nnx.Module):
     """Logits of `tokens` [B, T] that follow the `cache.length` cached ones.
 
     T > 1 is a prefill of an empty cache (the prompt); T == 1 is one decoding
-    step (with `cache.length` [B], row i's token at its own position length[i]).
-    A paged cache (`cache.block_table`, the engine's) takes T tokens per row at positions
-    length[i] ...: a prompt chunk by chunk, or one decoding step.
+    step. A paged cache (`cache.block_table`, the engine's, with `cache.length` [B]) takes
+    T tokens per row at positions length[i] ...: a prompt chunk by chunk, or one step.
     Returns float32 logits [B, T, vocab] and the cache with T more tokens.
     """
     _check_tokens(tokens)
     t = tokens.shape[1]
-    if jnp.ndim(cache.length) == 1 and t != 1 and cache.block_table is None:
-      raise ValueError(f"a cache with one length per row decodes one token at a time; got {t}")
+    if jnp.ndim(cache.length) == 1 and cache.block_table is None:
+      raise ValueError("a cache with one length per row is a paged one: give its block_table")
     positions = jnp.reshape(cache.length, (-1, 1)) + jnp.arange(t)
     ropes = self._ropes(jnp.broadcast_to(positions, tokens.shape))
     x = self._embed(tokens)

@@ -51,8 +51,8 @@ class KVCache(NamedTuple):
   keys: tuple[jax.Array, ...] | jax.Array
   values: tuple[jax.Array, ...] | jax.Array
   length: jax.Array
-  """int32: a scalar (every row holds as many tokens), or [B], one per row (the generation
-  engine's slots, each at its own position; decoding one token at a time only)."""
+  """int32: a scalar (every row holds as many tokens), or [B], one per row, with a
+  `block_table` only."""
   block_table: jax.Array | None = None
   """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
   page block_table[b, j] of keys[i] and values[i], which are then pools of pages
@@ -150,8 +150,6 @@ class Attention(nnx.Module):
     keys, values, length = cache[:3]
     if len(cache) > 3 and cache[3] is not None:
       return self._decode_pages(q, k, v, keys, values, length, cache[3])
-    if jnp.ndim(length) == 1:  # One position per row (the engine's slots).
-      return self._decode_rows(q, k, v, keys, values, length)
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(
         values, v.astype(values.dtype), length, axis=1
@@ -166,22 +164,6 @@ class Attention(nnx.Module):
     else:
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
-    return self.o_proj(out), (keys, values)
-
-  def _decode_rows(self, q, k, v, keys, values, length):
-    """One token per row, row i's written at `length[i]` and attending to its first
-    length[i] + 1 cached positions (with a sliding window, the last window + 1 of them)."""
-    rows = jnp.arange(q.shape[0])
-    keys = keys.at[rows, length].set(k[:, 0].astype(keys.dtype))
-    values = values.at[rows, length].set(v[:, 0].astype(values.dtype))
-    window = self.local_window
-    if window is not None and keys.shape[1] > window + 1:
-      start = jnp.maximum(length - window, 0)
-      index = (start[:, None] + jnp.arange(window + 1))[:, :, None, None]
-      recent = (jnp.take_along_axis(c, index, axis=1) for c in (keys, values))
-      out = self._attend(q, *recent, causal=False, kv_seq_lengths=length - start + 1)
-    else:
-      out = self._attend(q, keys, values, causal=False, kv_seq_lengths=length + 1)
     return self.o_proj(out), (keys, values)
 
   def _decode_pages(self, q, k, v, keys, values, length, block_table):
