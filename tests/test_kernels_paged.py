@@ -75,11 +75,12 @@ def test_pages_past_a_row_s_length_change_no_bit_of_it():
     assert np.array_equal(np.asarray(narrow), np.asarray(wide))
 
 
-@pytest.mark.parametrize("cap", [None, 5.0])
-def test_the_pallas_gpu_kernel_equals_the_xla_loop_when_decoding(cap):
-  """Interpret mode on this CPU: the kernel's own code, run by JAX's interpreter."""
+@pytest.mark.parametrize("cap, width", [(None, 4), (5.0, 4), (None, 24)])
+def test_the_pallas_gpu_kernel_equals_the_xla_loop_when_decoding(cap, width):
+  """Interpret mode on this CPU: the kernel's own code, run by JAX's interpreter; a table
+  width that is not a power of two too (the kernel splits it in whole blocks)."""
   positions = np.asarray([[0], [6], [11], [15]], np.int32)
-  pool, tables, _ = _pool_and_tables(positions, width=4)
+  pool, tables, _ = _pool_and_tables(positions, width=width)
   args = (jnp.asarray(RNG.normal(size=(4, 1, HEADS, DIM)).astype(np.float32)),
           jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
           jnp.asarray(positions))

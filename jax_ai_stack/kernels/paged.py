@@ -37,6 +37,8 @@ Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pag
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -83,13 +85,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap):
   """One query per row through JAX's Pallas kernel (which scales nothing itself)."""
-  from jax.experimental.pallas.ops.gpu import paged_attention as pallas  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas
 
   width = block_table.shape[1]
-  splits = min(16, width)  # Each must get a whole number of compute blocks of pages.
+  splits = math.gcd(16, width)  # The kernel needs splits | width and blocks | width / splits.
   out = pallas.paged_attention(
       (q[:, 0] * scale).astype(q.dtype), k_pages, v_pages, block_table, positions[:, 0] + 1,
-      k_splits=splits, pages_per_compute_block=min(8, width // splits),
+      k_splits=splits, pages_per_compute_block=math.gcd(8, width // splits),
       attn_logits_soft_cap=logits_soft_cap, interpret=jax.default_backend() != "gpu")
   return out[:, None]
 

@@ -66,7 +66,8 @@ from jax_ai_stack.recipes.models.layers import KVCache
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
 
 MIN_PADDED = 16
-"""Prompts are padded to a power of two of at least this many tokens (one program each)."""
+"""A prompt's chunks are padded to a power of two of at least this many tokens (one program
+each)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ whole or streamed as server-sent events, for the one model in `served`, and `/he
 (requests running, requests cancelled) without a key. Each request's choices become
 engine requests (choice i seeded `seed + i`), decoded with every other client's by one
 `EngineWorker`; the engine ends each at its stop strings (its text cut before them) and,
-for a chat, at the model's end-of-turn token, in the step that made it. Errors take OpenAI's shape with the field named: a bad
+for a chat, at the model's end-of-turn token, in the step that made it. Errors take
+OpenAI's shape with the field named: a bad
 request 400, a wrong API key 401, an unknown model or route 404, a full queue 429, a
 stopped engine 503; a client that goes away has its requests cancelled, so their slots
 free at once. `serve` runs the app until SIGTERM or Ctrl-C, which stop taking
