@@ -21,6 +21,7 @@ import pytest
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import checkpoint, distributed, train
 from jax_ai_stack.recipes import config as config_lib
+from training_helpers import records
 
 STEPS = 40
 RECIPE = [
@@ -370,11 +371,6 @@ GRPO_RUN = (*GRPO, "data.max_documents=200", "data.validation_fraction=0.1",
             "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp")
 
 
-def _records(workdir: pathlib.Path, split: str) -> list[dict]:
-  drop = {"step_time", "throughput"}
-  return [{k: v for k, v in r.items() if k not in drop}
-          for r in train.read_metrics(workdir) if r["split"] == split]
-
 
 @pytest.mark.slow
 def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_never_stopped(
@@ -392,7 +388,7 @@ def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_neve
   for code, output in _finish(_start_job(tmp_path / "whole", **recipe)):
     assert code == 0, output
     assert "4 device(s)" in output and f"done: step {GRPO_STEPS}" in output
-  whole = _records(tmp_path / "whole", "train")
+  whole = records(tmp_path / "whole", "train")
   assert [r["step"] for r in whole] == list(range(1, GRPO_STEPS + 1))
   assert all(r["sampler_logp_gap"] < 1e-5 for r in whole)  # The copy is the policy.
   assert any(r["grad_norm"] > 0 for r in whole) and all(r["reward"] > 0 for r in whole)
@@ -414,8 +410,8 @@ def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_neve
   for code, output in _finish(_start_job(killed, **recipe)):
     assert code == 0, output
     assert f"resumed from step {saved}" in output
-  assert _records(killed, "train") == whole  # Every reward, loss and gradient.
-  assert _records(killed, "eval") == _records(tmp_path / "whole", "eval")
+  assert records(killed, "train") == whole  # Every reward, loss and gradient.
+  assert records(killed, "eval") == records(tmp_path / "whole", "eval")
   resumed, expected = (train.Trainer.open_finished(killed),
                        train.Trainer.open_finished(tmp_path / "whole"))
   try:

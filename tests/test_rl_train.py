@@ -13,7 +13,7 @@ import pytest
 
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import train
-from training_helpers import checkpoint_paths
+from training_helpers import checkpoint_paths, records
 
 BASE = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
         "model.mlp_dim=64", "train.progress=false", "train.sample_tokens=0"]
@@ -44,11 +44,6 @@ def base(tmp_path_factory):
   return workdir
 
 
-def _records(workdir, split: str) -> list[dict]:
-  drop = {"step_time", "throughput"}
-  return [{k: v for k, v in r.items() if k not in drop}
-          for r in train.read_metrics(workdir) if r["split"] == split]
-
 
 @pytest.mark.slow
 def test_a_stop_inside_a_rollout_waits_for_its_last_update(base, tmp_path):
@@ -65,9 +60,9 @@ def test_a_kl_penalty_compares_with_the_base_through_lora_adapters_switched_off(
                "rl.beta=0.5", "train.eval_every=0", "optim.learning_rate=0.05", VARIED,
                "rl.reward_weights=null"]
   train.run(config_lib.load("lm-tiny-grpo", overrides=overrides), tmp_path / "lora")
-  records = _records(tmp_path / "lora", "train")
-  assert records[0]["kl"] == 0.0  # Step 1: the adapters' B is zero, the policy is the base.
-  assert any(r["kl"] > 0 for r in records[1:]) and all(r["kl"] >= 0 for r in records)
+  steps = records(tmp_path / "lora", "train")
+  assert steps[0]["kl"] == 0.0  # Step 1: the adapters' B is zero, the policy is the base.
+  assert any(r["kl"] > 0 for r in steps[1:]) and all(r["kl"] >= 0 for r in steps)
   assert not [p for p in checkpoint_paths(tmp_path / "lora") if "reference" in p]
 
 
