@@ -36,8 +36,9 @@ def model():
   return models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))
 
 
-def app_client(model, **fields):
-  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode)
+def app_client(model, pool: dict | None = None, **fields):
+  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode,
+                            **(pool or {}))
   served = server.Served("tiny", engine, TOKENIZER, encode, **fields)
   return TestClient(server.build_app(served))
 
@@ -80,7 +81,19 @@ def test_a_stop_string_ends_the_request_in_the_engine_and_cuts_the_text(model):
   assert whole["usage"]["completion_tokens"] == made < 12  # The token that made the stop, last.
   assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == cut["text"]
   assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
-  assert health == {"status": "ok", "running": 0, "cancelled": 0}
+  assert health == {"status": "ok", "running": 0, "cancelled": 0, "pages_in_use": 0,
+                    "peak_pages": 1, "max_pages": 2}
+
+
+def test_a_request_larger_than_the_page_pool_is_a_400_naming_max_pages(model):
+  with app_client(model, {"page_size": 8, "max_pages": 3}) as client:
+    ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 22, "temperature": 0}
+    fits = client.post("/v1/completions", json=ask)
+    too_big = client.post("/v1/completions", json={**ask, "max_tokens": 23})
+    health = client.get("/health").json()
+  assert fits.status_code == 200, fits.text  # 2 + 22 positions: 3 pages of 8.
+  assert too_big.status_code == 400 and "(max_pages)" in too_big.json()["error"]["message"]
+  assert (health["pages_in_use"], health["peak_pages"], health["max_pages"]) == (0, 3, 3)
 
 
 def test_an_engine_that_cannot_decode_text_is_refused(model):
@@ -164,7 +177,8 @@ def start_server(workdir, *extra):
 
 @pytest.fixture(scope="module")
 def served(workdir):
-  process, url = start_server(workdir, "--max-slots", "4")
+  process, url = start_server(workdir, "--max-slots", "4", "--page-size", "16",
+                              "--max-pages", "64")
   yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0), url
   process.terminate()
   process.wait(60)
@@ -217,9 +231,13 @@ def test_a_client_that_goes_away_has_its_request_cancelled(served):
   with httpx.stream("POST", f"{url}/completions", json=body) as response:
     next(response.iter_lines())  # It runs; then the connection closes.
   deadline = time.monotonic() + 30
-  while httpx.get(health).json() != {"status": "ok", "running": 0, "cancelled": before + 1}:
-    assert time.monotonic() < deadline, httpx.get(health).json()
+  while True:  # Its slot and its 63 pages of 16 (the server's --max-pages 64) freed.
+    now = httpx.get(health).json()
+    if (now["running"], now["cancelled"], now["pages_in_use"]) == (0, before + 1, 0):
+      break
+    assert time.monotonic() < deadline, now
     time.sleep(0.05)
+  assert now["peak_pages"] >= 63 and now["max_pages"] == 64
 
 
 @pytest.mark.slow
@@ -239,6 +257,7 @@ def test_sigterm_finishes_the_streams_under_way_then_exits_zero(workdir):
 
 @pytest.mark.parametrize("flags, words", [
     (["--max-slots", "0"], "--max-slots must be at least 1"),
+    (["--max-pages", "0"], "--max-pages must be at least 1"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-len", "4096"], "past the model's max_seq_len (1024)"),
 ])

@@ -1,6 +1,7 @@
 """`jax-ai-stack serve`: the model trained in a workdir behind an OpenAI-compatible API.
 
     jax-ai-stack serve --workdir W [--port 8000] [--api-key KEY] [--max-slots 8]
+                       [--max-pages N]
 
 then any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1",
 api_key=KEY or "unused")`, with `model` the workdir's folder name.
@@ -10,8 +11,8 @@ Example: the flags and their defaults.
   >>> commands = argparse.ArgumentParser().add_subparsers()
   >>> register(commands)
   >>> args = commands.choices["serve"].parse_args(["--workdir", "runs/lm-tiny"])
-  >>> args.host, args.port, args.max_slots, args.max_queue
-  ('127.0.0.1', 8000, 8, 64)
+  >>> args.host, args.port, args.max_slots, args.max_queue, args.page_size, args.max_pages
+  ('127.0.0.1', 8000, 8, 64, 64, None)
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def register(subparsers) -> None:
   serve.add_argument("--max-len", type=int,
                      help="positions per slot: prompt plus reply (default: the model's "
                      "max_seq_len)")
+  serve.add_argument("--page-size", type=int, default=64,
+                     help="positions per page of the KV cache (default 64)")
+  serve.add_argument("--max-pages", type=int,
+                     help="pages in the KV cache's pool, shared by all slots: a request is "
+                     "admitted when its prompt plus max_tokens fit in the free pages (default: "
+                     "every slot's --max-len)")
   serve.add_argument("--quantized", metavar="SCHEME",
                      help="serve the parameters `quantize --scheme SCHEME` saved in --workdir")
   serve.add_argument("--verbose", action="store_true",
@@ -58,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-  for name in ("max_slots", "max_len"):
+  for name in ("max_slots", "max_len", "page_size", "max_pages"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
   if args.max_queue < 0:
@@ -88,7 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
                        f"({config.model.max_seq_len})")
     tokenizer = task.tokenizer()
     engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len,
-                              decode=tokenizer.decode)
+                              decode=tokenizer.decode, page_size=args.page_size,
+                              max_pages=args.max_pages)
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=args.api_key or None, max_queue=args.max_queue,

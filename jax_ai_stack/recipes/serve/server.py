@@ -2,7 +2,8 @@
 
 `build_app(served)` answers `/v1/models`, `/v1/completions` and `/v1/chat/completions`,
 whole or streamed as server-sent events, for the one model in `served`, and `/health`
-(requests running, requests cancelled) without a key. Each request's choices become
+(requests running, requests cancelled, the KV cache's pages in use, at peak and in all)
+without a key. Each request's choices become
 engine requests (choice i seeded `seed + i`), decoded with every other client's by one
 `EngineWorker`; the engine ends each at its stop strings (its text cut before them) and,
 for a chat, at the model's end-of-turn token, in the step that made it. Errors take
@@ -117,8 +118,10 @@ def build_app(served: Served) -> Starlette:
   async def health(request):
     del request
     worker = state["worker"]
+    engine = served.engine
     return JSONResponse({"status": "ok", "running": worker.running,
-                         "cancelled": worker.cancelled})
+                         "cancelled": worker.cancelled, "pages_in_use": engine.pages_in_use,
+                         "peak_pages": engine.peak_pages, "max_pages": engine.max_pages})
 
   async def completions(request, worker):
     ask = openai_api.parse_completion(await _body(request),
