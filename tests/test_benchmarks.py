@@ -543,7 +543,8 @@ def test_harness_quick_scores_packed_as_one_per_row_with_less_padding(tmp_path):
   assert quick["largest_loglikelihood_gap"] < 1e-4
   assert quick["padding_share"]["packed"] < quick["padding_share"]["one_per_row"]
   assert all(rate > 0 for rate in quick["requests_per_s"].values())
-  assert quick["packed_vs_one_per_row"]["target"] == 1.0
+  assert quick["default"] == "one_per_row"  # On CPU (harness_model's docstring says why).
+  assert quick["default_vs_other"]["target"] == 1.0
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def test_requests_fill_rows_longest_first_each_where_it_first_fits():
 
 def test_a_request_scores_the_same_alone_and_packed_among_longer_ones(model):
   """In a row with others (its own segment and positions), as alone."""
-  harness = HarnessModel(model, TOKENIZER, batch_size=4)
+  harness = HarnessModel(model, TOKENIZER, batch_size=4, packed=True)
   request = (None, [97, 98], [99, 100])
   alone = harness._loglikelihood_tokens([request], disable_tqdm=True)[0]
   crowd = [(None, list(range(1, 40)), [5, 6, 7]), request, (None, [1] * 20, [2])]
@@ -75,6 +75,20 @@ def test_a_request_scores_the_same_alone_and_packed_among_longer_ones(model):
   for (_, context, continuation), (logp, _) in zip(crowd, among):
     expected = training_logps(model, context + continuation)[-len(continuation):].sum()
     assert logp == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_on_cpu_each_request_has_a_row_of_its_own_and_scores_as_packed(model):
+  """The CPU default (no segment mask: the blocked attention's fast path) gives the packed
+  scores, batches sorted longest first."""
+  crowd = [(None, list(range(1, 40)), [5, 6, 7]), (None, [97, 98], [99, 100]),
+           (None, [1] * 20, [2]), (None, [3] * 70, [4, 5])]
+  default = HarnessModel(model, TOKENIZER, batch_size=2)
+  assert not default._packed
+  alone = default._loglikelihood_tokens(crowd, disable_tqdm=True)
+  packed = HarnessModel(model, TOKENIZER, batch_size=2, packed=True)._loglikelihood_tokens(
+      crowd, disable_tqdm=True)
+  for (a, a_greedy), (p, p_greedy) in zip(alone, packed):
+    assert a == pytest.approx(p, abs=1e-5) and a_greedy == p_greedy
 
 
 def test_a_rolling_log_likelihood_scores_disjoint_windows_as_the_harness_defines_them(model):
