@@ -35,20 +35,36 @@ def sample(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array, top_k:
   token), `top_k` [B] (0: every token), `top_p` [B] (1: every token).
   """
   logits = logits.astype(jnp.float32)
+  # Each filter runs only when some row asks for it (`lax.cond` on the batch): a row that
+  # does not ask gets the same bits either way, so no row depends on the others, and a
+  # batch of greedy or plain-temperature rows sorts nothing.
+  kept = jax.lax.cond(jnp.any(top_k > 0), _top_k_kept, lambda logits, _: logits, logits, top_k)
+  scaled = kept / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  scaled = jax.lax.cond(jnp.any(top_p < 1.0), _top_p_kept, lambda scaled, _: scaled, scaled,
+                        top_p)
+  sampled = jax.lax.cond(
+      jnp.any(temperature > 0),
+      lambda: jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled),
+      lambda: jnp.zeros(logits.shape[:1], jnp.int32))
+  tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+  logps = jax.nn.log_softmax(logits, axis=-1)
+  return tokens, jnp.take_along_axis(logps, tokens[:, None], axis=-1)[:, 0]
+
+
+def _top_k_kept(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+  """`logits` with each row's tokens below its `top_k` likeliest at -inf (top_k 0: all kept)."""
   ordered = jnp.sort(logits, axis=-1)[:, ::-1]
   kth = jnp.take_along_axis(ordered, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
-  kept = jnp.where((top_k > 0)[:, None] & (logits < kth), -jnp.inf, logits)
-  scaled = kept / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  # Nucleus: the smallest set of likeliest tokens whose mass reaches top_p.
+  return jnp.where((top_k > 0)[:, None] & (logits < kth), -jnp.inf, logits)
+
+
+def _top_p_kept(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+  """`scaled` with each row's tokens past its nucleus `top_p` at -inf (1: all kept)."""
   ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
   probabilities = jax.nn.softmax(ordered, axis=-1)
   mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities
   floor = jnp.where(mass_before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
-  scaled = jnp.where((top_p < 1.0)[:, None] & (scaled < floor), -jnp.inf, scaled)
-  sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
-  tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-  logps = jax.nn.log_softmax(logits, axis=-1)
-  return tokens, jnp.take_along_axis(logps, tokens[:, None], axis=-1)[:, 0]
+  return jnp.where((top_p < 1.0)[:, None] & (scaled < floor), -jnp.inf, scaled)
 
 
 def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
