@@ -13,7 +13,7 @@ padding. On CPU a segment mask makes the attention about 3.5x slower (measured a
 512 positions: every key block is masked, where a plain causal mask lets the
 blocked kernel skip or leave most of them as they are), so there each row holds
 one request, with no segment ids: sorted, a batch's rows are about as long, and
-scoring is 1.7x faster than packed (`benchmarks/harness.py`). A batch is as wide
+scoring is about 2x faster than packed (`benchmarks/harness.py`). A batch is as wide
 as its longest row rounded up to a step of a half octave (`row_width`), so a few
 compiled programs serve every call. Generation goes through the generation engine.
 
@@ -48,6 +48,7 @@ __all__ = ["HarnessModel", "for_run", "pack", "row_width"]
 
 MIN_WIDTH = 16
 """The narrowest batch `row_width` makes (the engine's smallest padded prompt too)."""
+
 
 class HarnessModel(TemplateLM):
   """lm-evaluation-harness's model interface on a decoder (see the module)."""
