@@ -44,7 +44,8 @@ from flax import nnx
 
 import common
 from jax_ai_stack.recipes import data
-from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack, row_width
+from jax_ai_stack.recipes.evaluation.harness_model import (HarnessModel, pack, packs_by_default,
+                                                          row_width)
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 
@@ -110,7 +111,7 @@ def measure(size: str, workload: dict, torch_python: str | None = None) -> dict[
   variants = {name: HarnessModel(model, tokenizer, batch_size=workload["batch"],
                                  packed=name == "packed")
               for name in ("packed", "one_per_row")}
-  default = "packed" if HarnessModel(model, tokenizer)._packed else "one_per_row"
+  default = "packed" if packs_by_default() else "one_per_row"
   other = "one_per_row" if default == "packed" else "packed"
   scores, seconds = {}, {}
   for name, harness in variants.items():

@@ -371,7 +371,6 @@ GRPO_RUN = (*GRPO, "data.max_documents=200", "data.validation_fraction=0.1",
             "mesh.data=1", "mesh.fsdp=-1", "mesh.rules=fsdp")
 
 
-
 @pytest.mark.slow
 def test_a_grpo_job_on_two_processes_killed_and_resumed_equals_the_job_that_never_stopped(
     tmp_path, monkeypatch):

@@ -44,7 +44,6 @@ def base(tmp_path_factory):
   return workdir
 
 
-
 @pytest.mark.slow
 def test_a_stop_inside_a_rollout_waits_for_its_last_update(base, tmp_path):
   overrides = [*RL, f"finetune.base={base}", "train.steps=6", VARIED, "rl.reward_weights=null",

@@ -67,7 +67,7 @@ def _length_reward(prompts, completions, **columns):
   return [float(len(text)) for text in completions]
 
 
-def test_tunix_grpo_learner_trains_its_toy_model(tmp_path):
+def test_tunix_grpo_learner_trains_its_toy_model():
   vocab = test_common.MockVocab()
   config = test_common.ModelConfig(vocab_size=vocab.GetPieceSize())
   actor = test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0))
@@ -102,7 +102,7 @@ def _lora_decoder() -> nnx.Module:
                                LoraConfig(rank=2, modules="up_proj"), config, seed=1)
 
 
-def test_tunix_sft_trainer_steps_our_lora_decoder_as_our_own_step_does(tmp_path):
+def test_tunix_sft_trainer_steps_our_lora_decoder_as_our_own_step_does():
   """Tunix's PeftTrainer sees the Qwix adapters as LoRA (only they train) and, with this
   project's next-token objective as its loss, lands on the adapters a plain NNX loop does."""
   rng = np.random.default_rng(0)

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
 
-__all__ = ["HarnessModel", "for_run", "pack", "row_width"]
+__all__ = ["HarnessModel", "for_run", "pack", "packs_by_default", "row_width"]
 
 MIN_WIDTH = 16
 """The narrowest batch `row_width` makes (the engine's smallest padded prompt too)."""
@@ -69,7 +69,7 @@ class HarnessModel(TemplateLM):
     self.batch_size_ = batch_size
     self.max_length = max_len or model.config.max_seq_len
     self._chat, self._chat_source = chat, chat_template_source
-    self._packed = jax.default_backend() != "cpu" if packed is None else packed
+    self._packed = packs_by_default() if packed is None else packed
     self._vocab = model.config.vocab_size
     graphdef, self._state = nnx.split(model)
     self._score = functools.partial(_score, graphdef)
@@ -125,13 +125,13 @@ class HarnessModel(TemplateLM):
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     for start in tqdm(range(0, len(rows), self.batch_size_), desc="scoring",
                       disable=disable_tqdm):
-      longest = max(sum(lengths[i] for i in row) for row in rows[start:start + self.batch_size_])
+      batch_rows = rows[start:start + self.batch_size_]
+      longest = max(sum(lengths[i] for i in row) for row in batch_rows)
       batch = _Packed(self.batch_size_, row_width(longest, width))
       places = [(row, batch.add(row, sequences[index]), index)
-                for row, members in enumerate(rows[start:start + self.batch_size_])
-                for index in members]
+                for row, members in enumerate(batch_rows) for index in members]
       inputs, targets, segment_ids, positions = batch.arrays()
-      if all(len(members) == 1 for members in rows[start:start + self.batch_size_]):
+      if all(len(members) == 1 for members in batch_rows):
         segment_ids = positions = None  # Causal alone: a row's padding follows its request.
       logps, greedy = (np.asarray(x) for x in self._score(self._state, inputs, targets,
                                                           segment_ids, positions))
@@ -218,6 +218,11 @@ def for_run(run, *, batch_size: int, scoring: nnx.Module | None = None,
       generation_model=run.inference_model() if generating is None else generating,
       chat=lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
       chat_template_source=template.source)
+
+
+def packs_by_default() -> bool:
+  """Whether `HarnessModel` packs requests when not told: not on CPU (see the module)."""
+  return jax.default_backend() != "cpu"
 
 
 def row_width(size: int, limit: int) -> int:
