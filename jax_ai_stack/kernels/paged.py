@@ -99,32 +99,37 @@ def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_
 def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window):
   b, t, n, h = q.shape
   k, page_size = k_pages.shape[0], k_pages.shape[2]
-  queries = q.reshape(b, t, k, n // k, h).astype(jnp.float32) * scale
-  last = positions[:, :, None]  # [B, T, 1]: each query's own position.
+  g = n // k
+  # [K, B, T * G, H]: each key/value head's queries together, so that a page's logits and
+  # weighted values are plain batched matmuls over (K, B) with the pages' [K, B, P, H]
+  # (1.3x-1.7x faster on CPU than with the queries' own axis order, for chunks of prompts).
+  queries = jnp.moveaxis(q.reshape(b, t, k, g, h), 2, 0).reshape(k, b, t * g, h)
+  queries = queries.astype(jnp.float32) * scale
+  last = jnp.repeat(positions, g, axis=1)[None, :, :, None]  # [1, B, T * G, 1]: own position.
   first = jnp.zeros_like(last) if local_window is None else last - local_window
   offsets = jnp.arange(page_size)
 
   def page(carry, column):
-    top, total, weighted = carry  # [B, T, K, G], [B, T, K, G], [B, T, K, G, H]
+    top, total, weighted = carry  # [K, B, T * G], the same, [K, B, T * G, H]
     pages = block_table[:, column]
     keys = k_pages[:, pages].astype(jnp.float32)  # [K, B, P, H]
     values = v_pages[:, pages].astype(jnp.float32)
-    logits = jnp.einsum("btkgh,kbph->btkgp", queries, keys)
+    logits = jnp.einsum("kbqh,kbph->kbqp", queries, keys)
     if logits_soft_cap is not None:
       logits = jnp.tanh(logits / logits_soft_cap) * logits_soft_cap
     keys_at = column * page_size + offsets
-    seen = ((keys_at <= last) & (keys_at >= first))[:, :, None, None, :]  # [B, T, 1, 1, P]
+    seen = (keys_at <= last) & (keys_at >= first)  # [1, B, T * G, P]
     logits = jnp.where(seen, logits, -jnp.inf)
     new_top = jnp.maximum(top, logits.max(-1))
     # A query that has seen nothing yet keeps -inf: rescale by 1, not exp(-inf + inf).
     rescale = jnp.where(new_top == -jnp.inf, 1.0, jnp.exp(top - new_top))
     weights = jnp.where(seen, jnp.exp(logits - new_top[..., None]), 0.0)
     total = total * rescale + weights.sum(-1)
-    weighted = (weighted * rescale[..., None]
-                + jnp.einsum("btkgp,kbph->btkgh", weights, values))
+    weighted = weighted * rescale[..., None] + jnp.einsum("kbqp,kbph->kbqh", weights, values)
     return (new_top, total, weighted), None
 
-  groups = (b, t, k, n // k)
-  start = (jnp.full(groups, -jnp.inf), jnp.zeros(groups), jnp.zeros((*groups, h)))
+  rows = (k, b, t * g)
+  start = (jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros((*rows, h)))
   (_, total, weighted), _ = jax.lax.scan(page, start, jnp.arange(block_table.shape[1]))
-  return (weighted / total[..., None]).reshape(b, t, n, h).astype(q.dtype)
+  out = (weighted / total[..., None]).reshape(k, b, t, g, h)
+  return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
