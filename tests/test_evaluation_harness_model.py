@@ -11,7 +11,10 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 from jax_ai_stack.recipes import data, inference, models
-from jax_ai_stack.recipes.evaluation.harness_model import HarnessModel, pack
+from jax_ai_stack.recipes.evaluation.harness_model import (HarnessModel, decodes_as_it_scores,
+                                                          pack, shared_contexts)
+from jax_ai_stack.recipes.finetune import adapters
+from jax_ai_stack.recipes.finetune.config import LoraConfig
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.tasks import objectives
 
@@ -91,6 +94,47 @@ def test_on_cpu_each_request_has_a_row_of_its_own_and_scores_as_packed(model):
     assert a == pytest.approx(p, abs=1e-5) and a_greedy == p_greedy
 
 
+def choices(seed: int, vocab: int, contexts=(40, 70, 100, 36), count: int = 4) -> list[tuple]:
+  """`count` continuations (1-6 tokens) after each of `contexts` (lengths), and a request of
+  its own."""
+  rng = np.random.default_rng(seed)
+  asked = []
+  for length in contexts:
+    context = rng.integers(1, vocab, length).tolist()
+    asked += [(None, context, rng.integers(1, vocab, int(rng.integers(1, 7))).tolist())
+              for _ in range(count)]
+  return asked + [(None, rng.integers(1, vocab, 50).tolist(), [3, 4])]
+
+
+def test_choices_after_one_context_score_as_each_alone_and_as_training_does(model):
+  """The contexts' keys and values computed once for all their choices, then each choice's
+  own tokens read them: the scores of each request alone in its row (and of training), the
+  same greedy flags; the request without a sibling goes through its own row."""
+  asked = choices(0, 256, contexts=(40, 70), count=3)
+  sequences = [c + t for _, c, t in asked]
+  assert len(shared_contexts(sequences, [len(t) for *_, t in asked])) == 2
+  shared, alone = (HarnessModel(model, TOKENIZER, batch_size=2, share_contexts=share
+                                )._loglikelihood_tokens(asked, disable_tqdm=True)
+                   for share in (True, False))
+  np.testing.assert_allclose([l for l, _ in shared], [l for l, _ in alone], atol=1e-5, rtol=0)
+  assert [g for _, g in shared] == [g for _, g in alone]
+  _, context, continuation = asked[4]
+  expected = training_logps(model, context + continuation)[-len(continuation):].sum()
+  assert shared[4][0] == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_qwix_lora_scores_without_sharing_contexts(model):
+  """Qwix puts the adapters in front of `__call__` alone, so `decode` would score the base:
+  sharing is off by default, and asking for it is refused, naming why."""
+  config = models.DecoderConfig.tiny()
+  adapted = adapters.add_adapters(models.Decoder(config, rngs=nnx.Rngs(0)),
+                                  LoraConfig(rank=2), config, seed=1)
+  assert decodes_as_it_scores(model) and not decodes_as_it_scores(adapted)
+  assert not HarnessModel(adapted, TOKENIZER)._share
+  with pytest.raises(ValueError, match="share_contexts=True: Decoder.decode does not compute"):
+    HarnessModel(adapted, TOKENIZER, share_contexts=True)
+
+
 def test_a_rolling_log_likelihood_scores_disjoint_windows_as_the_harness_defines_them(model):
   harness = HarnessModel(model, TOKENIZER, batch_size=4, max_len=16)
   text = "import os, sys; print(os.getcwd())"  # 34 tokens: windows of 16, 16 and 2.
@@ -144,6 +188,19 @@ def test_each_family_scores_as_the_harness_s_hf_backend_does(family):
   told_apart = best_two[:, 1] - best_two[:, 0] > 2e-4
   assert told_apart.sum() >= len(questions) - 1, "a reference with more than one tie"
   assert (ours.reshape(-1, 4).argmax(axis=1) == questions.argmax(axis=1))[told_apart].all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_scores_shared_contexts_as_unshared(family):
+  """Sliding windows, soft caps, MoE: choices read their context's shared pages through the
+  model's paged decode and score as each in its own row."""
+  model = hf.load_model(REFERENCES / "hf" / family)
+  asked = choices(1, model.config.vocab_size, contexts=(40,), count=3)
+  shared, alone = (HarnessModel(model, TOKENIZER, batch_size=2, share_contexts=share
+                                )._loglikelihood_tokens(asked, disable_tqdm=True)
+                   for share in (True, False))
+  np.testing.assert_allclose([l for l, _ in shared], [l for l, _ in alone], atol=1e-5, rtol=0)
+  assert [g for _, g in shared] == [g for _, g in alone]
 
 
 class WordTokenizer:
