@@ -13,16 +13,26 @@ adds exactly nothing: its weights are exp(-inf) = 0 and the running maximum does
 move (a rescale by exp(0) = 1). So a row's result does not depend on the width: a
 request gives the same bits beside short rows or long ones.
 
-Implementations ("auto": pallas_gpu on GPU, else xla), as `choose_paged_attention` says
-(what `jax-ai-stack kernels` reports):
+Implementations ("auto": pallas_gpu on GPU, pallas_tpu on TPU, else xla), as
+`choose_paged_attention` says (what `jax-ai-stack kernels` reports):
 
   pallas_gpu  JAX's Pallas paged-attention kernel for GPUs
               (`jax.experimental.pallas.ops.gpu.paged_attention`; interpret mode elsewhere),
               for one query per row and no sliding window; other calls (a prompt's chunk,
               a sliding-window layer) fall back to xla
+  pallas_tpu  JAX's Pallas ragged paged-attention kernel for TPUs
+              (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`: decoding and
+              chunks of prompts, sliding windows, soft caps), for head_dim a multiple of
+              128 and key/value heads the kernel can tile; other calls fall back to xla.
+              TPUs only: JAX's TPU interpret mode cannot run this kernel (jax 0.10.2 and
+              0.12.0.1 fail on its reshaped refs), so on CPU the tests run the adapter
+              with the kernel's own reference (`ref_ragged_paged_attention`) in its place
   xla         the loop over pages above, everywhere
 
-The pools' layout is the Pallas kernel's: [kv_heads, pages, page_size, head_dim].
+The pools' layout is the GPU kernel's: [kv_heads, pages, page_size, head_dim]. The TPU
+kernel reads one pool, [pages, page_size, 2 * kv_heads, head_dim] with each head's keys
+and values side by side: its adapter gathers the pages the table names into that layout
+(what the kernel reads anyway, not the whole pool) and renumbers the table.
 
 Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pages 1, 2).
   >>> import jax.numpy as jnp
@@ -42,25 +52,37 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.kernels import names
+from jax_ai_stack.kernels import names, rules
+from jax_ai_stack.kernels.request import Backend, current_backend
 
-__all__ = ["PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention"]
+__all__ = ["PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention", "pallas_tpu",
+           "tpu_kernel_fits"]
 
-PAGED_ATTENTIONS = ("pallas_gpu", "xla")
+PAGED_ATTENTIONS = ("pallas_gpu", "pallas_tpu", "xla")
 _WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
                       "window; other calls fall back to xla)",
+        "pallas_tpu": "JAX's Pallas ragged paged-attention kernel (head_dim a multiple of "
+                      "128; other calls fall back to xla)",
         "xla": "a loop over the pages with an online softmax, in XLA"}
+_AUTO = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 
 
-def choose_paged_attention(requested: str = "auto", platform: str | None = None
-                           ) -> tuple[str, str]:
+def choose_paged_attention(requested: str = "auto", platform: str | None = None,
+                           device_kind: str | None = None) -> tuple[str, str]:
   """(implementation, why) for `requested` ("auto" or one of `PAGED_ATTENTIONS`) on
-  `platform` (None: JAX's default backend). Raises ValueError naming the choices."""
+  `platform` and `device_kind` (None: JAX's default backend and its first device). Raises
+  ValueError naming the choices."""
   chosen = names.requested(requested, PAGED_ATTENTIONS, _WHY, "paged attention")
   if chosen is not None:
     return chosen
-  platform = platform or jax.default_backend()
-  name = "pallas_gpu" if platform == "gpu" else "xla"
+  if platform is None:
+    backend = current_backend()
+    platform, device_kind = backend.platform, backend.device_kind
+  name = _AUTO.get(platform, "xla")
+  generation = rules.tpu_generation(Backend(platform, device_kind or ""))
+  if name == "pallas_tpu" and generation is not None and generation < 4:
+    return "xla", (f"auto on {device_kind}: JAX's ragged paged-attention kernel has block "
+                   f"sizes for TPU v4 and newer only; {_WHY['xla']}")
   return name, f"auto on {platform}: {_WHY[name]}"
 
 
@@ -79,6 +101,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   name, _ = choose_paged_attention(implementation)
   if name == "pallas_gpu" and q.shape[1] == 1 and local_window is None:
     return _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap)
+  if name == "pallas_tpu" and tpu_kernel_fits(q, k_pages):
+    return pallas_tpu(q, k_pages, v_pages, block_table, positions, scale=scale,
+                      logits_soft_cap=logits_soft_cap, local_window=local_window)
   return _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap,
               local_window)
 
@@ -94,6 +119,45 @@ def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_
       k_splits=splits, pages_per_compute_block=math.gcd(8, width // splits),
       attn_logits_soft_cap=logits_soft_cap, interpret=jax.default_backend() != "gpu")
   return out[:, None]
+
+
+def tpu_kernel_fits(q: jax.Array, k_pages: jax.Array) -> bool:
+  """Whether JAX's TPU kernel takes these shapes: head_dim a multiple of 128 (its lanes) and
+  2 * kv_heads that its dtype's tiling divides (1, 2, 4, 8 or a multiple of 8 words)."""
+  packing = 4 // jnp.dtype(k_pages.dtype).itemsize
+  words, rest = divmod(2 * k_pages.shape[0], packing)
+  return q.shape[-1] % 128 == 0 and not rest and (words in (1, 2, 4, 8) or words % 8 == 0)
+
+
+def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_soft_cap=None,
+               local_window=None, kernel=None):
+  """`paged_attention` through JAX's ragged paged-attention kernel for TPUs (`kernel`:
+  another function of its signature, as the tests give its reference on CPU).
+
+  Each row's queries are its last positions[b, -1] + 1 - T ones (a chunk of a prompt, or
+  one token): the kernel's ragged layout, T queries per row. The pages the table names are
+  gathered into the kernel's pool layout and the table renumbered to them.
+  """
+  if kernel is None:
+    if jax.default_backend() != "tpu":
+      raise ValueError(f"paged attention 'pallas_tpu' runs on TPUs only, not "
+                       f"{jax.default_backend()}: JAX {jax.__version__}'s TPU interpret mode "
+                       "cannot run its ragged paged-attention kernel; choose xla")
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
+
+    kernel = ragged.ragged_paged_attention
+  b, t, n, h = q.shape
+  k, page_size = k_pages.shape[0], k_pages.shape[2]
+  width = block_table.shape[1]
+  pages = block_table.reshape(-1)
+  both = jnp.stack([k_pages[:, pages], v_pages[:, pages]], axis=1)  # [K, 2, B * W, P, H]
+  kv_pages = jnp.transpose(both, (2, 3, 0, 1, 4)).reshape(b * width, page_size, 2 * k, h)
+  out = kernel(q.reshape(b * t, n, h), kv_pages, (positions[:, -1] + 1).astype(jnp.int32),
+               jnp.arange(b * width, dtype=jnp.int32).reshape(b, width),
+               jnp.arange(0, (b + 1) * t, t, dtype=jnp.int32), jnp.asarray([b], jnp.int32),
+               sm_scale=scale, soft_cap=logits_soft_cap,
+               sliding_window=None if local_window is None else local_window + 1)
+  return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window):

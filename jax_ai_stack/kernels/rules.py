@@ -68,13 +68,14 @@ def mosaic_gpu_check(request: Request, backend: Backend) -> str | None:
           f" (device reports {backend.compute_capability or 'none'})")
 
 
-def _tpu_generation(backend: Backend) -> int | None:
+def tpu_generation(backend: Backend) -> int | None:
+  """The TPU's version from its device kind ("TPU v5 lite": 5); None when it says none."""
   match = re.search(r"TPU\s*v?(\d+)", backend.device_kind, re.IGNORECASE)
   return int(match.group(1)) if match else None
 
 
 def mosaic_tpu_check(request: Request, backend: Backend) -> str | None:
-  generation = _tpu_generation(backend)
+  generation = tpu_generation(backend)
   if generation is not None and generation < 5:
     return f"tokamax's Mosaic TPU kernel needs TPU v5 or newer (device: {backend.device_kind})"
   return tokamax_window_check(request, backend)
