@@ -83,6 +83,24 @@ def test_pages_past_a_row_s_length_change_no_bit_of_it():
     assert np.array_equal(np.asarray(narrow), np.asarray(wide))
 
 
+def test_the_xla_loop_runs_per_replica_inside_a_shard_map_over_data():
+  """Each data-parallel replica can attend over a pool of its own (rows, pool and table
+  split over `data`, page numbers local): the loop's state varies as its queries do, as
+  shard_map's type check asks (one device here; the check is the same on many)."""
+  positions = np.asarray([[5, 6], [9, 10]], np.int32)
+  pool, tables, _ = _pool_and_tables(positions, width=4)
+  args = (jnp.asarray(RNG.normal(size=(2, 2, HEADS, DIM)).astype(np.float32)),
+          jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
+          jnp.asarray(positions))
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows, pages = jax.P("data"), jax.P(None, "data")
+  per_replica = jax.jit(jax.shard_map(
+      functools.partial(paged_attention, scale=0.3, local_window=3, implementation="xla"),
+      mesh=mesh, in_specs=(rows, pages, pages, rows, rows), out_specs=rows))
+  whole = paged_attention(*args, scale=0.3, local_window=3, implementation="xla")
+  assert np.array_equal(np.asarray(per_replica(*args)), np.asarray(whole))
+
+
 @pytest.mark.parametrize("cap, width", [(None, 4), (5.0, 4), (None, 24)])
 def test_the_pallas_gpu_kernel_equals_the_xla_loop_when_decoding(cap, width):
   """Interpret mode on this CPU: the kernel's own code, run by JAX's interpreter; a table

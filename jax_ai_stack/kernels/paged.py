@@ -192,8 +192,9 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
     weighted = weighted * rescale[..., None] + jnp.einsum("kbqp,kbph->kbqh", weights, values)
     return (new_top, total, weighted), None
 
-  rows = (k, b, t * g)
-  start = (jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros((*rows, h)))
+  # Made from the queries, so that inside a shard_map the carry varies as they do.
+  start = (jnp.full_like(queries[..., 0], -jnp.inf), jnp.zeros_like(queries[..., 0]),
+           jnp.zeros_like(queries))
   (_, total, weighted), _ = jax.lax.scan(page, start, jnp.arange(block_table.shape[1]))
   out = (weighted / total[..., None]).reshape(k, b, t, g, h)
   return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
