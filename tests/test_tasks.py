@@ -247,7 +247,7 @@ ALLOWED: dict[str, str] = {
     "benchmarks/accelerator.py": "times the Llama train step at the 0.76B size of issue #23",
     "benchmarks/compile_depth.py": "compile time of the Llama step, unrolled vs scan_layers",
     "benchmarks/engine.py": "the generation engine against the decoder's own decoding loop",
-    "benchmarks/harness.py": "the harness adapter on a decoder, packed against one request per row",
+    "benchmarks/harness.py": "the harness adapter on a decoder: shared contexts, packed, one per row",
     "benchmarks/lora.py": "LoRA and QLoRA steps of a Llama against its full fine-tuning",
     "benchmarks/moe.py": "the decoder's MoE layer against its dense MLP of the same active size",
     "benchmarks/quant.py": "a Llama's QAT/PTQ step times; refuses a run of another kind",
