@@ -91,10 +91,11 @@ class HarnessModel(TemplateLM):
     self.max_length = max_len or model.config.max_seq_len
     self._chat, self._chat_source = chat, chat_template_source
     self._packed = packs_by_default() if packed is None else packed
-    if share_contexts and not decodes_as_it_scores(model):
+    shareable = decodes_as_it_scores(model)
+    if share_contexts and not shareable:
       raise ValueError(f"share_contexts=True: {type(model).__name__}.decode does not compute "
                        "what its __call__ does (Qwix intercepts __call__ alone)")
-    self._share = decodes_as_it_scores(model) if share_contexts is None else share_contexts
+    self._share = shareable if share_contexts is None else share_contexts
     self._vocab = model.config.vocab_size
     graphdef, self._state = nnx.split(model)
     self._score = functools.partial(_score, graphdef)
@@ -181,8 +182,7 @@ class HarnessModel(TemplateLM):
     logps, greedy = (np.asarray(x) for x in self._score(self._state, inputs, targets,
                                                         segment_ids, positions))
     for row, end, index in places:
-      scored = slice(end - counts[index], end)
-      results[index] = (float(logps[row, scored].sum()), bool(greedy[row, scored].all()))
+      results[index] = _result(logps[row], greedy[row], end, counts[index])
 
   def _score_contexts_once(self, groups, sequences, counts, results) -> None:
     """Requests that share a context (`shared_contexts`): the contexts' whole pages are
@@ -215,9 +215,7 @@ class HarnessModel(TemplateLM):
         self._state, prefixes, inputs, targets, starts, table))
     for member, (row, index) in enumerate(members):
       end = len(sequences[index]) - 1 - prefix_lengths[row]
-      scored = slice(end - counts[index], end)
-      results[index] = (float(logps[member, scored].sum()),
-                        bool(greedy[member, scored].all()))
+      results[index] = _result(logps[member], greedy[member], end, counts[index])
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     """Each document's log-likelihood: its tokens in disjoint windows of the model's
@@ -359,6 +357,12 @@ def _group_batches(groups: list[list[int]], batch_size: int) -> Iterator[list[li
     batch.append(group)
   if batch:
     yield batch
+
+
+def _result(logps: np.ndarray, greedy: np.ndarray, end: int, count: int) -> tuple[float, bool]:
+  """(log-likelihood, is greedy) of the `count` targets of a row that end before `end`."""
+  scored = slice(end - count, end)
+  return float(logps[scored].sum()), bool(greedy[scored].all())
 
 
 def _whole_pages(size: int) -> int:
