@@ -62,7 +62,7 @@ SIZES = {
                          max_seq_len=64),
 }
 WORKLOADS = {"full": dict(questions=64, context=(16, 400), continuation=(1, 24), batch=8),
-             "quick": dict(questions=3, context=(34, 56), continuation=(1, 6), batch=2)}
+             "quick": dict(questions=3, context=(3, 56), continuation=(1, 6), batch=2)}
 CHOICES = 4
 
 
