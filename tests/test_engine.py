@@ -16,7 +16,9 @@ from flax import nnx
 from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoding import generate
-from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig, KVCache
+from jax_ai_stack.recipes.sharding import MESH_AXES, Layout, logical_rules
+from jax_ai_stack.recipes.sharding_config import MeshConfig
 from jax_ai_stack.recipes.tasks import objectives
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
@@ -229,20 +231,59 @@ def test_several_steps_per_call_give_the_tokens_of_one_step_per_call(tiny):
     Engine(tiny, steps_per_call=0)
 
 
+def test_pools_per_replica_give_each_group_of_rows_its_own_pages(tiny):
+  """Pools [K, 2, pages, P, H]: rows 0-1 read and write pool 0, rows 2-3 pool 1, with the
+  same page numbers; each group as if decoded alone over a pool of its own."""
+  tokens = jnp.asarray(RNG.integers(0, 256, (4, 5)), jnp.int32)
+  starts, table = jnp.zeros((4,), jnp.int32), jnp.asarray([[1], [2], [1], [2]], jnp.int32)
+  logits, cache = tiny.decode(tokens, KVCache(*tiny.init_pages(3, 8, replicas=2), starts,
+                                               table))
+  assert cache.keys[0].shape == (2, 2, 3, 8, 32)  # [K, replicas, pages, page_size, H]
+  for group in (0, 1):
+    rows = slice(2 * group, 2 * group + 2)
+    alone, own = tiny.decode(tokens[rows], KVCache(*tiny.init_pages(3, 8), starts[rows],
+                                                    table[rows]))
+    np.testing.assert_allclose(logits[rows], alone, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(cache.keys[1][:, group], own.keys[1], atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match="3 rows do not split into the pools' 2 replicas"):
+    tiny.decode(tokens[:3], KVCache(*tiny.init_pages(3, 8, replicas=2), starts[:3], table[:3]))
+
+
+def test_on_a_data_parallel_mesh_the_engine_asks_for_pages_each_replica_can_hold(tiny):
+  """A mesh of data 2 x fsdp 2 splits eight slots into 4 replicas, one pool each; two slots
+  do not divide, and run as one replica."""
+  mesh = jax.sharding.AbstractMesh((2, 2, 1, 1), MESH_AXES)
+  layout = Layout.of(mesh, logical_rules(MeshConfig(rules="fsdp_tp")))
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0), layout=layout)
+  assert (model.page_replicas(8), model.page_replicas(2), tiny.page_replicas(8)) == (4, 1, 1)
+  with pytest.raises(ValueError, match="max_pages=10 must be a multiple of the mesh's 4 "
+                     "data-parallel replicas"):
+    Engine(model, max_slots=8, max_pages=10)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, mesh", [
-    ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}),
-    ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2}),
+@pytest.mark.parametrize("name, mesh, replicas", [
+    ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}, "('data', 'fsdp')"),
+    ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2},
+     "('data', 'expert')"),
 ], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor"])
-def test_on_a_mesh_the_engine_gives_one_device_s_tokens_its_pages_heads_split_over_tensor(
-    name, mesh):
-  """Weights split over `tensor` (and a MoE's experts over `expert`), the pool of pages'
-  key/value heads over `tensor`: greedy and seeded sampled tokens equal one device's, five
-  requests for four slots (one admitted mid-way); log-probs within float32 rounding (a
-  split matmul sums in another order)."""
+def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel_replica(
+    name, mesh, replicas):
+  """Weights split over `tensor` (and a MoE's experts over `expert`); eight slots in four
+  data-parallel replicas (the batch axes), each with a pool of its own, the pools' key/value
+  heads over `tensor`. Greedy and seeded sampled tokens equal one device's, nine requests
+  for eight slots and 24 pages (some wait); log-probs within float32 rounding (a split
+  matmul sums in another order). A device holds its replica's pages alone, and no
+  collective of the decoding step moves pages (one pool split by pages, read with global
+  page numbers, all-reduces every page read)."""
   from multidevice import run_on_devices
 
   result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
   assert result["tokens"] == result["expected"]
   assert result["logprobs"] < 1e-5
-  assert result["cache"] == "P('tensor',)"  # [kv_heads, pages, page_size, head_dim]
+  # [kv_heads, replicas, pages + page 0, page_size, head_dim]
+  assert result["cache"] == f"P('tensor', {replicas})" and result["replicas"] == 4
+  assert result["shape"] == [2, 4, 7, 16, result["shape"][-1]]
+  assert result["on_a_device"] == [1, 1, 7, 16, result["shape"][-1]]
+  assert result["pages_moved"] == []
+  assert result["pages_in_use"] == 0 and result["peak_pages"] > 6  # More than one pool's.

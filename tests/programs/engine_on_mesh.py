@@ -5,11 +5,13 @@ argv: the reference checkpoint's folder, then the mesh as MeshConfig's fields (J
 
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
 
 from jax_ai_stack.recipes.inference import Engine, Request
+from jax_ai_stack.recipes.inference import engine as engine_module
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.sharding_config import MeshConfig
 
@@ -22,14 +24,31 @@ rng = np.random.default_rng(0)
 vocab = one.config.vocab_size
 requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, n)), 6,
                     temperature=0 if i % 2 else 1.0, seed=i, top_logprobs=2)
-            for i, n in enumerate((3, 17, 9, 30, 5))]  # Five for four slots: one waits.
-expected = Engine(one, max_slots=4, max_len=64).run(requests)
-engine = Engine(model, max_slots=4, max_len=64)
+            for i, n in enumerate((3, 17, 9, 30, 5, 40, 12, 2, 26))]
+# Nine for eight slots, 24 pages of 16 positions (a request holds 1-3): some wait.
+settings = dict(max_slots=8, max_len=64, page_size=16, max_pages=24)
+expected = Engine(one, **settings).run(requests)
+engine = Engine(model, **settings)
 got = engine.run(requests)
 keys = engine._keys  # pylint: disable=protected-access
 layer_keys = keys[0] if isinstance(keys, tuple) else keys
+# The decoding step's collectives that move pages ([..., page_size, head_dim]): none, when
+# each replica reads its own pool.
+step = engine._steps  # pylint: disable=protected-access
+idle = np.zeros(8, np.int32)
+compiled = engine_module._steps.lower(  # pylint: disable=protected-access
+    *step.args, engine._state, keys, engine._values, idle, idle,  # pylint: disable=protected-access
+    np.zeros((8, 4), np.int32), *engine_module._settings([None] * 8)).compile().as_text()
+collectives = (re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(-start)?\(", line)
+               for line in compiled.splitlines())
+tail = f"{engine.page_size},{one.config.resolved_head_dim}]"
+moved = [found[1] for found in collectives if found and tail in found[1]]
 print(json.dumps({
     "tokens": [c.tokens for c in got], "expected": [c.tokens for c in expected],
     "logprobs": max(abs(a - b) for x, y in zip(got, expected)
                     for a, b in zip(x.logprobs, y.logprobs)),
-    "cache": str(layer_keys.sharding.spec)}))
+    "cache": str(layer_keys.sharding.spec), "replicas": engine.replicas,
+    "shape": list(layer_keys.shape), "pages_moved": moved,
+    "on_a_device": list(layer_keys.addressable_shards[0].data.shape),
+    "pages_in_use": engine.pages_in_use, "peak_pages": engine.peak_pages}))

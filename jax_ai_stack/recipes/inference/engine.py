@@ -15,10 +15,12 @@ token, a stop string in its text, `max_tokens`, the end of the context) frees it
 and pages, and the next waiting request takes them: continuous batching.
 
 On a mesh: give it a model whose parameters are placed (a run's `inference_model()` on
-its mesh). The compiled calls follow the parameters' shardings, and the pool of pages
-takes the layout XLA gives it, key/value heads over `tensor`; the tokens are one
-device's (tests/test_engine.py). Every device of a data axis holds the whole pool: a pool
-per data-parallel replica, each slot's pages in its own, is still to come.
+its mesh). The compiled calls follow the parameters' shardings; the slots are split into
+the data-parallel replicas of the mesh's batch axes (`Decoder.page_replicas`: data, fsdp,
+expert, where they divide `max_slots`), each replica with a pool of its own and its slots'
+pages in it, the key/value heads over `tensor`. A step's attention then reads only the
+pages on its own devices, and each device holds its replica's pages alone; the tokens are
+one device's (tests/test_engine.py).
 
 Pages: the keys and values live in a pool of `max_pages` pages of `page_size` positions,
 and each slot has a block table, the pages of its positions in order. A request is
@@ -55,7 +57,6 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -169,24 +170,30 @@ class Engine:
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
     self.detokenize = decode
     """The `decode` given (None: completions have no text, requests no stop strings)."""
-    self._stacked = config.scan_layers  # Pools [layers, ...] rather than one per layer.
     self.page_size = page_size
     self.pages_per_slot = -(-self.max_len // page_size)
     self.max_pages = max_pages or max_slots * self.pages_per_slot
+    self.replicas = model.page_replicas(max_slots)
+    """Data-parallel replicas: slot s and its pages live in replica s // (max_slots /
+    replicas)."""
+    if self.max_pages % self.replicas:
+      raise ValueError(f"max_pages={max_pages} must be a multiple of the mesh's "
+                       f"{self.replicas} data-parallel replicas (each holds a pool)")
+    self.replica_pages = self.max_pages // self.replicas
+    """The pages of one replica's pool: the most one request may hold."""
     graphdef, self._state = nnx.split(model)
     # The compiled programs are shared by engines of the same model structure (the jits
     # below are module-level, their static arguments the graph and sizes).
     self._prefill = functools.partial(_prefill, graphdef)
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._steps = functools.partial(_steps, graphdef, max_top_logprobs, steps_per_call)
-    # Page 0 is never handed out: idle rows and positions past a table write there.
-    page = (config.num_kv_heads, self.max_pages + 1, page_size, config.resolved_head_dim)
-    pool = lambda: jnp.zeros((config.num_layers, *page) if self._stacked else page,
-                             jnp.dtype(config.dtype))
-    layers = lambda: pool() if self._stacked else tuple(pool() for _ in range(config.num_layers))
-    self._keys, self._values = layers(), layers()  # Buffers of their own: the step donates both.
-    self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)
-    self._free = list(range(self.max_pages, 0, -1))  # pop() hands out page 1 first.
+    # Page 0 of each pool is never handed out: idle rows and positions past a table write
+    # there.
+    self._keys, self._values = model.init_pages(self.replica_pages + 1, page_size,
+                                                self.replicas)
+    self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)  # Replicas' numbers.
+    # pop() hands out page 1 first.
+    self._free = [list(range(self.replica_pages, 0, -1)) for _ in range(self.replicas)]
     self.peak_pages = 0
     """The most pages held at once so far."""
     self._slots: list[_Slot | None] = [None] * max_slots
@@ -248,7 +255,11 @@ class Engine:
 
   @property
   def pages_in_use(self) -> int:
-    return self.max_pages - len(self._free)
+    return self.max_pages - sum(map(len, self._free))
+
+  def _replica(self, number: int) -> int:
+    """The replica that holds slot `number` (its rows are the mesh's in order)."""
+    return number // (self.max_slots // self.replicas)
 
   def pages_for(self, request: Request) -> int:
     """The pages `request` holds while it runs: its prompt's and `max_tokens`' positions."""
@@ -263,7 +274,7 @@ class Engine:
     for number in range(self.max_slots):
       # In order: the first waiting request is admitted once the pool has its pages.
       if (self._slots[number] is None and self._waiting
-          and self.pages_for(self._waiting[0][1]) <= len(self._free)):
+          and self.pages_for(self._waiting[0][1]) <= len(self._free[self._replica(number)])):
         self._slots[number] = self._admit(number, *self._waiting.popleft())
     for number, slot in enumerate(self._slots):
       if slot is not None and not slot.completion.tokens and self._prefill_next(number, slot):
@@ -289,11 +300,13 @@ class Engine:
     if len(request.prompt) + request.max_tokens > self.max_len:
       raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
                 f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
-    if self.pages_for(request) > self.max_pages:
+    if self.pages_for(request) > self.replica_pages:
+      pool = (f"the engine's pool holds {self.max_pages} (max_pages)" if self.replicas == 1
+              else f"each of the engine's {self.replicas} data-parallel pools holds "
+              f"{self.replica_pages} (max_pages / {self.replicas})")
       raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
                 f"({request.max_tokens}) need {self.pages_for(request)} pages of "
-                f"{self.page_size} positions; the engine's pool holds {self.max_pages} "
-                "(max_pages)")
+                f"{self.page_size} positions; {pool}")
     if request.temperature < 0:
       raise bad("temperature", f"temperature must be >= 0; got {request.temperature}")
     if request.top_k is not None and not 1 <= request.top_k <= self.vocab_size:
@@ -314,7 +327,8 @@ class Engine:
 
   def _admit(self, number: int, index: int, request: Request) -> _Slot:
     """The request in slot `number`, given its pages (in the slot's table)."""
-    pages = [self._free.pop() for _ in range(self.pages_for(request))]
+    free = self._free[self._replica(number)]
+    pages = [free.pop() for _ in range(self.pages_for(request))]
     self.peak_pages = max(self.peak_pages, self.pages_in_use)
     self._tables[number, :len(pages)] = pages
     text = (None if self.detokenize is None else
@@ -327,12 +341,18 @@ class Engine:
     programs); once the prompt is in, its first token sampled. Whether it was."""
     prompt = slot.request.prompt
     chunk = prompt[slot.length:slot.length + self.prefill_chunk]
-    tokens = np.zeros((1, padded_length(len(chunk), self.prefill_chunk)), np.int32)
-    tokens[0, :len(chunk)] = chunk
-    table = self._tables[number:number + 1, :self._width(slot.length + tokens.shape[1])]
+    # A row per replica (on a mesh each computes its own, in parallel): this slot's in its
+    # replica's, the others idle at page 0 of theirs.
+    row = self._replica(number)
+    tokens = np.zeros((self.replicas, padded_length(len(chunk), self.prefill_chunk)), np.int32)
+    tokens[row, :len(chunk)] = chunk
+    starts = np.zeros((self.replicas,), np.int32)
+    starts[row] = slot.length
+    table = np.zeros((self.replicas, self._width(slot.length + tokens.shape[1])), np.int32)
+    table[row] = self._tables[number, :table.shape[1]]
     logits, self._keys, self._values = self._prefill(
-        self._state, self._keys, self._values, tokens, np.asarray([slot.length], np.int32),
-        table, np.int32(len(chunk) - 1))
+        self._state, self._keys, self._values, tokens, starts, table, np.int32(row),
+        np.int32(len(chunk) - 1))
     slot.length += len(chunk)
     if slot.length < len(prompt):
       return False
@@ -381,7 +401,7 @@ class Engine:
   def _release(self, number: int, slot: _Slot) -> None:
     """Frees slot `number` and the pages `slot` held (rewritten by whoever gets them)."""
     self._slots[number] = None
-    self._free.extend(reversed(slot.pages))
+    self._free[self._replica(number)].extend(reversed(slot.pages))
     self._tables[number] = 0
 
   def _take(self, slot: _Slot, token, logp, top_tokens, top_logps) -> bool:
@@ -437,13 +457,14 @@ def _first_token(logits, seeds, counts, temperature, top_k, top_p, max_top: int)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill(graphdef, state, keys, values, tokens, start, block_table, last):
-  """A chunk of one prompt, tokens [1, T] at positions start..., into its pages
-  (`block_table` [1, W]): the logits [V] of its token `last`, and the updated pools."""
+def _prefill(graphdef, state, keys, values, tokens, start, block_table, row, last):
+  """A chunk of one prompt, row `row` of tokens [R, T] (one row per replica) at positions
+  start..., into its pages (`block_table` [R, W]): the logits [V] of its token `last`, and
+  the updated pools."""
   model = nnx.merge(graphdef, state)
   logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table))
-  return jax.lax.dynamic_index_in_dim(logits[0], last, keepdims=False), cache.keys, \
-      cache.values
+  logits = jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
+  return jax.lax.dynamic_index_in_dim(logits, last, keepdims=False), cache.keys, cache.values
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))

@@ -64,6 +64,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
@@ -247,6 +249,34 @@ class Decoder(nnx.Module):
     else:
       zeros = tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))
     return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
+
+  def page_replicas(self, rows: int) -> int:
+    """Into how many groups this model's mesh splits `rows` decoding rows (its batch axes,
+    where they divide the rows; 1 on one device): the pools of pages a paged cache
+    should hold, one per group (`init_pages`), so that each replica reads its own."""
+    if self.layout is None:
+      return 1
+    sharding = self.layout.attention()
+    replicas = sharding.size(sharding.batch)
+    return replicas if rows % replicas == 0 else 1
+
+  def init_pages(self, pages: int, page_size: int, replicas: int = 1):
+    """Empty pools of pages for a paged `KVCache`: (keys, values), each with `pages` pages
+    of `page_size` positions per replica. One replica: [K, pages, page_size, H] per layer;
+    more: [K, replicas, pages, ...], placed on the mesh with replica r's pool where
+    `page_replicas`' group r of rows lives (and the heads split as the attention's)."""
+    c = self.config
+    shape = ((c.num_kv_heads, pages, page_size, c.resolved_head_dim) if replicas == 1 else
+             (c.num_kv_heads, replicas, pages, page_size, c.resolved_head_dim))
+    shape = (c.num_layers, *shape) if c.scan_layers else shape
+    zeros = lambda: jnp.zeros(shape, jnp.dtype(c.dtype))
+    if replicas > 1 and self.layout is not None:  # Made in place, each device its part.
+      sharding = self.layout.attention()
+      heads = sharding.heads if c.num_kv_heads % sharding.size(sharding.heads) == 0 else ()
+      spec = (None,) * c.scan_layers + (heads or None, sharding.batch)
+      zeros = jax.jit(zeros, out_shardings=NamedSharding(sharding.mesh, P(*spec)))
+    layers = lambda: zeros() if c.scan_layers else tuple(zeros() for _ in range(c.num_layers))
+    return layers(), layers()  # Buffers of their own: a step may donate both.
 
   def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Logits of `tokens` [B, T] that follow the `cache.length` cached ones.

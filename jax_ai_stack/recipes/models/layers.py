@@ -19,12 +19,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack import kernels
 from jax_ai_stack.kernels.paged import paged_attention
@@ -57,7 +59,10 @@ class KVCache(NamedTuple):
   """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
   page block_table[b, j] of keys[i] and values[i], which are then pools of pages
   [num_kv_heads, pages, page_size, head_dim] (stacked: [num_layers, ...]); `length`
-  is [B]: row i's T tokens go to positions length[i] ... (a chunk of its prompt, or one)."""
+  is [B]: row i's T tokens go to positions length[i] ... (a chunk of its prompt, or one).
+  Pools [num_kv_heads, R, pages, page_size, head_dim] are one per replica: the rows are R
+  equal groups in order, group r's table numbering the pages of pool r
+  (`Decoder.init_pages`)."""
 
 
 def _fan_in_init(in_axis, out_axis):
@@ -167,20 +172,66 @@ class Attention(nnx.Module):
     return self.o_proj(out), (keys, values)
 
   def _decode_pages(self, q, k, v, keys, values, length, block_table):
-    """T tokens per row at positions length[i] ... over pools of pages: each written into
-    the page that holds its position (a position past the row's table goes to page 0,
-    which the engine never hands out), then `kernels.paged.paged_attention`."""
-    page_size = keys.shape[2]  # Pools [K, pages, page_size, H].
-    positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
-    page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
-                               fill_value=0)
-    put = lambda pool, new: pool.at[:, page, positions % page_size].set(
-        jnp.moveaxis(new, 2, 0).astype(pool.dtype))  # new [B, T, K, H] as [K, B, T, H].
-    keys, values = put(keys, k), put(values, v)
+    """T tokens per row at positions length[i] ... over pools of pages (one per replica:
+    `replicated_pages`), then the output projection."""
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, keys, values, block_table, positions, scale=scale,
-                          logits_soft_cap=self.logits_soft_cap, local_window=self.local_window)
+    attend = functools.partial(_write_and_attend, scale=scale,
+                               logits_soft_cap=self.logits_soft_cap,
+                               local_window=self.local_window)
+    if keys.ndim == 5:
+      out, keys, values = replicated_pages(attend, self.attention_sharding, q, k, v, keys,
+                                           values, length, block_table)
+    else:
+      out, keys, values = attend(q, k, v, keys, values, length, block_table)
     return self.o_proj(out), (keys, values)
+
+
+def _write_and_attend(q, k, v, keys, values, length, block_table, **options):
+  """Each row's new keys and values k, v [B, T, K, H] written into the page that holds their
+  position (a position past the row's table goes to page 0, which the engine never hands
+  out), then `kernels.paged.paged_attention` (`options`) of q: (out, keys, values)."""
+  page_size = keys.shape[2]  # Pools [K, pages, page_size, H].
+  positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
+  page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
+                             fill_value=0)
+  put = lambda pool, new: pool.at[:, page, positions % page_size].set(
+      jnp.moveaxis(new, 2, 0).astype(pool.dtype))  # new [B, T, K, H] as [K, B, T, H].
+  keys, values = put(keys, k), put(values, v)
+  return paged_attention(q, keys, values, block_table, positions, **options), keys, values
+
+
+def replicated_pages(attend: Callable, sharding: kernels.AttentionSharding | None, q, k, v,
+                     keys, values, length, block_table):
+  """`attend` (as `_write_and_attend`) with pools of pages per replica, keys and values
+  [K, R, pages, P, H]: rows in R equal groups, each over its own pool.
+
+  On a mesh whose batch axes split the rows into R groups (a data-parallel engine), each
+  group runs where its rows and its pool live, in a `shard_map` over those axes: no page
+  crosses devices. (GSPMD alone, given one pool sharded by pages and global page numbers,
+  all-reduces every page read across the replicas.) Elsewhere the groups run side by side
+  (`vmap`; one group is the plain call).
+  """
+  replicas, rows = keys.shape[1], q.shape[0]
+  if rows % replicas:
+    raise ValueError(f"{rows} rows do not split into the pools' {replicas} replicas")
+
+  def groups(q, k, v, keys, values, length, block_table):
+    count = keys.shape[1]
+    if count == 1:
+      out, keys, values = attend(q, k, v, keys[:, 0], values[:, 0], length, block_table)
+      return out, keys[:, None], values[:, None]
+    split = lambda x: x.reshape(count, -1, *x.shape[1:])
+    out, keys, values = jax.vmap(attend, in_axes=(0, 0, 0, 1, 1, 0, 0), out_axes=(0, 1, 1))(
+        split(q), split(k), split(v), keys, values, split(length), split(block_table))
+    return out.reshape(-1, *out.shape[2:]), keys, values
+
+  if sharding is None or replicas == 1 or sharding.size(sharding.batch) != replicas:
+    return groups(q, k, v, keys, values, length, block_table)
+  by_rows, by_pools = P(sharding.batch), P(None, sharding.batch)
+  return jax.shard_map(groups, mesh=sharding.mesh, axis_names=set(sharding.batch),
+                       in_specs=(by_rows,) * 3 + (by_pools,) * 2 + (by_rows,) * 2,
+                       out_specs=(by_rows, by_pools, by_pools))(
+                           q, k, v, keys, values, length, block_table)
 
 
 def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
