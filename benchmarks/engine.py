@@ -9,7 +9,8 @@ seed), on a tiny and a ~25M-parameter Decoder, timed in one process:
                  batches), each batch to its longest output, cut per request afterwards
 
 Each variant runs once to compile (every prompt length the loop sees is a program of its
-own) and is then timed. Reports new tokens per second of each, the engine's time to
+own) and is then timed (`--repeats` N: the fastest of N runs, since on a shared machine
+the others' load only ever slows a run). Reports new tokens per second of each, the engine's time to
 first token (from the start of the run to each request's first token: median and worst),
 and the KV cache: the engine's pool (slots x max_len in pages) and the most of it its
 requests held at once, against a full-length cache per request (what the loop allocates,
@@ -25,6 +26,7 @@ the engine's, and the engine against the better of the two (target >= 1x).
 
     python benchmarks/engine.py            # both sizes, 64 requests
     python benchmarks/engine.py --quick    # smoke test
+    python benchmarks/engine.py --sizes tiny --repeats 3
     python benchmarks/engine.py --transformers --torch-python ~/hf/bin/python
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import statistics
 import subprocess
@@ -135,7 +138,7 @@ def run_transformers(model, requests: Sequence[Request], batch: int, python: str
 
 
 def measure(size: str, workload: dict, steps_per_call: int | None = None,
-            torch_python: str | None = None) -> dict[str, Any]:
+            torch_python: str | None = None, repeats: int = 1) -> dict[str, Any]:
   config = SIZES[size]
   model = Decoder(config, rngs=nnx.Rngs(0))
   requests = requests_for(workload, config.vocab_size)
@@ -147,9 +150,10 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
   tokens, seconds = {}, {}
   for name, call in variants.items():
     call()  # Compiles every program this variant needs.
-    started = time.perf_counter()
-    tokens[name] = call()
-    seconds[name] = time.perf_counter() - started
+    for _ in range(repeats):
+      started = time.perf_counter()
+      tokens[name] = call()
+      seconds[name] = min(seconds.get(name, math.inf), time.perf_counter() - started)
   _, first, engine = run_engine(model, requests, workload["slots"], steps_per_call)
   rates = {name: new_tokens / s for name, s in seconds.items()}
   best_loop = max(rates["loop"], rates["loop-batched"])
@@ -164,6 +168,7 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
   return {
       "model": dataclasses.asdict(config) | {"params": _params(model)},
       "requests": len(requests), "new_tokens": new_tokens, "slots": workload["slots"],
+      "repeats": repeats,
       "steps_per_call": steps_per_call or Engine.__init__.__kwdefaults__["steps_per_call"],
       "seconds": seconds, "tokens_per_s": rates,
       "same_tokens": tokens["engine"] == tokens["loop"] == tokens["loop-batched"],
@@ -199,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--sizes", default="tiny,25m", help="models to measure (default tiny,25m)")
   parser.add_argument("--steps-per-call", type=int,
                       help="the engine's decode steps per compiled call (default: the engine's)")
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="timed runs of each variant; the fastest counts (default 1)")
   parser.add_argument("--transformers", action="store_true",
                       help="also time transformers' generate on the exported model")
   parser.add_argument("--torch-python", default=sys.executable,
@@ -216,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     record["transformers"] = "not measured (--transformers)"
   for size in sizes:
     record["sizes"][size] = measure(size, workload, args.steps_per_call,
-                                    args.torch_python if args.transformers else None)
+                                    args.torch_python if args.transformers else None,
+                                    args.repeats)
     result = record["sizes"][size]
     rates, ratio = result["tokens_per_s"], result["engine_vs_best_loop"]["value"]
     verdict = common.verdict(ratio, TARGET_VS_LOOP, at_least=True)
