@@ -156,7 +156,8 @@ class Engine:
     call wastes the rest of it). The tokens and log-probs do not depend on it. `decode`:
     token ids to text (the tokenizer's): each completion's `text`, and requests' `stop`
     strings. `page_size`: positions per page of the KV cache; `max_pages`: the pool's
-    pages (default: `max_slots` rows of `max_len`). `prefill_chunk`: the most prompt
+    pages (default: `max_slots` rows of `max_len`; on a mesh, split evenly among its
+    data-parallel replicas). `prefill_chunk`: the most prompt
     tokens a request prefills per `step`, between the decoding calls of the others."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")

@@ -207,9 +207,10 @@ def replicated_pages(attend: Callable, sharding: kernels.AttentionSharding | Non
 
   On a mesh whose batch axes split the rows into R groups (a data-parallel engine), each
   group runs where its rows and its pool live, in a `shard_map` over those axes: no page
-  crosses devices. (GSPMD alone, given one pool sharded by pages and global page numbers,
-  all-reduces every page read across the replicas.) Elsewhere the groups run side by side
-  (`vmap`; one group is the plain call).
+  crosses devices, whatever the kernel (GSPMD cannot split a Pallas kernel's call, and
+  given one pool split by pages, read with global page numbers, it all-reduces every page
+  read across the replicas). Elsewhere the groups run side by side (`vmap`; one group is
+  the plain call).
   """
   replicas, rows = keys.shape[1], q.shape[0]
   if rows % replicas:
