@@ -52,6 +52,7 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
+from jax_ai_stack.recipes.inference.engine import half_octave
 from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["HarnessModel", "decodes_as_it_scores", "for_run", "pack", "packs_by_default",
@@ -309,9 +310,7 @@ def row_width(size: int, limit: int, least: int = MIN_WIDTH) -> int:
     >>> [row_width(n, 512) for n in (5, 17, 25, 90, 100, 400, 600)]
     [16, 24, 32, 96, 128, 512, 512]
   """
-  octave = 1 << (max(size, 1) - 1).bit_length()
-  step = octave * 3 // 4 if size <= octave * 3 // 4 else octave
-  return min(max(least, step), limit)
+  return min(max(least, half_octave(size)), limit)
 
 
 def decodes_as_it_scores(model: nnx.Module) -> bool:

@@ -366,9 +366,7 @@ class Engine:
     ... (two compiled programs an octave; at most a third of them unneeded, where powers
     of two read up to twice the pages: the tiny benchmark model's decoding call at 12 pages
     took 3.9 ms, at 16 5.8): what a call reads."""
-    pages = -(-positions // self.page_size)
-    octave = 1 << (pages - 1).bit_length()
-    return min(octave * 3 // 4 if pages <= octave * 3 // 4 else octave, self.pages_per_slot)
+    return min(half_octave(-(-positions // self.page_size)), self.pages_per_slot)
 
   def _decode(self) -> list[Completion]:
     """`steps_per_call` tokens for every occupied slot (fewer for one that ends); the
@@ -427,6 +425,19 @@ class Engine:
       if slot.text.stopped:
         completion.finish_reason = "stop"
     return bool(completion.finish_reason)
+
+
+def half_octave(size: int) -> int:
+  """`size` rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: two steps an octave, at most a
+  third of padding (where a power of two pads up to half), so few compiled programs serve
+  many sizes.
+
+  Example:
+    >>> [half_octave(n) for n in (1, 3, 5, 9, 13, 17, 100)]
+    [1, 3, 6, 12, 16, 24, 128]
+  """
+  octave = 1 << (max(size, 1) - 1).bit_length()
+  return octave * 3 // 4 if size <= octave * 3 // 4 else octave
 
 
 def padded_length(size: int, limit: int) -> int:
