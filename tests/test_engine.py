@@ -275,7 +275,8 @@ def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel
   for eight slots and 24 pages (some wait); log-probs within float32 rounding (a split
   matmul sums in another order). A device holds its replica's pages alone, and no
   collective of the decoding step moves pages (one pool split by pages, read with global
-  page numbers, all-reduces every page read)."""
+  page numbers, all-reduces every page read). The replicas prefill their slots side by
+  side, in calls of a row each."""
   from multidevice import run_on_devices
 
   result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
@@ -287,3 +288,7 @@ def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel
   assert result["on_a_device"] == [1, 1, 7, 16, result["shape"][-1]]
   assert result["pages_moved"] == []
   assert result["pages_in_use"] == 0 and result["peak_pages"] > 6  # More than one pool's.
+  # Nine one-chunk prompts: nine calls on one device. On the mesh the first eight (two slots
+  # per replica, padded to 16, 32; 16, 32; 16, 64; 16, 16) take four calls, a slot per
+  # replica of one padded length each, and the ninth one.
+  assert result["prefill_calls_one_device"] == 9 and result["prefill_calls"] == 5

@@ -27,8 +27,25 @@ requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, n)), 6,
             for i, n in enumerate((3, 17, 9, 30, 5, 40, 12, 2, 26))]
 # Nine for eight slots, 24 pages of 16 positions (a request holds 1-3): some wait.
 settings = dict(max_slots=8, max_len=64, page_size=16, max_pages=24)
-expected = Engine(one, **settings).run(requests)
+
+
+def counted(engine: Engine) -> list[int]:
+  """Counts the engine's prefill calls: [calls]."""
+  calls, prefill = [0], engine._prefill  # pylint: disable=protected-access
+
+  def call(*args):
+    calls[0] += 1
+    return prefill(*args)
+
+  engine._prefill = call  # pylint: disable=protected-access
+  return calls
+
+
+alone = Engine(one, **settings)
+alone_calls = counted(alone)
+expected = alone.run(requests)
 engine = Engine(model, **settings)
+prefill_calls = counted(engine)
 got = engine.run(requests)
 keys = engine._keys  # pylint: disable=protected-access
 layer_keys = keys[0] if isinstance(keys, tuple) else keys
@@ -51,4 +68,5 @@ print(json.dumps({
     "cache": str(layer_keys.sharding.spec), "replicas": engine.replicas,
     "shape": list(layer_keys.shape), "pages_moved": moved,
     "on_a_device": list(layer_keys.addressable_shards[0].data.shape),
-    "pages_in_use": engine.pages_in_use, "peak_pages": engine.peak_pages}))
+    "pages_in_use": engine.pages_in_use, "peak_pages": engine.peak_pages,
+    "prefill_calls": prefill_calls[0], "prefill_calls_one_device": alone_calls[0]}))

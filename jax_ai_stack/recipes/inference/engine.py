@@ -7,8 +7,8 @@ any moment, `step` admits and decodes `steps_per_call` tokens for every running
 request (returning the completions that grew), `cancel` frees the slot of a
 request whose client went away. A request is admitted to a free slot (of `max_slots`,
 each with up to `max_len` positions) when the KV cache has its pages; its prompt is
-prefilled into them alone, `prefill_chunk` tokens per step, between the decoding calls of
-the running requests, so that a long prompt does not stall them; then one compiled call
+prefilled into them in a row of its own, `prefill_chunk` tokens per step, between the
+decoding calls of the running requests, so that a long prompt does not stall them; then one compiled call
 decodes `steps_per_call` tokens for every slot past its prompt (a loop on the device,
 each token fed to the next), each at its own position. A request that ends (a stop
 token, a stop string in its text, `max_tokens`, the end of the context) frees its slot
@@ -19,8 +19,9 @@ its mesh). The compiled calls follow the parameters' shardings; the slots are sp
 the data-parallel replicas of the mesh's batch axes (`Decoder.page_replicas`: data, fsdp,
 expert, where they divide `max_slots`), each replica with a pool of its own and its slots'
 pages in it, the key/value heads over `tensor`. A step's attention then reads only the
-pages on its own devices, and each device holds its replica's pages alone; the tokens are
-one device's (tests/test_engine.py).
+pages on its own devices, and each device holds its replica's pages alone; the replicas
+prefill their waiting slots side by side, a row each; the tokens are one device's
+(tests/test_engine.py).
 
 Pages: the keys and values live in a pool of `max_pages` pages of `page_size` positions,
 and each slot has a block table, the pages of its positions in order. A request is
@@ -34,7 +35,7 @@ rounded up to 1, 2, 3, 4, 6, 8, 12, ... (two compiled programs an octave), so it
 attention follows the tokens held rather than `max_len` (`kernels.paged`).
 
 Batch-invariant: a request's tokens depend only on the request. Its prefill
-runs alone; in the decode step no row reads another, and a page past a row's
+has a row of its own in a call of fixed shape (a row per replica); in the decode step no row reads another, and a page past a row's
 length adds exactly nothing to its attention, however many pages the step reads;
 token i is sampled with `fold_in(key(seed), i)`. So a seeded request gives the
 same tokens alone, among 31 others or admitted mid-way.
@@ -57,6 +58,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -277,8 +279,10 @@ class Engine:
       if (self._slots[number] is None and self._waiting
           and self.pages_for(self._waiting[0][1]) <= len(self._free[self._replica(number)])):
         self._slots[number] = self._admit(number, *self._waiting.popleft())
-    for number, slot in enumerate(self._slots):
-      if slot is not None and not slot.completion.tokens and self._prefill_next(number, slot):
+    waiting = [(number, slot) for number, slot in enumerate(self._slots)
+               if slot is not None and not slot.completion.tokens]
+    for call in self._prefill_calls(waiting):
+      for number, slot in self._prefill_next(call):
         grown.append(slot.completion)
         if slot.completion.finish_reason:  # It ended at its first token.
           self._release(number, slot)
@@ -336,30 +340,55 @@ class Engine:
             TextStream(self.detokenize, request.stop, request.stop_ids))
     return _Slot(index, request, Completion(index, [], [], ""), 0, text, pages)
 
-  def _prefill_next(self, number: int, slot: _Slot) -> bool:
-    """The next chunk of `slot`'s prompt into its pages (alone: its bits depend on the
-    request only; padded to a power of two, so that chunk lengths share a few compiled
-    programs); once the prompt is in, its first token sampled. Whether it was."""
-    prompt = slot.request.prompt
-    chunk = prompt[slot.length:slot.length + self.prefill_chunk]
-    # A row per replica (on a mesh each computes its own, in parallel): this slot's in its
-    # replica's, the others idle at page 0 of theirs.
-    row = self._replica(number)
-    tokens = np.zeros((self.replicas, padded_length(len(chunk), self.prefill_chunk)), np.int32)
-    tokens[row, :len(chunk)] = chunk
-    starts = np.zeros((self.replicas,), np.int32)
-    starts[row] = slot.length
-    table = np.zeros((self.replicas, self._width(slot.length + tokens.shape[1])), np.int32)
-    table[row] = self._tables[number, :table.shape[1]]
+  def _chunk(self, slot: _Slot) -> tuple[int, ...]:
+    """The part of `slot`'s prompt that its next prefill takes."""
+    return slot.request.prompt[slot.length:slot.length + self.prefill_chunk]
+
+  def _prefill_calls(self, waiting: list[tuple[int, _Slot]]) -> list[dict[int, tuple]]:
+    """The slots still prefilling (slot number, slot) in calls: each call one slot per
+    replica at most (its row), all of one padded chunk length; {replica: (number, slot)}.
+    A call's rows are the replicas', so a slot's prefill has the same shapes whichever
+    others share the call (its bits its own), and on a mesh the replicas prefill their
+    slots side by side."""
+    calls: list[tuple[int, dict[int, tuple]]] = []  # (padded length, call)
+    for number, slot in waiting:
+      length = padded_length(len(self._chunk(slot)), self.prefill_chunk)
+      replica = self._replica(number)
+      for padded, call in calls:
+        if padded == length and replica not in call:
+          break
+      else:
+        call = {}
+        calls.append((length, call))
+      call[replica] = (number, slot)
+    return [call for _, call in calls]
+
+  def _prefill_next(self, call: dict[int, tuple]) -> list[tuple[int, _Slot]]:
+    """The next chunk of each slot's prompt in `call` (`_prefill_calls`) into its pages, in
+    one compiled call: the slot in its replica's row, the other rows idle at page 0 of
+    their pools (chunks padded to a power of two, so that lengths share a few programs).
+    A slot whose prompt is then in has its first token sampled: those (number, slot)."""
+    chunks = {replica: self._chunk(slot) for replica, (_, slot) in call.items()}
+    length = padded_length(len(next(iter(chunks.values()))), self.prefill_chunk)
+    width = self._width(max(slot.length for _, slot in call.values()) + length)
+    tokens = np.zeros((self.replicas, length), np.int32)
+    starts, lasts = np.zeros((2, self.replicas), np.int32)
+    table = np.zeros((self.replicas, width), np.int32)
+    for replica, (number, slot) in call.items():
+      tokens[replica, :len(chunks[replica])] = chunks[replica]
+      starts[replica], lasts[replica] = slot.length, len(chunks[replica]) - 1
+      table[replica] = self._tables[number, :width]
     logits, self._keys, self._values = self._prefill(
-        self._state, self._keys, self._values, tokens, starts, table, np.int32(row),
-        np.int32(len(chunk) - 1))
-    slot.length += len(chunk)
-    if slot.length < len(prompt):
-      return False
-    sampled = _first_token(logits[None], *_settings([slot]), self.max_top_logprobs)
-    self._take(slot, *[np.asarray(x)[0] for x in sampled])
-    return True
+        self._state, self._keys, self._values, tokens, starts, table, lasts)
+    done = []
+    for replica, (number, slot) in call.items():
+      slot.length += len(chunks[replica])
+      if slot.length == len(slot.request.prompt):
+        sampled = _first_token(logits[replica][None], *_settings([slot]),
+                               self.max_top_logprobs)
+        self._take(slot, *[np.asarray(x)[0] for x in sampled])
+        done.append((number, slot))
+    return done
 
   def _width(self, positions: int) -> int:
     """Table columns that cover `positions` positions, rounded up to 1, 2, 3, 4, 6, 8, 12,
@@ -472,14 +501,14 @@ def _first_token(logits, seeds, counts, temperature, top_k, top_p, max_top: int)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill(graphdef, state, keys, values, tokens, start, block_table, row, last):
-  """A chunk of one prompt, row `row` of tokens [R, T] (one row per replica) at positions
-  start..., into its pages (`block_table` [R, W]): the logits [V] of its token `last`, and
+def _prefill(graphdef, state, keys, values, tokens, start, block_table, last):
+  """Chunks of prompts, tokens [R, T] (a row per replica) at positions start[r] ..., into
+  their pages (`block_table` [R, W]): the logits [R, V] of each row's token last[r], and
   the updated pools."""
   model = nnx.merge(graphdef, state)
   logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table))
-  logits = jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
-  return jax.lax.dynamic_index_in_dim(logits, last, keepdims=False), cache.keys, cache.values
+  logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+  return logits, cache.keys, cache.values
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
