@@ -51,10 +51,9 @@ keys = engine._keys  # pylint: disable=protected-access
 layer_keys = keys[0] if isinstance(keys, tuple) else keys
 # The decoding step's collectives that move pages ([..., page_size, head_dim]): none, when
 # each replica reads its own pool.
-step = engine._steps  # pylint: disable=protected-access
 idle = np.zeros(8, np.int32)
-compiled = engine_module._steps.lower(  # pylint: disable=protected-access
-    *step.args, engine._state, keys, engine._values, idle, idle,  # pylint: disable=protected-access
+compiled = engine._steps.lower(  # pylint: disable=protected-access
+    engine._params, keys, engine._values, idle, idle,  # pylint: disable=protected-access
     np.zeros((8, 4), np.int32), *engine_module._settings([None] * 8)).compile().as_text()
 collectives = (re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start)?\(", line)
