@@ -389,6 +389,20 @@ def test_cached_decoding_gives_the_full_forward_logits(model):
   assert isinstance(cache, KVCache) and int(cache.length) == 11
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 
+def test_a_prefill_with_logits_at_gives_each_row_s_chosen_token_s_logits_alone(model):
+  """The head runs on one token a row (what a prefill samples from); the same logits as the
+  whole prefill's at those tokens, and the same cache."""
+  tokens = random_tokens((2, 7))
+  decode = nnx.jit(lambda model, tokens, cache, at: model.decode(tokens, cache, logits_at=at))
+  cache = model.init_cache(batch_size=2, max_length=16)
+  every, every_cache = decode(model, tokens, cache, None)
+  chosen, chosen_cache = decode(model, tokens, cache, jnp.asarray([6, 2], jnp.int32))
+  assert chosen.shape == (2, 1, every.shape[-1])
+  np.testing.assert_allclose(chosen[:, 0], every[jnp.arange(2), jnp.asarray([6, 2])],
+                             atol=1e-6)
+  np.testing.assert_array_equal(chosen_cache.keys[0], every_cache.keys[0])
+
+
 
 def test_a_length_per_row_without_a_block_table_is_refused(model):
   cache = model.init_cache(batch_size=2, max_length=16)._replace(length=jnp.zeros(2, jnp.int32))

@@ -58,7 +58,6 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -519,9 +518,9 @@ def _prefill(model: Callable, params, keys, values, tokens, start, block_table, 
   their pages (`block_table` [R, W]): the logits [R, V] of each row's token last[r], and
   the updated pools. `model(params)`: the decoder."""
   model = model(params)
-  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table))
-  logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  return logits, cache.keys, cache.values
+  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table),
+                               logits_at=last)
+  return logits[:, 0], cache.keys, cache.values
 
 
 def _steps(model: Callable, max_top: int, count: int, params, keys, values, tokens, lengths,

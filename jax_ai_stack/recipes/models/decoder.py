@@ -278,13 +278,17 @@ class Decoder(nnx.Module):
     layers = lambda: zeros() if c.scan_layers else tuple(zeros() for _ in range(c.num_layers))
     return layers(), layers()  # Buffers of their own: a step may donate both.
 
-  def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+  def decode(self, tokens: jax.Array, cache: KVCache,
+             logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Logits of `tokens` [B, T] that follow the `cache.length` cached ones.
 
     T > 1 is a prefill of an empty cache (the prompt); T == 1 is one decoding
     step. A paged cache (`cache.block_table`, the engine's, with `cache.length` [B]) takes
     T tokens per row at positions length[i] ...: a prompt chunk by chunk, or one step.
-    Returns float32 logits [B, T, vocab] and the cache with T more tokens.
+    Returns float32 logits [B, T, vocab] and the cache with T more tokens; with `logits_at`
+    (int32 [B]) the logits of row b's token logits_at[b] alone, [B, 1, vocab]: what a
+    prefill samples from, without the head's work and memory for every token of the
+    prompt (T x vocab logits a row: a 256-token chunk of a 150k vocabulary is 150 MB).
     """
     _check_tokens(tokens)
     t = tokens.shape[1]
@@ -295,15 +299,17 @@ class Decoder(nnx.Module):
     x = self._embed(tokens)
     if self.config.scan_layers:
       x, keys, values = _scan_decode(self.layers, x, ropes[0], cache)
-      return self._logits(x), cache._replace(keys=keys, values=values, length=cache.length + t)
-    keys, values = [], []
-    for i, (block, rope) in enumerate(zip(self.layers, ropes)):
-      x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length,
-                                           cache.block_table))
-      keys.append(k)
-      values.append(v)
-    return self._logits(x), cache._replace(keys=tuple(keys), values=tuple(values),
-                                           length=cache.length + t)
+    else:
+      keys, values = [], []
+      for i, (block, rope) in enumerate(zip(self.layers, ropes)):
+        x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length,
+                                             cache.block_table))
+        keys.append(k)
+        values.append(v)
+      keys, values = tuple(keys), tuple(values)
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, jnp.reshape(logits_at, (-1, 1, 1)), axis=1)
+    return self._logits(x), cache._replace(keys=keys, values=values, length=cache.length + t)
 
   def _ropes(self, positions: jax.Array) -> list[RopeTables]:
     """Each layer's RoPE tables, computed once per distinct (theta, scaling)."""

@@ -89,7 +89,7 @@ def _generate(graphdef, state, prompt, rng, temperature, max_new_tokens, *, top_
   model = nnx.merge(graphdef, state)
   batch, prompt_len = prompt.shape
   cache = model.init_cache(batch, model.config.max_seq_len)
-  logits, cache = model.decode(prompt, cache)
+  logits, cache = model.decode(prompt, cache, logits_at=jnp.full((batch,), prompt_len - 1))
   first = _sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
   room = model.config.max_seq_len - prompt_len
   new_tokens = jnp.zeros((batch, room), jnp.int32).at[:, 0].set(first)
