@@ -16,6 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
 
+from jax_ai_stack.kernels import paged
 from jax_ai_stack.kernels.paged import (choose_paged_attention, paged_attention, pallas_tpu,
                                         tpu_kernel_fits)
 
@@ -81,6 +82,33 @@ def test_pages_past_a_row_s_length_change_no_bit_of_it():
                            jnp.asarray(np.concatenate([tables, extra], axis=1)),
                            positions, scale=0.3, local_window=window)
     assert np.array_equal(np.asarray(narrow), np.asarray(wide))
+
+
+@pytest.mark.parametrize("group_floats", [128, 64], ids=["groups of 2 rows", "of 1"])
+def test_rows_in_groups_equal_the_dense_softmax_and_keep_their_bits_whoever_is_beside(
+    group_floats, monkeypatch):
+  """Rows in groups (a small `GROUP_FLOATS` here: a row reads 64 floats of keys a page), the
+  longest first, each group's loop as long as its longest row: the dense softmax still;
+  and row 0 gives the same bits whatever its neighbours' lengths, which change its group
+  and the loops' lengths."""
+  monkeypatch.setattr(paged, "GROUP_FLOATS", group_floats)
+  q = RNG.normal(size=(4, 1, HEADS, DIM)).astype(np.float32)
+  pool, tables, (keys, values) = _pool_and_tables(range(4), width=4)
+  row_0 = []
+  for others in ([1, 13, 7], [15, 0, 2], [3, 3, 14]):
+    positions = np.asarray([[9]] + [[p] for p in others], np.int32)
+    out = paged_attention(jnp.asarray(q), jnp.asarray(pool[0]), jnp.asarray(pool[1]),
+                          jnp.asarray(tables), jnp.asarray(positions), scale=0.3)
+    np.testing.assert_allclose(np.asarray(out), _dense(q, keys, values, positions, 0.3),
+                               rtol=1e-5, atol=1e-5)
+    row_0.append(np.asarray(out[0]))
+  assert all(np.array_equal(out, row_0[0]) for out in row_0)
+
+
+def test_groups_halve_while_each_reads_enough_of_a_page():
+  assert paged._group_rows(16, 2 * 64 * 16) == 16  # The tiny benchmark model's rows.
+  assert paged._group_rows(16, 2 * 64 * 64) == 4  # The 25M one's.
+  assert paged._group_rows(16, 8 * 64 * 128) == 1 and paged._group_rows(6, 8192) == 6
 
 
 def test_the_xla_loop_runs_per_replica_inside_a_shard_map_over_data():

@@ -6,12 +6,18 @@ order. A row's queries (one when decoding, a chunk of its prompt when prefilling
 at given positions and attend causally to the row's positions up to their own.
 
 The pages are read one table column at a time in a loop, with an online softmax
-(a running maximum, sum and weighted values, rescaled as each page arrives), so a
-call's work follows the table's width, which the engine cuts to what its rows need.
-A page past a query's position (or before its sliding window) is masked whole and
-adds exactly nothing: its weights are exp(-inf) = 0 and the running maximum does not
-move (a rescale by exp(0) = 1). So a row's result does not depend on the width: a
-request gives the same bits beside short rows or long ones.
+(a running maximum, sum and weighted values, rescaled as each page arrives), for as
+many columns as the rows' furthest position needs, so a call's work follows the
+tokens its rows hold, however wide the table. A page past a query's position (or
+before its sliding window) is masked whole and adds exactly nothing: its weights are
+exp(-inf) = 0 and the running maximum does not move (a rescale by exp(0) = 1). So a
+row's result does not depend on how many pages are read: a request gives the same bits
+beside short rows or long ones.
+
+Where a row's page is large (`GROUP_FLOATS`), the rows go in groups of equal size,
+longest first, each group's loop as long as its own longest row: short rows stop
+reading early. A row's bits depend on the group size (the batched matmuls' shape),
+which the row count and page shape fix, never on which rows share its group.
 
 Implementations ("auto": pallas_gpu on GPU, pallas_tpu on TPU, else xla), as
 `choose_paged_attention` says (what `jax-ai-stack kernels` reports):
@@ -47,6 +53,7 @@ Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pag
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -55,8 +62,15 @@ import jax.numpy as jnp
 from jax_ai_stack.kernels import names, rules
 from jax_ai_stack.kernels.request import Backend, current_backend
 
-__all__ = ["PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention", "pallas_tpu",
-           "tpu_kernel_fits"]
+__all__ = ["GROUP_FLOATS", "PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention",
+           "pallas_tpu", "tpu_kernel_fits"]
+
+GROUP_FLOATS = 32768
+"""The xla loop's rows go in groups (halving while each still reads at least this many
+floats of keys a page: kv_heads x page_size x head_dim a row). XLA:CPU pays a fixed time
+for each step of a loop, which smaller groups pay more often than their short rows save:
+the benchmark's tiny model (2 x 64 x 16 a row) keeps its 16 rows together; its 25M one
+(2 x 64 x 64) decodes in groups of 4 rows, its attention 1.6x as fast."""
 
 PAGED_ATTENTIONS = ("pallas_gpu", "pallas_tpu", "xla")
 _WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
@@ -171,10 +185,41 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
   queries = queries.astype(jnp.float32) * scale
   last = jnp.repeat(positions, g, axis=1)[None, :, :, None]  # [1, B, T * G, 1]: own position.
   first = jnp.zeros_like(last) if local_window is None else last - local_window
+  # The table columns each row reads: up to its furthest query's position.
+  columns = jnp.minimum(positions.max(axis=1) // page_size + 1, block_table.shape[1])
+  rows = _group_rows(b, k * page_size * h)
+  attend = functools.partial(_online_softmax, k_pages=k_pages, v_pages=v_pages,
+                             logits_soft_cap=logits_soft_cap)
+  if rows == b:
+    out = attend(queries, last, first, block_table, columns.max())
+  else:
+    order = jnp.argsort(-columns, stable=True).reshape(-1, rows)  # Longest first.
+    outs = [attend(queries[:, group], last[:, group], first[:, group], block_table[group],
+                   columns[group].max()) for group in order]
+    out = jnp.concatenate(outs, axis=1)[:, jnp.argsort(order.reshape(-1))]
+  out = out.reshape(k, b, t, g, h)
+  return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _group_rows(rows: int, row_floats: int) -> int:
+  """Rows per group of the xla loop: `rows` halved while a group reads at least
+  `GROUP_FLOATS` floats of keys a page (`row_floats` a row)."""
+  size = rows
+  while size % 2 == 0 and size // 2 * row_floats >= GROUP_FLOATS:
+    size //= 2
+  return size
+
+
+def _online_softmax(queries, last, first, block_table, columns, *, k_pages, v_pages,
+                    logits_soft_cap):
+  """queries [K, B, Q, H] (scaled, float32) over the first `columns` (traced) columns of
+  `block_table` [B, W], keys at or before `last` and at or after `first` ([1, B, Q, 1]):
+  the attention's output [K, B, Q, H]."""
+  page_size = k_pages.shape[2]
   offsets = jnp.arange(page_size)
 
-  def page(carry, column):
-    top, total, weighted = carry  # [K, B, T * G], the same, [K, B, T * G, H]
+  def page(column, carry):
+    top, total, weighted = carry  # [K, B, Q], the same, [K, B, Q, H]
     pages = block_table[:, column]
     keys = k_pages[:, pages].astype(jnp.float32)  # [K, B, P, H]
     values = v_pages[:, pages].astype(jnp.float32)
@@ -182,7 +227,7 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
     if logits_soft_cap is not None:
       logits = jnp.tanh(logits / logits_soft_cap) * logits_soft_cap
     keys_at = column * page_size + offsets
-    seen = (keys_at <= last) & (keys_at >= first)  # [1, B, T * G, P]
+    seen = (keys_at <= last) & (keys_at >= first)  # [1, B, Q, P]
     logits = jnp.where(seen, logits, -jnp.inf)
     new_top = jnp.maximum(top, logits.max(-1))
     # A query that has seen nothing yet keeps -inf: rescale by 1, not exp(-inf + inf).
@@ -190,11 +235,10 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
     weights = jnp.where(seen, jnp.exp(logits - new_top[..., None]), 0.0)
     total = total * rescale + weights.sum(-1)
     weighted = weighted * rescale[..., None] + jnp.einsum("kbqp,kbph->kbqh", weights, values)
-    return (new_top, total, weighted), None
+    return new_top, total, weighted
 
   # Made from the queries, so that inside a shard_map the carry varies as they do.
   start = (jnp.full_like(queries[..., 0], -jnp.inf), jnp.zeros_like(queries[..., 0]),
            jnp.zeros_like(queries))
-  (_, total, weighted), _ = jax.lax.scan(page, start, jnp.arange(block_table.shape[1]))
-  out = (weighted / total[..., None]).reshape(k, b, t, g, h)
-  return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
+  _, total, weighted = jax.lax.fori_loop(0, columns, page, start)
+  return weighted / total[..., None]
