@@ -390,9 +390,9 @@ class Engine:
 
   def _width(self, positions: int) -> int:
     """Table columns that cover `positions` positions, rounded up to 1, 2, 3, 4, 6, 8, 12,
-    ... (two compiled programs an octave; at most a third of them unneeded, where powers
-    of two read up to twice the pages: the tiny benchmark model's decoding call at 12 pages
-    took 3.9 ms, at 16 5.8): what a call reads."""
+    ... (two compiled programs an octave): the table a call gets. The Pallas kernels read
+    all of it (at most a third unneeded, where powers of two read up to twice the pages);
+    the xla loop stops at what its rows need."""
     return min(half_octave(-(-positions // self.page_size)), self.pages_per_slot)
 
   def _decode(self) -> list[Completion]:
