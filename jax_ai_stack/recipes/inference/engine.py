@@ -8,9 +8,9 @@ request (returning the completions that grew), `cancel` frees the slot of a
 request whose client went away. A request is admitted to a free slot (of `max_slots`,
 each with up to `max_len` positions) when the KV cache has its pages; its prompt is
 prefilled into them in a row of its own, `prefill_chunk` tokens per step, between the
-decoding calls of the running requests, so that a long prompt does not stall them; then one compiled call
-decodes `steps_per_call` tokens for every slot past its prompt (a loop on the device,
-each token fed to the next), each at its own position. A request that ends (a stop
+decoding calls of the running requests, so that a long prompt does not stall them; then
+one compiled call decodes `steps_per_call` tokens for every slot past its prompt (a loop
+on the device, each token fed to the next), each at its own position. A request that ends (a stop
 token, a stop string in its text, `max_tokens`, the end of the context) frees its slot
 and pages, and the next waiting request takes them: continuous batching.
 
@@ -34,11 +34,11 @@ only the table's first columns, as many pages as the longest running request nee
 rounded up to 1, 2, 3, 4, 6, 8, 12, ... (two compiled programs an octave), so its
 attention follows the tokens held rather than `max_len` (`kernels.paged`).
 
-Batch-invariant: a request's tokens depend only on the request. Its prefill
-has a row of its own in a call of fixed shape (a row per replica); in the decode step no row reads another, and a page past a row's
-length adds exactly nothing to its attention, however many pages the step reads;
-token i is sampled with `fold_in(key(seed), i)`. So a seeded request gives the
-same tokens alone, among 31 others or admitted mid-way.
+Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
+of its own in a call of fixed shape (a row per replica); in the decode step no row reads
+another, and a page past a row's length adds exactly nothing to its attention, however
+many pages the step reads; token i is sampled with `fold_in(key(seed), i)`. So a seeded
+request gives the same tokens alone, among 31 others or admitted mid-way.
 
 Example: two prompts of different lengths, greedy.
   >>> from flax import nnx
