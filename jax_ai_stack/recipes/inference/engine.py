@@ -279,8 +279,8 @@ class Engine:
         self._slots[number] = self._admit(number, *self._waiting.popleft())
     waiting = [(number, slot) for number, slot in enumerate(self._slots)
                if slot is not None and not slot.completion.tokens]
-    for call in self._prefill_calls(waiting):
-      for number, slot in self._prefill_next(call):
+    for length, call in self._prefill_calls(waiting):
+      for number, slot in self._prefill_next(length, call):
         grown.append(slot.completion)
         if slot.completion.finish_reason:  # It ended at its first token.
           self._release(number, slot)
@@ -342,9 +342,10 @@ class Engine:
     """The part of `slot`'s prompt that its next prefill takes."""
     return slot.request.prompt[slot.length:slot.length + self.prefill_chunk]
 
-  def _prefill_calls(self, waiting: list[tuple[int, _Slot]]) -> list[dict[int, tuple]]:
+  def _prefill_calls(self, waiting: list[tuple[int, _Slot]]) -> list[tuple[int, dict]]:
     """The slots still prefilling (slot number, slot) in calls: each call one slot per
-    replica at most (its row), all of one padded chunk length; {replica: (number, slot)}.
+    replica at most (its row), all of one padded chunk length; (that length,
+    {replica: (number, slot)}).
     A call's rows are the replicas', so a slot's prefill has the same shapes whichever
     others share the call (its bits its own), and on a mesh the replicas prefill their
     slots side by side."""
@@ -359,15 +360,15 @@ class Engine:
         call = {}
         calls.append((length, call))
       call[replica] = (number, slot)
-    return [call for _, call in calls]
+    return calls
 
-  def _prefill_next(self, call: dict[int, tuple]) -> list[tuple[int, _Slot]]:
+  def _prefill_next(self, length: int, call: dict[int, tuple]) -> list[tuple[int, _Slot]]:
     """The next chunk of each slot's prompt in `call` (`_prefill_calls`) into its pages, in
     one compiled call: the slot in its replica's row, the other rows idle at page 0 of
-    their pools (chunks padded to a power of two, so that lengths share a few programs).
-    A slot whose prompt is then in has its first token sampled: those (number, slot)."""
+    their pools (chunks padded to `length`, a power of two, so that lengths share a few
+    programs). A slot whose prompt is then in has its first token sampled: those
+    (number, slot)."""
     chunks = {replica: self._chunk(slot) for replica, (_, slot) in call.items()}
-    length = padded_length(len(next(iter(chunks.values()))), self.prefill_chunk)
     width = self._width(max(slot.length for _, slot in call.values()) + length)
     tokens = np.zeros((self.replicas, length), np.int32)
     starts, lasts = np.zeros((2, self.replicas), np.int32)
