@@ -98,7 +98,14 @@ class Run:
 
   def evaluate(self) -> dict[str, float]:
     """Mean metrics over the first `train.eval_batches` validation batches (`held_out`)."""
-    return held_out.evaluate(self)
+    def policy():
+      step.merge(self.model, self.optimizer, self.state)  # The policy as it stands.
+      return self.inference_model()
+
+    return held_out.evaluate(
+        self.validation, eval_batches=self.config.train.eval_batches,
+        measure=lambda batch: self.eval_step(self.state, self.placement.batch(batch)),
+        evaluation=self.task.evaluation, rollouts=self.task.rollouts, policy=policy)
 
   def checkpoint_metadata(self) -> dict[str, Any]:
     """What a checkpoint of this run records beside the arrays: step, config, plan, base."""
