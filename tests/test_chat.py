@@ -15,7 +15,7 @@ import pytest
 
 from jax_ai_stack.errors import ConfigError, DataError
 from jax_ai_stack.recipes import configlib, train
-from jax_ai_stack.recipes.data import DataConfig
+from jax_ai_stack.recipes.data import DataConfig, preference
 from jax_ai_stack.recipes.data.chat import (ChatRows, load_chat, read_jsonl,
                                             stdlib_conversations, tokenize)
 from jax_ai_stack.recipes.data.chat_template import BYTE_TEMPLATE, ChatTemplate
@@ -112,6 +112,17 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, message):
   path = _jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "completion": "b"}, line])
   with pytest.raises(DataError, match=message):
     read_jsonl([pathlib.Path(path)], max_bad_lines=0)
+
+
+@pytest.mark.parametrize("parse", [read_jsonl, preference.read_pairs])
+def test_a_line_cut_short_is_named_at_its_last_column_not_the_next_lines_first(tmp_path, parse):
+  """`for line in file` keeps the "\\n": the parser stopped there, at "line 2, column 1"."""
+  cut = '{"prompt": "reverse hello", "chosen": "olleh", "rejected": "hello", "completion": "x"'
+  path = tmp_path / "t.jsonl"
+  path.write_text(cut + "\n", encoding="utf-8")
+  with pytest.raises(DataError, match=rf"t.jsonl:1: not JSON \(Expecting ',' delimiter at "
+                                      rf"column {len(cut) + 1}, the end of the line"):
+    parse([path], 0)
 
 
 def test_a_few_bad_lines_are_skipped_and_counted_up_to_the_limit(tmp_path):

@@ -75,10 +75,7 @@ def parse_line(line: str, where: str, *, to_answer: bool = False) -> list[dict]:
   `to_answer`: a conversation to reply to (`generate --chat`): it ends with a user turn, and
   a line may also be `{"prompt"}` alone.
   """
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+  record = load_json_line(line, where)
   if isinstance(record, dict) and "messages" in record:
     messages = record["messages"]
   elif isinstance(record, dict) and {"prompt", "completion"} <= record.keys():
@@ -103,6 +100,23 @@ def parse_line(line: str, where: str, *, to_answer: bool = False) -> list[dict]:
   if not to_answer and not any(m["role"] == "assistant" for m in messages):
     raise DataError(f"{where}: the conversation has no assistant turn: nothing to learn from")
   return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def load_json_line(line: str, where: str) -> Any:
+  """One JSONL line parsed; DataError naming `where` and the column the parser stopped at.
+
+  The column is counted in the line as read, without its line ending: the parser reads
+  the "\\n" `for line in file` keeps, and an object cut short there would be reported at
+  "line 2, column 1".
+  """
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    text = line.rstrip("\r\n")
+    column = min(e.pos, len(text)) + 1
+    said = e.msg if e.msg.endswith(" at") else f"{e.msg} at"
+    end = ", the end of the line: is it cut short?" if e.pos >= len(text) else ""
+    raise DataError(f"{where}: not JSON ({said} column {column}{end})") from None
 
 
 def read_jsonl(paths: Sequence[pathlib.Path], max_bad_lines: int) -> tuple[list, int]:

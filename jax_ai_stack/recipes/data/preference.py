@@ -56,10 +56,7 @@ Pair = tuple[list[dict], str, str]
 
 def parse_pair(line: str, where: str) -> Pair:
   """One JSONL line as a preference pair; DataError naming `where` (file:line)."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+  record = chat.load_json_line(line, where)
   if not isinstance(record, dict) or not {"chosen", "rejected"} <= record.keys():
     raise DataError(f"{where}: a line holds \"chosen\" and \"rejected\" (replies, with a "
                     "\"prompt\"; or two conversations)")

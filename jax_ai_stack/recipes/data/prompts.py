@@ -40,10 +40,7 @@ from jax_ai_stack.recipes.data.config import DataConfig
 
 def parse_prompt(line: str, where: str) -> dict:
   """One JSONL line as a prompt record; DataError naming `where` (file:line)."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+  record = chat.load_json_line(line, where)
   if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
     raise DataError(f"{where}: a line holds \"prompt\" (text) or \"messages\" (a conversation "
                     "ending with a user turn), and any columns the rewards read")
