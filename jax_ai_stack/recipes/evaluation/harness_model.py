@@ -52,7 +52,7 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
-from jax_ai_stack.recipes.inference.engine import half_octave
+from jax_ai_stack.recipes.inference.programs import half_octave
 from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["HarnessModel", "decodes_as_it_scores", "for_run", "pack", "packs_by_default",

@@ -1,6 +1,7 @@
-"""Generation: the engine that decodes many requests at once (`engine`), and sampling one
-token per row with each row's own settings (`sampling`), a completion's text as its
-tokens arrive, cut at stop strings (`text`), and the request files `generate` reads
+"""Generation: the engine that decodes many requests at once (`engine`), what a request
+asks and what it produced (`requests`), the engine's compiled programs (`programs`),
+sampling one token per row with each row's own settings (`sampling`), a completion's text
+as its tokens arrive, cut at stop strings (`text`), and the request files `generate` reads
 (`request_file`).
 
 Names load on first use.
@@ -13,8 +14,8 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("engine", "request_file", "sampling", "text")
-_EXPORTS = {"Completion": "engine", "Engine": "engine", "Request": "engine",
-            "RequestError": "engine", "TextStream": "text", "sample": "sampling"}
+_SUBMODULES = ("engine", "programs", "request_file", "requests", "sampling", "text")
+_EXPORTS = {"Completion": "requests", "Engine": "engine", "Request": "requests",
+            "RequestError": "requests", "TextStream": "text", "sample": "sampling"}
 __all__ = [*_SUBMODULES, *_EXPORTS]
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

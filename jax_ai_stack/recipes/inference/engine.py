@@ -54,76 +54,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack.recipes.inference import sampling
+from jax_ai_stack.recipes.inference.programs import (first_token, half_octave, padded_length,
+                                                     programs)
+from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
 from jax_ai_stack.recipes.inference.text import TextStream
-from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
-
-MIN_PADDED = 16
-"""A prompt's chunks are padded to a power of two of at least this many tokens (one program
-each)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """One prompt to continue, and how."""
-
-  prompt: tuple[int, ...]
-  """Token ids, at least one."""
-  max_tokens: int
-  """The most new tokens; the prompt and they must fit the engine's `max_len`."""
-  temperature: float = 1.0
-  """0: the most likely token each time (greedy)."""
-  top_k: int | None = None
-  """Sample among the k likeliest tokens only; None: all of them."""
-  top_p: float | None = None
-  """Sample among the likeliest tokens whose probabilities reach top_p; None: all of them."""
-  seed: int = 0
-  """The same seed gives the same tokens, whatever else is in the batch."""
-  stop_ids: tuple[int, ...] = ()
-  """Token ids that end the completion (EOS, end-of-turn); the stop token is kept."""
-  top_logprobs: int = 0
-  """How many alternatives (the likeliest tokens and their log-probabilities) to report
-  for each new token; at most the engine's `max_top_logprobs`."""
-  stop: tuple[str, ...] = ()
-  """Strings that end the completion once its text holds one (read with the engine's
-  `decode`); the completion's `text` ends before it."""
-
-
-class RequestError(ValueError):
-  """A request that does not fit the engine; `field` names the `Request` field."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-
-@dataclasses.dataclass
-class Completion:
-  """What a request produced."""
-
-  index: int
-  """The request's place in the list given to `run` / `stream`."""
-  tokens: list[int]
-  """The new tokens (a stop token included)."""
-  logprobs: list[float]
-  """Each new token's log-probability under the model (raw logits, float32)."""
-  finish_reason: str
-  """"stop" (a stop token) or "length" (`max_tokens`, or the context was full)."""
-  top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-  """Per new token, the request's `top_logprobs` likeliest (token, log-probability)."""
-  text: str = ""
-  """With the engine's `decode`: the new tokens' text so far that no stop string can still
-  change (a stop token left out), cut before the stop string that ended it."""
-
 
 @dataclasses.dataclass
 class _Slot:
@@ -186,8 +128,8 @@ class Engine:
     graphdef, state = nnx.split(model)
     self._params, structure = jax.tree.flatten(state)
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
-    self._prefill, self._steps = _programs(graphdef, structure, max_top_logprobs,
-                                           steps_per_call)
+    self._prefill, self._steps = programs(graphdef, structure, max_top_logprobs,
+                                          steps_per_call)
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
     # there.
     self._keys, self._values = model.init_pages(self.replica_pages + 1, page_size,
@@ -383,8 +325,8 @@ class Engine:
     for replica, (number, slot) in call.items():
       slot.length += len(chunks[replica])
       if slot.length == len(slot.request.prompt):
-        sampled = _first_token(logits, np.int32(replica), *_settings([slot]),
-                               self.max_top_logprobs)
+        sampled = first_token(logits, np.int32(replica), *_settings([slot]),
+                              self.max_top_logprobs)
         self._take(slot, *[np.asarray(x)[0] for x in sampled])
         done.append((number, slot))
     return done
@@ -455,25 +397,6 @@ class Engine:
     return bool(completion.finish_reason)
 
 
-def half_octave(size: int) -> int:
-  """`size` rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: two steps an octave, at most a
-  third of padding (where a power of two pads up to half), so few compiled programs serve
-  many sizes.
-
-  Example:
-    >>> [half_octave(n) for n in (1, 3, 5, 9, 13, 17, 100)]
-    [1, 3, 6, 12, 16, 24, 128]
-  """
-  octave = 1 << (max(size, 1) - 1).bit_length()
-  return octave * 3 // 4 if size <= octave * 3 // 4 else octave
-
-
-def padded_length(size: int, limit: int) -> int:
-  """`size` tokens padded to the next power of two (at least MIN_PADDED), at most `limit`:
-  lengths share a few compiled programs."""
-  return min(max(MIN_PADDED, 1 << (size - 1).bit_length()), limit)
-
-
 def _settings(slots: Sequence[_Slot | None]) -> tuple[np.ndarray, ...]:
   """Per-row (seeds, token counts, temperature, top_k, top_p) of `slots` (None: idle)."""
   rows = [s.request if s is not None else Request((0,), 1, temperature=0) for s in slots]
@@ -482,63 +405,3 @@ def _settings(slots: Sequence[_Slot | None]) -> tuple[np.ndarray, ...]:
           np.asarray([r.temperature for r in rows], np.float32),
           np.asarray([r.top_k or 0 for r in rows], np.int32),
           np.asarray([1.0 if r.top_p is None else r.top_p for r in rows], np.float32))
-
-
-def _sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
-  """`sampling.sample` with token i of a request keyed `fold_in(key(seed), i)`."""
-  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
-  tokens, logps = sampling.sample(logits, keys, temperature=temperature, top_k=top_k,
-                                  top_p=top_p)
-  top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
-  return tokens, logps, top_tokens, top_logps
-
-
-@functools.partial(jax.jit, static_argnums=7)
-def _first_token(logits, row, seeds, counts, temperature, top_k, top_p, max_top: int):
-  """`_sample_rows` of row `row` of a prefill's last logits [R, V], compiled once."""
-  logits = jax.lax.dynamic_slice_in_dim(logits, row, 1)
-  return _sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top)
-
-
-@functools.cache
-def _programs(graphdef, structure, max_top: int, count: int) -> tuple[Callable, Callable]:
-  """The compiled `_prefill` and `_steps` of a model's graph and parameters' structure:
-  built once, and shared by engines of the same model structure and sizes. They take the
-  parameters as a list of arrays, the graph bound here: as jit's static argument a graph
-  is hashed at every call, and a model's state pytree flattened (together 0.3-0.5 ms of
-  host time a call for the benchmark's tiny model, a tenth of a decoding call)."""
-  def model(params: list[jax.Array]) -> nnx.Module:
-    return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
-
-  return (jax.jit(functools.partial(_prefill, model), donate_argnums=(1, 2)),
-          jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=(1, 2)))
-
-
-def _prefill(model: Callable, params, keys, values, tokens, start, block_table, last):
-  """Chunks of prompts, tokens [R, T] (a row per replica) at positions start[r] ..., into
-  their pages (`block_table` [R, W]): the logits [R, V] of each row's token last[r], and
-  the updated pools. `model(params)`: the decoder."""
-  model = model(params)
-  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table),
-                               logits_at=last)
-  return logits[:, 0], cache.keys, cache.values
-
-
-def _steps(model: Callable, max_top: int, count: int, params, keys, values, tokens, lengths,
-           block_table, seeds, counts, temperature, top_k, top_p):
-  """`count` tokens for every row, each at its own position of its pages (`block_table`),
-  each step's tokens fed to the next, in a loop on the device: outputs [count, B, ...] and
-  the updated pools. A row's token i is keyed `fold_in(seed, i)`, so the tokens do not
-  depend on `count`. `model(params)`: the decoder."""
-  def one(carry, _):
-    # The parameters ride in the carry: a scanned-layer model splits them again inside
-    # `decode`, which NNX allows only for values of the loop's own trace.
-    params, keys, values, tokens, lengths, counts = carry
-    logits, cache = model(params).decode(tokens[:, None],
-                                         KVCache(keys, values, lengths, block_table))
-    sampled = _sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
-    return (params, cache.keys, cache.values, sampled[0], lengths + 1, counts + 1), sampled
-
-  carry = (params, keys, values, tokens, lengths, counts)
-  (_, keys, values, *_), sampled = jax.lax.scan(one, carry, None, length=count)
-  return (*sampled, keys, values)

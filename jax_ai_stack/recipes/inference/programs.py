@@ -1,0 +1,108 @@
+"""The engine's compiled programs, and the sizes they are compiled for.
+
+`programs(graphdef, structure, ...)` gives the two jitted calls an `Engine` makes: a
+prefill of prompt chunks (a row per data-parallel replica) into the pages of a KV cache,
+and a loop on the device that decodes `count` tokens for every slot, each fed to the
+next. Shapes are rounded so that few programs serve many requests: a chunk to a power of
+two (`padded_length`), a block table to 1, 2, 3, 4, 6, 8, 12, ... pages (`half_octave`).
+Token i of a request is sampled with `fold_in(key(seed), i)` (`sample_rows`), so its
+tokens do not depend on how many steps one call takes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from jax_ai_stack.recipes.inference import sampling
+from jax_ai_stack.recipes.models.layers import KVCache
+
+__all__ = ["MIN_PADDED", "first_token", "half_octave", "padded_length", "programs",
+           "sample_rows"]
+
+MIN_PADDED = 16
+"""A prompt's chunks are padded to a power of two of at least this many tokens (one program
+each)."""
+
+
+def half_octave(size: int) -> int:
+  """`size` rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: two steps an octave, at most a
+  third of padding (where a power of two pads up to half), so few compiled programs serve
+  many sizes.
+
+  Example:
+    >>> [half_octave(n) for n in (1, 3, 5, 9, 13, 17, 100)]
+    [1, 3, 6, 12, 16, 24, 128]
+  """
+  octave = 1 << (max(size, 1) - 1).bit_length()
+  return octave * 3 // 4 if size <= octave * 3 // 4 else octave
+
+
+def padded_length(size: int, limit: int) -> int:
+  """`size` tokens padded to the next power of two (at least MIN_PADDED), at most `limit`:
+  lengths share a few compiled programs."""
+  return min(max(MIN_PADDED, 1 << (size - 1).bit_length()), limit)
+
+
+def sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
+  """`sampling.sample` with token i of a request keyed `fold_in(key(seed), i)`."""
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+  tokens, logps = sampling.sample(logits, keys, temperature=temperature, top_k=top_k,
+                                  top_p=top_p)
+  top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
+  return tokens, logps, top_tokens, top_logps
+
+
+@functools.partial(jax.jit, static_argnums=7)
+def first_token(logits, row, seeds, counts, temperature, top_k, top_p, max_top: int):
+  """`sample_rows` of row `row` of a prefill's last logits [R, V], compiled once."""
+  logits = jax.lax.dynamic_slice_in_dim(logits, row, 1)
+  return sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top)
+
+
+@functools.cache
+def programs(graphdef, structure, max_top: int, count: int) -> tuple[Callable, Callable]:
+  """The compiled prefill and decoding steps (`_prefill`, `_steps`) of a model's graph and
+  parameters' structure: built once, and shared by engines of the same model structure and
+  sizes. They take the parameters as a list of arrays, the graph bound here: as jit's
+  static argument a graph is hashed at every call, and a model's state pytree flattened
+  (together 0.3-0.5 ms of host time a call for the benchmark's tiny model, a tenth of a
+  decoding call)."""
+  def model(params: list[jax.Array]) -> nnx.Module:
+    return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
+
+  return (jax.jit(functools.partial(_prefill, model), donate_argnums=(1, 2)),
+          jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=(1, 2)))
+
+
+def _prefill(model: Callable, params, keys, values, tokens, start, block_table, last):
+  """Chunks of prompts, tokens [R, T] (a row per replica) at positions start[r] ..., into
+  their pages (`block_table` [R, W]): the logits [R, V] of each row's token last[r], and
+  the updated pools. `model(params)`: the decoder."""
+  model = model(params)
+  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table),
+                               logits_at=last)
+  return logits[:, 0], cache.keys, cache.values
+
+
+def _steps(model: Callable, max_top: int, count: int, params, keys, values, tokens, lengths,
+           block_table, seeds, counts, temperature, top_k, top_p):
+  """`count` tokens for every row, each at its own position of its pages (`block_table`),
+  each step's tokens fed to the next, in a loop on the device: outputs [count, B, ...] and
+  the updated pools. A row's token i is keyed `fold_in(seed, i)`, so the tokens do not
+  depend on `count`. `model(params)`: the decoder."""
+  def one(carry, _):
+    # The parameters ride in the carry: a scanned-layer model splits them again inside
+    # `decode`, which NNX allows only for values of the loop's own trace.
+    params, keys, values, tokens, lengths, counts = carry
+    logits, cache = model(params).decode(tokens[:, None],
+                                         KVCache(keys, values, lengths, block_table))
+    sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
+    return (params, cache.keys, cache.values, sampled[0], lengths + 1, counts + 1), sampled
+
+  carry = (params, keys, values, tokens, lengths, counts)
+  (_, keys, values, *_), sampled = jax.lax.scan(one, carry, None, length=count)
+  return (*sampled, keys, values)

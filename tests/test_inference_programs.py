@@ -1,0 +1,58 @@
+"""The engine's compiled programs: the sizes they are compiled for pad little and stay few,
+engines of one model share them, and a row's sampled token depends on its own seed and
+count alone."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.recipes.inference import Engine, programs
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+
+
+def test_half_octave_pads_at_most_a_third_with_two_sizes_an_octave():
+  sizes = [programs.half_octave(n) for n in range(1, 1025)]
+  assert all(n <= size and 2 * size <= 3 * n for n, size in enumerate(sizes, 1))
+  assert sizes == sorted(sizes)
+  assert sorted(set(sizes)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256,
+                                384, 512, 768, 1024]
+
+
+@pytest.mark.parametrize("size, limit, padded", [
+    (1, 256, programs.MIN_PADDED), (16, 256, 16), (17, 256, 32), (200, 256, 256),
+    (300, 256, 256), (5, 8, 8)])
+def test_a_chunk_is_padded_to_a_power_of_two_within_the_limit(size, limit, padded):
+  assert programs.padded_length(size, limit) == padded
+
+
+def test_engines_of_one_model_share_their_compiled_programs():
+  model = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+  # pylint: disable=protected-access
+  first, second = Engine(model, max_slots=2), Engine(model, max_slots=4)
+  assert first._steps is second._steps and first._prefill is second._prefill
+  assert Engine(model, steps_per_call=2)._steps is not first._steps
+
+
+def test_a_row_s_token_depends_on_its_seed_and_count_alone():
+  """Rows 0 and 2 share (seed, count): the same token, whatever the other rows; greedy rows
+  take the argmax."""
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
+  logits = logits.at[2].set(logits[0])
+  seeds = np.asarray([7, 8, 7, 9], np.uint32)
+  counts = np.asarray([3, 3, 3, 0], np.int32)
+  temperature = np.asarray([1.0, 1.0, 1.0, 0.0], np.float32)
+  none_k, all_p = np.zeros(4, np.int32), np.ones(4, np.float32)
+  tokens, logps, top, _ = programs.sample_rows(logits, seeds, counts, temperature, none_k,
+                                               all_p, 2)
+  assert tokens[0] == tokens[2] and logps[0] == logps[2]
+  assert tokens[3] == int(jnp.argmax(logits[3])) == top[3, 0]
+  again = programs.sample_rows(logits[:1], seeds[:1], counts[:1], temperature[:1],
+                               none_k[:1], all_p[:1], 2)[0]
+  assert again[0] == tokens[0]
+  later = [programs.sample_rows(logits[:1], seeds[:1], np.asarray([c], np.int32),
+                                temperature[:1], none_k[:1], all_p[:1], 2)[0][0]
+           for c in range(20)]
+  assert len(set(int(t) for t in later)) > 1  # Each count its own key.
