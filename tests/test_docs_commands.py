@@ -209,7 +209,7 @@ def test_every_command_is_run_or_skipped():
   assert not stale, f"SKIPPED names commands the docs no longer have: {stale}"
 
 
-# ---- README: Train -------------------------------------------------------------------
+# ---- docs/training.md ----------------------------------------------------------------
 
 LIST = doc("jax-ai-stack train --list")
 OVERRIDES = doc("jax-ai-stack train lm-tiny model.num_layers=6 --optim.learning_rate 1e-3")
@@ -252,7 +252,7 @@ def test_generate_and_eval(trained):
   assert {"step", "eval_loss"} <= set(json.loads(out))
 
 
-# ---- README: token cache -------------------------------------------------------------
+# ---- docs/training.md: token cache ---------------------------------------------------
 
 PREPARE = doc("jax-ai-stack data prepare lm-small data.source=text")
 TRAIN_CACHE = doc("jax-ai-stack train lm-small data.source=text 'data.paths=[corpus/**/*.txt]' "
@@ -272,7 +272,7 @@ def test_token_cache(tmp_path):
   assert "done: step 2" in out
 
 
-# ---- README: mixtures and profiles ---------------------------------------------------
+# ---- docs/training.md: mixtures and profiles -----------------------------------------
 
 MIXTURE = doc("jax-ai-stack train lm-tiny --config mixture.yaml --workdir runs/mixed")
 REPLAY = doc("jax-ai-stack train --replay runs/mixed/record.json --workdir runs/replayed")
@@ -281,7 +281,8 @@ PROFILE = doc("jax-ai-stack train lm-tiny train.profile=10:15 --workdir runs/pro
 
 def test_a_mixture_and_a_profile(tmp_path):
   mixture = re.search(r"<!-- mixture\.yaml.*?-->\s*```yaml\n(.*?)```",
-                      (ROOT / "README.md").read_text(encoding="utf-8"), re.S).group(1)
+                      (ROOT / "docs" / "training.md").read_text(encoding="utf-8"),
+                      re.S).group(1)
   (tmp_path / "mixture.yaml").write_text(mixture)
   for i in range(3):
     write_text_corpus(tmp_path / "notes" / f"{i}.txt", 4, seed=i)
@@ -335,7 +336,7 @@ def test_the_adaptive_runs_guide(tmp_path):
   assert "xprof --logdir runs/profiled/profile" in out
 
 
-# ---- README: Hugging Face ------------------------------------------------------------
+# ---- docs/models.md, docs/hugging_face.md --------------------------------------------
 
 IMPORT_HF = doc("jax-ai-stack import-hf path/to/Llama-dir")
 FINETUNE_HF = doc("jax-ai-stack train --config runs/llama/config.yaml --workdir runs/llama ")
@@ -464,7 +465,7 @@ def test_eval_refuses_a_model_override(trained):
   assert code == 2 and "model.num_layers: eval takes data.* overrides" in err
 
 
-# ---- README: quantize, LoRA ----------------------------------------------------------
+# ---- docs/fine_tuning.md: quantize, LoRA ---------------------------------------------
 
 QUANTIZE = doc("jax-ai-stack quantize --workdir runs/lm-tiny --scheme w8")
 EVAL_W8 = doc("jax-ai-stack eval --workdir runs/lm-tiny --quantized w8")
@@ -501,7 +502,7 @@ def test_fine_tune(trained):
   ok(run(FULL_FINETUNE, *TINY, cwd=trained))
 
 
-# ---- README: mixture of experts -----------------------------------------------------------
+# ---- docs/models.md: mixture of experts ----------------------------------------------
 
 MOE = doc("jax-ai-stack train moe-tiny")
 
@@ -512,7 +513,7 @@ def test_mixture_of_experts(tmp_path):
   assert "grouped matmul: " in out and "eval_router_aux_loss" in out
 
 
-# ---- README: chat fine-tuning -----------------------------------------------------------
+# ---- docs/post_training.md: chat, DPO ------------------------------------------------
 
 SFT = doc("jax-ai-stack train lm-tiny-sft")
 SFT_JSONL = doc("jax-ai-stack train lm-tiny-sft data.source=chat data.paths=[chats.jsonl]")
@@ -554,7 +555,7 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
   assert re.search(r"  reference +\S+ \S+  \(frozen copy of the base", out), out
 
 
-# ---- README: reinforcement learning ---------------------------------------------------
+# ---- docs/post_training.md: reinforcement learning -----------------------------------
 
 REVERSE = doc("jax-ai-stack train lm-tiny-reverse")
 GRPO = doc("jax-ai-stack train lm-tiny-grpo")
@@ -564,7 +565,7 @@ GRPO_JSONL = doc("jax-ai-stack train lm-tiny-grpo data.source=prompts data.paths
 @pytest.mark.slow
 def test_grpo_on_the_sft_run_and_on_prompts_and_a_reward_of_one_s_own(tmp_path):
   """The reversal SFT preset on a tiny base, GRPO on it (evaluated before and after), and
-  GRPO on a prompts file with the README's reward module."""
+  GRPO on a prompts file with the guide's reward module (docs/post_training.md)."""
   tiny = [*TINY_MODEL, "model.max_seq_len=64", "data.seq_len=48", "train.progress=false",
           "train.sample_tokens=4", "data.max_documents=100", "data.validation_fraction=0.2"]
   ok(run("jax-ai-stack train lm-tiny", *TINY, "train.steps=2", "model.max_seq_len=64",
@@ -575,8 +576,8 @@ def test_grpo_on_the_sft_run_and_on_prompts_and_a_reward_of_one_s_own(tmp_path):
           "data.batch_size=2", "rl.num_generations=2", "rl.max_completion_tokens=4"]
   out = ok(run(GRPO, *grpo, cwd=tmp_path))
   assert "before fine-tuning: eval_reward " in out and "held-out eval_reward" in out
-  readme = (ROOT / "README.md").read_text()
-  reward = re.search(r"```python\n# my_rewards.py\n(.*?)```", readme, re.S)[1]
+  guide = (ROOT / "docs" / "post_training.md").read_text()
+  reward = re.search(r"```python\n# my_rewards.py\n(.*?)```", guide, re.S)[1]
   (tmp_path / "my_rewards.py").write_text(reward)
   (tmp_path / "prompts.jsonl").write_text("".join(
       json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(20)))
@@ -584,7 +585,7 @@ def test_grpo_on_the_sft_run_and_on_prompts_and_a_reward_of_one_s_own(tmp_path):
   assert (tmp_path / "runs" / "my-grpo" / "checkpoints").is_dir()
 
 
-# ---- README and docs/scaling.md: meshes ----------------------------------------------
+# ---- docs/scaling.md: meshes ---------------------------------------------------------
 
 DRY_RUN = doc("JAX_NUM_CPU_DEVICES=8 jax-ai-stack train lm-tiny mesh.data=1 mesh.fsdp=-1 --dry-run")
 EXPERT_DRY_RUN = doc("JAX_NUM_CPU_DEVICES=8 jax-ai-stack train moe-tiny mesh.data=1 "
@@ -630,7 +631,7 @@ def test_cluster_commands_resolve(tmp_path):
     assert "data: 4\n  fsdp: -1\n  expert: 1\n  tensor: 1" in printed, command
 
 
-# ---- README: kernels, doctor, constraints --------------------------------------------
+# ---- docs/kernels.md, docs/install.md ------------------------------------------------
 
 KERNELS = doc("jax-ai-stack kernels")
 KERNELS_GPU = doc("jax-ai-stack kernels --shape 8,2048,32,8,128")
@@ -670,17 +671,17 @@ def test_attention_commands(tmp_path):
 
 
 def test_minimum_corpus_size_as_documented(tmp_path):
-  """README's numbers: lm-tiny's validation split needs 8 x 128 + 1 tokens; 3 KB of notes
-  have too few at the default fraction; with the documented small-corpus form, 10 KB hold
-  out a batch, and 2.6 KB with data.batch_size=2 (each on five corpora: the split is by hash,
-  so one corpus could pass by luck)."""
+  """docs/training.md's numbers: lm-tiny's validation split needs 8 x 128 + 1 tokens; 3 KB
+  of notes have too few at the default fraction; with the documented small-corpus form,
+  10 KB hold out a batch, and 2.6 KB with data.batch_size=2 (each on five corpora: the split
+  is by hash, so one corpus could pass by luck)."""
   from jax_ai_stack.recipes import config
   from jax_ai_stack.recipes.data import corpora
 
-  readme = DOCS[0].read_text()
-  assert "batch_size x seq_len + 1" in readme
-  assert "about 10 KB\nthen holds out a batch" in readme and "(about\n2.6 KB)" in readme
-  form = re.search(r"`(data\.validation_fraction=\S+ data\.split_chunk_tokens=\S+)`", readme)
+  guide = (ROOT / "docs" / "training.md").read_text()
+  assert "batch_size x seq_len + 1" in guide
+  assert "about 10 KB\nthen holds out a batch" in guide and "(about\n2.6 KB)" in guide
+  form = re.search(r"`(data\.validation_fraction=\S+ data\.split_chunk_tokens=\S+)`", guide)
 
   def held_out(kilobytes: float, seed: int, *overrides: str) -> int:
     notes = write_text_corpus(tmp_path / f"{kilobytes}-{seed}.txt", kilobytes, seed=seed)

@@ -1,4 +1,5 @@
-"""README's promises: its commands are the ones CI runs, its notebook example runs."""
+"""README's promises: its commands are the ones CI runs, its tables are the matrix's; the
+examples of the training guide (docs/training.md) run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+TRAINING = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+INSTALL = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", ["main", "test"])
@@ -25,10 +28,10 @@ def test_ci_reads_both_commands_from_the_readme(name):
 
 @pytest.mark.slow
 def test_notebook_example_runs(tmp_path, monkeypatch):
-  code = re.search(r"<!-- notebook example.*?-->\s*```python\n(.*?)```", README, re.S).group(1)
+  code = re.search(r"<!-- notebook example.*?-->\s*```python\n(.*?)```", TRAINING, re.S).group(1)
   monkeypatch.chdir(tmp_path)
   namespace: dict = {}
-  exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README.
+  exec(compile(code, "docs/training.md", "exec"), namespace)  # noqa: S102 - our own docs.
   assert namespace["metrics"]["step"] == 20
   assert (tmp_path / "runs" / "notebook" / "loss.png").exists()
   from flax import nnx
@@ -38,10 +41,10 @@ def test_notebook_example_runs(tmp_path, monkeypatch):
 
 
 def test_own_model_example_runs(tmp_path, monkeypatch):
-  code = re.search(r"<!-- own model example.*?-->\s*```python\n(.*?)```", README, re.S).group(1)
+  code = re.search(r"<!-- own model example.*?-->\s*```python\n(.*?)```", TRAINING, re.S).group(1)
   monkeypatch.chdir(tmp_path)
   namespace: dict = {}
-  exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README.
+  exec(compile(code, "docs/training.md", "exec"), namespace)  # noqa: S102 - our own docs.
   finished = namespace["finished"]
   try:
     assert namespace["metrics"]["step"] == finished.step == 200
@@ -67,13 +70,14 @@ def test_readme_table_matches_the_matrix():
 
 
 def test_the_upstream_table_is_the_matrix_s():
-  """README's "Coming from upstream's jax-ai-stack": upstream's pins and each row's, for every
-  package upstream pins; every one of them is pinned on every row (a superset)."""
+  """docs/install.md's "Coming from upstream's jax-ai-stack": upstream's pins and each
+  row's, for every package upstream pins; every one of them is pinned on every row (a
+  superset)."""
   from jax_ai_stack import compat
 
   matrix = compat.load_matrix(ROOT / compat.MATRIX_FILENAME)
   upstream = matrix.upstream
-  section = README.split("## Coming from upstream's jax-ai-stack")[1].split("\n## ")[0]
+  section = INSTALL.split("## Coming from upstream's jax-ai-stack")[1].split("\n## ")[0]
   assert f"jax-ai-stack=={upstream.version}" in section
   cpu = {row.python: row.packages for row in matrix.rows if row.accelerator == "cpu"}
   assert cpu["3.12"] == cpu["3.13"]  # One column for both.
@@ -84,6 +88,6 @@ def test_the_upstream_table_is_the_matrix_s():
   for name, version in upstream.pins.items():
     label = f"{name} (`{extra_of[name]}`)" if name in extra_of else name
     line = next((l for l in section.splitlines() if l.startswith(f"| {label} |")), None)
-    assert line is not None, f"{name}: no line in README's upstream table"
+    assert line is not None, f"{name}: no line in docs/install.md's upstream table"
     cells = [c.strip() for c in line.strip("|").split("|")][1:]
     assert cells == [version, cpu["3.11"][name], cpu["3.12"][name]], name
