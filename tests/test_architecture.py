@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.finetune.reference", "recipes.finetune.transforms")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
-         "recipes.workdir", "recipes.opening", "recipes.held_out", "recipes.run",
+         "recipes.preflight", "recipes.workdir", "recipes.opening", "recipes.held_out", "recipes.run",
          "recipes.trainer", "recipes.train",
          "recipes.record",
          "recipes.finetune.ptq",

@@ -208,3 +208,14 @@ def test_on_a_terminal_each_command_says_what_it_does_at_once(reference, tmp_pat
     os.close(stderr)
   assert line.startswith(first), line
   assert waited < 3, f"{waited:.1f} s before the first line (1 s on a quiet machine)"
+
+
+def test_a_reward_module_that_does_not_import_is_one_line_and_leaves_no_workdir(tmp_path):
+  """It was named after the model was built and compiled, leaving config.yaml, record.json,
+  an empty metrics.jsonl and checkpoints/."""
+  result = jax_ai_stack("train", "lm-tiny-grpo", "rl.rewards=[my_rewardz:parity]",
+                        "rl.reward_weights=null", "--workdir", str(tmp_path / "run"),
+                        cwd=tmp_path)
+  assert "rl.rewards='my_rewardz:parity' does not import" in one_line_error(result)
+  assert "compiling" not in result.stdout
+  assert not (tmp_path / "run").exists()

@@ -28,7 +28,7 @@ import jax
 
 from jax_ai_stack import determinism, kernels, logs
 from jax_ai_stack.errors import ConfigError, DataError, UserError, WorkdirError
-from jax_ai_stack.recipes import checkpoint, configlib, phases, sharding, tasks
+from jax_ai_stack.recipes import checkpoint, configlib, phases, preflight, sharding, tasks
 from jax_ai_stack.recipes import workdir as workdir_lib
 from jax_ai_stack.recipes.config import RecipeConfig, from_json
 
@@ -63,12 +63,16 @@ def open_to_train(config: RecipeConfig, workdir: pathlib.Path, *, environ: Mappi
                    capture_stderr: bool) -> Opened:
   """Checks, data, attention plan and checkpoint manager of a run to train."""
   determinism.configure(config.train.deterministic)  # Too late on a GPU: it says so.
+  preflight.check_references(config)  # The Python it names imports: before the workdir.
   created = not workdir.exists()
   workdir_lib.prepare_workdir(workdir, read_only=False)
   try:
     metadata = workdir_lib.newest_metadata(workdir, capture_stderr) if resume != "never" else None
     config, resumed = workdir_lib.resume_phases(config, metadata, workdir)
     task = tasks.resolve(task, config)
+    if getattr(config.train, "eval_tasks", ()) and not hasattr(task, "tokenizer"):
+      raise ConfigError(f"train.eval_tasks: {type(task).__name__} has no language model to "
+                        "run lm-evaluation-harness tasks on")
     opened = _open_data_and_manager(config, workdir, task, environ=environ, resume=resume,
                                     validation=validation, capture_stderr=capture_stderr,
                                     saved_attention=(metadata or {}).get("attention"))

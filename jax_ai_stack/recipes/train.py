@@ -31,7 +31,7 @@ import jax
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, record
+from jax_ai_stack.recipes import compile_cache, distributed, preflight, record
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, eval_change, format_metrics,
                                           read_metrics)
@@ -74,6 +74,7 @@ def run(
   its environment); None: the process's. `capture_stderr` is `build_run`'s.
   """
   workdir = default_workdir(config, workdir)
+  harness_tasks = preflight.check(config)  # Before anything is built or written.
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
   started = time.perf_counter()
   compile_times = compile_cache.CompileTimes().start()
@@ -84,12 +85,7 @@ def run(
   except BaseException:
     compile_times.stop()
     raise
-  try:
-    _ = trainer.training_tasks  # A bad task name stops the run before its first step.
-  except BaseException:
-    trainer.close()
-    compile_times.stop()
-    raise
+  trainer.training_tasks = harness_tasks  # Resolved above.
   if on_open is not None:
     on_open()
   if distributed.is_primary():

@@ -36,8 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack.errors import ConfigError
-from jax_ai_stack.recipes import distributed, optim, phases, profile, step
+from jax_ai_stack.recipes import distributed, optim, phases, preflight, profile, step
 from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.data.batch_schedule import BatchSchedule
@@ -177,15 +176,9 @@ class Trainer(Run):
   @functools.cached_property
   def training_tasks(self):
     """`train.eval_tasks` resolved (`evaluation.in_training.TrainingTasks`); None without
-    them. ConfigError for a bad name, or a Task with no language model."""
-    if not self.config.train.eval_tasks:
-      return None
-    if not hasattr(self.task, "tokenizer"):
-      raise ConfigError(f"train.eval_tasks: {type(self.task).__name__} has no language model "
-                        "to run lm-evaluation-harness tasks on")
-    from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
-
-    return in_training.TrainingTasks(self.config.train)
+    them. ConfigError for a bad name (`train.run` resolves them before the run opens and
+    sets this; `opening` refuses them for a Task with no language model)."""
+    return preflight.check(self.config)
 
   def harness_metrics(self) -> dict[str, float]:
     """`train.eval_tasks`' metrics on the model as it stands, where they are due at this
