@@ -50,3 +50,73 @@ def test_a_last_token_that_ended_the_completion_is_not_text():
                       end_ids=[eos])
   assert stream.add([104, 105]) == "hi"
   assert stream.add([eos], final=True) == "" and stream.text == "hi"
+
+
+def reference(adds: list[list[int]], stops: list[str]) -> str:
+  """The text of the tokens added, cut at the first stop string to appear after an add
+  (the earliest of those that did): the whole completion decoded and searched each time."""
+  tokens = []
+  for data in adds:
+    tokens += data
+    full = utf8(tokens)
+    cuts = [at for at in (full.find(stop) for stop in stops) if at >= 0]
+    if cuts:
+      return full[:min(cuts)]
+  return utf8(tokens)
+
+
+def test_pieces_of_random_text_and_steps_join_to_the_whole_text_cut_at_its_stops():
+  """Multi-byte characters split over tokens, an invalid byte now and then, stops that
+  overlap each other and the text: what is sent is what decoding it all at once gives."""
+  import random
+
+  rng = random.Random(0)
+  alphabet = "ab ab\né→😀"
+  for trial in range(1000):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+    data = list(text.encode("utf-8"))
+    for _ in range(rng.randrange(0, 3)):
+      data.insert(rng.randrange(0, len(data) + 1), 0xFF)
+    stops = [text[i:i + rng.randrange(1, 6)] for i in
+             (rng.randrange(0, max(len(text), 1)) for _ in range(rng.randrange(0, 4)))]
+    stops = [stop for stop in stops if stop] + (["ba"] if trial % 2 else [])
+    stream = TextStream(utf8, stops=stops)
+    step = rng.randrange(1, 5)
+    adds = [data[i:i + step] for i in range(0, len(data), step)]
+    pieces = [stream.add(tokens) for tokens in adds] + [stream.add([], final=True)]
+    assert "".join(pieces) == stream.text == reference(adds, stops), (text, data, stops)
+
+
+def test_each_step_decodes_and_matches_only_its_new_tokens():
+  """A long completion against a long stop string: the tokens decoded per step stay a
+  handful (not the whole completion), and 50,000 characters of stop cost no more per step
+  than a short one (once quadratic: minutes)."""
+  import time
+
+  decoded = []
+
+  def counting(ids):
+    decoded.append(len(ids))
+    return utf8(ids)
+
+  stream = TextStream(counting, stops=["é" * 50_000, "xyz"])
+  data = list(("é" * 600 + "abc" * 300).encode("utf-8"))
+  started = time.perf_counter()
+  pieces = [stream.add([byte]) for byte in data]
+  elapsed = time.perf_counter() - started
+  assert "".join(pieces + [stream.add([], final=True)]) == utf8(data)
+  assert max(decoded) <= 4 and elapsed < 2, (max(decoded), elapsed)
+
+
+def test_a_stop_found_after_a_long_held_back_prefix_cuts_before_it():
+  stream = TextStream(utf8, stops=["ab" * 1000 + "c"])
+  sent = "".join(stream.add(list(b"x" + b"ab" * k)) for k in (1,)) + "".join(
+      stream.add(list(b"ab")) for _ in range(999))
+  assert sent == "x" and not stream.stopped
+  assert stream.add(list(b"cd")) == "" and stream.stopped and stream.text == "x"
+
+
+def test_invalid_bytes_are_sent_as_they_come_and_an_unfinished_character_waits():
+  stream = TextStream(utf8)
+  pieces = [stream.add([byte]) for byte in [0xFF] * 4 + list("😀".encode())]
+  assert pieces == ["", "\ufffd", "\ufffd", "\ufffd", "\ufffd", "", "", "😀"]
