@@ -96,3 +96,64 @@ def test_completion_logprobs_offsets_follow_the_token_texts():
   out = openai_api.completion_logprobs(["ab", "c"], [-1.0, -2.0], [[("ab", -1.0)], [("c", -2.0)]],
                                        offset=3)
   assert out["text_offset"] == [3, 5] and out["top_logprobs"] == [{"ab": -1.0}, {"c": -2.0}]
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"stop": "x" * 1025}, "stop", "at most 1024 bytes (UTF-8); got 1025"),
+    ({"stop": ["a", "é" * 513]}, "stop", "got 1026"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "must be a boolean; got 'yes'"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous": 1}},
+     "stream_options.continuous", "Unrecognized stream_options argument"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+    ({"temperature": 10**400}, "temperature", "out of range"),
+    ({"n": 10**4000}, "n", "characters)"),  # The value cut short.
+])
+def test_stop_lengths_stream_options_and_huge_numbers_are_refused_by_name(fields, param, words):
+  with pytest.raises(ApiError) as caught:
+    chat(**fields)
+  assert caught.value.param == param and words in caught.value.message, caught.value.message
+  assert len(caught.value.message) < 200
+
+
+def test_a_stop_string_limit_is_settable():
+  assert openai_api.parse_chat({**CHAT, "stop": "x" * 2000}, max_top_logprobs=5,
+                               max_stop_bytes=2000).stop == ("x" * 2000,)
+  with pytest.raises(ApiError, match="at most 8 bytes"):
+    openai_api.parse_chat({**CHAT, "stop": "x" * 9}, max_top_logprobs=5, max_stop_bytes=8)
+
+
+def test_a_prompt_may_be_token_ids_checked_against_the_vocabulary():
+  def prompts(prompt):
+    return openai_api.parse_completion({"model": "m", "prompt": prompt}, max_top_logprobs=5,
+                                       vocab_size=10).prompts
+
+  assert prompts([1, 2, 3]) == ((1, 2, 3),)
+  assert prompts([[1], [2, 9]]) == ((1,), (2, 9))
+  for bad, words in [([1, 10], "'prompt': token id 10 is not in the vocabulary [0, 10)"),
+                     ([[1], [-1]], "'prompt[1]': token id -1"),
+                     ([1, "a"], "must be a string"), ([[1], []], "must be a string"),
+                     ([True], "must be a string"), ([[1], "a"], "must be a string")]:
+    with pytest.raises(ApiError) as caught:
+      prompts(bad)
+    assert caught.value.param == "prompt" and words in caught.value.message, bad
+
+
+@pytest.mark.parametrize("raw, param, words", [
+    (b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", None, "more than 4300 digits"),
+    (b'{"model": "\\ud800"}', "model", "lone surrogate (\\ud800)"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages[0].content",
+     "lone surrogate"),
+    (b'{"\\ud800x": 1}', "\\ud800x", "field name '\\\\ud800x' is not valid Unicode"),
+    (b"[" * 5000 + b"]" * 5000, None, "deeper than 64 levels"),
+    (b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}", "a" + "[0]" * 63, "deeper than 64 levels"),
+    (b'{"model": "\xed\xa0\x80"}', "model", "lone surrogate"),  # Encoded, not escaped.
+    (b'{"model": "\xff"}', None, "not valid UTF-8"),
+    (b"{not json", None, "not valid JSON"),
+])
+def test_a_body_that_python_reads_but_cannot_answer_is_a_400_naming_where(raw, param, words):
+  with pytest.raises(ApiError) as caught:
+    openai_api.parse_json(raw)
+  assert caught.value.status == 400 and caught.value.param == param
+  assert words in caught.value.message, caught.value.message
+  openai_api.error_body(caught.value)["error"]["message"].encode("utf-8")  # Sendable.

@@ -1,5 +1,7 @@
 """OpenAI's API shapes: request bodies checked into values, and the JSON sent back.
 
+`parse_json` reads a request body: JSON nested at most `MAX_DEPTH` deep, its text
+valid Unicode (no lone surrogate), its integers of at most 4300 digits.
 `parse_completion` and `parse_chat` read a `/v1/completions` or
 `/v1/chat/completions` body (as the official `openai` client sends it) into an
 `Ask`; a field that is missing, of the wrong type, out of range, unknown, or
@@ -21,14 +23,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-__all__ = ["ApiError", "Ask", "error_body", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "Ask", "error_body", "parse_chat", "parse_completion", "parse_json"]
 
 MAX_N = 16
 """The most choices one request may ask for."""
 MAX_STOPS = 4
 """The most stop strings, as OpenAI allows."""
+DEFAULT_MAX_STOP_BYTES = 1024
+"""The longest stop string, in UTF-8 bytes (`serve --max-stop-bytes`)."""
+MAX_DEPTH = 64
+"""The deepest a request body's JSON may nest (OpenAI's requests nest 5 deep)."""
+_STREAM_OPTIONS = {"include_usage"}
 
 # Fields each endpoint reads; others are refused by name rather than silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
@@ -59,8 +67,8 @@ class Ask:
   """What a request asks for, checked."""
 
   model: str
-  prompts: tuple[str, ...] = ()
-  """/v1/completions: the texts to continue (one choice set each)."""
+  prompts: tuple[str | tuple[int, ...], ...] = ()
+  """/v1/completions: the texts (or token ids) to continue (one choice set each)."""
   messages: tuple[dict, ...] = ()
   """/v1/chat/completions: the conversation, as {"role", "content": str} turns."""
   max_tokens: int | None = None
@@ -78,36 +86,86 @@ class Ask:
   top_logprobs: int = 0
 
 
-def parse_completion(body: Any, *, max_top_logprobs: int) -> Ask:
-  """The `/v1/completions` request in `body` (JSON already parsed); raises `ApiError`."""
-  fields = _common(body, _COMPLETION)
-  prompt = body.get("prompt")
-  if isinstance(prompt, str):
-    prompts = (prompt,)
-  elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-    prompts = tuple(prompt)
-  else:
-    raise ApiError("'prompt' must be a string or a non-empty list of strings", "prompt")
+def parse_json(raw: bytes) -> Any:
+  """A request body's JSON; raises `ApiError` (400) where it is not JSON, nests deeper than
+  `MAX_DEPTH`, holds a lone surrogate or an integer of more than 4300 digits."""
+  try:
+    body = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ApiError(f"the request body is not valid JSON: {e}") from None
+  except UnicodeDecodeError as e:
+    raise ApiError(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") \
+        from None
+  except RecursionError:
+    raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+  except ValueError:  # An integer past `sys.get_int_max_str_digits()`.
+    raise ApiError("the request body holds an integer of more than 4300 digits") from None
+  _check_text(body)
+  return body
+
+
+def _check_text(body: Any) -> None:
+  """Raises `ApiError` naming the first place where `body` nests deeper than `MAX_DEPTH` or
+  where a string (or key) is not valid Unicode (a lone surrogate, sent as \\ud800)."""
+  todo = [(body, "", 1)]
+  while todo:
+    value, where, depth = todo.pop()
+    if depth > MAX_DEPTH and isinstance(value, (dict, list)):
+      raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels", _shown(where))
+    if isinstance(value, dict):
+      for key, item in value.items():
+        name = f"{where}.{key}" if where else key
+        if not _valid(key):
+          raise ApiError(f"the field name {_shown(name)!r} is not valid Unicode (a lone "
+                         "surrogate)", _shown(name))
+        todo.append((item, name, depth + 1))
+    elif isinstance(value, list):
+      todo += [(item, f"{where}[{number}]", depth + 1) for number, item in enumerate(value)]
+    elif isinstance(value, str) and not _valid(value):
+      raise ApiError(f"'{_shown(where)}' is not valid Unicode: it holds a lone surrogate "
+                     f"({_shown(value)[:80]})", _shown(where) or None)
+
+
+def _valid(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def _shown(text: str) -> str:
+  """`text` as it can be sent back: a lone surrogate as its escape (\\ud800)."""
+  return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_completion(body: Any, *, max_top_logprobs: int, vocab_size: int | None = None,
+                     max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES) -> Ask:
+  """The `/v1/completions` request in `body` (JSON already parsed); raises `ApiError`.
+  `vocab_size`: the bound of token ids in a prompt given as ids (None: any id)."""
+  fields = _common(body, _COMPLETION, max_stop_bytes)
+  prompts = _prompts(body.get("prompt"), vocab_size)
   if _get(body, "echo", bool, False):
     raise ApiError("'echo' is not supported: the reply holds the new text only", "echo")
   logprobs = _get(body, "logprobs", int, None)
   if logprobs is not None and not 0 <= logprobs <= max_top_logprobs:
-    raise ApiError(f"'logprobs' must be in [0, {max_top_logprobs}]; got {logprobs}", "logprobs")
+    raise ApiError(f"'logprobs' must be in [0, {max_top_logprobs}]; got {_brief(logprobs)}", "logprobs")
   fields.setdefault("max_tokens", 16)
   return Ask(prompts=prompts, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
              **fields)
 
 
-def parse_chat(body: Any, *, max_top_logprobs: int) -> Ask:
+def parse_chat(body: Any, *, max_top_logprobs: int,
+               max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES) -> Ask:
   """The `/v1/chat/completions` request in `body` (JSON already parsed); raises `ApiError`."""
-  fields = _common(body, _CHAT)
+  fields = _common(body, _CHAT, max_stop_bytes)
   newer = _get(body, "max_completion_tokens", int, None)  # The newer name of max_tokens.
   if newer is not None:
     fields["max_tokens"] = _at_least_one(newer, "max_completion_tokens")
   logprobs = _get(body, "logprobs", bool, False)
   top = _get(body, "top_logprobs", int, 0)
   if not 0 <= top <= max_top_logprobs:
-    raise ApiError(f"'top_logprobs' must be in [0, {max_top_logprobs}]; got {top}",
+    raise ApiError(f"'top_logprobs' must be in [0, {max_top_logprobs}]; got {_brief(top)}",
                    "top_logprobs")
   if top and not logprobs:
     raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -115,7 +173,35 @@ def parse_chat(body: Any, *, max_top_logprobs: int) -> Ask:
              **fields)
 
 
-def _common(body: Any, known: set[str]) -> dict:
+def _prompts(prompt: Any, vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
+  """/v1/completions' `prompt`: a string, a list of them, a list of token ids, or a list of
+  such lists (each id checked against the vocabulary)."""
+  def ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+  if isinstance(prompt, str):
+    prompts = (prompt,)
+  elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    prompts = tuple(prompt)
+  elif ids(prompt):
+    prompts = (tuple(prompt),)
+  elif isinstance(prompt, list) and prompt and all(ids(p) for p in prompt):
+    prompts = tuple(tuple(p) for p in prompt)
+  else:
+    raise ApiError("'prompt' must be a string, a non-empty list of strings, a non-empty "
+                   "list of token ids, or a list of such lists", "prompt")
+  for number, tokens in enumerate(prompts):
+    bad = [] if isinstance(tokens, str) else [
+        t for t in tokens if t < 0 or vocab_size is not None and t >= vocab_size]
+    if bad:
+      where = "prompt" if isinstance(prompt[0], int) else f"prompt[{number}]"
+      raise ApiError(f"'{where}': token id {_brief(bad[0])} is not in the vocabulary "
+                     f"[0, {vocab_size})", "prompt")
+  return prompts
+
+
+def _common(body: Any, known: set[str], max_stop_bytes: int) -> dict:
   """The fields both endpoints share, checked (`Ask`'s keyword arguments)."""
   if not isinstance(body, dict):
     raise ApiError("the request body must be a JSON object")
@@ -132,30 +218,58 @@ def _common(body: Any, known: set[str]) -> dict:
     raise ApiError("'logit_bias' is not supported", "logit_bias")
   temperature = _get(body, "temperature", float, 1.0)
   if not 0 <= temperature <= 2:
-    raise ApiError(f"'temperature' must be in [0, 2]; got {temperature}", "temperature")
+    raise ApiError(f"'temperature' must be in [0, 2]; got {_brief(temperature)}", "temperature")
   top_p = _get(body, "top_p", float, None)
   if top_p is not None and not 0 < top_p <= 1:
-    raise ApiError(f"'top_p' must be in (0, 1]; got {top_p}", "top_p")
+    raise ApiError(f"'top_p' must be in (0, 1]; got {_brief(top_p)}", "top_p")
   top_k = _get(body, "top_k", int, None)
   if top_k is not None and top_k < 1 and top_k != -1:  # -1: all tokens, as vLLM reads it.
-    raise ApiError(f"'top_k' must be >= 1 (or -1: no limit); got {top_k}", "top_k")
+    raise ApiError(f"'top_k' must be >= 1 (or -1: no limit); got {_brief(top_k)}", "top_k")
   n = _get(body, "n", int, 1)
   if not 1 <= n <= MAX_N:
-    raise ApiError(f"'n' must be in [1, {MAX_N}]; got {n}", "n")
+    raise ApiError(f"'n' must be in [1, {MAX_N}]; got {_brief(n)}", "n")
   stop = _get(body, "stop", (str, list), [])
   stop = [stop] if isinstance(stop, str) else stop
   if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
     raise ApiError(f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty "
                    "strings", "stop")
-  options = _get(body, "stream_options", dict, None) or {}
+  for text in stop:
+    if len(text.encode("utf-8")) > max_stop_bytes:
+      raise ApiError(f"a stop string may be at most {max_stop_bytes} bytes (UTF-8); got "
+                     f"{len(text.encode('utf-8'))}", "stop")
+  stream = _get(body, "stream", bool, False)
   fields = dict(model=model, temperature=temperature, top_p=top_p,
                 top_k=None if top_k == -1 else top_k, n=n, seed=_get(body, "seed", int, None),
-                stop=tuple(stop), stream=_get(body, "stream", bool, False),
-                include_usage=bool(options.get("include_usage", False)))
+                stop=tuple(stop), stream=stream, include_usage=_include_usage(body, stream))
   max_tokens = _get(body, "max_tokens", int, None)
   if max_tokens is not None:
     fields["max_tokens"] = _at_least_one(max_tokens, "max_tokens")
   return fields
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+  """`stream_options.include_usage`, checked: a boolean, the only key, and only with
+  `stream`."""
+  options = _get(body, "stream_options", dict, None)
+  if options is None:
+    return False
+  if not stream:
+    raise ApiError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+  for name in options:
+    if name not in _STREAM_OPTIONS:
+      raise ApiError(f"Unrecognized stream_options argument supplied: {name}",
+                     f"stream_options.{name}")
+  value = options.get("include_usage", False)
+  if not isinstance(value, bool):
+    raise ApiError(f"'stream_options.include_usage' must be a boolean; got {_brief(value)}",
+                   "stream_options.include_usage")
+  return value
+
+
+def _brief(value: Any) -> str:
+  """`repr(value)`, cut to 60 characters: what an error message quotes of a value."""
+  shown = repr(value)
+  return shown if len(shown) <= 60 else f"{shown[:50]}... ({len(shown)} characters)"
 
 
 def _get(body: dict, name: str, kind, default):
@@ -169,13 +283,18 @@ def _get(body: dict, name: str, kind, default):
   if isinstance(value, bool) and bool not in kinds or not (isinstance(value, kinds) or number):
     names = " or ".join({str: "a string", int: "an integer", float: "a number",
                          bool: "a boolean", dict: "an object", list: "a list"}[k] for k in kinds)
-    raise ApiError(f"'{name}' must be {names}; got {value!r}", name)
-  return float(value) if number else value
+    raise ApiError(f"'{name}' must be {names}; got {_brief(value)}", name)
+  if number:
+    try:
+      return float(value)
+    except OverflowError:
+      raise ApiError(f"'{name}' is out of range; got {_brief(value)}", name) from None
+  return value
 
 
 def _at_least_one(value: int, name: str) -> int:
   if value < 1:
-    raise ApiError(f"'{name}' must be >= 1; got {value}", name)
+    raise ApiError(f"'{name}' must be >= 1; got {_brief(value)}", name)
   return value
 
 
