@@ -2,9 +2,13 @@
 
 The engine is synchronous: one `step` decodes a few tokens for every running
 request, and a step takes as long as the model does. It runs on one thread
-(`EngineWorker`), which alone touches the engine; HTTP handlers on the event
-loop `submit` requests and `cancel` them (a client went away), and receive each
-request's new tokens on an `asyncio.Queue` as the steps produce them.
+(`EngineWorker`), which alone touches the engine: it checks each request
+(`engine.check`), adds it, steps, and measures what /health reports. HTTP handlers
+on the event loop `submit` requests and `cancel` them (a client went away), and
+receive each request's new tokens, or the error that ended it, on an
+`asyncio.Queue` as the steps produce them. One lock orders `submit` against the
+thread's end, so a request is either refused (`EngineStopped`) or ended by the
+thread, never left waiting.
 
 Example:
   >>> import asyncio
@@ -63,11 +67,22 @@ class Job:
     self.index: int | None = None  # The engine's, set on the worker's thread.
     self.sent = 0  # Tokens handed to the loop so far (worker's thread).
     self.sent_text = 0  # Characters of text handed to the loop so far (worker's thread).
+    self.ended = False  # Its last update or error is out (worker's thread, under the lock).
     self._loop = loop
     self._updates: asyncio.Queue[Update | BaseException] = asyncio.Queue()
+    self._queued = asyncio.Event()
+    self._refusal: BaseException | None = None
+
+  async def queued(self) -> None:
+    """Returns once the engine has queued the request (checked on the worker's thread);
+    raises what refused it (`engine.RequestError`, `EngineStopped`)."""
+    await self._queued.wait()
+    if self._refusal is not None:
+      raise self._refusal
 
   async def updates(self) -> AsyncIterator[Update]:
-    """Each step's update until the request ends; raises `EngineStopped` if the engine does."""
+    """Each step's update until the request ends; raises the error that ended it instead
+    (`EngineStopped` if the engine did)."""
     while True:
       update = await self._updates.get()
       if isinstance(update, BaseException):
@@ -77,8 +92,18 @@ class Job:
         return
 
   def _send(self, item: Update | BaseException) -> None:
-    """From the worker's thread: hands `item` to the loop."""
-    self._loop.call_soon_threadsafe(self._updates.put_nowait, item)
+    """From the worker's thread: hands `item` to the loop (gone: nobody waits)."""
+    with contextlib.suppress(RuntimeError):  # The loop has closed.
+      self._loop.call_soon_threadsafe(self._updates.put_nowait, item)
+
+  def _answer(self, refusal: BaseException | None) -> None:
+    """From the worker's thread: the request is queued in the engine, or `refusal` says
+    why not."""
+    def answer():
+      self._refusal = refusal
+      self._queued.set()
+    with contextlib.suppress(RuntimeError):
+      self._loop.call_soon_threadsafe(answer)
 
 
 class EngineWorker:
@@ -90,25 +115,45 @@ class EngineWorker:
     reads when the engine traces a program)."""
     self.engine, self._around = engine, around
     self._commands: queue.Queue = queue.Queue()
-    self._jobs: dict[int, Job] = {}
+    # One lock orders submit against the thread's end: a request is queued before the
+    # queue is emptied for the last time, or refused.
+    self._lock = threading.Lock()
+    self._closed = False
     self._failure: BaseException | None = None
+    self._jobs: dict[int, Job] = {}
+    self._open = 0  # Jobs submitted that have not ended (under the lock).
     self.cancelled = 0
     """Requests cancelled before they ended (their clients went away)."""
+    self._figures = self._measure()
     self._thread = threading.Thread(target=self._run, name="jax-ai-stack-engine", daemon=True)
     self._thread.start()
 
   @property
   def running(self) -> int:
-    """Requests added and not yet ended (waiting or decoding)."""
-    return len(self._jobs) + self._commands.qsize()
+    """Requests submitted and not yet ended (waiting or decoding); cancels do not count."""
+    return self._open
+
+  def figures(self) -> dict:
+    """What /health reports: requests running and cancelled, the KV cache's pages in use,
+    at peak and in all (read by the worker's thread after each step or command)."""
+    return {"running": self._open, **self._figures}
 
   def submit(self, request: engine_lib.Request) -> Job:
-    """Queues a request checked with `engine.check`; its updates arrive on the running loop."""
-    if not self._thread.is_alive():
-      raise EngineStopped(f"the generation engine has stopped: {self._failure or 'shut down'}")
-    job = Job(request, asyncio.get_running_loop())
-    self._commands.put(("add", job))
-    return job
+    """Queues one request (see `submit_all`)."""
+    return self.submit_all([request])[0]
+
+  def submit_all(self, requests: list[engine_lib.Request]) -> list[Job]:
+    """Queues requests together, checked on the worker's thread (`engine.check`): all are
+    queued, or each gets the first one's error, from `Job.queued` and `Job.updates`.
+    Raises `EngineStopped` if the engine's thread has ended."""
+    loop = asyncio.get_running_loop()
+    jobs = [Job(request, loop) for request in requests]
+    with self._lock:
+      if self._closed:
+        raise EngineStopped(f"the generation engine has stopped: {self._failure or 'shut down'}")
+      self._open += len(jobs)
+      self._commands.put(("add", jobs))
+    return jobs
 
   def cancel(self, job: Job) -> None:
     """Frees the request's slot (its client went away); no more updates are sent."""
@@ -135,24 +180,53 @@ class EngineWorker:
     """Carries out the commands queued so far (waiting for one if `block`); False at stop."""
     while True:
       try:
-        command, job = self._commands.get(block=block)
+        command, subject = self._commands.get(block=block)
       except queue.Empty:
+        self._figures = self._measure()
         return True
       block = False
       if command == "stop":
         return False
       if command == "add":
-        try:
-          job.index = self.engine.add(job.request)
-        except ValueError as e:  # Unchecked by the caller: this request's error alone.
-          job._send(e)  # pylint: disable=protected-access
-          continue
-        self._jobs[job.index] = job
-      elif job.index in self._jobs:
-        self.cancelled += self.engine.cancel(job.index)
-        del self._jobs[job.index]
+        self._add(subject)
+      elif subject.index in self._jobs:  # Cancel one still running.
+        self.cancelled += self.engine.cancel(subject.index)
+        del self._jobs[subject.index]
+        self._end(subject, None)
+
+  def _add(self, jobs: list[Job]) -> None:
+    """Queues `jobs` in the engine if each passes its check, else none: every error goes
+    to the jobs (this request's alone), never up to the thread."""
+    try:
+      for number, job in enumerate(jobs):
+        self.engine.check(job.request, number)
+    except Exception as e:  # pylint: disable=broad-except
+      for job in jobs:
+        job._answer(e)  # pylint: disable=protected-access
+        self._end(job, e)
+      return
+    for job in jobs:
+      try:
+        job.index = self.engine.add(job.request)
+      except Exception as e:  # pylint: disable=broad-except
+        job._answer(e)  # pylint: disable=protected-access
+        self._end(job, e)
+        continue
+      self._jobs[job.index] = job
+      job._answer(None)  # pylint: disable=protected-access
+
+  def _end(self, job: Job, last: Update | BaseException | None) -> None:
+    """Counts `job` as ended and hands it `last` (None: nothing, it was cancelled)."""
+    with self._lock:
+      if job.ended:
+        return
+      job.ended = True
+      self._open -= 1
+    if last is not None:
+      job._send(last)  # pylint: disable=protected-access
 
   def _step(self) -> None:
+    out = []
     for completion in self.engine.step():
       job = self._jobs.get(completion.index)
       if job is None:
@@ -161,17 +235,32 @@ class EngineWorker:
         del self._jobs[completion.index]
       start, job.sent = job.sent, len(completion.tokens)
       text_start, job.sent_text = job.sent_text, len(completion.text)
-      update = Update(completion.tokens[start:], completion.logprobs[start:],
-                      completion.top_logprobs[start:], completion.finish_reason,
-                      completion.text[text_start:])
-      job._send(update)  # pylint: disable=protected-access
+      out.append((job, Update(completion.tokens[start:], completion.logprobs[start:],
+                              completion.top_logprobs[start:], completion.finish_reason,
+                              completion.text[text_start:])))
+    self._figures = self._measure()  # Before the updates: a client that has its last
+    for job, update in out:          # one then finds /health up to date.
+      if update.finish_reason:
+        self._end(job, update)
+      else:
+        job._send(update)  # pylint: disable=protected-access
+
+  def _measure(self) -> dict:
+    """The engine's figures for /health (worker's thread, or before it starts)."""
+    return {"cancelled": self.cancelled, "pages_in_use": self.engine.pages_in_use,
+            "peak_pages": self.engine.peak_pages, "max_pages": self.engine.max_pages}
 
   def _fail(self, error: BaseException) -> None:
-    """Ends every request running or still queued with `error`."""
-    while not self._commands.empty():
-      command, job = self._commands.get()
-      if command == "add":
-        self._jobs[id(job)] = job
-    for job in self._jobs.values():
-      job._send(error)  # pylint: disable=protected-access
+    """Refuses new requests, then ends every request running or still queued with `error`."""
+    with self._lock:
+      self._closed = True
+      queued = []
+      while not self._commands.empty():
+        command, subject = self._commands.get()
+        if command == "add":
+          queued += subject
+    for job in queued:
+      job._answer(error)  # pylint: disable=protected-access
+    for job in [*self._jobs.values(), *queued]:
+      self._end(job, error)
     self._jobs.clear()
