@@ -105,8 +105,42 @@ def test_a_directory_without_a_task_file_is_named(tmp_path):
   assert "broken.yaml: not YAML" in str(caught.value)
 
 
+@pytest.mark.slow
+def test_a_task_file_runs_its_task_with_the_harness_standard_errors(workdir, tmp_path):
+  """A file was refused as "no such directory", and every Stderr was N/A (bootstrap_iters=0
+  turned off even a mean's closed form)."""
+  tasks = write_tasks(tmp_path / "tasks")
+  before = set((workdir / "eval_harness").glob("*.json"))
+  result = jax_ai_stack("eval", "--workdir", str(workdir), "--tasks", str(tasks / "sums.yaml"))
+  assert result.returncode == 0, result.stderr
+  [written] = set((workdir / "eval_harness").glob("results-step2-*.json")) - before
+  results = json.loads(written.read_text())["results"]
+  assert set(results) == {"tiny_sums"}  # Its one task, not its folder's.
+  acc, stderr = results["tiny_sums"]["acc,none"], results["tiny_sums"]["acc_stderr,none"]
+  assert stderr == pytest.approx((acc * (1 - acc) / 3) ** 0.5)  # The mean's, 4 examples.
+  assert "N/A" not in result.stdout and "Stderr N/A" not in result.stderr
+
+
+def test_a_misspelled_name_is_answered_with_the_local_tasks_first(tmp_path, monkeypatch):
+  write_tasks(tmp_path / "my_tasks")
+  monkeypatch.chdir(tmp_path)
+  known = {"arc_it", "tiny_sumz_lm_eval", "hellaswag"}
+  close = harness._close("tiny_sumz", {}, known)  # pylint: disable=protected-access
+  assert close.startswith("; close: tiny_sums (my_tasks/sums.yaml)"), close
+  assert close.endswith("tiny_sumz_lm_eval")  # lm-eval's after.
+  assert harness._close("stdlb", {}, known) == "; close: stdlib"  # pylint: disable=protected-access
+
+
+def test_a_note_says_why_a_stderr_is_missing():
+  results = {"results": {"a": {"acc,none": 0.5, "acc_stderr,none": 0.1,
+                               "exact_match,none": 1.0, "exact_match_stderr,none": "N/A"}}}
+  assert harness.stderr_note(results).startswith("Stderr N/A (exact_match): lm-eval has no")
+  assert harness.stderr_note({"results": {"a": {"acc_stderr,none": 0.1}}}) is None
+
+
 @pytest.mark.parametrize("flags, words", [
-    (["--tasks", "./no/such/dir"], "--tasks ./no/such/dir: no such directory"),
+    (["--tasks", "./no/such/dir"], "--tasks ./no/such/dir: no such file or directory"),
+    (["--tasks", "my_tasks/parity.yaml"], "--tasks my_tasks/parity.yaml: no such file or directory"),
     (["--tasks", "x", "--limit", "0"], "--limit must be above 0"),
     (["--tasks", "x", "data.batch_size=2"], "--tasks takes no data overrides"),
 ])

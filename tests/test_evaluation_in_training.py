@@ -41,7 +41,7 @@ def test_the_tasks_run_at_their_evaluations_and_are_logged_with_its_metrics(tmp_
 @pytest.mark.slow  # The harness indexes its tasks (about 15 s).
 @pytest.mark.parametrize("overrides, message", [
     (["train.eval_tasks=[nope_not_a_task]"], "train.eval_tasks: no task 'nope_not_a_task'"),
-    (["train.eval_tasks=[./no/such/dir]"], "train.eval_tasks ./no/such/dir: no such directory"),
+    (["train.eval_tasks=[./no/such/dir]"], "train.eval_tasks ./no/such/dir: no such file or directory"),
 ])
 def test_a_bad_task_stops_the_run_before_its_first_step(tmp_path, overrides, message):
   config = config_lib.load("lm-tiny", overrides=[*TINY, "train.steps=2", *overrides])

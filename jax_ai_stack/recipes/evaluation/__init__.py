@@ -29,6 +29,8 @@ def harness_modules(what: str):
   downloaded at run time); MissingExtraError naming `what` without the `eval` extra."""
   os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # Read when `datasets` is imported.
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  # lm-eval's bootstrap standard errors otherwise fork a pool of this process (jax's threads).
+  os.environ.setdefault("DISABLE_MULTIPROC", "1")
   try:
     return (importlib.import_module(f"{__name__}.harness"),
             importlib.import_module(f"{__name__}.harness_model"))

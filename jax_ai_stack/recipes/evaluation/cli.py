@@ -61,6 +61,8 @@ def run_harness(args: argparse.Namespace, open_run: Callable[[], Any]) -> int:
   out.mkdir(exist_ok=True)
   write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable))
   print(make_table(results))
+  if (note := harness.stderr_note(results)) is not None:
+    print(note, file=sys.stderr)
   if made:  # A copy to read and change: `--tasks W/eval_harness/stdlib_tasks` runs it.
     print(f"tasks {stdlib_tasks.write(out / 'stdlib_tasks', made)}", file=sys.stderr)
   print(f"results {path}", file=sys.stderr)

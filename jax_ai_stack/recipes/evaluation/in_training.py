@@ -73,7 +73,7 @@ class TrainingTasks:
                                           generating=generating)
       with run.kernel_configs():
         results = self._harness.evaluate(model, self.tasks, limit=self.train.eval_tasks_limit,
-                                         seed=self.train.seed)
+                                         seed=self.train.seed, bootstrap_iters=0)  # Unlogged.
       metrics = metric_names(results)
     return _from_process_0(metrics)
 
