@@ -179,9 +179,9 @@ def register(subparsers) -> None:
                         help="evaluate the parameters `quantize --scheme SCHEME` saved in --workdir")
   evaluate.add_argument("--tasks", metavar="A,B",
                         help="run lm-evaluation-harness tasks instead: registered names, "
-                        "directories of task YAML files, or `stdlib` (four tasks made from "
-                        "the standard library), comma-separated (the eval extra); their "
-                        "data must be on disk")
+                        "task YAML files or directories of them, or `stdlib` (four tasks "
+                        "made from the standard library), comma-separated (the eval extra); "
+                        "their data must be on disk")
   evaluate.add_argument("--limit", type=float, metavar="N",
                         help="--tasks: at most N examples per task (a fraction if below 1)")
   evaluate.add_argument("--num-fewshot", type=int, metavar="K",
