@@ -18,8 +18,11 @@ from safetensors.numpy import load_file, save_file
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ModelFileError, UsageError
 from jax_ai_stack.recipes import checkpoint, train
+from jax_ai_stack.recipes import config as recipe_config
+from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.models import hf
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig, RopeScaling
+from jax_ai_stack.recipes.tasks.lm import LanguageModel
 
 from multidevice import run_on_devices
 
@@ -453,15 +456,25 @@ QWEN_WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *WORDS[4:]
 GEMMA_WORDS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", *WORDS[4:]]
 
 
+QWEN_IDS = {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0}
+
+
 @pytest.mark.parametrize("words, ids, generation, exported_eos", [
-    # Qwen3: EOS is <|im_end|>, no BOS, PAD <|endoftext|>; generation_config lists both stops.
-    (QWEN_WORDS, {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0},
+    # Qwen3: EOS <|im_end|>, no BOS, PAD <|endoftext|>, which our tokenizer takes for its EOS
+    # by name: the source's generation_config.json stops at 2 alone, and so does the export.
+    (QWEN_WORDS, QWEN_IDS,
+     {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "top_k": 20}, 2),
+    (QWEN_WORDS, QWEN_IDS,
      {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "top_k": 20}, [2, 0]),
+    # No generation_config.json: config.json's EOS, then the tokenizer's EOS and turn ends.
+    (QWEN_WORDS, QWEN_IDS, None, [2, 0]),
     # Gemma 3: two EOS ids in config.json, no generation_config.json: ours lists the stops.
     (GEMMA_WORDS, {"bos_token_id": 2, "eos_token_id": [1, 5], "pad_token_id": 0}, None, [1, 5]),
-], ids=["qwen", "gemma"])
+], ids=["qwen", "qwen-two-stops", "qwen-without-generation-config", "gemma"])
 def test_the_tokenizer_s_ids_travel_through_import_and_export_unchanged(
     tmp_path, capsys, words, ids, generation, exported_eos):
+  """The export's generation_config.json is the source's, byte for byte in its values; and
+  `generate` stops at the ids it lists (`end_ids`)."""
   source = write_hf(tmp_path / "hf", {**TINY_HF, **ids}, hf_weights(TINY_HF))
   _tokenizer_file(source / "tokenizer.json", words)
   if generation is not None:
@@ -475,6 +488,45 @@ def test_the_tokenizer_s_ids_travel_through_import_and_export_unchanged(
   exported = json.loads((tmp_path / "out" / "generation_config.json").read_text())
   assert exported == {**(generation or {key: v for key, v in ids.items() if v is not None}),
                       "eos_token_id": exported_eos}
+  run_config = recipe_config.load(config_file=tmp_path / "run" / "config.yaml")
+  stops = exported_eos if isinstance(exported_eos, list) else [exported_eos]
+  assert LanguageModel(run_config).end_ids() == tuple(stops)
+
+
+@pytest.mark.slow
+def test_generate_stops_at_the_generation_config_s_eos_unless_told_to_ignore_it(
+    tmp_path, capsys):
+  """The imported run's generation_config.json names as EOS a token greedy decoding reaches
+  at its k-th step: `generate --prompt` and `--input` stop there (its text left out), and
+  with `--ignore-eos` go on to --max-new-tokens."""
+  source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))
+  _tokenizer_file(source / "tokenizer.json")
+  workdir = tmp_path / "run"
+  assert main(capsys, "import-hf", str(source), "--workdir", str(workdir), *RUN)[0] == 0
+  trainer = train.Trainer.open_finished(workdir)
+  try:
+    tokenizer, (prompt, _) = trainer.task.tokenizer(), trainer.task.prompt_encoder()(
+        {"prompt": "def x"})
+    greedy = Engine(trainer.inference_model(), max_slots=1).run(
+        [Request(tuple(int(t) for t in prompt), 8, temperature=0)])[0].tokens
+  finally:
+    trainer.close()
+  k = next((i for i in range(1, 8) if greedy[i] not in greedy[:i]), 0)
+  (workdir / "generation_config.json").write_text(json.dumps({"eos_token_id": greedy[k]}))
+  flags = ["--workdir", str(workdir), "--max-new-tokens", "8", "--temperature", "0"]
+  code, out, err = main(capsys, "generate", "--prompt", "def x", *flags)
+  assert code == 0, err
+  assert out == tokenizer.decode([*prompt, *greedy[:k]]) + "\n"
+  requests = tmp_path / "requests.jsonl"
+  requests.write_text(json.dumps({"prompt": "def x"}) + "\n")
+  for ignore, (tokens, reason) in (([], (k + 1, "stop")), (["--ignore-eos"], (8, "length"))):
+    code, out, err = main(capsys, "generate", "--input", str(requests), *flags, *ignore)
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["tokens"], result["finish_reason"]) == (tokens, reason)
+  code, out, err = main(capsys, "generate", "--prompt", "def x", "--ignore-eos", *flags)
+  assert code == 0, err
+  assert out == tokenizer.decode([*prompt, *greedy]) + "\n"
 
 
 def test_a_tokenizer_without_source_ids_exports_its_own_and_its_turn_stops(tmp_path, capsys):

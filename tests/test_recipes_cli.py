@@ -154,6 +154,13 @@ def test_generate_seed_repeats_a_sample_and_no_seed_draws_a_new_one(reference):
   assert one_line_error(generate("--top-p", "1.5")).endswith("--top-p must be in (0, 1]; got 1.5")
 
 
+@pytest.mark.parametrize("count", ["0", "-5"])
+def test_generate_refuses_no_new_tokens_before_opening_the_run(tmp_path, count):
+  error = one_line_error(jax_ai_stack("generate", "--workdir", str(tmp_path / "none"),
+                                      "--max-new-tokens", count))
+  assert error.endswith(f"--max-new-tokens must be at least 1; got {count}")
+
+
 def test_train_list_describes_each_preset():
   result = jax_ai_stack("train", "--list")
   assert result.returncode == 0, result.stderr

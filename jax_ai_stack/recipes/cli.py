@@ -138,8 +138,12 @@ def register(subparsers) -> None:
   generate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   generate.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
   generate.add_argument("--max-new-tokens", type=int,
-                        help="tokens to add; fewer if the model's max_seq_len is reached "
-                        "(default: 128, or as many as fit)")
+                        help="tokens to add, at least 1; fewer if the model's max_seq_len is "
+                        "reached or it ends (default: 128, or as many as fit)")
+  generate.add_argument("--ignore-eos", action="store_true",
+                        help="continue a prompt past the model's end-of-sequence ids (its "
+                        "generation config's eos_token_id, else the tokenizer's EOS), to "
+                        "--max-new-tokens; chat replies still end at their end of turn")
   generate.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 picks the most likely token (default 0.8)")
   generate.add_argument("--seed", type=int,
@@ -315,6 +319,8 @@ def run_generate(args: argparse.Namespace) -> int:
     raise UsageError(f"--top-p must be in (0, 1]; got {args.top_p}")
   if args.top_k is not None and args.top_k < 1:
     raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
+  if args.max_new_tokens is not None and args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
   _check_quantized(args)
   seed = args.seed
   if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
@@ -334,12 +340,14 @@ def run_generate(args: argparse.Namespace) -> int:
   try:
     sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
     if items is not None:
-      results = trainer.stream(items, args.max_new_tokens, args.temperature, **sampling)
+      results = trainer.stream(items, args.max_new_tokens, args.temperature,
+                               ignore_eos=args.ignore_eos, **sampling)
       for done, result in enumerate(results, start=1):
         print(json.dumps(result), flush=True)
         logs.status(f"{done}/{len(items)} done")
     elif conversations is None:
-      print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature, **sampling))
+      print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature,
+                             ignore_eos=args.ignore_eos, **sampling))
     if conversations:  # One batch of the generation engine; one reply per line, in order.
       for reply in trainer.chat_many(conversations, args.max_new_tokens, args.temperature,
                                      **sampling):

@@ -132,12 +132,13 @@ class Run:
 
   def generate(self, prompt: str, max_new_tokens: int | None, temperature: float, *,
                seed: int | None = None, top_k: int | None = None,
-               top_p: float | None = None) -> str:
-    """`prompt` continued; `seed` None: the run's `train.seed`."""
+               top_p: float | None = None, ignore_eos: bool = False) -> str:
+    """`prompt` continued, to the model's end-of-sequence ids unless `ignore_eos`; `seed`
+    None: the run's `train.seed`."""
     seed = self.config.train.seed if seed is None else seed
     with self.kernel_configs():
       return self.task.generate(self.inference_model(), prompt, max_new_tokens, temperature,
-                                seed, top_k=top_k, top_p=top_p)
+                                seed, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
 
   def chat(self, messages: list[dict], max_new_tokens: int | None, temperature: float, *,
            seed: int | None = None, top_k: int | None = None,
@@ -149,13 +150,13 @@ class Run:
 
   def stream(self, items: list[dict], max_new_tokens: int | None, temperature: float, *,
              seed: int | None = None, top_k: int | None = None,
-             top_p: float | None = None) -> Iterator[dict]:
+             top_p: float | None = None, ignore_eos: bool = False) -> Iterator[dict]:
     """Each item's result as it finishes ({"prompt"} continued, {"messages"} answered:
     `LanguageModel.stream`), decoded together by the generation engine."""
     seed = self.config.train.seed if seed is None else seed
     with self.kernel_configs():
       yield from self.task.stream(self.inference_model(), items, max_new_tokens, temperature,
-                                  seed, top_k=top_k, top_p=top_p)
+                                  seed, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
 
   def chat_many(self, conversations: list[list[dict]], max_new_tokens: int | None,
                 temperature: float, *, seed: int | None = None, top_k: int | None = None,

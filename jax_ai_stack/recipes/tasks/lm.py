@@ -28,6 +28,7 @@ from jax_ai_stack.errors import ConfigError, UsageError
 from jax_ai_stack.recipes import data, inference, sharding
 from jax_ai_stack.recipes.models import adapting, decoder
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
+from jax_ai_stack.recipes.models.hf import special_tokens
 from jax_ai_stack.recipes.tasks import grpo, objectives
 from jax_ai_stack.recipes.tasks.base import Task
 
@@ -176,19 +177,21 @@ class LanguageModel(Task):
     return [f"sample:\n{text}\n"]
 
   def generate(self, model, prompt: str, max_new_tokens: int | None, temperature: float,
-               seed: int, *, top_k: int | None = None, top_p: float | None = None) -> str:
+               seed: int, *, top_k: int | None = None, top_p: float | None = None,
+               ignore_eos: bool = False) -> str:
     """`prompt` continued by up to `max_new_tokens` tokens (fewer if the model's
-    `max_seq_len` is reached first: a note says so); None: 128, or as many as fit."""
+    `max_seq_len` is reached first: a note says so); None: 128, or as many as fit. It ends
+    at the model's end-of-sequence ids (`end_ids`) unless `ignore_eos`."""
     return self.generate_many(model, [prompt], max_new_tokens, temperature, seed,
-                              top_k=top_k, top_p=top_p)[0]
+                              top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)[0]
 
   def generate_many(self, model, prompts: list[str], max_new_tokens: int | None,
                     temperature: float, seed: int, *, top_k: int | None = None,
-                    top_p: float | None = None) -> list[str]:
+                    top_p: float | None = None, ignore_eos: bool = False) -> list[str]:
     """Each prompt continued as `generate` does, all in one batch of the generation engine
     (each with `seed`: a prompt's text does not depend on the others)."""
     done = self.stream(model, [{"prompt": prompt} for prompt in prompts], max_new_tokens,
-                       temperature, seed, top_k=top_k, top_p=top_p)
+                       temperature, seed, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
     return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
   def chat(self, model, messages: list[dict], max_new_tokens: int | None, temperature: float,
@@ -208,20 +211,23 @@ class LanguageModel(Task):
     return [result["text"] for result in sorted(done, key=lambda r: r["index"])]
 
   def stream(self, model, items: list[dict], max_new_tokens: int | None, temperature: float,
-             seed: int, *, top_k: int | None = None, top_p: float | None = None
-             ) -> Iterator[dict]:
+             seed: int, *, top_k: int | None = None, top_p: float | None = None,
+             ignore_eos: bool = False) -> Iterator[dict]:
     """Each item's result as it finishes, from one batch of the generation engine.
 
     An item is {"prompt": text} (continued, the prompt included in the text, as
-    `generate`) or {"messages": [...]} (answered as `chat`: the reply alone, cut
-    at its end of turn), with an optional "stop": strings that end it (the engine
-    stops there; the text ends before the first). Yields {"index", "text",
-    "finish_reason" ("stop" or "length"), "tokens" (new tokens)} with `index` the
-    item's place in `items`.
+    `generate`, up to the model's end-of-sequence ids unless `ignore_eos`) or
+    {"messages": [...]} (answered as `chat`: the reply alone, cut at its end of
+    turn), with an optional "stop": strings that end it (the engine stops there;
+    the text ends before the first). Yields {"index", "text", "finish_reason"
+    ("stop" or "length"), "tokens" (new tokens, an end id included)} with `index`
+    the item's place in `items`.
     """
     tokenizer, encode = self.tokenizer(), self.prompt_encoder()
-    prompts, stop_ids = zip(*(encode(item) for item in items)) if items else ((), ())
     chats = ["messages" in item for item in items]
+    prompts, stop_ids = zip(*(encode(item) for item in items)) if items else ((), ())
+    if ignore_eos:  # A continuation goes on to its length; a reply still ends its turn.
+      stop_ids = [ids if chat else () for ids, chat in zip(stop_ids, chats)]
     ends = tokenizer.end_of_turn_ids()
     requests, lengths = self._requests(list(prompts), max_new_tokens, temperature, seed,
                                        top_k, top_p, list(stop_ids))
@@ -242,7 +248,8 @@ class LanguageModel(Task):
         turn_ends = np.isin(new, ends)
         text, start = tokenizer.decode(new[:np.argmax(turn_ends)] if turn_ends.any() else new), 0
       else:
-        text = tokenizer.decode(np.concatenate([prompts[index], new]))
+        ended = completion.finish_reason == "stop" and new.size and new[-1] in stop_ids[index]
+        text = tokenizer.decode(np.concatenate([prompts[index], new[:-1] if ended else new]))
         start = len(tokenizer.decode(prompts[index]))
       found = [at for at in (text.find(stop, start) for stop in stops[index]) if at >= 0]
       text = text[:min(found)] if found else text
@@ -253,14 +260,15 @@ class LanguageModel(Task):
     """A function from an item to its prompt's ids and the ids that end its reply.
 
     {"prompt": text}: the text as the tokenizer encodes a prompt (BOS where its
-    file adds one; BOS alone for no text), ended by nothing. {"messages": [...]}:
-    the conversation rendered with the run's chat template and its generation
-    prompt, ended by the tokenizer's end-of-turn ids (those inside the model's
-    vocabulary).
+    file adds one; BOS alone for no text), ended by the model's end-of-sequence
+    ids (`end_ids`). {"messages": [...]}: the conversation rendered with the
+    run's chat template and its generation prompt, ended by the tokenizer's
+    end-of-turn ids. Both only those inside the model's vocabulary.
     """
     tokenizer = self.tokenizer()
     turn_ends = tuple(int(t) for t in tokenizer.end_of_turn_ids()
                       if t < self.config.model.vocab_size)
+    ends = self.end_ids()
     template = None
 
     def encode(item: dict) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -270,9 +278,20 @@ class LanguageModel(Task):
         rendered = template.render(item["messages"], add_generation_prompt=True)
         return tokenizer.encode_rendered(rendered), turn_ends
       ids = tokenizer.encode_prompt(item["prompt"])
-      return (ids if ids.size else np.asarray([tokenizer.bos_id], np.int32)), ()
+      return (ids if ids.size else np.asarray([tokenizer.bos_id], np.int32)), ends
 
     return encode
+
+  def end_ids(self) -> tuple[int, ...]:
+    """The ids that end a prompt's continuation, as transformers' `generate` ends it on the
+    export (`hf.special_tokens.end_ids`): an imported model's generation_config.json's
+    `eos_token_id`, else the tokenizer's EOS and end-of-turn ids; those inside the
+    model's vocabulary."""
+    tokenizer, data_config = self.tokenizer(), self.config.data
+    path = data_config.tokenizer_path if data_config.tokenizer == "huggingface" else None
+    ids = special_tokens.end_ids(path, eos=tokenizer.eos_id,
+                                 end_of_turn=tokenizer.end_of_turn_ids())
+    return tuple(int(t) for t in ids if 0 <= t < self.config.model.vocab_size)
 
   def _requests(self, prompts: list[np.ndarray], max_new_tokens: int | None,
                 temperature: float, seed: int, top_k: int | None, top_p: float | None,
@@ -280,6 +299,8 @@ class LanguageModel(Task):
     """The engine's requests for `prompts` (each as many new tokens as fit `max_seq_len`,
     with a note where fewer than asked), and how many new tokens each keeps."""
     limit = self.config.model.max_seq_len
+    if max_new_tokens is not None and max_new_tokens < 1:
+      raise UsageError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
     requests, lengths = [], []
     for prompt_ids, stops in zip(prompts, stop_ids):
       room = limit - prompt_ids.size
@@ -291,7 +312,7 @@ class LanguageModel(Task):
         logs.note(f"generating {room} tokens, not {wanted}: the prompt ({prompt_ids.size} "
                   f"tokens) and the new tokens must fit model.max_seq_len={limit}")
       lengths.append(min(wanted, room))
-      requests.append(inference.Request(tuple(int(t) for t in prompt_ids), max(lengths[-1], 1),
+      requests.append(inference.Request(tuple(int(t) for t in prompt_ids), lengths[-1],
                                         temperature=temperature, top_k=top_k, top_p=top_p,
                                         seed=seed, stop_ids=stops))
     return requests, lengths
