@@ -166,9 +166,12 @@ def test_a_set_too_small_to_hold_out_a_batch_names_a_fraction_that_does(source, 
                    validation_fraction=0.02)
   with pytest.raises(DataError) as raised:
     read_batches(config, split="validation")
-  fraction = re.search(r"data.validation_fraction=([\d.]+) holds out about a batch "
-                       r"\(now 0.02\), or lower data.batch_size", str(raised.value))
+  fraction = re.search(r"\(data.validation_fraction=0.02\) and a batch takes about \d+; set "
+                       r"data.validation_fraction=([\d.]+) to hold out about a batch, lower "
+                       r"data.batch_size, or add (conversations|preference pairs)$",
+                       str(raised.value))
   assert fraction, raised.value
+  assert "(now" not in str(raised.value) and "Rows(" not in str(raised.value)  # No repr.
   held_out = read_batches(dataclasses.replace(config, validation_fraction=float(fraction[1])),
                           split="validation")
   assert held_out and {len(column) for column in held_out[0].values()} == {4}

@@ -3,6 +3,9 @@ shared with chat_arithmetic, and batches of prompt indices through the pipeline.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from jax_ai_stack.errors import DataError
@@ -68,3 +71,22 @@ def test_the_pipeline_batches_prompt_indices_and_a_jsonl_file_keeps_its_columns(
     build_dataset(DataConfig(source="prompts", paths=(str(path),), batch_size=4, seq_len=32,
                              validation_fraction=0.0), split="validation", seed=0,
                   process_index=0, process_count=1)
+
+
+def test_too_few_held_out_prompts_name_each_field_with_its_value_as_chat_does(tmp_path):
+  """The note SFT and DPO gave read "lower data.batch_size (now 8) (now 0.05), or add
+  conversations (ChatRows(...))": one wording now, shared with chat and preference sets."""
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(f'{{"prompt": "{i} + 1 =", "answer": "{i + 1}"}}\n' for i in range(60)))
+  config = DataConfig(source="prompts", paths=(str(path),), batch_size=4, seq_len=32,
+                      validation_fraction=0.02)
+  with pytest.raises(DataError) as raised:
+    build_dataset(config, split="validation", seed=0, process_index=0, process_count=1)
+  message = str(raised.value)
+  match = re.search(r"the validation split has (\d+) prompts and needs 4 \(data.batch_size=4\): "
+                    r"it holds \1 of the 60 prompts \(data.validation_fraction=0.02\) and a batch "
+                    r"takes about 4; set data.validation_fraction=([\d.]+) to hold out about a "
+                    r"batch, lower data.batch_size, or add prompts$", message)
+  assert match, message
+  held = prompts.load_prompts(dataclasses.replace(config, validation_fraction=float(match[2])))
+  assert held["validation"].num_examples >= 4

@@ -291,45 +291,64 @@ def _chat_examples(config: DataConfig, split: Split) -> chat.ChatRows | preferen
   load = preference.load_preferences if config.is_preference else chat.load_chat
   splits = load(config)
   rows = splits[split]
-  needed = config.batch_size if split == "validation" else 1
-  if rows.num_examples < needed:
-    fraction = config.holdout_fraction
-    fix = (_holdout_fix(splits, config) if split == "validation"
-           else f"lower data.validation_fraction (now {fraction})")
+  if rows.num_examples < (config.batch_size if split == "validation" else 1):
+    counted = "pairs" if config.is_preference else "conversations"
     what = "preference pairs" if config.is_preference else "conversations"
+    dropped = ""
     if rows.stats["dropped"]:
-      fix += (f"; {rows.stats['dropped']} {what} were dropped, their assistant turn "
-              f"beyond data.seq_len + 1 = {config.seq_len + 1} tokens: raise data.seq_len")
-    rows_of = "rows of preference pairs" if config.is_preference else "packed rows of conversations"
-    raise DataError(f"data: the {split} split has {rows.num_examples} {rows_of} and needs "
-                    f"{needed}: {fix}, or add {what} ({rows!r})")
+      dropped = (f"; {rows.stats['dropped']} {what} were dropped, their assistant turn "
+                 f"beyond data.seq_len + 1 = {config.seq_len + 1} tokens: raise data.seq_len")
+    unit = "rows of preference pairs" if config.is_preference else "packed rows of conversations"
+    raise too_few(config, split, have=rows.num_examples, unit=unit, what=what,
+                  kept={name: r.stats[counted] for name, r in splits.items()},
+                  per_row=splits["train"].stats[counted] / max(splits["train"].num_examples, 1),
+                  dropped=dropped)
   return rows
 
 
 def _prompt_examples(config: DataConfig, split: Split) -> prompts.PromptRows:
-  rows = prompts.load_prompts(config)[split]
-  needed = config.batch_size if split == "validation" else 1
-  if rows.num_examples < needed:
-    raise DataError(f"data: the {split} split has {rows.num_examples} prompts and needs "
-                    f"{needed}: change data.validation_fraction (now {config.holdout_fraction}) "
-                    f"or data.batch_size, or add prompts ({rows!r})")
+  splits = prompts.load_prompts(config)
+  rows = splits[split]
+  if rows.num_examples < (config.batch_size if split == "validation" else 1):
+    raise too_few(config, split, have=rows.num_examples, unit="prompts", what="prompts",
+                  kept={name: r.num_examples for name, r in splits.items()}, per_row=1.0)
   return rows
 
 
-def _holdout_fix(splits: dict, config: DataConfig) -> str:
-  """How to hold out a batch of a chat or preference set: a `data.validation_fraction` that
-  should (the split is by hash: two standard deviations of its count and two more), or the
-  batch size."""
-  counted = "pairs" if config.is_preference else "conversations"
-  kept = {split: rows.stats[counted] for split, rows in splits.items()}
-  per_row = kept["train"] / max(splits["train"].num_examples, 1)  # Packed: several a row.
-  needed = config.batch_size * per_row
-  wanted = (needed + 2 * math.sqrt(needed) + 2) / max(sum(kept.values()), 1)
-  now = f"(now {config.holdout_fraction})"
-  if wanted > 0.5:
-    return f"lower data.batch_size (now {config.batch_size}) {now}"
-  return (f"data.validation_fraction={math.ceil(wanted * 100) / 100:g} holds out about a batch "
-          f"{now}, or lower data.batch_size")
+def too_few(config: DataConfig, split: Split, *, have: int, unit: str, what: str,
+            kept: dict[str, int], per_row: float, dropped: str = "") -> DataError:
+  """The error (or, as a run turns evaluation off, the note) for a chat, preference or prompt
+  split with less than a batch (validation) or nothing (train): one wording for all three,
+  each field named with its value, and how many `what` a held-out batch takes.
+
+  `kept`: each split's count of `what`; `per_row`: how many a row holds (packed
+  conversations: several). The fraction it suggests is a hash split's: two standard
+  deviations of the held-out count, and two more, above a batch's worth.
+
+  Example:
+    >>> from jax_ai_stack.recipes.data.config import DataConfig
+    >>> config = DataConfig(source="chat", paths=("c.jsonl",), batch_size=8,
+    ...                     validation_fraction=0.05)
+    >>> print(too_few(config, "validation", have=1, unit="packed rows of conversations",
+    ...               what="conversations", kept={"train": 28, "validation": 2}, per_row=1.5))
+    data: the validation split has 1 packed rows of conversations and needs 8 (data.batch_size=8): it holds 2 of the 30 conversations (data.validation_fraction=0.05) and a batch takes about 12; lower data.batch_size, or add conversations
+  """
+  fraction, batch = config.holdout_fraction, config.batch_size
+  total = sum(kept.values())
+  if split != "validation":
+    return DataError(f"data: the {split} split has {have} {unit} and needs 1: lower "
+                     f"data.validation_fraction (now {fraction}, holding out "
+                     f"{kept.get('validation', 0)} of the {total} {what}){dropped}, or add {what}")
+  needed = batch * per_row  # What a batch of rows takes.
+  wanted = (needed + 2 * math.sqrt(needed) + 2) / max(total, 1)
+  fix = "" if wanted > 0.5 else (
+      f"set data.validation_fraction={math.ceil(wanted * 100) / 100:g} to hold out about a "
+      "batch, ")
+  return DataError(
+      f"data: the {split} split has {have} {unit} and needs {batch} (data.batch_size={batch}): "
+      f"it holds {kept.get('validation', 0)} of the {total} {what} (data.validation_fraction="
+      f"{fraction}) and a batch takes about {math.ceil(needed)}; {fix}lower data.batch_size"
+      f"{dropped}, or add {what}")
 
 
 def _examples(config: DataConfig, split: Split):
