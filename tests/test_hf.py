@@ -547,6 +547,9 @@ def test_import_eval_generate_train_export_round_trip(tmp_path, capsys):
   code, out, err = main(capsys, "import-hf", str(source), "--workdir", str(workdir), *RUN)
   assert code == 0, err
   assert "as step 0" in out and (workdir / "tokenizer.json").is_file()
+  # Why the count is 4,224 over the source's (transformers'): as `train` says it.
+  assert ("parameters, of which 4,224 in 88 rows of vocabulary padding (40 -> 128, "
+          "model.vocab_multiple=128).") in out
   trainer = train.Trainer.open_finished(workdir)
   try:
     assert trainer.step == 0

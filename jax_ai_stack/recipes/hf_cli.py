@@ -151,14 +151,15 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
 
 def run_import(args: argparse.Namespace) -> int:
   logs.status(f"importing {args.directory} into {args.workdir} ...")
+  from jax_ai_stack.recipes.run import vocabulary_padding
   from jax_ai_stack.recipes.workdir import CONFIG_FILE
 
   config = import_hf(args.directory, args.workdir, preset=args.preset, config_file=args.config,
                      overrides=args.overrides)
   workdir = pathlib.Path(args.workdir).absolute()
-  print(f"imported {args.directory} ({config.model.num_params():,} parameters) into {workdir} "
-        f"as step 0.\nfine-tune: jax-ai-stack train --config {workdir / CONFIG_FILE} --workdir "
-        f"{workdir} train.steps=N")
+  print(f"imported {args.directory} into {workdir} as step 0: {config.model.num_params():,} "
+        f"parameters{vocabulary_padding(config.model)}.\nfine-tune: jax-ai-stack train "
+        f"--config {workdir / CONFIG_FILE} --workdir {workdir} train.steps=N")
   return 0
 
 

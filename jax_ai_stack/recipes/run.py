@@ -192,14 +192,16 @@ class Run:
   def describe(self) -> str:
     n_params = self.transforms.describe(self.model) or (
         f"{sum(x.size for x in jax.tree.leaves(nnx.state(self.model, nnx.Param))):,} parameters")
-    return (f"recipe {self.config.name}: {n_params}{_vocabulary_padding(self.config.model)} on "
+    return (f"recipe {self.config.name}: {n_params}{vocabulary_padding(self.config.model)} on "
             f"{jax.default_backend()} ({jax.device_count()} device(s), "
             f"{self.placement.describe()}); workdir {self.workdir}")
 
 
-def _vocabulary_padding(model: Any) -> str:
-  """', of which N in R vocabulary rows of padding' when the embedding (and head) hold rows
-  past `vocab_size` (`model.vocab_multiple`): parameters that never see a token."""
+def vocabulary_padding(model: Any) -> str:
+  """', of which N in R rows of vocabulary padding (...)' when the embedding (and head) hold
+  rows past `vocab_size` (`model.vocab_multiple`): parameters that never see a token, which
+  a count of the same model elsewhere (Hugging Face's) leaves out. `train` and `import-hf`
+  say it after their parameter counts."""
   padded = getattr(model, "padded_vocab_size", None)
   if padded is None or padded == model.vocab_size:
     return ""
