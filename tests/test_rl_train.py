@@ -89,3 +89,18 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_and_loses_nothing(base,
   assert lines[-1] == ("jax-ai-stack train: error: rl.rewards: my_rewards:broken raised "
                        "ZeroDivisionError: division by zero"), result.stderr
   assert checkpoint_paths(workdir) == saved
+
+
+@pytest.mark.slow
+def test_the_progress_lines_and_the_last_line_show_the_reward_and_its_parts(base, tmp_path,
+                                                                            capsys):
+  """They showed `loss 0.000` alone: a group-relative loss says nothing of what is learnt."""
+  overrides = [*RL, f"finetune.base={base}", "train.steps=2", "train.eval_every=0",
+               "train.progress=true", VARIED, "rl.reward_weights=null"]
+  train.run(config_lib.load("lm-tiny-grpo", overrides=overrides), tmp_path / "run")
+  out, err = capsys.readouterr()
+  progress = [line for line in err.splitlines() if line.startswith("step ")]
+  assert progress and all(", reward " in line and ", reward_distinct_characters " in line
+                          for line in progress), err
+  [done] = [line for line in out.splitlines() if line.startswith("done:")]
+  assert ", reward " in done and "reward_distinct_characters" in done, out

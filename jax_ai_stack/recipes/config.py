@@ -87,7 +87,7 @@ class TrainConfig:
   sample_temperature: float = 0.8
   """LM recipes: sampling temperature of the sample (0: greedy)."""
   progress: bool = True
-  """Show a progress bar (step, loss, throughput, ETA) on stderr."""
+  """Show a progress bar (step, loss, the objective's headline metrics, throughput, ETA) on stderr."""
   autotune_attention: bool = False
   """Tune attention once (tokamax.autotune + timing) and pin the choice in
   <workdir>/attention_autotune.json; resume reloads it so numerics do not change."""

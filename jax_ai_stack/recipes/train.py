@@ -136,7 +136,7 @@ def run(
   finally:
     compile_times.stop()
     trainer.close()
-  _print_done(result, workdir)
+  _print_done(result, workdir, trainer.task.headline(result))
   if trainer.transforms.evaluates_before_training:
     _print_lines(eval_change(workdir, config.optim.learning_rate))
   return result
@@ -147,8 +147,12 @@ def _print_lines(lines: list[str]) -> None:
     print(line, flush=True)
 
 
-def _print_done(result: dict[str, Any], workdir: pathlib.Path) -> None:
-  shown = {k: v for k, v in result.items() if k.startswith(("loss", "eval_"))}
+def _print_done(result: dict[str, Any], workdir: pathlib.Path,
+                headline: dict[str, float]) -> None:
+  """The run's last lines: its step, loss, the objective's `headline` metrics (a reward, a
+  preference accuracy), held-out metrics, and where its files are."""
+  shown = {k: v for k, v in result.items() if k.startswith("loss")}
+  shown.update({**headline, **{k: v for k, v in result.items() if k.startswith("eval_")}})
   print(f"done: step {result.get('step')}, {format_metrics(shown)}", flush=True)
   print(f"metrics {workdir / METRICS_FILE}, plot {workdir / PLOT_FILE}, "
         f"checkpoints {workdir / CHECKPOINT_DIR}", flush=True)

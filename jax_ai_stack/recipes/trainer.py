@@ -226,6 +226,7 @@ class Trainer(Run):
     profiler = profile.StepProfiler(self.config.train.profile_steps, self.workdir, enabled=primary)
     stopped_by = None
     last: dict[str, float] = {}
+    headline: dict[str, float] = {}  # The newest of each (a rollout's only at its first step).
     pending: list[tuple[int, dict]] = []  # Steps dispatched, metrics not yet fetched.
     try:
       # Saves in the background; leaving the block waits until they are on disk.
@@ -249,13 +250,13 @@ class Trainer(Run):
               updates = (number - 1) // self.config.optim.accumulate_steps
               last = {**metrics, "lr": float(schedule(updates)), **self.task.data_metrics(number)}
               metrics_log.write(number, "train", last)
+              headline.update(self.task.headline(last))
               if self.task.rollouts is not None and (
                   line := self.task.rollouts.notice(metrics)) is not None:
                 progress_lib.say(progress, f"step {number}: {line}")
             if progress is not None:
               progress.update(len(pending))
-              progress.set_postfix_str(f"loss {last['loss']:.3f}  "
-                                       f"{last['throughput']:,.0f} {self.task.throughput_unit}/s")
+              progress.set_postfix_str(progress_text(last, headline, self.task.throughput_unit))
             pending = []
             since = time.perf_counter()
             if on_first_step is not None:
@@ -282,7 +283,7 @@ class Trainer(Run):
     step.merge(self.model, self.optimizer, self.state)
     if primary:
       plot(self.workdir)
-    return {"step": self.step, "stopped_by": stopped_by, **last}
+    return {"step": self.step, "stopped_by": stopped_by, **headline, **last}
 
   def finish(self) -> list[str]:
     """The end-of-run artefacts (loss plot, the Task's); lines to print.
@@ -299,6 +300,18 @@ class Trainer(Run):
   def missing_artefacts(self) -> list[str]:
     names = [PLOT_FILE, *self.task.artefacts()]
     return [name for name in names if not (self.workdir / name).exists()]
+
+
+def progress_text(last: dict[str, float], headline: dict[str, float], unit: str) -> str:
+  """The progress bar's text: the loss, the objective's headline metrics (`Task.headline`:
+  GRPO's reward and its parts, DPO's preference accuracy) and the throughput.
+
+  Example:
+    >>> progress_text({"loss": 0.0, "throughput": 1234.5}, {"reward": 0.625}, "tokens")
+    'loss 0.000, reward 0.625  1,234 tokens/s'
+  """
+  return (f"{format_metrics({'loss': last['loss'], **headline})}  "
+          f"{last['throughput']:,.0f} {unit}/s")
 
 
 def _progress_bar(config: RecipeConfig, start: int):

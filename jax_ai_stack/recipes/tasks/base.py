@@ -177,6 +177,11 @@ class Task(abc.ABC):
     """Derived metrics (e.g. perplexity) from the mean eval metrics."""
     return means
 
+  def headline(self, metrics: dict[str, float]) -> dict[str, float]:
+    """Of a step's metrics, those shown beside the loss in the progress line and the run's
+    last line (the objective's `headline`: a reward, a preference accuracy); {} without."""
+    return {} if self.objective is None else self.objective.headline(metrics)
+
   def kernel_report(self) -> list[str]:
     """Lines saying which kernels beyond attention the model runs, and why (the trainer
     prints them at start-up); default: none."""

@@ -147,6 +147,13 @@ class GroupRelative(Objective):
     """Only a KL penalty compares with the reference."""
     return self.beta > 0
 
+  def headline(self, metrics):
+    """The rollout's reward and its parts (`reward_<function>`, the overlong penalty), not
+    its spread: the policy loss of a group-relative objective hovers near 0 whatever it
+    learns."""
+    return {name: value for name, value in metrics.items()
+            if name == "reward" or (name.startswith("reward_") and name != "reward_std")}
+
   def loss(self, model, batch, reference=None):
     fields = {k: batch[k] for k in ("segment_ids", "positions")}
     logps, router = target_logps(model, batch["inputs"], batch["targets"], **fields,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -76,6 +76,8 @@ class Objective:
   """Whether `loss` compares with a frozen reference model (the run's transforms give it)."""
   loss_metric: ClassVar[str] = "objective_loss"
   """The metric its own loss is logged as where a model's router losses are added."""
+  headline_metrics: ClassVar[tuple[str, ...]] = ()
+  """The train metrics besides the loss that say how a run goes (`headline`)."""
 
   def loss(self, model: nnx.Module, batch: Batch, reference: nnx.Module | None = None
            ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -84,6 +86,11 @@ class Objective:
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     """Derived metrics from the mean held-out metrics; default: as they are."""
     return means
+
+  def headline(self, metrics: Mapping[str, float]) -> dict[str, float]:
+    """Of a step's `metrics`, those the progress line and the run's last line show beside
+    the loss (a loss alone says little of DPO or GRPO); default: `headline_metrics`."""
+    return {name: metrics[name] for name in self.headline_metrics if name in metrics}
 
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
     """Logical axes of the batch fields (a field left out: split along its first axis)."""
@@ -251,6 +258,7 @@ class DirectPreference(Objective):
   data_kind: ClassVar[str] = "preference"
   needs_reference: ClassVar[bool] = True
   loss_metric: ClassVar[str] = "dpo_loss"
+  headline_metrics: ClassVar[tuple[str, ...]] = ("preference_accuracy", "reward_margin")
 
   def loss(self, model, batch, reference=None):
     *policy, router = sequence_logps(model, batch, with_router=True)
