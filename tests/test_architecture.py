@@ -30,8 +30,9 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "determinism", "kernels", "recipes", "recipes.data", "recipes.models",
          "recipes.models.hf", "recipes.inference", "recipes.serve", "recipes.evaluation",
          "recipes.finetune", "recipes.rl")),
-    ("environment and kernels", "what is installed, and which attention kernel runs where: "
-     "they know nothing of recipes", ("compat", "doctor", "kernels.*")),
+    ("environment and kernels", "what is installed, the chips it can compile for, and which "
+     "attention kernel runs where: they know nothing of recipes",
+     ("compat", "doctor", "topology", "kernels.*")),
     ("recipe configs", "the config tree (and the Task registry it names) loads, validates and "
      "prints without jax", (
          "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",

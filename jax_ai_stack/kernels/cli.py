@@ -1,9 +1,10 @@
 """`jax-ai-stack kernels`: which attention kernel runs here, and why; autotune.
 
-Prints, for the current backend (or a simulated one with --platform), every
-attention implementation, whether it is eligible for the given shape and
-dtype, why not, and the one chosen. With --autotune, tunes and pins the choice
-in `<workdir>/attention_autotune.json` for training and resume to load.
+Prints, for the current backend (or the chip of a --topology this machine does
+not have, or a simulated one with --platform), every attention implementation,
+whether it is eligible for the given shape and dtype, why not, and the one
+chosen. With --autotune, tunes and pins the choice in
+`<workdir>/attention_autotune.json` for training and resume to load.
 
 Example: what would run on a TPU (simulated here) for a small shape.
   >>> parse_shape("2,128,8,2,64")
@@ -72,6 +73,11 @@ def register(subparsers) -> None:
       help="'auto' or comma-separated names to try in order (as attention(implementation=...))",
   )
   parser.add_argument(
+      "--topology", metavar="NAME",
+      help="the chip of a TPU slice or GPU host this machine does not have, from its "
+      "compile-only devices: e.g. v5e:2x2, v6e:4x4, h100:8 (needs libtpu or the CUDA plugin)",
+  )
+  parser.add_argument(
       "--platform", choices=("cpu", "gpu", "tpu"),
       help="simulate another backend (capability checks only, nothing is traced)",
   )
@@ -109,12 +115,23 @@ def parse_shape(text: str, kv_len: int | None = None) -> tuple[tuple[int, ...], 
 
 
 def _backend(args: argparse.Namespace):
-  """The simulated backend of --platform, or None for the real one."""
-  from jax_ai_stack.kernels.request import Backend
+  """The backend of --topology's chip or the simulated one of --platform; None for the
+  real one."""
+  from jax_ai_stack.kernels.request import Backend, backend_of
 
+  if (args.topology or args.platform) and args.autotune:
+    raise UsageError("--autotune measures the real backend; drop --topology and --platform")
+  if args.topology:
+    if args.platform or args.device_kind or args.compute_capability:
+      raise UsageError("--topology names the chip; drop --platform, --device-kind and "
+                       "--compute-capability")
+    from jax_ai_stack import topology  # pylint: disable=g-import-not-at-top
+
+    target = topology.load(args.topology)
+    if not args.json:
+      print(target.describe())
+    return backend_of(target.devices[0])
   if args.platform:
-    if args.autotune:
-      raise UsageError("--autotune measures the real backend; drop --platform")
     return Backend(args.platform, args.device_kind, args.compute_capability)
   if args.device_kind or args.compute_capability:
     raise UsageError("--device-kind and --compute-capability need --platform")
@@ -169,9 +186,10 @@ def run_kernels(args: argparse.Namespace) -> int:
 
   print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
   if not args.json:  # Mixture-of-experts layers' other kernel (`experts`).
-    name, why = choose_grouped_matmul("auto")
+    target = backend or request_lib.current_backend()
+    name, why = choose_grouped_matmul("auto", target.platform)
     print(f"grouped matmul (MoE experts): {name} ({why}); a recipe sets model.moe.grouped_matmul")
-    name, why = choose_paged_attention("auto")
+    name, why = choose_paged_attention("auto", target.platform, target.device_kind)
     print(f"paged attention (the generation engine's decoding): {name} ({why})")
   if choice.name is None:
     print("error: no attention implementation fits; see the table above", file=sys.stderr)

@@ -44,14 +44,19 @@ class Backend:
     return f"{self.platform}{kind}"
 
 
-def current_backend() -> Backend:
-  """The default JAX backend. Tests patch this to simulate GPU and TPU."""
-  device = jax.devices()[0]
+def backend_of(device: Any) -> Backend:
+  """The backend `device` is one of: an attached device, or a compile-only one of a chip
+  this machine does not have (`jax_ai_stack.topology`)."""
   return Backend(
-      platform=jax.default_backend(),
+      platform=device.platform,
       device_kind=device.device_kind,
       compute_capability=getattr(device, "compute_capability", None),
   )
+
+
+def current_backend() -> Backend:
+  """The default JAX backend. Tests patch this to simulate GPU and TPU."""
+  return backend_of(jax.devices()[0])
 
 
 def normalize_dtype(dtype: Any) -> str:
