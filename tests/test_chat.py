@@ -283,3 +283,64 @@ def test_a_tokenizer_file_s_turn_tokens_end_a_reply(tmp_path):
   assert ByteTokenizer().end_of_turn_ids() == [257]
 
 
+
+
+@pytest.mark.parametrize("source", ["chat", "preference", "prompts"])
+def test_the_end_of_run_sample_answers_a_held_out_prompt_of_the_runs_own_data(tmp_path, source):
+  """It continued "def " whatever the data: now a chat, DPO or RL run's sample is the reply
+  to the opening of its first held-out conversation (or pair, or prompt)."""
+  from jax_ai_stack.recipes.tasks.lm import LanguageModel  # pylint: disable=g-import-not-at-top
+  rows = [{"messages": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": f"Is {i} odd?"},
+                        {"role": "assistant", "content": "yes" if i % 2 else "no"}],
+           "chosen": "yes" if i % 2 else "no", "rejected": "no" if i % 2 else "yes",
+           "prompt": f"Is {i} odd?", "answer": "yes" if i % 2 else "no"} for i in range(40)]
+  for row in rows:  # Each source's own shape.
+    if source == "chat":
+      del row["chosen"], row["rejected"], row["prompt"], row["answer"]
+    elif source == "preference":
+      del row["messages"], row["answer"]
+    else:
+      del row["messages"], row["chosen"], row["rejected"]
+  path = _jsonl(tmp_path / "d.jsonl", rows)
+  overrides = [*TINY, f"data.source={source}", f"data.paths=[{path}]", "data.seq_len=128",
+               "model.max_seq_len=128", "train.sample_prompt=null", "finetune.base=runs/base"]
+  if source == "prompts":
+    overrides += ["rl.rewards=[jax_ai_stack.recipes.rl.rewards:exact_answer]",
+                  "rl.reward_weights=null"]
+  cfg = configlib_load("lm-tiny-sft", overrides)
+  item = LanguageModel(cfg).sample_item()
+  if source == "prompts":  # As its rollouts give it: the text as its data has it.
+    from jax_ai_stack.recipes.data import prompts  # pylint: disable=g-import-not-at-top
+    assert item == {"prompt": prompts.load_prompts(cfg.data)["validation"].records[0]["prompt"]}
+  else:
+    *before, question = item["messages"]
+    assert question["role"] == "user" and question["content"].startswith("Is ")
+    if source == "chat":
+      assert before == [{"role": "system", "content": "Be brief."}]
+    validation = (load_chat(cfg.data) if source == "chat" else
+                  preference.load_preferences(cfg.data))["validation"]
+    assert validation.num_examples and item["messages"] == validation.prompt
+  text = configlib_load("lm-tiny", [*TINY, "train.sample_prompt=null"])
+  assert LanguageModel(text).sample_item() == {"prompt": "def "}  # A text run's, as before.
+  given = configlib_load("lm-tiny-sft", [*TINY, "train.sample_prompt=Hi"])
+  assert LanguageModel(given).sample_item() == {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def configlib_load(preset, overrides):
+  from jax_ai_stack.recipes import config as config_lib  # pylint: disable=g-import-not-at-top
+  return config_lib.load(preset, overrides=overrides)
+
+
+@pytest.mark.slow
+def test_a_chat_runs_sample_file_shows_the_held_out_turns_and_the_reply(tmp_path):
+  path = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"Is {i} odd?", "completion": "yes"}
+                                       for i in range(40)])
+  cfg = configlib_load("lm-tiny-sft", [
+      *TINY, "data.source=chat", f"data.paths=[{path}]", "data.seq_len=64",
+      "model.max_seq_len=128", "train.sample_prompt=null", "finetune.base=null",
+      "train.steps=2", "train.eval_every=0", "train.sample_temperature=0"])
+  train.run(cfg, tmp_path / "run")
+  validation = load_chat(cfg.data)["validation"]
+  sample = (tmp_path / "run" / "sample.txt").read_text(encoding="utf-8")
+  assert sample.startswith(f"user: {validation.prompt[0]['content']}\nassistant: "), sample

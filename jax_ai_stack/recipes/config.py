@@ -80,8 +80,10 @@ class TrainConfig:
   """The most documents of each of train.eval_tasks (None: all): keeps the evaluations short."""
   resume: Literal["auto", "never"] = "auto"
   """auto: continue from the newest checkpoint in the workdir; never: refuse a workdir that has one."""
-  sample_prompt: str = "def "
-  """LM recipes: the prompt of the sample generated at the end."""
+  sample_prompt: str | None = None
+  """LM recipes: the prompt of the sample generated at the end (a user turn for a chat, DPO
+  or RL run); None: a chat, DPO or RL run answers the first held-out prompt of its own data,
+  rendered with its chat template, and a text run continues "def "."""
   sample_tokens: int = 128
   """LM recipes: tokens generated for the sample."""
   sample_temperature: float = 0.8

@@ -220,6 +220,10 @@ class ChatRows:
   packed, truncated and dropped.
   """
 
+  prompt: list[dict] | None = None
+  """The opening of the split's first conversation (its turns before the first reply): a
+  prompt of the run's own data for the end-of-run sample; None: no conversation."""
+
   def __init__(self, ids: Sequence[np.ndarray], masks: Sequence[np.ndarray], *, seq_len: int,
                pad_id: int, description: str):
     self.seq_len, self.description = seq_len, description
@@ -300,8 +304,20 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, ChatRows]:
     ids, masks = zip(*(tokenize(template, tokenizer, m) for m in chosen)) if chosen else ((), ())
     out[split] = ChatRows(ids, masks, seq_len=config.seq_len, pad_id=tokenizer.pad_id,
                           description=f"{config.source} {what}, split={split!r}")
+    out[split].prompt = opening(chosen[0]) if chosen else None
     report(split, out[split].stats, "conversations", config.seq_len, skipped, template)
   return out
+
+
+def opening(messages: list[dict]) -> list[dict]:
+  """A conversation's turns before its first assistant reply (a prompt to answer).
+
+  Example:
+    >>> opening([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    [{'role': 'user', 'content': 'hi'}]
+  """
+  first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+  return list(messages[:first])
 
 
 def report(split: str, stats: dict[str, int], counted: str, seq_len: int, skipped: int,

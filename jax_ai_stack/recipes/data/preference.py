@@ -100,6 +100,10 @@ class PreferenceRows:
   """Pairs as rows: `chosen_*` and `rejected_*` [N, seq_len] (see the module). `stats`
   counts the pairs kept, cut and dropped."""
 
+  prompt: list[dict] | None = None
+  """The split's first pair's prompt (ending with a user turn): a prompt of the run's own
+  data for the end-of-run sample; None: no pair."""
+
   def __init__(self, pairs: Sequence[Pair], template: chat_template.ChatTemplate,
                tokenizer: Tokenizer, *, seq_len: int, description: str):
     self.seq_len, self.description = seq_len, description
@@ -158,5 +162,6 @@ def _load(config: DataConfig, stamps: tuple) -> dict[str, PreferenceRows]:
     chosen = [pair for pair, k in zip(pairs, keep) if k]
     out[split] = PreferenceRows(chosen, template, tokenizer, seq_len=config.seq_len,
                                 description=f"{config.source} {what}, split={split!r}")
+    out[split].prompt = list(chosen[0][0]) if chosen else None
     chat.report(split, out[split].stats, "pairs", config.seq_len, skipped, template)
   return out

@@ -33,6 +33,8 @@ from jax_ai_stack.recipes.tasks import grpo, objectives
 from jax_ai_stack.recipes.tasks.base import Task
 
 SAMPLE_FILE = "sample.txt"
+DEFAULT_SAMPLE_PROMPT = "def "
+"""A text run's end-of-run sample continues this where `train.sample_prompt` is None."""
 DEFAULT_NEW_TOKENS = 128
 """`generate` without a length: this many new tokens, or as many as fit `max_seq_len`."""
 MAX_SLOTS = 8
@@ -165,16 +167,35 @@ class LanguageModel(Task):
     train = self.config.train
     if not train.sample_tokens:
       return []
-    if self.config.data.is_chat or self.config.data.is_prompts:  # Its prompt: a user turn.
-      text = self.chat(model, [{"role": "user", "content": train.sample_prompt}],
-                       train.sample_tokens, train.sample_temperature, train.seed)
-      text = f"user: {train.sample_prompt}\nassistant: {text}"
-    else:
-      text = self.generate(model, train.sample_prompt, train.sample_tokens,
-                           train.sample_temperature, train.seed)
+    item = self.sample_item()
+    [done] = self.stream(model, [item], train.sample_tokens, train.sample_temperature,
+                         train.seed)
+    text = done["text"]
+    if "messages" in item:  # A reply: shown after the turns it answers.
+      text = "".join(f"{m['role']}: {m['content']}\n" for m in item["messages"])
+      text += f"assistant: {done['text']}"
     if workdir is not None:
       write_atomically(workdir / SAMPLE_FILE, text)
     return [f"sample:\n{text}\n"]
+
+  def sample_item(self) -> dict:
+    """The end-of-run sample's request (`stream`'s item): `train.sample_prompt` where set (a
+    user turn for a chat, DPO or RL run; text to continue otherwise); else a chat, DPO or
+    RL run's first held-out prompt of its own data, as its rollouts or its template would
+    render it (the train split's where none is held out), and a text run's "def "."""
+    prompt, data_config = self.config.train.sample_prompt, self.config.data
+    turns = data_config.is_chat or data_config.is_prompts
+    if prompt is not None:
+      return {"messages": [{"role": "user", "content": prompt}]} if turns else {"prompt": prompt}
+    if not turns:
+      return {"prompt": DEFAULT_SAMPLE_PROMPT}
+    if data_config.is_prompts:
+      splits = data.prompts.load_prompts(data_config)
+      record = (splits["validation"].records or splits["train"].records)[0]
+      return {k: record[k] for k in ("messages", "prompt") if k in record}
+    load = data.preference.load_preferences if data_config.is_preference else data.chat.load_chat
+    splits = load(data_config)
+    return {"messages": splits["validation"].prompt or splits["train"].prompt}
 
   def generate(self, model, prompt: str, max_new_tokens: int | None, temperature: float,
                seed: int, *, top_k: int | None = None, top_p: float | None = None,
