@@ -271,7 +271,8 @@ def test_layers_are_assigned_most_specific_first(name, layer):
   assert LAYERS[layer_of(name)][0] == layer
 
 
-@pytest.mark.parametrize("name", ["jax_ai_stack.recipes.run", "jax_ai_stack.recipes.train"])
+@pytest.mark.parametrize("name", ["jax_ai_stack.recipes.run", "jax_ai_stack.recipes.trainer",
+                                  "jax_ai_stack.recipes.train"])
 def test_the_trainer_names_no_fine_tuning(name):
   """LoRA, QLoRA, QAT and a base to start from reach a run as a model transform (the
   Task's `model_transforms`) and DPO as an objective: the run and its loop import neither."""
@@ -292,3 +293,14 @@ def test_the_architecture_page_names_only_modules_that_exist_in_their_layer():
     layer = names.index(row[0])
     for module in re.findall(r"`(jax_ai_stack[\w.]*)`", row[1]):
       assert layer_of(module) <= layer, (module, row[0])
+
+
+MAX_LINES = 450
+"""A module longer than this is split by concept (the trainer's loop from the train command's
+course, the engine's scheduling from its steps), not trimmed."""
+
+
+def test_every_module_is_at_most_max_lines():
+  long = {name: n for name, (path, _) in modules().items()
+          if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+  assert not long, f"modules over {MAX_LINES} lines: {long}"
