@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jax_ai_stack.errors import ConfigError
+from jax_ai_stack.errors import ConfigError, WorkdirError
 from jax_ai_stack.recipes import config as config_lib
 from jax_ai_stack.recipes import preflight, train
 
@@ -51,3 +51,22 @@ def test_harness_tasks_on_a_model_with_no_language_model_are_refused_before_the_
                                         "model"):
     train.run(cfg, tmp_path / "run")
   assert not (tmp_path / "run").exists()
+
+
+def test_a_fresh_runs_missing_base_is_named_before_the_data_is_read_or_the_workdir_made(
+    tmp_path, capsys):
+  """It was named after the data was read and the model built, leaving an empty
+  checkpoints/ behind."""
+  cfg = config_lib.load("lm-tiny-sft", overrides=[*TINY, f"finetune.base={tmp_path / 'nope'}"])
+  with pytest.raises(WorkdirError, match=r"finetune.base=.*nope': no trained run there"):
+    train.run(cfg, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+  assert "note: train split" not in capsys.readouterr().err
+
+
+def test_a_resumed_run_reads_the_base_its_checkpoint_points_to_not_the_configs(tmp_path):
+  (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
+  cfg = config_lib.load("lm-tiny-sft", overrides=[*TINY, "finetune.base=moved/away"])
+  preflight.check_base(cfg, tmp_path / "run")  # No error: the pointer decides.
+  with pytest.raises(WorkdirError, match="no trained run there"):
+    preflight.check_base(cfg, tmp_path / "fresh")

@@ -9,8 +9,8 @@ behind (no config.yaml, record.json, metrics.jsonl or checkpoints/).
 
 `references(config)` lists what a config names; `check_references` imports each
 (`train.run` and `opening.open_to_train` call it, so a notebook's `Trainer.open`
-is checked too); `check` adds the harness tasks, resolved once and handed to
-the Trainer.
+is checked too); `check` adds a fresh run's `finetune.base` and the harness
+tasks, resolved once and handed to the Trainer.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -24,10 +24,12 @@ Example:
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import configlib, tasks
+from jax_ai_stack.recipes.workdir import CHECKPOINT_DIR
 
 
 def references(config: Any) -> list[tuple[str, str]]:
@@ -54,10 +56,25 @@ def check_references(config: Any) -> None:
       configlib.import_named(ref, field)
 
 
-def check(config: Any):
-  """`check_references`, then `train.eval_tasks` resolved (`evaluation.in_training.
-  TrainingTasks`, or None without them): ConfigError for a bad name, before the run opens."""
+def check_base(config: Any, workdir: pathlib.Path | None) -> None:
+  """A fresh run's `finetune.base` is a trained run (`base_run.resolve_base`'s error names
+  it). A resumed one reads the base its checkpoint points to, so its config's is not asked."""
+  base = getattr(getattr(config, "finetune", None), "base", None)
+  checkpoints = None if workdir is None else pathlib.Path(workdir) / CHECKPOINT_DIR
+  if base is None or (checkpoints is not None and checkpoints.is_dir() and any(
+      p.name.isdigit() for p in checkpoints.iterdir())):
+    return
+  from jax_ai_stack.recipes.finetune import base_run  # pylint: disable=g-import-not-at-top
+
+  base_run.resolve_base(base)
+
+
+def check(config: Any, workdir: pathlib.Path | None = None):
+  """`check_references` and `check_base`, then `train.eval_tasks` resolved
+  (`evaluation.in_training.TrainingTasks`, or None without them): ConfigError for a bad
+  name, before the run opens."""
   check_references(config)
+  check_base(config, workdir)
   if not getattr(config.train, "eval_tasks", ()):
     return None
   model = getattr(config, "model", None)

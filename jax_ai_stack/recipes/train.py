@@ -74,7 +74,7 @@ def run(
   its environment); None: the process's. `capture_stderr` is `build_run`'s.
   """
   workdir = default_workdir(config, workdir)
-  harness_tasks = preflight.check(config)  # Before anything is built or written.
+  harness_tasks = preflight.check(config, workdir)  # Before anything is built or written.
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
   started = time.perf_counter()
   compile_times = compile_cache.CompileTimes().start()

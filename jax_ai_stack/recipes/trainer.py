@@ -178,7 +178,7 @@ class Trainer(Run):
     """`train.eval_tasks` resolved (`evaluation.in_training.TrainingTasks`); None without
     them. ConfigError for a bad name (`train.run` resolves them before the run opens and
     sets this; `opening` refuses them for a Task with no language model)."""
-    return preflight.check(self.config)
+    return preflight.check(self.config, self.workdir)
 
   def harness_metrics(self) -> dict[str, float]:
     """`train.eval_tasks`' metrics on the model as it stands, where they are due at this
