@@ -5,9 +5,11 @@ away, SIGTERM)."""
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx2 as httpx  # The HTTP client the openai client brings (httpx's successor).
@@ -68,7 +70,9 @@ def test_a_stop_string_ends_the_request_in_the_engine_and_cuts_the_text(model):
   with app_client(model) as client:
     ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "temperature": 0}
     full = client.post("/v1/completions", json=ask).json()["choices"][0]["text"]
-    stop = full[3:5]
+    # Two characters, the second not U+FFFD (whose byte the next token could still finish).
+    at = next(i for i in range(3, len(full) - 1) if full[i + 1] != "\ufffd")
+    stop = full[at:at + 2]
     whole = client.post("/v1/completions", json={**ask, "stop": stop}).json()
     streamed = events(client.post("/v1/completions", json={**ask, "stop": [stop],
                                                            "stream": True}).text)
@@ -151,6 +155,146 @@ def test_with_an_api_key_a_request_without_it_is_401(model):
     assert [card["id"] for card in listed["data"]] == ["tiny"]
 
 
+def raw_error(reply, status):
+  assert reply.status_code == status, reply.text
+  assert reply.headers["content-type"] == "application/json", reply.text  # Never plain text.
+  return reply.json()["error"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b'{"model": "tiny", "prompt": "x", "seed": ' + b"7" * 4301 + b"}", None,
+     "more than 4300 digits"),
+    (b'{"model": "tiny", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature",
+     "out of range"),
+    (b'{"model": "tiny", "prompt": "a\\ud800"}', "prompt", "lone surrogate"),
+    (b'{"model": "\\ud800", "prompt": "a"}', "model", "lone surrogate"),
+    (b'{"model": "tiny", "prompt": "a", "\\udc00": 1}', "\\udc00", "field name"),
+    (b'{"model": "tiny", "prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}", None,
+     "deeper than 64 levels"),
+    (b'{"model": "tiny", "prompt": "x", "a": ' + b"[" * 100 + b"]" * 100 + b"}",
+     "a" + "[0]" * 63, "deeper than 64 levels"),
+    (b'{"model": "tiny", "prompt": "x", "stop": "' + b"s" * 1025 + b'"}', "stop",
+     "at most 1024 bytes"),
+    (b'{"model": "tiny", "prompt": [1, 2, 999]}', "prompt", "[0, 259)"),
+])
+def test_what_python_reads_but_cannot_answer_is_a_400_in_openais_shape(model, body, param,
+                                                                        words):
+  with app_client(model) as client:
+    error = raw_error(client.post("/v1/completions", content=body), 400)
+    assert error["param"] == param and words in error["message"], error
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'
+    error = raw_error(client.post("/v1/chat/completions", content=chat), 400)
+    assert error["param"] == "messages[0].content"
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole(model):
+  with app_client(model, max_request_bytes=1000) as client:
+    declared = client.post("/v1/completions", content=b"x" * 1001)
+    chunked = client.post("/v1/completions", content=iter([b"x" * 600] * 3))
+    fits = client.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 900,
+                                                "max_tokens": 1})
+  assert "1000 (serve --max-request-bytes)" in raw_error(declared, 413)["message"]
+  assert raw_error(chunked, 413)["code"] == "request_too_large"
+  assert fits.status_code == 400 and "900 tokens" in fits.json()["error"]["message"]
+
+
+def test_the_api_key_is_read_as_rfc_6750_says_and_health_needs_none(model):
+  with app_client(model, api_key="sesame") as client:
+    for header, status in [("Bearer sesame", 200), ("bearer sesame", 200),
+                           ("BEARER  sesame ", 200), ("sesame", 401), ("Basic sesame", 401),
+                           ("Bearer", 401), ("Bearer sesamex", 401)]:
+      reply = client.get("/v1/models", headers={"Authorization": header})
+      assert reply.status_code == status, header
+    assert client.get("/health").status_code == 200
+  with pytest.raises(ValueError, match="must not be empty"):
+    server.Served("tiny", inference.Engine(model, max_slots=1, decode=TOKENIZER.decode),
+                  TOKENIZER, encode, api_key=" ")
+
+
+def test_on_loopback_only_loopback_host_names_are_answered(model):
+  with app_client(model, allowed_hosts=frozenset({"box.lan"})) as client:
+    for host, status in [("localhost:8000", 200), ("127.0.0.1", 200), ("127.3.4.5:1", 200),
+                         ("[::1]:8000", 200), ("LOCALHOST", 200), ("box.lan:80", 200),
+                         ("evil.example", 403), ("evil.example:8000", 403),
+                         ("localhost.evil.example", 403), ("10.0.0.1", 403), ("", 403)]:
+      reply = client.get("/health", headers={"Host": host})
+      assert reply.status_code == status, host
+    error = raw_error(client.post("/v1/completions", headers={"Host": "rebound.example"},
+                                  json={}), 403)
+    assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+
+
+def test_a_trailing_slash_is_served_not_redirected_and_a_model_is_retrieved_by_id(model):
+  with app_client(model) as client:
+    listed = client.get("/v1/models/", headers={"Host": "evil.example"},
+                        follow_redirects=False)
+    card = client.get("/v1/models/tiny").json()
+    unknown = client.get("/v1/models/other")
+    slashed = client.post("/v1/completions/", json={"model": "tiny", "prompt": "x",
+                                                    "max_tokens": 1})
+  assert listed.status_code == 200 and "location" not in listed.headers
+  assert [entry["id"] for entry in listed.json()["data"]] == ["tiny"]
+  assert card["id"] == "tiny" and card["object"] == "model"
+  error = raw_error(unknown, 404)
+  assert error["code"] == "model_not_found" and error["param"] == "model"
+  assert slashed.status_code == 200
+
+
+def test_a_prompt_of_token_ids_is_the_prompt_of_their_text(model):
+  ask = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+  ids = TOKENIZER.encode("Hi")
+  with app_client(model) as client:
+    text = client.post("/v1/completions", json={**ask, "prompt": "Hi"}).json()
+    one = client.post("/v1/completions", json={**ask, "prompt": [int(t) for t in ids]}).json()
+    two = client.post("/v1/completions", json={**ask, "prompt": [[int(t) for t in ids],
+                                                                  [256, 72]]}).json()
+  assert one["choices"][0]["text"] == text["choices"][0]["text"] == two["choices"][0]["text"]
+  assert one["usage"]["prompt_tokens"] == len(ids) and len(two["choices"]) == 2
+
+
+def test_an_error_the_engine_raises_for_a_request_is_answered_never_left_hanging(model,
+                                                                                 monkeypatch):
+  """An error from `Engine.add` (after its check passed), whole or streamed: an answer in
+  OpenAI's shape, and the server goes on serving."""
+  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode)
+  add, ask = engine.add, {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+
+  def refusing(request):
+    raise ValueError("the engine says no")
+
+  with TestClient(server.build_app(server.Served("tiny", engine, TOKENIZER, encode))) as client:
+    monkeypatch.setattr(engine, "add", refusing)
+    whole = client.post("/v1/completions", json=ask)
+    streamed = client.post("/v1/completions", json={**ask, "stream": True})
+    monkeypatch.setattr(engine, "add", add)
+    ok = client.post("/v1/completions", json=ask)
+  assert "ValueError" in raw_error(whole, 500)["message"]
+  assert raw_error(streamed, 500)["type"] == "server_error"
+  assert ok.status_code == 200
+
+
+def test_only_the_engines_thread_checks_requests_and_measures_health(model, monkeypatch):
+  threads = set()
+  check, pages = inference.Engine.check, inference.Engine.pages_in_use
+
+  def recorded_check(self, request, index=0):
+    threads.add(threading.current_thread().name)
+    return check(self, request, index)
+
+  def recorded_pages(self):
+    threads.add(threading.current_thread().name)
+    return pages.fget(self)
+
+  with app_client(model) as client:
+    monkeypatch.setattr(inference.Engine, "check", recorded_check)
+    monkeypatch.setattr(inference.Engine, "pages_in_use", property(recorded_pages))
+    assert client.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                "max_tokens": 2}).status_code == 200
+    health = client.get("/health").json()
+  assert threads == {"jax-ai-stack-engine"}
+  assert health["running"] == 0 and health["pages_in_use"] == 0
+
+
 # `jax-ai-stack serve` on loopback.
 
 
@@ -172,7 +316,7 @@ def start_server(workdir, *extra):
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   line = process.stdout.readline()
   assert line.startswith("serving 'run' at http://127.0.0.1:"), line + process.stderr.read()
-  return process, line.split(" at ")[1].split(";")[0]
+  return process, line.split(" at ")[1].split(";")[0].split(" ")[0]
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +404,11 @@ def test_sigterm_finishes_the_streams_under_way_then_exits_zero(workdir):
     (["--max-pages", "0"], "--max-pages must be at least 1"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-len", "4096"], "past the model's max_seq_len (1024)"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", "k", "--api-key-file", "f"], "not both"),
+    (["--api-key-file", "/no/such/key"], "--api-key-file /no/such/key: No such file"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be at least 1"),
+    (["--max-stop-bytes", "0"], "--max-stop-bytes must be at least 1"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(workdir, flags, words):
   result = subprocess.run(
@@ -269,8 +418,87 @@ def test_bad_flags_are_one_line_and_exit_2(workdir, flags, words):
   assert "Traceback" not in result.stderr
 
 
+def test_an_empty_key_file_or_key_variable_is_refused_and_an_open_network_server_noted(
+    workdir, tmp_path):
+  def serve(*flags, **env):
+    return subprocess.run(
+        [sys.executable, "-m", "jax_ai_stack.cli", "serve", "--workdir", str(workdir),
+         "--max-slots", "0", *flags], capture_output=True, text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
+
+  (tmp_path / "key").write_text("\n")
+  empty_file = serve("--api-key-file", str(tmp_path / "key"))
+  empty_variable = serve(JAX_AI_STACK_API_KEY="")
+  open_network = serve("--host", "0.0.0.0")
+  assert empty_file.returncode == 2 and "its first line is empty" in empty_file.stderr
+  assert empty_variable.returncode == 2 and "is set but empty" in empty_variable.stderr
+  assert open_network.returncode == 2  # --max-slots 0: it stops before loading.
+  assert open_network.stderr.splitlines()[0] == (
+      "note: --host 0.0.0.0 is not loopback and no API key is set: anyone who can reach this "
+      "machine can use the model (set --api-key-file)")
+
+
 def test_a_missing_workdir_is_named(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "jax_ai_stack.cli", "serve", "--workdir", str(tmp_path / "none")],
       capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 2 and str(tmp_path / "none") in result.stderr, result.stderr
+
+
+def test_the_openai_client_retrieves_the_model_sends_token_ids_and_hears_the_limits(served):
+  client, _ = served
+  assert client.models.retrieve("run").id == "run"
+  with pytest.raises(openai.NotFoundError, match="does not exist"):
+    client.models.retrieve("nope")
+  ask = {"model": "run", "max_tokens": 5, "temperature": 0}
+  one = client.completions.create(prompt=[1, 2, 3], **ask)
+  two = client.completions.create(prompt=[[1, 2, 3], [4, 5]], **ask)
+  assert [c.text for c in two.choices][0] == one.choices[0].text and len(two.choices) == 2
+  for fields, words in [({"prompt": [1, 10**6]}, "not in the vocabulary"),
+                        ({"prompt": "a", "stop": "x" * 2000}, "at most 1024 bytes"),
+                        ({"prompt": "a", "stream": True,
+                          "stream_options": {"include_usage": "yes"}}, "must be a boolean")]:
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+      client.completions.create(**{**ask, **fields})
+
+
+def test_attacks_on_a_real_server_get_json_answers_and_it_goes_on_serving(served):
+  client, url = served
+  attacks = [b'{"model": "run", "prompt": "a", "seed": ' + b"1" * 5000 + b"}",
+             b'{"model": "run", "prompt": "\\ud800"}', b'{"\\ud800": 1}',
+             b"[" * 5000 + b"]" * 5000,
+             b'{"model": "run", "prompt": "a", "stop": "' + b"s" * 1_000_000 + b'"}']
+  started = time.monotonic()
+  for body in attacks:
+    reply = httpx.post(f"{url}/completions", content=body,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["message"], reply.text
+  assert time.monotonic() - started < 10  # The 1 MB stop string is refused, not run.
+  rebound = httpx.get(f"{url}/models", headers={"Host": "attacker.example"})
+  assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+  slashed = httpx.get(f"{url}/models/", follow_redirects=False)
+  assert slashed.status_code == 200 and "location" not in slashed.headers
+  assert client.completions.create(model="run", prompt="a", max_tokens=2).choices[0].text \
+      is not None
+
+
+def test_a_key_from_a_file_is_read_as_rfc_6750_says_and_a_large_body_is_a_413(workdir,
+                                                                              tmp_path):
+  (tmp_path / "key").write_text("s3cret\n")
+  process, url = start_server(workdir, "--api-key-file", str(tmp_path / "key"),
+                              "--max-request-bytes", "20000")
+  try:
+    assert "s3cret" not in " ".join(process.args)  # Not in the process list.
+    client = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+    assert [model.id for model in client.models.list().data] == ["run"]
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    for header, status in [("bearer s3cret", 200), ("s3cret", 401)]:
+      assert httpx.get(f"{url}/models", headers={"Authorization": header}).status_code == status
+    assert httpx.get(f"{url.removesuffix('/v1')}/health").status_code == 200  # Open.
+    with pytest.raises(openai.APIStatusError) as caught:
+      client.completions.create(model="run", prompt="a" * 30000, max_tokens=1)
+    assert caught.value.status_code == 413 and "20000" in str(caught.value)
+  finally:
+    process.terminate()
+    process.wait(60)

@@ -13,7 +13,7 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("cli", "openai_api", "server", "worker")
+_SUBMODULES = ("cli", "guards", "openai_api", "replies", "server", "worker")
 _EXPORTS = {"Served": "server", "build_app": "server", "serve": "server",
             "EngineWorker": "worker"}
 __all__ = [*_SUBMODULES, *_EXPORTS]

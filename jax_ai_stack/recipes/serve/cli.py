@@ -1,10 +1,14 @@
 """`jax-ai-stack serve`: the model trained in a workdir behind an OpenAI-compatible API.
 
-    jax-ai-stack serve --workdir W [--port 8000] [--api-key KEY] [--max-slots 8]
+    jax-ai-stack serve --workdir W [--port 8000] [--api-key-file PATH] [--max-slots 8]
                        [--max-pages N]
 
 then any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1",
-api_key=KEY or "unused")`, with `model` the workdir's folder name.
+api_key=KEY or "unused")`, with `model` the workdir's folder name. The key comes from
+--api-key-file (preferred), $JAX_AI_STACK_API_KEY or --api-key (which the process list
+shows); /health answers without it. On loopback (the default) only loopback names are
+answered in the Host header (--allowed-hosts adds others); elsewhere without a key, a
+note says the model is open to the network.
 
 Example: the flags and their defaults.
   >>> import argparse
@@ -23,6 +27,8 @@ import sys
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import MissingExtraError, UsageError
+from jax_ai_stack.recipes.serve.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
+from jax_ai_stack.recipes.serve.openai_api import DEFAULT_MAX_STOP_BYTES
 
 API_KEY_ENV = "JAX_AI_STACK_API_KEY"
 
@@ -32,7 +38,8 @@ def register(subparsers) -> None:
       "serve", help="serve a trained LM workdir over an OpenAI-compatible HTTP API",
       description="Answer /v1/models, /v1/completions and /v1/chat/completions (streamed or "
       "whole) with the model trained in --workdir, through the generation engine; chats use "
-      "the run's chat template. SIGTERM or Ctrl-C: stop taking requests, finish those under "
+      "the run's chat template. /health (requests running, KV cache pages in use) answers "
+      "without the API key. SIGTERM or Ctrl-C: stop taking requests, finish those under "
       "way, exit. Needs the serve extra: pip install 'jax-ai-stack[serve]'.")
   serve.add_argument("--workdir", required=True, help="a workdir `train` wrote")
   serve.add_argument("--host", default="127.0.0.1",
@@ -41,9 +48,25 @@ def register(subparsers) -> None:
                      help="the port (default 8000; 0: a free one, printed)")
   serve.add_argument("--model-name",
                      help="the name clients pass as `model` (default: the workdir's folder name)")
-  serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                     help="require 'Authorization: Bearer KEY' on every request (default: "
-                     f"${API_KEY_ENV}, else no key)")
+  serve.add_argument("--api-key",
+                     help="require 'Authorization: Bearer KEY' on every /v1 request (/health "
+                     "answers without it: it tells only the load). Prefer --api-key-file or "
+                     f"${API_KEY_ENV}: a key on the command line shows in the process list "
+                     f"(default: ${API_KEY_ENV}, else no key)")
+  serve.add_argument("--api-key-file", metavar="PATH",
+                     help="read the API key from the first line of PATH (the way to prefer)")
+  serve.add_argument("--allowed-hosts", metavar="NAMES", default="",
+                     help="comma-separated host names to answer in the Host header besides "
+                     "loopback ones (localhost, 127.x.x.x, [::1]), which alone a server on "
+                     "loopback answers, against DNS rebinding; '*': any (default: none; "
+                     "any when --host is not loopback)")
+  serve.add_argument("--max-request-bytes", type=int,
+                     default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="the largest request body; a larger one is answered 413 (default "
+                     f"{DEFAULT_MAX_REQUEST_BYTES})")
+  serve.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
+                     help="the longest stop string a request may give, in UTF-8 bytes; "
+                     f"a longer one is answered 400 (default {DEFAULT_MAX_STOP_BYTES})")
   serve.add_argument("--max-slots", type=int, default=8,
                      help="requests decoded at once (default 8)")
   serve.add_argument("--max-queue", type=int, default=64,
@@ -64,8 +87,51 @@ def register(subparsers) -> None:
   serve.set_defaults(func=run_serve)
 
 
+def api_key(args: argparse.Namespace, environ=os.environ) -> str | None:
+  """The key requests must send: --api-key-file's first line, --api-key, or
+  $JAX_AI_STACK_API_KEY; None: no key. An empty one is refused (it would open the server
+  silently), as are both flags at once."""
+  if args.api_key_file is not None and args.api_key is not None:
+    raise UsageError("give --api-key or --api-key-file, not both")
+  if args.api_key_file is not None:
+    try:
+      with open(args.api_key_file, encoding="utf-8") as file:
+        key = file.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+      raise UsageError(f"--api-key-file {args.api_key_file}: "
+                       f"{getattr(e, 'strerror', None) or e}") from None
+    if not key:
+      raise UsageError(f"--api-key-file {args.api_key_file}: its first line is empty; write "
+                       "the key there")
+    return key
+  if args.api_key is not None:
+    if not args.api_key.strip():
+      raise UsageError("--api-key is empty: give a key, or leave the flag out to serve "
+                       "without one")
+    return args.api_key.strip()
+  key = environ.get(API_KEY_ENV)
+  if key is not None and not key.strip():
+    raise UsageError(f"${API_KEY_ENV} is set but empty: give a key, or unset it to serve "
+                     "without one")
+  return key.strip() if key else None
+
+
+def allowed_hosts(host: str, names: str) -> frozenset[str] | None:
+  """The Host names a server on `host` answers besides loopback ones (None: any), from
+  --allowed-hosts."""
+  given = frozenset(name.strip().lower() for name in names.split(",") if name.strip())
+  if "*" in given or not given and not is_loopback(host):
+    return None
+  return given
+
+
 def run_serve(args: argparse.Namespace) -> int:
-  for name in ("max_slots", "max_len", "page_size", "max_pages"):
+  key, hosts = api_key(args), allowed_hosts(args.host, args.allowed_hosts)
+  if key is None and not is_loopback(args.host):
+    logs.note(f"--host {args.host} is not loopback and no API key is set: anyone who can "
+              "reach this machine can use the model (set --api-key-file)")
+  for name in ("max_slots", "max_len", "page_size", "max_pages", "max_request_bytes",
+               "max_stop_bytes"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
   if args.max_queue < 0:
@@ -99,8 +165,9 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_pages=args.max_pages)
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
-        task.prompt_encoder(), api_key=args.api_key or None, max_queue=args.max_queue,
-        around=run.kernel_configs)
+        task.prompt_encoder(), api_key=key, max_queue=args.max_queue,
+        around=run.kernel_configs, allowed_hosts=hosts,
+        max_request_bytes=args.max_request_bytes, max_stop_bytes=args.max_stop_bytes)
     logs.status("compiling the first programs ...")
     with run.kernel_configs():  # The first request then finds them compiled.
       engine.run([inference.Request((int(tokenizer.bos_id) % engine.vocab_size,), 2,

@@ -133,6 +133,11 @@ class EngineWorker:
     """Requests submitted and not yet ended (waiting or decoding); cancels do not count."""
     return self._open
 
+  @property
+  def stopped(self) -> bool:
+    """Whether the engine's thread has ended (new requests are refused)."""
+    return self._closed
+
   def figures(self) -> dict:
     """What /health reports: requests running and cancelled, the KV cache's pages in use,
     at peak and in all (read by the worker's thread after each step or command)."""
