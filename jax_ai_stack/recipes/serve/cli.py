@@ -60,11 +60,12 @@ def register(subparsers) -> None:
                      "loopback ones (localhost, 127.x.x.x, [::1]), which alone a server on "
                      "loopback answers, against DNS rebinding; '*': any (default: none; "
                      "any when --host is not loopback)")
-  serve.add_argument("--max-request-bytes", type=int,
+  serve.add_argument("--max-request-bytes", type=int, metavar="BYTES",
                      default=DEFAULT_MAX_REQUEST_BYTES,
                      help="the largest request body; a larger one is answered 413 (default "
                      f"{DEFAULT_MAX_REQUEST_BYTES})")
-  serve.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
+  serve.add_argument("--max-stop-bytes", type=int, metavar="BYTES",
+                     default=DEFAULT_MAX_STOP_BYTES,
                      help="the longest stop string a request may give, in UTF-8 bytes; "
                      f"a longer one is answered 400 (default {DEFAULT_MAX_STOP_BYTES})")
   serve.add_argument("--max-slots", type=int, default=8,
