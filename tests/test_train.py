@@ -16,6 +16,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import checkpoint, config, phases, train
 from jax_ai_stack.recipes import run as run_lib
 from jax_ai_stack.recipes import workdir as workdir_lib
+from jax_ai_stack.recipes import trainer as trainer_lib
 from jax_ai_stack.recipes.tasks.lm import SAMPLE_FILE
 
 from training_helpers import STEPS, TINY, tiny_config, train_losses
@@ -198,6 +199,7 @@ def test_the_commands_ask_build_run_to_capture_a_damaged_steps_output(reference,
   real = run_lib.build_run
   monkeypatch.setattr(run_lib, "build_run", recording)
   monkeypatch.setattr(train, "build_run", recording)
+  monkeypatch.setattr(trainer_lib, "build_run", recording)  # Trainer.open_finished's.
   assert cli.main(["eval", "--workdir", str(ref_dir)]) == 0
   assert cli.main(["generate", "--workdir", str(ref_dir), "--prompt", "a",
                    "--max-new-tokens", "1"]) == 0
