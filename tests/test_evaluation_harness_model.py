@@ -61,11 +61,6 @@ def test_is_greedy_says_whether_each_continuation_token_is_the_likeliest(model):
   assert [is_greedy for _, is_greedy in results] == [True, False]
 
 
-def test_requests_fill_rows_longest_first_each_where_it_first_fits():
-  assert pack([5, 3, 8, 2], 8) == [[2], [0, 1], [3]]
-  assert pack([4, 4, 4], 16) == [[0, 1, 2]]
-
-
 def test_a_request_scores_the_same_alone_and_packed_among_longer_ones(model):
   """In a row with others (its own segment and positions), as alone."""
   harness = HarnessModel(model, TOKENIZER, batch_size=4, packed=True)
@@ -165,6 +160,62 @@ def test_generation_is_the_engines_greedy_text_cut_before_the_stop_string(model)
   outputs = harness.generate_until(requests, disable_tqdm=True)
   assert outputs == [t[:t.index(stop)] if stop in t else t for t in texts]
   assert outputs[0] == texts[0][:2]
+
+
+SAMPLED = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 1.0}
+
+
+def test_the_harness_s_repeats_of_a_sampled_request_are_samples_of_their_own(model):
+  """lm-eval passes a request `repeats` times (self-consistency, pass@k): each repeat is
+  seeded by the run's seed and its place, so they differ, and the same seed gives them
+  again; greedy repeats agree."""
+  harness = HarnessModel(model, TOKENIZER, batch_size=4, seed=3)
+  repeats = [instance("generate_until", ("def f(", dict(SAMPLED)))] * 4
+  outputs = harness.generate_until(repeats, disable_tqdm=True)
+  assert len(set(outputs)) == 4
+  again = HarnessModel(model, TOKENIZER, batch_size=2, seed=3)
+  assert again.generate_until(repeats, disable_tqdm=True) == outputs
+  other = HarnessModel(model, TOKENIZER, batch_size=4, seed=4)
+  assert other.generate_until(repeats, disable_tqdm=True) != outputs
+  greedy = [instance("generate_until", ("def f(", {**SAMPLED, "do_sample": False}))] * 3
+  assert len(set(harness.generate_until(greedy, disable_tqdm=True))) == 1
+
+
+REPEATED_TASK = """task: tiny_repeats
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+repeats: 3
+generation_kwargs: {settings}
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_through_lm_eval_each_document_gets_its_repeats_count_of_different_samples(
+    model, tmp_path):
+  from lm_eval import evaluator
+  from lm_eval.tasks import TaskManager
+
+  data = tmp_path / "prompts.jsonl"
+  data.write_text("".join(json.dumps({"prompt": p, "target": "x"}) + "\n"
+                          for p in ("def f(", "import ")))
+  (tmp_path / "repeats.yaml").write_text(REPEATED_TASK.format(data=data,
+                                                             settings=json.dumps(SAMPLED)))
+  results = evaluator.simple_evaluate(
+      model=HarnessModel(model, TOKENIZER, batch_size=4), tasks=["tiny_repeats"],
+      task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+      bootstrap_iters=0)
+  samples = results["samples"]["tiny_repeats"]
+  assert len(samples) == 2
+  for sample in samples:
+    [responses] = sample["resps"]  # One instance, answered `repeats` times.
+    assert len(responses) == 3 and len(set(responses)) == 3, responses
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,5 +1,6 @@
 """Evaluation on the benchmarks people report: a run's model behind lm-evaluation-harness's
-model interface (`harness_model`), and harness tasks resolved and run on it (`harness`);
+model interface (`harness_model`, its scoring requests laid out in rows by `rows`), and
+harness tasks resolved and run on it (`harness`);
 four tasks made from the standard library, offline (`stdlib_tasks`); tasks run at a
 run's evaluations (`in_training`, `train.eval_tasks`); `jax-ai-stack eval --tasks` (`cli`).
 Needs the `eval` extra (lm-eval).
@@ -18,7 +19,7 @@ import os
 from jax_ai_stack.errors import MissingExtraError
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("cli", "harness", "harness_model", "in_training", "stdlib_tasks")
+_SUBMODULES = ("cli", "harness", "harness_model", "in_training", "rows", "stdlib_tasks")
 _EXPORTS = {"HarnessModel": "harness_model", "evaluate": "harness"}
 __all__ = ["harness_modules", *_SUBMODULES, *_EXPORTS]
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

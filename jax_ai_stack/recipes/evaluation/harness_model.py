@@ -52,21 +52,13 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from jax_ai_stack.recipes import inference
-from jax_ai_stack.recipes.inference.programs import half_octave
+from jax_ai_stack.recipes.evaluation.rows import (SHARED_PAGE, Packed, group_batches, pack,
+                                                  row_width, shared_contexts, shared_length,
+                                                  whole_pages)
 from jax_ai_stack.recipes.models.layers import KVCache
 
-__all__ = ["HarnessModel", "decodes_as_it_scores", "for_run", "pack", "packs_by_default",
-           "row_width", "shared_contexts", "shared_length"]
-
-MIN_WIDTH = 16
-"""The narrowest batch `row_width` makes (the engine's smallest padded prompt too)."""
-SHARED_PAGE = 32
-"""Positions per page of a shared context's keys and values (a request's own tokens start
-at a page, so up to this many - 1 of its context's tokens are its own)."""
-SHARED_ROWS = 4
-"""The requests scored at once after shared contexts: this many per `batch_size` row (a
-multiple-choice question's choices are short, its context long)."""
-
+__all__ = ["HarnessModel", "decodes_as_it_scores", "for_run", "generation_seed", "pack",
+           "packs_by_default", "row_width", "shared_contexts", "shared_length"]
 
 class HarnessModel(TemplateLM):
   """lm-evaluation-harness's model interface on a decoder (see the module)."""
@@ -75,7 +67,7 @@ class HarnessModel(TemplateLM):
                max_len: int | None = None, generation_model: nnx.Module | None = None,
                chat: Callable[[list[dict], bool], str] | None = None,
                chat_template_source: str = "", packed: bool | None = None,
-               share_contexts: bool | None = None):
+               share_contexts: bool | None = None, seed: int = 0):
     """`model` scores (as the run evaluates: LoRA adapters and fake quantization in its
     `__call__`); `generation_model` decodes (default `model`; a LoRA run's merged model).
     `chat(messages, add_generation_prompt)` renders a conversation with the run's chat
@@ -84,8 +76,11 @@ class HarnessModel(TemplateLM):
     default backend is the CPU (see the module). `share_contexts`: requests with the same
     context (a multiple-choice question's choices) compute its keys and values once; None:
     wherever `model.decode` computes what its `__call__` does (not under Qwix's LoRA or
-    fake quantization, which intercept `__call__` alone)."""
+    fake quantization, which intercept `__call__` alone). `seed`: the run's; a sampled
+    generation is seeded by it (or its request's own) and its place in the call
+    (`generation_seed`)."""
     super().__init__()
+    self.seed = seed
     self._model, self.tokenizer_ = model, tokenizer
     self._generation_model = generation_model or model
     self.batch_size_ = batch_size
@@ -151,7 +146,7 @@ class HarnessModel(TemplateLM):
     groups = shared_contexts(sequences, counts) if self._share else []
     rest = sorted(set(range(len(requests))) - {i for group in groups for i in group})
     with tqdm(total=len(requests), desc="scoring", disable=disable_tqdm) as progress:
-      for batch in _group_batches(groups, self.batch_size_):
+      for batch in group_batches(groups, self.batch_size_):
         self._score_contexts_once(batch, sequences, counts, results)
         progress.update(sum(map(len, batch)))
       for batch in self._rows(rest, sequences):
@@ -174,7 +169,7 @@ class HarnessModel(TemplateLM):
   def _score_rows(self, batch_rows, sequences, counts, results) -> None:
     """One forward pass over a batch of rows (`_rows`), as training runs the model."""
     longest = max(sum(len(sequences[i]) - 1 for i in row) for row in batch_rows)
-    batch = _Packed(self.batch_size_, row_width(longest, self.max_length))
+    batch = Packed(self.batch_size_, row_width(longest, self.max_length))
     places = [(row, batch.add(row, sequences[index]), index)
               for row, members in enumerate(batch_rows) for index in members]
     inputs, targets, segment_ids, positions = batch.arrays()
@@ -191,12 +186,12 @@ class HarnessModel(TemplateLM):
     chunk of its own (the model's paged decode, as the engine runs it)."""
     page = SHARED_PAGE
     prefix_lengths = [shared_length(sequences[g[0]], counts[g[0]]) for g in groups]
-    prefix_width = _whole_pages(row_width(max(prefix_lengths), self.max_length))
+    prefix_width = whole_pages(row_width(max(prefix_lengths), self.max_length))
     prefixes = np.zeros((self.batch_size_, prefix_width), np.int32)
     for row, (group, length) in enumerate(zip(groups, prefix_lengths)):
       prefixes[row, :length] = sequences[group[0]][:length]
     members = [(row, index) for row, group in enumerate(groups) for index in group]
-    rest_width = _whole_pages(row_width(
+    rest_width = whole_pages(row_width(
         max(len(sequences[i]) - 1 - prefix_lengths[row] for row, i in members), self.max_length))
     rows = row_width(len(members), len(members) * 2, least=self.batch_size_)
     inputs, targets = np.zeros((2, rows, rest_width), np.int32)
@@ -242,11 +237,14 @@ class HarnessModel(TemplateLM):
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     """Each context continued (greedy unless `do_sample`) until a stop string, EOS or
-    `max_gen_toks`, all through one generation engine; the text ends before the stop."""
+    `max_gen_toks`, all through one generation engine; the text ends before the stop.
+    The harness repeats a request `repeats` times in `requests` (self-consistency, pass@k):
+    each is seeded by its place, so the repeats are samples of their own."""
     slots = min(len(requests), self.batch_size_) or 1
     engine = inference.Engine(self._generation_model, max_slots=slots, max_len=self.max_length,
                               decode=self.tok_decode)
-    asked = [self._request(*request.args) for request in requests]
+    asked = [self._request(*request.args, position=position)
+             for position, request in enumerate(requests)]
     outputs = [""] * len(requests)
     with tqdm(total=len(requests), desc="generating", disable=disable_tqdm) as progress:
       for completion in engine.stream(asked):
@@ -256,9 +254,9 @@ class HarnessModel(TemplateLM):
       self.cache_hook.add_partial("generate_until", request.args, output)
     return outputs
 
-  def _request(self, context: str, settings: dict) -> inference.Request:
-    """The engine's request for a harness context: its oldest tokens dropped to leave
-    room for `max_gen_toks`."""
+  def _request(self, context: str, settings: dict, position: int = 0) -> inference.Request:
+    """The engine's request for a harness context, the `position`-th of its call: its oldest
+    tokens dropped to leave room for `max_gen_toks`."""
     settings = dict(settings)
     max_tokens = int(settings.pop("max_gen_toks", 256))
     max_tokens = max(1, min(max_tokens, self.max_length - 1))
@@ -269,9 +267,23 @@ class HarnessModel(TemplateLM):
     return inference.Request(
         tuple(prompt), max_tokens, temperature=temperature,
         top_p=float(top_p) if top_p and top_p < 1 else None,
-        top_k=int(top_k) if top_k else None, seed=int(settings.get("seed", 0) or 0),
+        top_k=int(top_k) if top_k else None,
+        seed=generation_seed(settings.get("seed"), self.seed, position),
         stop_ids=(self.eot_token_id,) if self.eot_token_id < self._vocab else (),
         stop=tuple(_stops(settings, self.tok_decode, self.eot_token_id)))
+
+
+def generation_seed(asked: int | None, run_seed: int, position: int) -> int:
+  """The engine seed of the `position`-th generation of a call: drawn from the request's
+  own seed (`asked`; None: the run's) and the position, so that the harness's repeats of
+  one request differ and a run gives the same samples again.
+
+  Example:
+    >>> [generation_seed(None, 0, p) == generation_seed(None, 0, 0) for p in (0, 1)]
+    [True, False]
+  """
+  base = run_seed if asked is None else int(asked)
+  return int(np.random.SeedSequence([base % 2**32, position]).generate_state(1)[0] >> 1)
 
 
 def _stops(settings: dict, decode: Callable, eot: int) -> list[str]:
@@ -293,24 +305,12 @@ def for_run(run, *, batch_size: int, scoring: nnx.Module | None = None,
       run.model if scoring is None else scoring, tokenizer, batch_size=batch_size,
       generation_model=run.inference_model() if generating is None else generating,
       chat=lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
-      chat_template_source=template.source)
+      chat_template_source=template.source, seed=run.config.train.seed)
 
 
 def packs_by_default() -> bool:
   """Whether `HarnessModel` packs requests when not told: not on CPU (see the module)."""
   return jax.default_backend() != "cpu"
-
-
-def row_width(size: int, limit: int, least: int = MIN_WIDTH) -> int:
-  """`size` positions rounded up to 16, 24, 32, 48, 64, 96, ... (two steps an octave, at
-  most a third of padding; at least `least`), at most `limit`: few compiled programs,
-  little padding.
-
-  Example:
-    >>> [row_width(n, 512) for n in (5, 17, 25, 90, 100, 400, 600)]
-    [16, 24, 32, 96, 128, 512, 512]
-  """
-  return min(max(least, half_octave(size)), limit)
 
 
 def decodes_as_it_scores(model: nnx.Module) -> bool:
@@ -320,92 +320,10 @@ def decodes_as_it_scores(model: nnx.Module) -> bool:
   return owner("__call__") is owner("decode")
 
 
-def shared_length(sequence: Sequence[int], count: int) -> int:
-  """The positions of a request's context that it can share: whole `SHARED_PAGE`s, before
-  the context's last token (whose logits score the continuation's first)."""
-  return max(len(sequence) - count - 1, 0) // SHARED_PAGE * SHARED_PAGE
-
-
-def shared_contexts(sequences: Sequence[Sequence[int]], counts: Sequence[int]
-                    ) -> list[list[int]]:
-  """Groups of two or more requests (indices) whose sequences begin with the same shared
-  context (`shared_length`), longest context first.
-
-  Example: three choices after one context of 40 tokens, and a request of its own.
-    >>> context = list(range(1, 41))
-    >>> shared_contexts([context + [7], context + [8, 9], context + [3], [5] * 30], [1, 2, 1, 1])
-    [[0, 1, 2]]
-  """
-  groups: dict[tuple[int, ...], list[int]] = {}
-  for index, (sequence, count) in enumerate(zip(sequences, counts)):
-    if length := shared_length(sequence, count):
-      groups.setdefault(tuple(sequence[:length]), []).append(index)
-  return sorted((g for g in groups.values() if len(g) > 1),
-                key=lambda g: -shared_length(sequences[g[0]], counts[g[0]]))
-
-
-def _group_batches(groups: list[list[int]], batch_size: int) -> Iterator[list[list[int]]]:
-  """Up to `batch_size` groups at a time, and about `SHARED_ROWS` x `batch_size` of their
-  requests (a group larger than that alone)."""
-  batch: list[list[int]] = []
-  for group in groups:
-    if batch and (len(batch) == batch_size
-                  or sum(map(len, batch)) + len(group) > SHARED_ROWS * batch_size):
-      yield batch
-      batch = []
-    batch.append(group)
-  if batch:
-    yield batch
-
-
 def _result(logps: np.ndarray, greedy: np.ndarray, end: int, count: int) -> tuple[float, bool]:
   """(log-likelihood, is greedy) of the `count` targets of a row that end before `end`."""
   scored = slice(end - count, end)
   return float(logps[scored].sum()), bool(greedy[scored].all())
-
-
-def _whole_pages(size: int) -> int:
-  return -(-size // SHARED_PAGE) * SHARED_PAGE
-
-
-def pack(lengths: Sequence[int], width: int) -> list[list[int]]:
-  """Rows of at most `width` positions holding sequences of `lengths`: first fit, longest
-  first; each row lists its sequences' indices (a width below a length: one per row)."""
-  rows: list[list[int]] = []
-  room: list[int] = []
-  for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-    row = next((r for r, free in enumerate(room) if free >= lengths[index]), len(rows))
-    if row == len(rows):
-      rows.append([])
-      room.append(width)
-    rows[row].append(index)
-    room[row] -= lengths[index]
-  return rows
-
-
-class _Packed:
-  """One batch of packed rows being filled: inputs, targets, segment ids and positions."""
-
-  def __init__(self, batch_size: int, width: int):
-    self.inputs = np.zeros((batch_size, width), np.int32)
-    self.targets = np.zeros_like(self.inputs)
-    self.segment_ids = np.zeros_like(self.inputs)
-    self.positions = np.zeros_like(self.inputs)
-    self._used = [0] * batch_size
-
-  def add(self, row: int, sequence: list[int]) -> int:
-    """Puts `sequence` (inputs its tokens but the last, targets but the first) in `row` as
-    its next segment; the position after its last."""
-    first = self._used[row]
-    end = first + len(sequence) - 1
-    self.inputs[row, first:end], self.targets[row, first:end] = sequence[:-1], sequence[1:]
-    self.segment_ids[row, first:end] = self.segment_ids[row, :first].max(initial=0) + 1
-    self.positions[row, first:end] = np.arange(end - first)
-    self._used[row] = end
-    return end
-
-  def arrays(self) -> tuple[np.ndarray, ...]:
-    return self.inputs, self.targets, self.segment_ids, self.positions
 
 
 @functools.partial(jax.jit, static_argnums=0)
