@@ -168,7 +168,8 @@ def test_a_set_too_small_to_hold_out_a_batch_names_a_fraction_that_does(source, 
     read_batches(config, split="validation")
   fraction = re.search(r"\(data.validation_fraction=0.02\) and a batch takes about \d+; set "
                        r"data.validation_fraction=([\d.]+) to hold out about a batch, lower "
-                       r"data.batch_size, or add (conversations|preference pairs)$",
+                       r"data.batch_size, or add (conversations|preference pairs) \(about \d+ in all hold out "
+                       r"a batch at data.validation_fraction=0.02\)$",
                        str(raised.value))
   assert fraction, raised.value
   assert "(now" not in str(raised.value) and "Rows(" not in str(raised.value)  # No repr.

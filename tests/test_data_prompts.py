@@ -86,7 +86,8 @@ def test_too_few_held_out_prompts_name_each_field_with_its_value_as_chat_does(tm
   match = re.search(r"the validation split has (\d+) prompts and needs 4 \(data.batch_size=4\): "
                     r"it holds \1 of the 60 prompts \(data.validation_fraction=0.02\) and a batch "
                     r"takes about 4; set data.validation_fraction=([\d.]+) to hold out about a "
-                    r"batch, lower data.batch_size, or add prompts$", message)
+                    r"batch, lower data.batch_size, or add prompts \(about \d+ in all hold out a batch "
+                    r"at data.validation_fraction=0.02\)$", message)
   assert match, message
   held = prompts.load_prompts(dataclasses.replace(config, validation_fraction=float(match[2])))
   assert held["validation"].num_examples >= 4

@@ -331,7 +331,7 @@ def too_few(config: DataConfig, split: Split, *, have: int, unit: str, what: str
     ...                     validation_fraction=0.05)
     >>> print(too_few(config, "validation", have=1, unit="packed rows of conversations",
     ...               what="conversations", kept={"train": 28, "validation": 2}, per_row=1.5))
-    data: the validation split has 1 packed rows of conversations and needs 8 (data.batch_size=8): it holds 2 of the 30 conversations (data.validation_fraction=0.05) and a batch takes about 12; lower data.batch_size, or add conversations
+    data: the validation split has 1 packed rows of conversations and needs 8 (data.batch_size=8): it holds 2 of the 30 conversations (data.validation_fraction=0.05) and a batch takes about 12; lower data.batch_size, or add conversations (about 420 in all hold out a batch at data.validation_fraction=0.05)
   """
   fraction, batch = config.holdout_fraction, config.batch_size
   total = sum(kept.values())
@@ -344,11 +344,13 @@ def too_few(config: DataConfig, split: Split, *, have: int, unit: str, what: str
   fix = "" if wanted > 0.5 else (
       f"set data.validation_fraction={math.ceil(wanted * 100) / 100:g} to hold out about a "
       "batch, ")
+  more = (f" (about {math.ceil(wanted * total / fraction / 10) * 10} in all hold out a batch at "
+          f"data.validation_fraction={fraction})") if fraction > 0 else ""
   return DataError(
       f"data: the {split} split has {have} {unit} and needs {batch} (data.batch_size={batch}): "
       f"it holds {kept.get('validation', 0)} of the {total} {what} (data.validation_fraction="
       f"{fraction}) and a batch takes about {math.ceil(needed)}; {fix}lower data.batch_size"
-      f"{dropped}, or add {what}")
+      f"{dropped}, or add {what}{more}")
 
 
 def _examples(config: DataConfig, split: Split):
