@@ -13,6 +13,7 @@ import typing
 
 import jax.numpy as jnp
 import pytest
+from packaging.version import Version
 
 from jax_ai_stack import errors, kernels
 from jax_ai_stack.kernels import request as request_lib
@@ -198,3 +199,53 @@ def test_kernel_modules_are_small_and_use_no_ambient_state():
         imported.add(node.module or "")
     assert "contextvars" not in imported, f"{path.name} imports contextvars"
   assert not (KERNELS_DIR / "registry.py").exists()
+
+
+def test_a_plan_made_for_a_backend_selects_for_it_and_is_not_saved_with_it():
+  """A run compiled for a TPU slice from this CPU selects TPU kernels in every call its
+  model makes, without naming the backend each time; the saved plan names no backend."""
+  tpu = kernels.Backend("tpu", "TPU v5 lite")
+  plan, choice = kernels.plan_for_run(REQUEST, "auto", environ={}, backend=tpu)
+  assert plan.backend == tpu and choice.backend == tpu
+  assert plan.select(REQUEST).name == choice.name
+  assert table_platforms(choice.name) == {"tpu"}
+  assert "backend" not in plan.to_dict()
+  assert kernels.AttentionPlan.from_dict(plan.to_dict()).backend is None
+  here, _ = kernels.plan_for_run(REQUEST, "auto", environ={})
+  assert here.backend is None and here != plan  # Jit keys on the plan: they differ.
+
+
+def table_platforms(name: str) -> set[str]:
+  return set(kernels.IMPLEMENTATIONS[name].platforms)
+
+
+def test_compiling_for_another_platform_turns_tokamax_s_device_check_off():
+  import jax
+
+  from jax_ai_stack.kernels import implementations
+
+  tokamax = implementations.import_tokamax()
+  with kernels.compiling_for(jax.default_backend()):
+    assert not tokamax.config.cross_compile.value
+  with kernels.compiling_for("tpu"):
+    assert tokamax.config.cross_compile.value
+  assert not tokamax.config.cross_compile.value
+
+
+def test_a_target_s_kernels_are_probed_for_its_platform():
+  """Probing traces a candidate abstractly: for a TPU from this CPU, tokamax's Mosaic
+  kernel is traced as for the chip (its device check off: `compiling_for`), and chosen as
+  it would be there."""
+  from jax_ai_stack.kernels import implementations
+
+  tpu = kernels.Backend("tpu", "TPU v5 lite")
+  request = kernels.Request.from_shapes((1, 128, 2, 128), (1, 128, 1, 128), "bfloat16")
+  _, probed = kernels.plan_for_run(request, "tokamax_mosaic_tpu,xla", environ={}, backend=tpu,
+                                   probe=True)
+  if Version(implementations.import_tokamax().__version__) >= Version("0.0.17"):
+    assert probed.name == "tokamax_mosaic_tpu"
+    assert "Not supported on" not in probed.report()
+  else:  # tokamax 0.0.12 checks the host's device whatever its cross_compile option says.
+    assert probed.name == "xla"
+    assert "tokamax_mosaic_tpu   no        NotImplementedError when traced: Not supported on cpu" \
+        in probed.report()

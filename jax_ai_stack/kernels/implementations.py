@@ -37,6 +37,7 @@ Example: two adapters, one request, the same result.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -92,6 +93,19 @@ def import_tokamax():
   import tokamax
 
   return tokamax
+
+
+def compiling_for(platform: str) -> contextlib.AbstractContextManager:
+  """A context in which programs trace for `platform`'s devices from this host: enter it
+  around `jit(...).lower(...)` (a kernel's backward pass traces after its forward call).
+
+  Where `platform` is not the host's backend (compiling ahead of time for a TPU slice
+  from a CPU, say), tokamax's device check would refuse every TPU or GPU kernel:
+  its `cross_compile` option turns that check off. Elsewhere nothing changes.
+  """
+  if platform == jax.default_backend():
+    return contextlib.nullcontext()
+  return import_tokamax().config.cross_compile(True)
 
 
 def jax_nn(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,

@@ -62,6 +62,10 @@ class AttentionPlan:
   """Exact requests -> implementation (from an autotune file, or pinned by the trainer)."""
   tokamax_configs: str | None = None
   """A tokamax `AutotuningResult` as JSON (tuned block sizes), or None."""
+  backend: Backend | None = None
+  """The backend the plan selects for when a call names none: the devices a run is
+  compiled for (a TPU slice's compile-only devices, say); None: the current backend.
+  Not saved with the plan: a run reopened elsewhere selects for where it is."""
 
   def __post_init__(self):
     # Normalised here so that equal plans hash equal however they were written.
@@ -78,7 +82,7 @@ class AttentionPlan:
 
     Args:
       request: shapes, dtype and masks of the call.
-      backend: the backend to select for; default: the current one.
+      backend: the backend to select for; default: the plan's, else the current one.
       probe: trace candidates abstractly (`jax.eval_shape` of forward and
         backward) to skip those raising NotImplementedError. Default: only when
         selecting for the real backend.
@@ -86,7 +90,8 @@ class AttentionPlan:
     Raises:
       NoImplementationError: none fits; the message lists every rejection.
     """
-    choice = _choose(self, request, *_backend_and_mode(backend, probe, every=False))
+    choice = _choose(self, request, *_backend_and_mode(backend or self.backend, probe,
+                                                        every=False))
     if choice.name is None:
       raise selection.no_fit_error(choice)
     return choice
@@ -94,7 +99,8 @@ class AttentionPlan:
   def report(self, request: Request, *, backend: Backend | None = None,
              probe: bool | None = None) -> Choice:
     """Like `select`, but probes every candidate and never raises for no fit."""
-    return _choose(self, request, *_backend_and_mode(backend, probe, every=True))
+    return _choose(self, request, *_backend_and_mode(backend or self.backend, probe,
+                                                     every=True))
 
   def pin(self, choice: Choice) -> AttentionPlan:
     """A copy in which `choice.request` always selects `choice.name`.

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -105,6 +106,7 @@ def plan_for_run(
     saved: Mapping[str, Any] | None = None,
     read_only: bool = False,
     backend: Backend | None = None,
+    probe: bool | None = None,
 ) -> tuple[AttentionPlan | None, Choice | None]:
   """A run's plan, pinned to the kernel its `request` runs, and that choice.
 
@@ -115,12 +117,18 @@ def plan_for_run(
   Args:
     request: the attention call of one train step; None (a model without
       attention): (None, None).
-    implementation, origin, environ, autotune_file, backend: as `resolve_plan`.
+    implementation, origin, environ, autotune_file: as `resolve_plan`.
+    backend: the backend of the devices the run is compiled for (`request.backend_of` a
+      device of its mesh); the plan returned selects for it from then on. None: the
+      current backend, when a call selects.
     saved: a checkpoint's `attention` metadata (`Choice.to_dict()` and
       "plan": `AttentionPlan.to_dict()`), or None. A resumed run keeps it
       unless 1-3 of the precedence name a kernel (a log line says when
       "auto" would now choose another one).
     read_only: a finished run: its saved plan as is, before everything else.
+    probe: trace the candidates abstractly and skip those that refuse `request`
+      (`AttentionPlan.select`); default: on the current backend only. Compiling for a
+      topology's devices asks for it, inside `compiling_for` their platform.
 
   Raises:
     NoImplementationError: no kernel of the plan fits `request` here.
@@ -137,20 +145,21 @@ def plan_for_run(
       if read_only:
         raise
   if read_only and trained is not None:
-    return trained, trained.select(request, backend=backend)
+    return (dataclasses.replace(trained, backend=backend),
+            trained.select(request, backend=backend, probe=probe))
   plan = resolve_plan(implementation, origin=origin, environ=environ,
                       autotune_file=autotune_file, backend=backend)
-  choice = plan.select(request, backend=backend)
+  choice = plan.select(request, backend=backend, probe=probe)
   if trained is not None and plan.source == AUTO_SOURCE:  # Nothing named: keep it if it runs.
     try:
-      kept = trained.select(request, backend=backend)
+      kept = trained.select(request, backend=backend, probe=probe)
     except (ValueError, NoImplementationError):  # Trained on another backend, say.
       kept = None
     if kept is not None and kept.name != choice.name:
       log.info("attention: keeping %s, the kernel this run was trained with (auto now prefers "
                "%s; set model.attention_impl to change it)", kept.name, choice.name)
-      return trained, kept
-  return plan.pin(choice), choice
+      return dataclasses.replace(trained, backend=backend), kept
+  return dataclasses.replace(plan.pin(choice), backend=backend), choice
 
 
 def select(

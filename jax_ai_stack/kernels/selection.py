@@ -76,8 +76,10 @@ def probe_mode(backend: Backend | None, probe: bool | None, *, every: bool) -> s
   return ("all" if every else "first") if probe else "none"
 
 
-def probe(impl: table.Implementation, request: Request, interpret: bool) -> str | None:
-  """Traces forward+backward abstractly; the reason if the kernel refuses."""
+def probe(impl: table.Implementation, request: Request, interpret: bool,
+          platform: str | None = None) -> str | None:
+  """Traces forward+backward abstractly, for `platform` (None: this host's backend); the
+  reason if the kernel refuses."""
   dtype = jnp.dtype(request.dtype)
   q = jax.ShapeDtypeStruct(request.q_shape, dtype)
   k = jax.ShapeDtypeStruct(request.k_shape, dtype)
@@ -91,7 +93,8 @@ def probe(impl: table.Implementation, request: Request, interpret: bool) -> str 
     return jnp.sum(out.astype(jnp.float32))
 
   try:
-    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, ids, lengths)
+    with implementations.compiling_for(platform or jax.default_backend()):
+      jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, ids, lengths)
   except (NotImplementedError, ValueError) as e:  # How kernels refuse inputs.
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__} when traced: {first_line[:200]}"
@@ -120,7 +123,7 @@ def decide(
     impl = table.IMPLEMENTATIONS[name]
     reason, interpret = impl.check(request, backend, named=name in explicit)
     if reason is None and mode != "none" and (chosen is None or mode == "all"):
-      reason = probe(impl, request, interpret)
+      reason = probe(impl, request, interpret, backend.platform)
     if reason is not None:
       verdicts.append(Verdict(name, "rejected", reason, interpret))
     elif chosen is None:
