@@ -226,3 +226,6 @@ def test_a_reward_module_that_does_not_import_is_one_line_and_leaves_no_workdir(
   assert "rl.rewards='my_rewardz:parity' does not import" in one_line_error(result)
   assert "compiling" not in result.stdout
   assert not (tmp_path / "run").exists()
+  planned = jax_ai_stack("train", "lm-tiny-grpo", "rl.rewards=[my_rewardz:parity]",
+                         "rl.reward_weights=null", "--dry-run", cwd=tmp_path)
+  assert "rl.rewards='my_rewardz:parity' does not import" in one_line_error(planned)

@@ -253,7 +253,9 @@ def run_train(args: argparse.Namespace) -> int:
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:
     from jax_ai_stack import kernels
-    from jax_ai_stack.recipes import memory
+    from jax_ai_stack.recipes import memory, preflight
+
+    preflight.check_references(config)  # As training would: a bad reward fails the plan too.
 
     print(memory.dry_run(config, device_memory_text=args.device_memory, environ=os.environ,
                          autotune_file=kernels.workdir_autotune_file(workdir)))
