@@ -226,6 +226,9 @@ def test_a_reward_module_that_does_not_import_is_one_line_and_leaves_no_workdir(
   assert "rl.rewards='my_rewardz:parity' does not import" in one_line_error(result)
   assert "compiling" not in result.stdout
   assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_imports_the_rewards_as_training_would(tmp_path):
   planned = jax_ai_stack("train", "lm-tiny-grpo", "rl.rewards=[my_rewardz:parity]",
                          "rl.reward_weights=null", "--dry-run", cwd=tmp_path)
   assert "rl.rewards='my_rewardz:parity' does not import" in one_line_error(planned)
