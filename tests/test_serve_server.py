@@ -273,6 +273,22 @@ def test_an_error_the_engine_raises_for_a_request_is_answered_never_left_hanging
   assert ok.status_code == 200
 
 
+def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(model):
+  from jax_ai_stack.errors import DataError
+
+  def strict(item):
+    if "messages" in item and item["messages"][0]["role"] != "user":
+      raise DataError("the chat template failed to render: roles must start with user")
+    return encode(item)
+
+  engine = inference.Engine(model, max_slots=1, max_len=64, decode=TOKENIZER.decode)
+  with TestClient(server.build_app(server.Served("tiny", engine, TOKENIZER, strict))) as client:
+    reply = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "assistant", "content": "hi"}]})
+  error = raw_error(reply, 400)
+  assert error["param"] == "messages" and "roles must start with user" in error["message"]
+
+
 def test_only_the_engines_thread_checks_requests_and_measures_health(model, monkeypatch):
   threads = set()
   check, pages = inference.Engine.check, inference.Engine.pages_in_use

@@ -52,7 +52,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from jax_ai_stack.errors import UsageError
+from jax_ai_stack.errors import DataError, UsageError
 from jax_ai_stack.recipes.inference import engine as engine_lib
 from jax_ai_stack.recipes.serve import guards, openai_api, replies
 from jax_ai_stack.recipes.serve.openai_api import ApiError
@@ -189,6 +189,8 @@ def _api_error(error: Exception, *, chat: bool = False) -> ApiError:
     field = {"prompt": "messages" if chat else "prompt", "top_logprobs": "top_logprobs"
              if chat else "logprobs", "stop_ids": "stop"}.get(error.field, error.field)
     return ApiError(str(error).split(": ", 1)[-1], field)
+  if isinstance(error, DataError):  # The chat template refused the conversation.
+    return ApiError(str(error), "messages")
   _log.error("a request failed", exc_info=error)
   return ApiError(f"the server failed to answer: {type(error).__name__}", status=500,
                   kind="server_error", code="internal_error")
