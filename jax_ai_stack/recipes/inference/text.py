@@ -9,7 +9,8 @@ long the completion and its stop strings are:
   text past the context's is the new text. Where it ends in U+FFFD (an unfinished UTF-8
   sequence), it is settled up to the last of its final 3 tokens whose text the window's
   starts with and does not end at (an unfinished character has at most 3 bytes), and
-  the rest waits for the next tokens.
+  the rest waits for the next tokens. An invalid byte reads the same, so its U+FFFD (and
+  a stop string that ends in one) is settled a token later.
 - each stop string is matched by a Knuth-Morris-Pratt automaton fed each settled
   character once; its state is the longest ending that could still grow into that stop
   string, which is held back (at most the stop's length less one characters).
