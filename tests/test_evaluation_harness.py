@@ -129,6 +129,9 @@ def test_a_misspelled_name_is_answered_with_the_local_tasks_first(tmp_path, monk
   assert close.startswith("; close: tiny_sums (my_tasks/sums.yaml)"), close
   assert close.endswith("tiny_sumz_lm_eval")  # lm-eval's after.
   assert harness._close("stdlb", {}, known) == "; close: stdlib"  # pylint: disable=protected-access
+  with pytest.raises(ConfigError, match=r"--tasks my_tasks/sum.yaml: no such file or directory; "
+                                        r"close: my_tasks/sums.yaml"):
+    harness.prepare(["my_tasks/sum.yaml"], tmp_path)
 
 
 def test_a_note_says_why_a_stderr_is_missing():

@@ -64,6 +64,16 @@ def _is_path(entry: str) -> bool:
   return "/" in entry or entry.startswith(".") or entry.endswith((".yaml", ".yml"))
 
 
+def _missing(entry: str, what: str) -> ConfigError:
+  """A path that is not there, with the close names in its folder (`parity.yml` for
+  `parity.yaml`)."""
+  path = pathlib.Path(entry)
+  names = sorted(p.name for p in path.parent.iterdir()) if path.parent.is_dir() else []
+  close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+  hint = f"; close: {', '.join(str(path.parent / n) for n in close)}" if close else ""
+  return ConfigError(f"{what} {entry}: no such file or directory{hint}")
+
+
 def nearby_tasks(directory: pathlib.Path, *, most: int = 200) -> dict[str, pathlib.Path]:
   """{task name: its YAML} of the task files in `directory` and its folders one level down
   (not hidden ones; at most `most` files read): the local tasks a misspelled name may mean."""
@@ -93,7 +103,7 @@ def prepare(entries: list[str], scratch: pathlib.Path, *, what: str = "--tasks"
 
   for entry in entries:
     if _is_path(entry) and not pathlib.Path(entry).exists():
-      raise ConfigError(f"{what} {entry}: no such file or directory")
+      raise _missing(entry, what)
   made = stdlib_tasks.make() if stdlib_tasks.NAME in entries else None
   embedded = str(stdlib_tasks.write(scratch, made)) if made else None
   return resolve([embedded if e == stdlib_tasks.NAME else e for e in entries], what=what), made
@@ -116,7 +126,7 @@ def resolve(entries: list[str], *, what: str = "--tasks") -> Tasks:
         raise ConfigError(f"{what} {entry}: not a task file ({problem})")
       found, path = {name: path}, path.parent  # The harness indexes folders.
     elif _is_path(entry):
-      raise ConfigError(f"{what} {entry}: no such file or directory")
+      raise _missing(entry, what)
     else:
       names.append(entry)
       continue
