@@ -3,6 +3,18 @@
 Each choice of a request (`Choice`) gathers the text, tokens and finish reason its
 engine job's updates bring; `Reply` turns them into `text_completion` /
 `chat.completion` objects or their chunks, with log-probs where asked.
+
+Example: a completion's one choice after its one update.
+  >>> import types
+  >>> from jax_ai_stack.recipes.serve import worker
+  >>> ask = openai_api.parse_completion({"model": "m", "prompt": "Hi"}, max_top_logprobs=0)
+  >>> reply = Reply(ask, types.SimpleNamespace(name="m"), chat=False, prompt_tokens=2)
+  >>> choice = Choice(0, job=None)
+  >>> reply.take(choice, worker.Update([5, 6], [-1.0, -2.0], [], "length", "ab"))
+  ('ab', None, 'length')
+  >>> whole = reply.whole([choice], {0: []})
+  >>> whole["choices"][0]["text"], whole["usage"]["total_tokens"]
+  ('ab', 4)
 """
 
 from __future__ import annotations
