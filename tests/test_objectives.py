@@ -181,3 +181,18 @@ def test_dpo_on_a_mixture_of_experts_adds_the_router_losses():
   assert float(metrics["dpo_loss"]) == pytest.approx(np.log(2), rel=1e-6)
   assert float(router) > 0 and float(loss) == pytest.approx(np.log(2) + float(router), rel=1e-6)
   assert "expert_share_3" in metrics
+
+
+@pytest.mark.parametrize("preset", ["lm-tiny", "lm-tiny-sft", "lm-tiny-dpo"])
+def test_a_task_s_batch_spec_is_its_first_batch_s_fields(preset):
+  """What `train --dry-run --topology` compiles a step for is what the data pipeline feeds
+  it: every field, shape and dtype (a run on prompts: tests/test_rl_rollout.py)."""
+  from jax_ai_stack.recipes import config as config_lib
+  from jax_ai_stack.recipes import tasks
+
+  recipe = config_lib.load(preset, overrides=["data.max_documents=60", "data.seq_len=128",
+                                              "data.batch_size=2"])
+  task = tasks.for_config(recipe)
+  first = next(iter(task.dataset("train", 0)))
+  assert {k: (v.shape, v.dtype) for k, v in first.items()} == {
+      k: (s.shape, s.dtype) for k, s in task.batch_spec(2).items()}

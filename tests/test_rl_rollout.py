@@ -43,6 +43,10 @@ def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task
                                   np.float32(sample.logprobs))
   assert set(metrics) >= {"reward", "reward_std", "reward_exact_answer", "reward_answer_format",
                           "completion_tokens", "completions_cut", "groups_without_signal"}
+  # What a step is compiled for ahead of time (Task.batch_spec: 2 prompts, 4 completions
+  # each) is this batch's every field, shape and dtype.
+  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+      k: (s.shape, s.dtype) for k, s in task.batch_spec(2).items()}
 
 
 def test_samples_depend_on_the_step_and_the_prompt_not_on_the_batch(task_and_model):

@@ -138,6 +138,13 @@ class Task(abc.ABC):
     the others (the default: every entry)."""
     return {}
 
+  def batch_spec(self, rows: int) -> dict[str, Any] | None:
+    """One train step's batch for `rows` rows of data, as `jax.ShapeDtypeStruct`s, or None
+    where only the data can say (then read from its first batch): what a step is compiled
+    for ahead of time."""
+    del rows
+    return None
+
   def data_metrics(self, step: int) -> dict[str, float]:
     """What the data has fed by the end of `step`, logged with that step's metrics
     (a data mixture: the tokens of each component); default: nothing."""

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ai_stack.recipes.tasks.objectives import (ROUTER_LOSSES, TOKEN_FIELDS, Objective,
-                                                   target_logps)
+                                                   target_logps, token_spec)
 
 STD_EPSILON = 1e-4
 """Added to a group's standard deviation (grpo): a group of equal rewards gets 0, not NaN."""
@@ -183,6 +183,13 @@ class GroupRelative(Objective):
     token = ("batch", "length")
     return {**{name: token for name in TOKEN_FIELDS}, "loss_mask": token,
             "sampler_logps": token, "advantages": ("batch",), "fresh": ("batch",)}
+
+  def batch_spec(self, rows, length):
+    """`rows` completions (the prompts times `rl.num_generations`)."""
+    per_row = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    return {**token_spec(rows, length),
+            "sampler_logps": jax.ShapeDtypeStruct((rows, length), jnp.float32),
+            "advantages": per_row, "fresh": per_row}
 
 
 def for_config(config) -> GroupRelative:

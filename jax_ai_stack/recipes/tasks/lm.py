@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import pathlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from flax import nnx
@@ -107,6 +108,12 @@ class LanguageModel(Task):
 
   def batch_axes(self) -> dict[str, tuple[str, ...]]:
     return self.objective.batch_axes()
+
+  def batch_spec(self, rows: int) -> dict[str, Any]:
+    """`rows` prompts of a run on prompts train as that many groups of completions."""
+    if self.config.data.is_prompts:
+      rows *= self.config.rl.num_generations
+    return self.objective.batch_spec(rows, self.config.data.seq_len)
 
   def tokenizer(self) -> data.Tokenizer:
     return self._tokenizer

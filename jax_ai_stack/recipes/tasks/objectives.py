@@ -96,6 +96,19 @@ class Objective:
     """Logical axes of the batch fields (a field left out: split along its first axis)."""
     return {}
 
+  def batch_spec(self, rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """One step's batch of `rows` rows of `length` tokens, abstractly: what a program is
+    compiled for before any data is read (`train --dry-run --topology`); the tests hold
+    it to the data pipeline's first batch."""
+    raise NotImplementedError(f"{type(self).__name__} does not describe its batch")
+
+
+def token_spec(rows: int, length: int, prefix: str = "") -> dict[str, jax.ShapeDtypeStruct]:
+  """The token fields of a batch [rows, length] (int32) and its `loss_mask` (float32)."""
+  spec = {f"{prefix}{name}": jax.ShapeDtypeStruct((rows, length), jnp.int32)
+          for name in TOKEN_FIELDS}
+  return {**spec, f"{prefix}loss_mask": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
+
 
 # ---- a model's router losses, added once for every objective ------------------------
 
@@ -208,6 +221,9 @@ class NextToken(Objective):
   def batch_axes(self):
     return {name: ("batch", "length") for name in TOKEN_FIELDS}
 
+  def batch_spec(self, rows, length):
+    return token_spec(rows, length)
+
 
 lm_loss = training_loss(NextToken())
 """The next token's mean cross-entropy, router losses added: `loss(model, batch)`."""
@@ -270,6 +286,9 @@ class DirectPreference(Objective):
   def batch_axes(self):
     """A pair's sides, on the same devices."""
     return {f"{side}_{name}": ("batch", "length") for side in SIDES for name in TOKEN_FIELDS}
+
+  def batch_spec(self, rows, length):
+    return {k: v for side in SIDES for k, v in token_spec(rows, length, f"{side}_").items()}
 
 
 def for_config(config: Any) -> NextToken | DirectPreference:
