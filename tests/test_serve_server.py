@@ -222,6 +222,8 @@ def test_on_loopback_only_loopback_host_names_are_answered(model):
     error = raw_error(client.post("/v1/completions", headers={"Host": "rebound.example"},
                                   json={}), 403)
     assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+  with app_client(model, allowed_hosts=frozenset({"*"})) as client:
+    assert client.get("/health", headers={"Host": "evil.example"}).status_code == 200
 
 
 def test_a_trailing_slash_is_served_not_redirected_and_a_model_is_retrieved_by_id(model):

@@ -117,17 +117,15 @@ def api_key(args: argparse.Namespace, environ=os.environ) -> str | None:
   return key.strip() if key else None
 
 
-def allowed_hosts(host: str, names: str) -> frozenset[str] | None:
-  """The Host names a server on `host` answers besides loopback ones (None: any), from
-  --allowed-hosts."""
+def allowed_hosts(names: str) -> frozenset[str] | None:
+  """The Host names --allowed-hosts adds to loopback ones ("*": any); None: not given
+  (`server.serve` then answers loopback names alone on loopback, any name elsewhere)."""
   given = frozenset(name.strip().lower() for name in names.split(",") if name.strip())
-  if "*" in given or not given and not is_loopback(host):
-    return None
-  return given
+  return given or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-  key, hosts = api_key(args), allowed_hosts(args.host, args.allowed_hosts)
+  key, hosts = api_key(args), allowed_hosts(args.allowed_hosts)
   if key is None and not is_loopback(args.host):
     logs.note(f"--host {args.host} is not loopback and no API key is set: anyone who can "
               "reach this machine can use the model (set --api-key-file)")

@@ -54,9 +54,9 @@ def _name(header: str) -> str:
 
 def host_allowed(header: str, allowed: frozenset[str] | set[str]) -> bool:
   """Whether a request with this Host header is answered: a loopback name, or one of
-  `allowed` (lower case names, no port)."""
+  `allowed` (lower case names, no port; "*": any)."""
   name = _name(header)
-  return bool(name) and (is_loopback(name) or name.rstrip(".") in allowed)
+  return "*" in allowed or bool(name) and (is_loopback(name) or name.rstrip(".") in allowed)
 
 
 class HostGuard:

@@ -85,7 +85,8 @@ class Served:
   around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   """The context the engine's thread runs in (`Run.kernel_configs`)."""
   allowed_hosts: frozenset[str] | None = None
-  """None: any Host header is answered; else only loopback names and these (`guards`)."""
+  """The Host names answered besides loopback ones ("*": any; `guards`). None: none when
+  `serve` listens on loopback, else (and in `build_app` alone) any."""
   max_request_bytes: int = guards.DEFAULT_MAX_REQUEST_BYTES
   max_stop_bytes: int = openai_api.DEFAULT_MAX_STOP_BYTES
   """The longest stop string a request may give, in UTF-8 bytes."""
@@ -359,6 +360,8 @@ def serve(served: Served, *, host: str, port: int,
   except OSError as e:
     listener.close()
     raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+  if served.allowed_hosts is None and guards.is_loopback(host):  # Against DNS rebinding.
+    served = dataclasses.replace(served, allowed_hosts=frozenset())
   config = uvicorn.Config(build_app(served), log_level="warning", access_log=False,
                           timeout_graceful_shutdown=None)
   server = Server(config)
