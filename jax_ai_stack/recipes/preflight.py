@@ -77,12 +77,14 @@ def check(config: Any, workdir: pathlib.Path | None = None):
   check_base(config, workdir)
   if not getattr(config.train, "eval_tasks", ()):
     return None
-  model = getattr(config, "model", None)
-  if model is not None and not hasattr(model, "task"):  # Built in (a custom Task: at opening).
-    task_class = tasks.registered(model).task_class()
-    if not hasattr(task_class, "tokenizer"):  # Before the harness indexes its tasks.
-      raise ConfigError(f"train.eval_tasks: {task_class.__name__} has no language model to run "
-                        "lm-evaluation-harness tasks on")
+  try:  # A built-in Task; a custom one (model.task, or given in Python) is asked at opening.
+    task_class = None if hasattr(config.model, "task") else tasks.registered(
+        config.model).task_class()
+  except (AttributeError, TypeError):  # A config of one's own the registry does not know.
+    task_class = None
+  if task_class is not None and not hasattr(task_class, "tokenizer"):  # Before indexing.
+    raise ConfigError(f"train.eval_tasks: {task_class.__name__} has no language model to run "
+                      "lm-evaluation-harness tasks on")
   from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
 
   return in_training.TrainingTasks(config.train)
