@@ -132,7 +132,10 @@ def post(client, path, body):
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": 999}, 400, "top_k",
      "[1, 259]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages", "list"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 429, None, "busy"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400, "n",
+     "takes at most 2 at once"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x"] * 100_000}, 400, "prompt",
+     "100000 prompts x n=1"),
     ("/v1/nothing", {}, 404, None, "Not Found"),
 ])
 def test_each_bad_request_gets_its_status_and_names_the_field(model, path, body, status, param,
@@ -144,6 +147,28 @@ def test_each_bad_request_gets_its_status_and_names_the_field(model, path, body,
     assert client.get("/health").json()["running"] == 0  # Nothing left behind.
     ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200  # The server goes on serving.
+
+
+def test_a_request_past_the_free_slots_and_queue_is_a_429_while_the_others_run(model,
+                                                                              monkeypatch):
+  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode)
+  step, release = engine.step, threading.Event()
+  monkeypatch.setattr(engine, "step", lambda: release.wait(30) and step())
+  ask = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+  with TestClient(server.build_app(server.Served("tiny", engine, TOKENIZER, encode,
+                                                 max_queue=0))) as client:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      first = pool.submit(client.post, "/v1/completions", json={**ask, "n": 2})
+      deadline = time.monotonic() + 30
+      while client.get("/health").json()["running"] < 2:  # Both choices in the engine.
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+      busy = client.post("/v1/completions", json=ask)
+      release.set()
+      assert first.result().status_code == 200
+  error = raw_error(busy, 429)
+  assert error["code"] == "rate_limit_exceeded" and "2 requests are queued or running" in \
+      error["message"]
 
 
 def test_with_an_api_key_a_request_without_it_is_401(model):

@@ -214,13 +214,22 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
                    f"'{served.name}'", "model", status=404, code="model_not_found")
   items = ([{"messages": list(ask.messages)}] if chat else
            [{"ids": p} if isinstance(p, tuple) else {"prompt": p} for p in ask.prompts])
-  requests, prompt_tokens = _requests(served, ask, items, chat=chat)
-  if worker.running + len(requests) > served.engine.max_slots + served.max_queue:
+  wanted, room = len(items) * ask.n, served.engine.max_slots + served.max_queue
+  if wanted > room:  # Before any prompt is encoded on the event loop.
+    raise ApiError(f"the request asks for {wanted} completions ({len(items)} prompts x n="
+                   f"{ask.n}); this server takes at most {room} at once (--max-slots plus "
+                   "--max-queue)", "prompt" if len(items) > 1 else "n")
+  if worker.running + wanted > room:
     raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
                    "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
+  requests, prompt_tokens = _requests(served, ask, items, chat=chat)
   jobs = worker.submit_all(requests)  # Checked on the engine's thread: all or none.
   try:
     await jobs[0].queued()
+  except asyncio.CancelledError:  # The handler was cancelled: its jobs must not run on.
+    for job in jobs:
+      worker.cancel(job)
+    raise
   except Exception as e:  # pylint: disable=broad-except
     raise _api_error(e, chat=chat) from None
   choices = [replies.Choice(number, job) for number, job in enumerate(jobs)]
