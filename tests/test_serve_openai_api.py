@@ -99,7 +99,8 @@ def test_completion_logprobs_offsets_follow_the_token_texts():
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    ({"stop": "x" * 1025}, "stop", "at most 1024 bytes (UTF-8); got 1025"),
+    ({"stop": "x" * 1025}, "stop",
+     "at most 1024 bytes (UTF-8; the server's --max-stop-bytes); got 1025"),
     ({"stop": ["a", "é" * 513]}, "stop", "got 1026"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage", "must be a boolean; got 'yes'"),

@@ -265,8 +265,8 @@ def _common(body: Any, known: set[str], max_stop_bytes: int) -> dict:
                    "strings", "stop")
   for text in stop:
     if len(text.encode("utf-8")) > max_stop_bytes:
-      raise ApiError(f"a stop string may be at most {max_stop_bytes} bytes (UTF-8); got "
-                     f"{len(text.encode('utf-8'))}", "stop")
+      raise ApiError(f"a stop string may be at most {max_stop_bytes} bytes (UTF-8; the "
+                     f"server's --max-stop-bytes); got {len(text.encode('utf-8'))}", "stop")
   stream = _get(body, "stream", bool, False)
   fields = dict(model=model, temperature=temperature, top_p=top_p,
                 top_k=None if top_k == -1 else top_k, n=n, seed=_get(body, "seed", int, None),

@@ -222,7 +222,8 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
   if worker.running + wanted > room:
     raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
                    "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
-  requests, prompt_tokens = _requests(served, ask, items, chat=chat)
+  # Off the event loop: a long prompt's tokenizing must not hold up the other streams.
+  requests, prompt_tokens = await asyncio.to_thread(_requests, served, ask, items, chat=chat)
   jobs = worker.submit_all(requests)  # Checked on the engine's thread: all or none.
   try:
     await jobs[0].queued()
