@@ -179,7 +179,8 @@ def parse_completion(body: Any, *, max_top_logprobs: int, vocab_size: int | None
     raise ApiError("'echo' is not supported: the reply holds the new text only", "echo")
   logprobs = _get(body, "logprobs", int, None)
   if logprobs is not None and not 0 <= logprobs <= max_top_logprobs:
-    raise ApiError(f"'logprobs' must be in [0, {max_top_logprobs}]; got {_brief(logprobs)}", "logprobs")
+    raise ApiError(f"'logprobs' must be in [0, {max_top_logprobs}]; got {_brief(logprobs)}",
+                   "logprobs")
   fields.setdefault("max_tokens", 16)
   return Ask(prompts=prompts, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
              **fields)

@@ -306,7 +306,8 @@ async def _updates(worker: EngineWorker, choices: Sequence[replies.Choice]
         worker.cancel(choice.job)
 
 
-async def _gathered(worker: EngineWorker, choices: list[replies.Choice], reply: replies.Reply) -> dict:
+async def _gathered(worker: EngineWorker, choices: list[replies.Choice],
+                    reply: replies.Reply) -> dict:
   parts: dict[int, list[dict]] = {choice.index: [] for choice in choices}
   async for choice, update in _updates(worker, choices):
     _, logprobs, _ = reply.take(choice, update)
