@@ -219,11 +219,10 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
     raise ApiError(f"the request asks for {wanted} completions ({len(items)} prompts x n="
                    f"{ask.n}); this server takes at most {room} at once (--max-slots plus "
                    "--max-queue)", "prompt" if len(items) > 1 else "n")
-  if worker.running + wanted > room:
-    raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
-                   "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
+  _check_room(worker, wanted, room)
   # Off the event loop: a long prompt's tokenizing must not hold up the other streams.
   requests, prompt_tokens = await asyncio.to_thread(_requests, served, ask, items, chat=chat)
+  _check_room(worker, wanted, room)  # Again: others may have come in meanwhile.
   jobs = worker.submit_all(requests)  # Checked on the engine's thread: all or none.
   try:
     await jobs[0].queued()
@@ -250,6 +249,12 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
     return JSONResponse(gathered.result())
   except Exception as e:  # pylint: disable=broad-except
     raise _api_error(e, chat=chat) from None
+
+
+def _check_room(worker: EngineWorker, wanted: int, room: int) -> None:
+  if worker.running + wanted > room:
+    raise ApiError(f"the server is busy: {worker.running} requests are queued or running; "
+                   "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
 
 
 def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: bool
