@@ -237,7 +237,7 @@ def test_the_api_key_is_read_as_rfc_6750_says_and_health_needs_none(model):
 
 
 def test_on_loopback_only_loopback_host_names_are_answered(model):
-  with app_client(model, allowed_hosts=frozenset({"box.lan"})) as client:
+  with app_client(model, allowed_hosts=frozenset({"box.lan:8000"})) as client:
     for host, status in [("localhost:8000", 200), ("127.0.0.1", 200), ("127.3.4.5:1", 200),
                          ("[::1]:8000", 200), ("LOCALHOST", 200), ("box.lan:80", 200),
                          ("evil.example", 403), ("evil.example:8000", 403),

@@ -64,7 +64,8 @@ class HostGuard:
   loopback nor in `allowed` (see the module)."""
 
   def __init__(self, app, allowed: frozenset[str]):
-    self.app, self.allowed = app, frozenset(name.lower().rstrip(".") for name in allowed)
+    self.app = app
+    self.allowed = frozenset(_name(name).rstrip(".") for name in allowed)  # A port dropped.
 
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http":
