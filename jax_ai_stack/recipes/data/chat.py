@@ -11,7 +11,8 @@ Sources (`data.source`):
   answered by the call. Both of one function fall on the same split.
 * `chat_arithmetic`: `data.arithmetic`'s sums and differences, "What is 85 - 63?"
   answered "85 - 63 = 22": the format `prompts_arithmetic`'s rewards check;
-  `chat_reversal`: `data.reversal`'s words, "Reverse evq" answered "evq -> qve".
+  `chat_reversal`: `data.reversal`'s words, "Reverse evq" answered "evq -> qve" (by a careless
+  teacher: two replies in three stop a letter short, "evq -> qv").
 
 Each conversation is rendered by its chat template (`chat_template`), cut into
 its assistant and other pieces, and tokenized piece by piece, so a token's

@@ -7,7 +7,7 @@ of a task hold out the same questions.
 
 Example:
   >>> [p["reply"] for p in problems("prompts_reversal", 2)]
-  ['qnhibb -> bbihnq', 'evq -> qve']
+  ['qnhibb -> bbihn', 'evq -> qv']
   >>> task_of("chat_stdlib") is None
   True
 """
