@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import platform
 import sys
 import tempfile
 import time
@@ -32,23 +33,23 @@ import common
 from jax_ai_stack.recipes import config, train
 
 TARGET_GAIN = 0.2
-QUIET = ["train.progress=false", "train.sample_tokens=0"]
+QUIET = ["train.progress=false"]
 # CI's check: lm-tiny's model trained on the reversals from scratch (no lm-tiny base), short
 # rows, then 24 GRPO steps of 8 prompts x 8 replies, measured on 64 held-out words.
 CHECK = {
     "base": None,
-    "sft": ["finetune.base=null", "train.steps=500", "train.eval_every=500",
+    "sft": ["finetune.base=null", "train.sample_tokens=0", "train.steps=500", "train.eval_every=500",
             "checkpoint.save_every=500"],
-    "grpo": ["data.batch_size=8", "train.steps=24", "train.eval_every=24",
+    "grpo": ["data.batch_size=8", "train.sample_tokens=0", "train.steps=24", "train.eval_every=24",
              "train.eval_batches=8", "checkpoint.save_every=24"],
 }
 PRESETS = {"base": [], "sft": [], "grpo": []}  # README's chain as the presets have it.
 QUICK = {
     "base": None,
-    "sft": ["finetune.base=null", "model.num_layers=1", "model.d_model=32", "model.num_heads=2",
+    "sft": ["finetune.base=null", "train.sample_tokens=0", "model.num_layers=1", "model.d_model=32", "model.num_heads=2",
             "model.num_kv_heads=1", "model.mlp_dim=64", "data.seq_len=64", "train.steps=4",
             "train.eval_every=4", "checkpoint.save_every=4"],
-    "grpo": ["model.num_layers=1", "model.d_model=32", "model.num_heads=2",
+    "grpo": ["train.sample_tokens=0", "model.num_layers=1", "model.d_model=32", "model.num_heads=2",
              "model.num_kv_heads=1", "model.mlp_dim=64", "data.batch_size=2",
              "rl.num_generations=2", "rl.max_completion_tokens=8", "train.steps=2",
              "train.eval_every=2", "train.eval_batches=1", "checkpoint.save_every=2"],
@@ -68,10 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
                 else (CHECK, "check"))
   with contextlib.ExitStack() as stack:
     root = args.workdir or pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
-    results = {**common.header("rl_demo"), "mode": mode, **chain(size, root)}
+    results = {**common.header("rl_demo"), "row": row(), "mode": mode, **chain(size, root)}
   before, after = results["exact_before"], results["exact_after"]
   results["gain"] = common.target(after - before, TARGET_GAIN, at_least=True)
-  print(f"{mode} on Python {results['python']}, jax {results['jax']}: held-out exact answers "
+  print(f"{mode} on {results['row'] or 'no matrix row'}: Python {results['python']}, jax {results['jax']}: held-out exact answers "
         f"{before:.3f} before GRPO -> {after:.3f} after {results['grpo']['steps']} steps "
         f"(gain {after - before:+.3f}, target >= {TARGET_GAIN}: "
         f"{common.verdict(after - before, TARGET_GAIN, at_least=True)}); "
@@ -79,6 +80,21 @@ def main(argv: list[str] | None = None) -> dict:
                     if name in results))
   common.write(results, args.out)
   return results
+
+
+def row() -> str | None:
+  """The name of the compat_matrix.yaml row this environment is (its Python, jax and
+  platform), or None."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jax_ai_stack import compat  # pylint: disable=g-import-not-at-top
+
+  python = ".".join(platform.python_version_tuple()[:2])
+  for each in compat.load_matrix().rows:
+    if (each.python == python and dict(each.packages).get("jax") == jax.__version__
+        and each.name.endswith(jax.default_backend())):
+      return each.name
+  return None
 
 
 def chain(size: dict, root: pathlib.Path) -> dict:
@@ -109,8 +125,10 @@ def _train(preset: str, overrides: list[str], workdir: pathlib.Path) -> dict:
       ("loss", "eval_loss", "reward", "eval_reward"))}
   print(f"{preset}: {recipe.train.steps} steps in {seconds:.0f} s {json.dumps(keep)}",
         flush=True)
+  sample = workdir / "sample.txt"  # The greedy reply to train.sample_prompt, if asked.
   return {"preset": preset, "overrides": overrides, "steps": recipe.train.steps,
-          "seconds": seconds, "final": keep}
+          "seconds": seconds, "final": keep,
+          "sample": sample.read_text().strip() if sample.is_file() else None}
 
 
 if __name__ == "__main__":

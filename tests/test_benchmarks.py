@@ -561,3 +561,17 @@ def test_rl_quick_splits_the_step_and_compares_it_with_an_sft_step(tmp_path):
   assert results["rows"] == results["prompts"] * results["generations"] == 4
   assert results["engine_tokens_per_s"] > results["rollout_tokens_per_s"] > 0
 
+
+
+@pytest.mark.slow  # About 30 s: a chat SFT and GRPO, each compiled (the engine's too).
+def test_rl_demo_quick_reports_exact_answers_before_and_after_grpo(tmp_path):
+  results = _run_quick("rl_demo", tmp_path)
+  assert results["mode"] == "quick" and results["row"] in (None, "py3.11-cpu", "py3.12-cpu",
+                                                            "py3.13-cpu")
+  assert [e["step"] for e in results["evals"]] == [0, 2]
+  assert results["exact_before"] == results["evals"][0]["eval_reward_exact_answer"]
+  assert 0.0 <= results["exact_after"] <= 1.0
+  assert results["gain"]["value"] == pytest.approx(results["exact_after"] - results["exact_before"])
+  assert results["gain"]["target"] == 0.2 and results["gain"]["at_least"]
+  assert "base" not in results and results["sft"]["steps"] == 4 and results["grpo"]["steps"] == 2
+  assert results["sft"]["seconds"] > 0 and results["grpo"]["seconds"] > 0
