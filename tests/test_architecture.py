@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.sharding",
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
-         "recipes.checkpoint.*", "recipes.distributed", "recipes.memory",
+         "recipes.checkpoint.*", "recipes.distributed", "recipes.memory", "recipes.aot",
          "recipes.transforms", "recipes.stop_signal", "recipes.finetune.lora",
          "recipes.finetune.adapters", "recipes.finetune.base_run", "recipes.finetune.quant",
          "recipes.finetune.reference", "recipes.finetune.transforms")),

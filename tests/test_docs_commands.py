@@ -82,6 +82,8 @@ SKIPPED = {
         "tests/test_evaluation_in_training.py runs train.eval_tasks on tiny runs",
     "jax-ai-stack kernels --topology v5e:2x2": "needs libtpu: tests/test_topology.py runs it "
                                                "where .ci/run installs libtpu",
+    "jax-ai-stack train lm-tiny --dry-run --topology v5e:2x2":
+        "needs libtpu: tests/test_aot.py runs it where .ci/run installs libtpu",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
 }

@@ -205,18 +205,17 @@ def test_a_plan_made_for_a_backend_selects_for_it_and_is_not_saved_with_it():
   """A run compiled for a TPU slice from this CPU selects TPU kernels in every call its
   model makes, without naming the backend each time; the saved plan names no backend."""
   tpu = kernels.Backend("tpu", "TPU v5 lite")
-  plan, choice = kernels.plan_for_run(REQUEST, "auto", environ={}, backend=tpu)
+  request = kernels.Request.from_shapes((1, 128, 2, 128), (1, 128, 1, 128), "bfloat16")
+  plan, choice = kernels.plan_for_run(request, "pallas_tpu_flash,xla", environ={}, backend=tpu,
+                                      probe=False)
   assert plan.backend == tpu and choice.backend == tpu
-  assert plan.select(REQUEST).name == choice.name
-  assert table_platforms(choice.name) == {"tpu"}
+  assert choice.name == "pallas_tpu_flash"
+  other = kernels.Request.from_shapes((2, 128, 2, 128), (2, 128, 1, 128), "bfloat16")
+  assert plan.select(other).backend == tpu  # Not pinned: selected for the plan's backend.
   assert "backend" not in plan.to_dict()
   assert kernels.AttentionPlan.from_dict(plan.to_dict()).backend is None
-  here, _ = kernels.plan_for_run(REQUEST, "auto", environ={})
+  here, _ = kernels.plan_for_run(request, "pallas_tpu_flash,xla", environ={})
   assert here.backend is None and here != plan  # Jit keys on the plan: they differ.
-
-
-def table_platforms(name: str) -> set[str]:
-  return set(kernels.IMPLEMENTATIONS[name].platforms)
 
 
 def test_compiling_for_another_platform_turns_tokamax_s_device_check_off():

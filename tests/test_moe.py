@@ -253,3 +253,18 @@ def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
       assert result[rows]["logits"] < 1e-5, (mesh_name, rows, result)
       assert result[rows]["grads"] < 1e-4, (mesh_name, rows, result)
     assert result["experts"] == "expert" and result["exchange"], (mesh_name, result)
+
+
+def test_the_grouped_matmul_is_chosen_for_the_devices_the_model_is_compiled_for():
+  """A decoder built with a plan for a TPU slice's devices (`train --dry-run --topology`)
+  calls what a TPU runs, not what this CPU would."""
+  config = DecoderConfig.tiny(kind="mixtral", num_layers=1, moe=MoeConfig(num_experts=4))
+  assert moe.MoE(config, rngs=nnx.Rngs(0)).implementation == "blocked"  # This host: CPU.
+  assert moe.MoE(config, rngs=nnx.Rngs(0), platform="tpu").implementation == "tokamax"
+  tpu = kernels.Backend("tpu", "TPU v5 lite")
+  plan = kernels.AttentionPlan(("xla",), "a test", backend=tpu)
+  from jax_ai_stack.recipes.models.decoder import Decoder
+
+  decoder = Decoder(config, rngs=nnx.Rngs(0), attention=plan)
+  kinds = {m.implementation for _, m in nnx.iter_graph(decoder) if isinstance(m, moe.MoE)}
+  assert kinds == {"tokamax"}

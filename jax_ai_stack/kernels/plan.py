@@ -90,8 +90,7 @@ class AttentionPlan:
     Raises:
       NoImplementationError: none fits; the message lists every rejection.
     """
-    choice = _choose(self, request, *_backend_and_mode(backend or self.backend, probe,
-                                                        every=False))
+    choice = _choose(self, request, *self._backend_and_mode(backend, probe, every=False))
     if choice.name is None:
       raise selection.no_fit_error(choice)
     return choice
@@ -99,8 +98,7 @@ class AttentionPlan:
   def report(self, request: Request, *, backend: Backend | None = None,
              probe: bool | None = None) -> Choice:
     """Like `select`, but probes every candidate and never raises for no fit."""
-    return _choose(self, request, *_backend_and_mode(backend or self.backend, probe,
-                                                     every=True))
+    return _choose(self, request, *self._backend_and_mode(backend, probe, every=True))
 
   def pin(self, choice: Choice) -> AttentionPlan:
     """A copy in which `choice.request` always selects `choice.name`.
@@ -152,6 +150,14 @@ class AttentionPlan:
       return contextlib.nullcontext()
     return implementations.import_tokamax().AutotuningResult.loads(self.tokamax_configs)
 
+  def _backend_and_mode(self, backend: Backend | None, probe: bool | None, *, every: bool):
+    """The backend to select for and how to probe: a call's own backend, else the plan's
+    (probed as the kernels trace for its devices: `selection.probe`), else the current one."""
+    if backend is None and self.backend is not None:
+      backend, probe = self.backend, True if probe is None else probe
+    mode = selection.probe_mode(backend, probe, every=every)
+    return backend or request_lib.current_backend(), mode
+
   def _names_for(self, request: Request) -> tuple[tuple[str, ...], str]:
     """(names to try, where they came from) for one request: its pin, or the order."""
     for pinned, name in self.pins:
@@ -160,9 +166,6 @@ class AttentionPlan:
     return self.order, self.source
 
 
-def _backend_and_mode(backend: Backend | None, probe: bool | None, *, every: bool):
-  mode = selection.probe_mode(backend, probe, every=every)
-  return backend or request_lib.current_backend(), mode
 
 
 @functools.lru_cache(maxsize=512)

@@ -108,6 +108,10 @@ def register(subparsers) -> None:
                      "phase boundary; exits 0, and the next train command goes on from there")
   train.add_argument("--dry-run", action="store_true",
                      help="print the mesh and the per-device memory plan, then exit (trains nothing)")
+  train.add_argument("--topology", metavar="NAME",
+                     help="with --dry-run: compile the run's steps for a TPU slice or GPU host "
+                     "this machine does not have (v5e:2x2, v6e:4x4, h100:8, ...) and print "
+                     "XLA's bytes, the kernels and the roofline on that chip")
   train.add_argument("--device-memory", metavar="SIZE",
                      help="memory per device for --dry-run's largest batch, e.g. 16GiB "
                      "(default: what the device reports)")
@@ -250,6 +254,11 @@ def run_train(args: argparse.Namespace) -> int:
   workdir = train.default_workdir(config, args.workdir)
   determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
   distributed.initialize(launch, checkpoints=workdir / train.CHECKPOINT_DIR)  # Before any device.
+  if args.topology:  # Programs for other devices: the cache could not read them back.
+    from jax_ai_stack.recipes import aot, preflight
+
+    preflight.check_references(config)
+    return aot.dry_run(config, args.topology, dry_run=args.dry_run, environ=os.environ)
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:
     from jax_ai_stack import kernels

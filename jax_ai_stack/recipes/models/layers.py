@@ -320,8 +320,9 @@ class Block(nnx.Module):
     self.attention = Attention(config, attention, rngs=rngs, layer=layer,
                                sharding=layout.attention() if layout else None)
     self.mlp_norm = rms_norm(config, rngs)
-    self.mlp = (MoE(config, rngs=rngs, layout=layout) if config.moe_layers[layer]
-                else MLP(config, rngs=rngs))
+    platform = attention.backend.platform if attention and attention.backend else None
+    self.mlp = (MoE(config, rngs=rngs, layout=layout, platform=platform)
+                if config.moe_layers[layer] else MLP(config, rngs=rngs))
     if config.post_norms:
       self.post_attention_norm = rms_norm(config, rngs)
       self.post_mlp_norm = rms_norm(config, rngs)

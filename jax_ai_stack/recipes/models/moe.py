@@ -113,12 +113,15 @@ ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approxima
 class MoE(nnx.Module):
   """A dropless mixture of `config.moe.num_experts` gated MLPs (see the module)."""
 
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, layout: Layout | None = None):
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, layout: Layout | None = None,
+               platform: str | None = None):
+    """`platform`: the one the grouped matmul is chosen for (the devices the model is
+    compiled for, as its attention plan's backend says); None: JAX's default backend."""
     with eager_sharding_scope():  # Built alone (tests, notebooks): no mesh needed.
-      self._build(config, rngs)
+      self._build(config, rngs, platform)
     self.layout = layout
 
-  def _build(self, config: DecoderConfig, rngs: nnx.Rngs) -> None:
+  def _build(self, config: DecoderConfig, rngs: nnx.Rngs, platform: str | None) -> None:
     moe = config.moe
     d, f, e = config.d_model, config.expert_mlp_dim, moe.num_experts
     dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
@@ -136,7 +139,7 @@ class MoE(nnx.Module):
     self.k, self.normalize = moe.num_experts_per_tok, moe.norm_topk_prob
     self.activation = config.mlp_activation
     self.dtype = jnp.dtype(config.dtype)
-    self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul)[0]
+    self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul, platform)[0]
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, MoeStats]:

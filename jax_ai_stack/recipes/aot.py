@@ -1,0 +1,294 @@
+"""A recipe's programs compiled ahead of time for chips this machine does not have.
+
+`jax-ai-stack train RECIPE --dry-run --topology v5e:2x2` is MaxText's `train_compile` for
+any recipe: the run is built abstractly over the compile-only devices of a TPU slice or
+GPU host (`jax_ai_stack.topology`), with the mesh `mesh.*` asks for and the kernels that
+chip would run (selected for its devices, probed as there), and its train and eval steps
+are lowered over `ShapeDtypeStruct`s laid out on that mesh and compiled by the chip's own
+XLA. Nothing is allocated, no workdir is touched, no weights are read.
+
+XLA's memory analysis of a compiled program is the chip's per-device bytes: they are
+printed beside the memory plan (`memory.estimate_memory`, the same mesh and kernel) and
+the chip's HBM. Its cost analysis gives the step's flops and bytes, and so a roofline:
+the step cannot take less than max(flops / peak, bytes / bandwidth), and the fraction of
+that time the flops need is the MFU it cannot exceed.
+
+Example: (needs libtpu; tests/test_aot.py runs it)
+  >>> from jax_ai_stack import topology
+  >>> from jax_ai_stack.recipes import config
+  >>> compiled = compile_recipe(config.load("lm-tiny"), topology.load("v5e:2x2"),
+  ...                           environ={})  # doctest: +SKIP
+  >>> print(compiled.describe())  # doctest: +SKIP
+  recipe lm-tiny on v5e:2x2: 4 x TPU v5 lite (compile-only; ...)
+  attention: tokamax_mosaic_tpu
+  ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jax_ai_stack import kernels, topology
+from jax_ai_stack.errors import UsageError
+from jax_ai_stack.recipes import memory, optim, sharding, step, tasks
+
+__all__ = ["Compiled", "Program", "compile_recipe", "dry_run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One compiled program: XLA's per-device bytes and costs, and its compile time."""
+
+  name: str
+  seconds: float
+  arguments: int
+  outputs: int
+  aliased: int
+  """Output bytes that reuse an argument's buffer (a donated train state)."""
+  temporaries: int
+  code: int
+  flops: float | None
+  """XLA's count per device; None where the backend reports no cost analysis."""
+  bytes_accessed: float | None
+
+  @classmethod
+  def of(cls, name: str, compiled: Any, seconds: float) -> Program:
+    stats = compiled.memory_analysis()
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, list) else costs  # Older jax: one per program.
+    return cls(name, seconds, stats.argument_size_in_bytes, stats.output_size_in_bytes,
+               stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+               stats.generated_code_size_in_bytes,
+               costs.get("flops") if costs else None, costs.get("bytes accessed") if costs else None)
+
+  @property
+  def total(self) -> int:
+    """What the program holds on a device at once (a donated argument counted once)."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+  def roofline(self, chip: topology.Chip) -> tuple[float, float] | None:
+    """(the least time the step can take, the MFU it cannot exceed) on `chip`; None without
+    the costs or the chip's peak."""
+    if not (self.flops and self.bytes_accessed and chip.bf16_flops_per_s):
+      return None
+    compute = self.flops / chip.bf16_flops_per_s
+    least = max(compute, self.bytes_accessed / chip.hbm_bytes_per_s)
+    return least, compute / least
+
+  def describe(self, chip: topology.Chip) -> str:
+    f = memory.format_bytes
+    lines = [f"{self.name}: compiled in {self.seconds:.1f} s; per device {f(self.total)} of "
+             f"{f(chip.hbm_bytes)} HBM ({self.total / chip.hbm_bytes:.1%}): arguments "
+             f"{f(self.arguments)}, outputs {f(self.outputs)} ({f(self.aliased)} of them in "
+             f"donated arguments), temporaries {f(self.temporaries)}, code {f(self.code)}"]
+    roofline = self.roofline(chip)
+    if roofline is None:
+      lines.append("  flops and bytes: XLA reports no cost analysis for this program here"
+                   if self.flops is None else "  roofline: the chip's peak is unknown")
+    else:
+      least, mfu = roofline
+      bound = "compute" if mfu > 0.999 else "memory"
+      lines.append(f"  {self.flops / 1e9:,.3g} GFLOP and {self.bytes_accessed / 1e6:,.3g} MB "
+                   f"per device: at least {least * 1e3:.3g} ms a step ({bound}-bound), MFU at "
+                   f"most {mfu:.0%}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What a recipe compiles to on a topology, and what it needs there."""
+
+  recipe: str
+  target: topology.Topology
+  attention: kernels.Choice | None
+  refused: tuple[str, ...]
+  """'name: why' of each kernel chosen first that the chip's compiler refused."""
+  grouped_matmul: tuple[str, str]
+  paged_attention: tuple[str, str]
+  plan: memory.MemoryPlan
+  programs: tuple[Program, ...]
+
+  @property
+  def largest(self) -> Program:
+    return max(self.programs, key=lambda p: p.total)
+
+  def describe(self) -> str:
+    chip = self.target.chip
+    lines = [f"recipe {self.recipe} on {self.target.describe()}"]
+    if self.attention is not None:
+      lines.append(f"attention: {self.attention.name}{_fallbacks(self.attention)}")
+      lines += [f"  chosen first, refused by the compiler: {refused}" for refused in self.refused]
+    lines += [f"grouped matmul (MoE experts): {self.grouped_matmul[0]} ({self.grouped_matmul[1]})",
+              f"paged attention (decoding): {self.paged_attention[0]} "
+              f"({self.paged_attention[1]})"]
+    lines += [program.describe(chip) for program in self.programs]
+    lines.append(self.plan.describe(chip.hbm_bytes))
+    largest = self.largest
+    lines.append(f"XLA / memory plan: {largest.total / max(self.plan.total, 1):.2f} "
+                 f"({largest.name}: {memory.format_bytes(largest.total)} per device, plan "
+                 f"{memory.format_bytes(self.plan.total)})")
+    return "\n".join(lines)
+
+  def check_fits(self) -> None:
+    """A `UsageError` naming the program that does not fit the chip's HBM, and the largest
+    batch the plan says does."""
+    largest, hbm = self.largest, self.target.chip.hbm_bytes
+    if largest.total > hbm:
+      raise UsageError(
+          f"{self.recipe} does not fit {self.target.name.text}: its {largest.name} needs "
+          f"{memory.format_bytes(largest.total)} per device, the {self.target.chip.device_kind} "
+          f"has {memory.format_bytes(hbm)}; {_largest_batch(self.plan, self.target.chip)}")
+
+
+def _fallbacks(choice: kernels.Choice) -> str:
+  """' (over X: why; ...)' for the kernels ahead of the chosen one that were rejected."""
+  ahead = choice.order[:choice.order.index(choice.name)] if choice.name in choice.order else ()
+  rejected = [v for v in choice.verdicts if v.name in ahead and v.status == "rejected"]
+  return " (over " + "; ".join(f"{v.name}: {v.reason}" for v in rejected) + ")" if rejected else ""
+
+
+def compile_recipe(config: Any, target: topology.Topology, *,
+                   environ: Mapping[str, str]) -> Compiled:
+  """`config`'s train and eval steps compiled for `target`'s devices (see the module).
+
+  Raises:
+    ConfigError: the mesh does not divide the topology's devices, or the batch its axes
+      (the trainer's own messages).
+    NoImplementationError: no attention kernel fits on that chip.
+  """
+  task = tasks.for_config(config)
+  backend = kernels.backend_of(target.devices[0])
+  mesh = sharding.build_mesh(config.mesh, target.devices)
+  placement = sharding.Placement(mesh, sharding.logical_rules(config.mesh), task.batch_axes())
+  transforms = task.model_transforms()
+  with kernels.compiling_for(backend.platform):
+    plan, choice, refused = _attention_that_compiles(task, environ, target.devices[0])
+
+    def create():
+      model = transforms.apply(task.build_model(config.train.seed, plan, placement.layout()))
+      return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
+                                          wrt=transforms.wrt)
+
+    model, optimizer = nnx.eval_shape(create)
+    state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
+    train_step, eval_step, abstract = step.make_steps(
+        model, optimizer, task.training_loss(transforms), state_sharding=state_sharding,
+        microbatch_size=getattr(config.train, "microbatch_size", None))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, state_sharding)
+    plan_bytes = memory.estimate_memory(config, mesh, attention=choice.name if choice else None)
+    rows = max(size for _, size in config.data.batch_sizes())
+    batch = _batch(task, placement, rows)
+    try:
+      programs = (_compiled("train step", train_step, state, batch),
+                  _compiled("eval step", eval_step, state, batch))
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise UsageError(  # XLA:TPU refuses a program larger than HBM as it compiles it.
+          f"{config.name} does not fit {target.name.text}: {str(e).strip().splitlines()[0]}; "
+          f"{_largest_batch(plan_bytes, target.chip)}") from None
+  return Compiled(
+      config.name, target, choice, refused,
+      kernels.choose_grouped_matmul("auto", backend.platform),
+      kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
+      plan_bytes, programs)
+
+
+def _largest_batch(plan: memory.MemoryPlan, chip: topology.Chip) -> str:
+  return (f"the largest global batch that fits is about {plan.max_batch_size(chip.hbm_bytes):,} "
+          "(data.batch_size), or spread the state over more devices (mesh.fsdp)")
+
+
+def _attention_that_compiles(task: tasks.Task, environ: Mapping[str, str], device: Any):
+  """(plan, choice, refusals): the run's attention plan for `device`'s chip, its choice
+  compiled alone (forward and backward, at the step's request) on that device, and, while
+  the chip's compiler refuses a choice, the next kernel of the order, as on the chip."""
+  backend, implementation = kernels.backend_of(device), task.attention_implementation()
+  refused: list[str] = []
+  while True:
+    plan, choice = kernels.plan_for_run(task.attention_request(), implementation,
+                                        environ=environ, backend=backend, probe=True)
+    reason = None if choice is None else _compile_error(choice, device)
+    if reason is None:
+      return plan, choice, tuple(refused)
+    refused.append(f"{choice.name}: {reason}{_fallbacks(choice)}")
+    rest = choice.order[choice.order.index(choice.name) + 1:]
+    if not rest:
+      raise kernels.NoImplementationError(
+          f"no attention kernel compiles for {device.device_kind}: " + "; ".join(refused))
+    implementation = ",".join(rest)
+
+
+def _compile_error(choice: kernels.Choice, device: Any) -> str | None:
+  """Why the chip's compiler refuses `plan`'s kernel at `request` on `device`, or None: at
+  one row, since what a compiler refuses (a block size, a dot algorithm) is per row."""
+  request = choice.request
+  plan = kernels.AttentionPlan((choice.name,), "the compile check", backend=choice.backend)
+  placed = jax.sharding.SingleDeviceSharding(device)
+  q = jax.ShapeDtypeStruct((1, *request.q_shape[1:]), request.dtype, sharding=placed)
+  k = jax.ShapeDtypeStruct((1, *request.k_shape[1:]), request.dtype, sharding=placed)
+  ids = (jax.ShapeDtypeStruct((1, request.q_len), "int32", sharding=placed)
+         if request.segment_ids else None)
+
+  def loss(q, k, v, ids):
+    out = kernels.attention(q, k, v, causal=request.causal, segment_ids=ids,
+                            scale=request.scale, local_window=request.local_window,
+                            logits_soft_cap=request.logits_soft_cap, plan=plan)
+    return out.astype("float32").sum()
+
+  try:
+    with _no_persistent_cache():
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, ids).compile()
+  except jax.errors.JaxRuntimeError as e:
+    return str(e).strip().splitlines()[0]
+  return None
+
+
+def _batch(task: tasks.Task, placement: sharding.Placement, rows: int) -> dict[str, Any]:
+  """One step's batch, abstract and laid out on the mesh as the trainer lays out real ones."""
+  spec = task.batch_spec(rows)
+  if spec is None:  # Only the data says: its first batch's fields.
+    iterator = iter(task.dataset("train", task.config.train.seed))
+    first = next(iterator)
+    spec = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in first.items()}
+  shardings = sharding.batch_shardings(placement.batch_axes, {k: s.shape for k, s in spec.items()},
+                                       placement.mesh, placement.rules)
+  return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in spec.items()}
+
+
+def _compiled(name: str, function: Any, *args: Any) -> Program:
+  started = time.perf_counter()
+  with _no_persistent_cache():
+    compiled = function.lower(*args).compile()
+  return Program.of(name, compiled, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+  """The persistent compilation cache off for the block: it would write programs for
+  compile-only devices that no client can load back (jax warns at each later read)."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+def dry_run(config: Any, name: str, *, dry_run: bool, environ: Mapping[str, str]) -> int:
+  """`train --dry-run --topology NAME`: prints `config` compiled for that topology; a
+  `UsageError` (one line, exit 2) where it does not fit, or without --dry-run."""
+  if not dry_run:
+    raise UsageError("--topology compiles for chips this machine does not have: add --dry-run")
+  compiled = compile_recipe(config, topology.load(name), environ=environ)
+  print(compiled.describe(), flush=True)
+  compiled.check_fits()
+  return 0
