@@ -120,3 +120,14 @@ def test_invalid_bytes_are_sent_as_they_come_and_an_unfinished_character_waits()
   stream = TextStream(utf8)
   pieces = [stream.add([byte]) for byte in [0xFF] * 4 + list("😀".encode())]
   assert pieces == ["", "\ufffd", "\ufffd", "\ufffd", "\ufffd", "", "", "😀"]
+
+
+def test_a_token_that_decodes_to_nothing_keeps_the_space_before_the_next_word():
+  """A word tokenizer joins words with spaces and leaves padding (id 0) out: the window's
+  context must not shrink to the padding alone, or the next word's space is lost."""
+  def decode(ids):
+    return " ".join(f"t{i}" for i in ids if i != 0)
+
+  stream = TextStream(decode)
+  pieces = [stream.add([token]) for token in (93, 0, 20, 0, 0, 7)]
+  assert "".join(pieces) == stream.text == decode([93, 0, 20, 0, 0, 7]) == "t93 t20 t7"

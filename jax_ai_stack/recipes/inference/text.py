@@ -83,8 +83,12 @@ class TextStream:
       end, window = self._finished(window)
     new = window[len(self._context):]
     if end > self._read:
-      self._start, self._read = self._read, end
-      self._context = self._decode(self._tokens[self._start:end])
+      settled = self._decode(self._tokens[self._read:end])
+      if settled:  # The settled tokens' text: the next window's context.
+        self._start, self._context = self._read, settled
+      else:  # Tokens that decode to nothing (padding, a special token) give no context (a
+        self._context = self._decode(self._tokens[self._start:end])  # word's space): keep.
+      self._read = end
     cut = self._match(new)
     self._settled += len(new)
     self._held += new
