@@ -545,3 +545,25 @@ def test_a_key_from_a_file_is_read_as_rfc_6750_says_and_a_large_body_is_a_413(wo
   finally:
     process.terminate()
     process.wait(60)
+
+
+def test_a_completion_ends_at_the_run_s_end_ids_as_generate_does(model):
+  """A prompt's completion, text or token ids, stops at the ids the run's encoder names
+  (a generation config's eos_token_id: `generate`'s, the export's), not at the
+  tokenizer's EOS alone."""
+  greedy = inference.Engine(model, max_slots=1, max_len=64).run(
+      [inference.Request(tuple(TOKENIZER.encode("Hi")), 8, temperature=0)])[0].tokens
+  end = greedy[2]
+  expected = TOKENIZER.decode(greedy[:greedy.index(end)])
+
+  def ending(item):
+    return (encode(item) if "messages" in item
+            else (TOKENIZER.encode(item["prompt"]), (end,)))
+
+  engine = inference.Engine(model, max_slots=2, max_len=64, decode=TOKENIZER.decode)
+  with TestClient(server.build_app(server.Served("tiny", engine, TOKENIZER, ending))) as client:
+    for prompt in ("Hi", [int(t) for t in TOKENIZER.encode("Hi")]):
+      reply = client.post("/v1/completions", json={
+          "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+      assert reply["choices"][0]["finish_reason"] == "stop", prompt
+      assert reply["choices"][0]["text"] == expected, prompt

@@ -264,9 +264,10 @@ def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: b
   engine, seed = served.engine, ask.seed if ask.seed is not None else secrets.randbelow(2**31)
   requests, prompt_tokens = [], 0
   for item in items:
-    ids, stop_ids = (item["ids"], ()) if "ids" in item else served.encode(item)
-    if not chat:
-      stop_ids = tuple(i for i in (served.tokenizer.eos_id,) if i < engine.vocab_size)
+    if "ids" in item:  # Token ids end where a text prompt's reply does: the model's end ids.
+      ids, stop_ids = item["ids"], served.encode({"prompt": ""})[1]
+    else:  # A prompt: the model's end-of-sequence ids (`generate`'s, the export's); a chat:
+      ids, stop_ids = served.encode(item)  # its end of turn.
     prompt_tokens += len(ids)
     room = engine.max_len - len(ids)
     if room < 1:
