@@ -78,7 +78,7 @@ def check(config: Any, workdir: pathlib.Path | None = None):
   if not getattr(config.train, "eval_tasks", ()):
     return None
   try:  # A built-in Task; a custom one (model.task, or given in Python) is asked at opening.
-    task_class = None if hasattr(config.model, "task") else tasks.registered(
+    task_class = None if getattr(config.model, "task", None) else tasks.registered(
         config.model).task_class()
   except (AttributeError, TypeError):  # A config of one's own the registry does not know.
     task_class = None
