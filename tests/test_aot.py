@@ -1,4 +1,4 @@
-"""Recipes compiled ahead of time for TPU slices (`train --dry-run --topology`).
+"""Recipes compiled ahead of time for TPU slices and GPU hosts (`train --dry-run --topology`).
 
 The compiles need libtpu (or the CUDA plugin) at this row's pin: .ci/run installs them into
 one row's venv for this file and tests/test_topology.py; elsewhere those tests are skipped
@@ -12,12 +12,14 @@ import re
 
 import pytest
 
-from jax_ai_stack import cli, topology
+from jax_ai_stack import cli, compat, topology
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import aot, memory
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed")
+needs_cuda_plugin = pytest.mark.skipif(compat.installed_version("jax-cuda12-pjrt") is None,
+                                       reason="the CUDA plugin (jax-cuda12-pjrt) is not installed")
 CHIP = topology.Chip("TPU v5 lite", hbm_bytes=16 * 2**30, hbm_bytes_per_s=8e11,
                      bf16_flops_per_s=2e14, source="a test's")
 
@@ -125,3 +127,19 @@ def test_a_batch_that_does_not_fit_is_one_line_with_the_largest_that_does(capsys
   assert re.search(r"lm-tiny does not fit v5e:2x2: RESOURCE_EXHAUSTED: .*HBM.*; the largest "
                    r"global batch that fits is about [\d,]+ \(data\.batch_size\)", err), err
   assert len(err.strip().splitlines()) == 1
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_lm_tiny_compiles_for_an_h100_host_within_the_plan(capsys, tmp_path):
+  """The CUDA plugin's H100 from its own target config: tokamax's Triton attention compiles
+  (its Mosaic GPU kernel picks its code by the host's device, so it refuses here), without
+  XLA's deterministic ops, which deviceless GPU compiles cannot autotune."""
+  code, out, _ = dry_run(capsys, "lm-tiny", "--topology", "h100:8",
+                         "--workdir", str(tmp_path / "run"))
+  assert code == 0
+  assert "recipe lm-tiny on h100:8: 8 x NVIDIA H100 80GB HBM3 (compile-only" in out
+  assert "attention: tokamax_triton" in out
+  assert "compiled without XLA's deterministic GPU ops" in out
+  assert re.search(r"train step: compiled in [\d.]+ s; per device [\d.]+ MiB of 79\.\d+ GiB", out)
+  assert 0.85 <= plan_ratio(out) <= 1.15, out

@@ -114,6 +114,8 @@ class Compiled:
   paged_attention: tuple[str, str]
   plan: memory.MemoryPlan
   programs: tuple[Program, ...]
+  deterministic: bool = False
+  """`train.deterministic`, which a GPU run sets XLA's deterministic ops for."""
 
   @property
   def largest(self) -> Program:
@@ -128,6 +130,9 @@ class Compiled:
     lines += [f"grouped matmul (MoE experts): {self.grouped_matmul[0]} ({self.grouped_matmul[1]})",
               f"paged attention (decoding): {self.paged_attention[0]} "
               f"({self.paged_attention[1]})"]
+    if self.target.name.platform == "gpu" and self.deterministic:
+      lines.append("compiled without XLA's deterministic GPU ops (train.deterministic): "
+                   "without a GPU, XLA finds no GEMM configuration under them")
     lines += [program.describe(chip) for program in self.programs]
     lines.append(self.plan.describe(chip.hbm_bytes))
     largest = self.largest
@@ -199,7 +204,7 @@ def compile_recipe(config: Any, target: topology.Topology, *,
       config.name, target, choice, refused,
       kernels.choose_grouped_matmul("auto", backend.platform),
       kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
-      plan_bytes, programs)
+      plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)))
 
 
 def _largest_batch(plan: memory.MemoryPlan, chip: topology.Chip) -> str:
@@ -244,8 +249,9 @@ def _compile_error(choice: kernels.Choice, device: Any) -> str | None:
                             logits_soft_cap=request.logits_soft_cap, plan=plan)
     return out.astype("float32").sum()
 
+  mesh = jax.sharding.Mesh([device], ("one",))  # Whose device the kernels lower for.
   try:
-    with _no_persistent_cache():
+    with _no_persistent_cache(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, ids).compile()
   except jax.errors.JaxRuntimeError as e:
     return str(e).strip().splitlines()[0]

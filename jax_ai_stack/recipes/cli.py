@@ -251,14 +251,14 @@ def run_train(args: argparse.Namespace) -> int:
   from jax_ai_stack.recipes import train  # jax and the libraries: only to train.
   import_s = time.perf_counter() - import_started
 
-  workdir = train.default_workdir(config, args.workdir)
-  determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
-  distributed.initialize(launch, checkpoints=workdir / train.CHECKPOINT_DIR)  # Before any device.
-  if args.topology:  # Programs for other devices: the cache could not read them back.
+  if args.topology:  # Programs for chips not here: no cache, no processes, no GPU flags.
     from jax_ai_stack.recipes import aot, preflight
 
     preflight.check_references(config)
     return aot.dry_run(config, args.topology, dry_run=args.dry_run, environ=os.environ)
+  workdir = train.default_workdir(config, args.workdir)
+  determinism.configure(config.train.deterministic)  # XLA reads its flags at start-up.
+  distributed.initialize(launch, checkpoints=workdir / train.CHECKPOINT_DIR)  # Before any device.
   compile_cache.enable(config.train.compile_cache)  # Before the first compile.
   if args.dry_run:
     from jax_ai_stack import kernels
