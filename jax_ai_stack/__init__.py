@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "absl_flags", "atomic", "cli", "compat", "determinism", "doctor", "errors", "kernels", "lazy",
-    "logs", "native_logs", "recipes", "yamlio",
+    "logs", "native_logs", "recipes", "topology", "yamlio",
 )
 __all__ = ["__version__", *_SUBMODULES]
 __getattr__ = lazy_attributes(__name__, _SUBMODULES)[0]

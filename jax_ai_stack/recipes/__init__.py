@@ -13,11 +13,11 @@ Example:
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = (
-    "checkpoint", "checkpoint_config", "cli", "compile_cache", "config", "configlib", "data",
-    "distributed", "evaluation", "finetune", "held_out", "hf_cli", "inference", "memory",
-    "mesh_axes", "metrics", "models", "opening", "optim", "optim_config", "phases", "profile",
-    "progress", "record", "rl", "run", "serve", "sharding", "sharding_config", "step",
-    "stop_signal", "tasks", "train", "transforms", "workdir",
+    "aot", "checkpoint", "checkpoint_config", "cli", "compile_cache", "config", "configlib",
+    "data", "distributed", "evaluation", "finetune", "held_out", "hf_cli", "inference", "memory",
+    "mesh_axes", "metrics", "models", "opening", "optim", "optim_config", "phases", "preflight",
+    "profile", "progress", "record", "rl", "run", "serve", "sharding", "sharding_config", "step",
+    "stop_signal", "tasks", "train", "trainer", "transforms", "workdir",
 )
 # Top-level modules until fine-tuning became a package (0.1.x): notebooks written
 # then (`from jax_ai_stack.recipes import lora`) still run, with a DeprecationWarning.

@@ -209,9 +209,9 @@ class Task(abc.ABC):
 
   def generate(self, model: nnx.Module, prompt: str, max_new_tokens: int | None,
                temperature: float, seed: int, *, top_k: int | None = None,
-               top_p: float | None = None) -> str:
+               top_p: float | None = None, ignore_eos: bool = False) -> str:
     """Text continued from `prompt`; only Tasks that generate text override it."""
-    del model, prompt, max_new_tokens, temperature, seed, top_k, top_p
+    del model, prompt, max_new_tokens, temperature, seed, top_k, top_p, ignore_eos
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
 
   def chat_many(self, model: nnx.Module, conversations: list[list[dict]],
@@ -219,4 +219,12 @@ class Task(abc.ABC):
                 top_k: int | None = None, top_p: float | None = None) -> list[str]:
     """The assistant's reply to each conversation; only Tasks that chat override it."""
     del model, conversations, max_new_tokens, temperature, seed, top_k, top_p
+    raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
+
+  def stream(self, model: nnx.Module, items: list[dict], max_new_tokens: int | None,
+             temperature: float, seed: int, *, top_k: int | None = None,
+             top_p: float | None = None, ignore_eos: bool = False):
+    """Each item's result as it finishes (`generate --input`); only Tasks that generate
+    text override it."""
+    del model, items, max_new_tokens, temperature, seed, top_k, top_p, ignore_eos
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")
