@@ -14,9 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from flax import nnx
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
+from jax_ai_stack import kernels
 from jax_ai_stack.kernels import paged
+from jax_ai_stack.recipes.models import layers
+from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.decoder import Decoder
 from jax_ai_stack.kernels.paged import (choose_paged_attention, paged_attention, pallas_tpu,
                                         tpu_kernel_fits)
 
@@ -217,3 +223,34 @@ def test_auto_picks_the_pallas_kernels_on_gpu_and_tpu_and_an_unknown_name_is_nam
   with pytest.raises(ValueError, match="unknown paged attention 'flash'; choose auto or one of "
                                        "pallas_gpu, pallas_tpu, xla"):
     choose_paged_attention("flash")
+
+
+def test_a_plan_chooses_the_paged_attention_for_its_backend_and_the_model_decodes_with_it():
+  """Not at trace time on the host: a model built for a TPU slice's devices decodes with
+  the TPU kernel, here on a CPU with the xla loop."""
+  tpu = kernels.Backend("tpu", "TPU v5 lite")
+  plan = kernels.AttentionPlan(("xla",), "a test", backend=tpu)
+  assert plan.paged_attention()[0] == "pallas_tpu"
+  assert kernels.AttentionPlan(("xla",), "a test").paged_attention()[0] == "xla"  # This CPU.
+  named = kernels.AttentionPlan(("xla",), "a test", backend=tpu, paged="xla")
+  assert named.paged_attention() == ("xla", "requested: a loop over the pages with an online "
+                                            "softmax, in XLA")
+  assert kernels.AttentionPlan.from_dict(named.to_dict()).paged == "xla"
+  assert kernels.AttentionPlan.from_dict({"order": ["xla"], "source": "old"}).paged == "auto"
+  with pytest.raises(ValueError, match="unknown paged attention 'flash'"):
+    kernels.AttentionPlan(("xla",), "a test", paged="flash")
+  decoder = Decoder(DecoderConfig.tiny(num_layers=1), rngs=nnx.Rngs(0), attention=plan)
+  chosen = {m._paged_attention() for _, m in nnx.iter_graph(decoder)  # pylint: disable=protected-access
+            if isinstance(m, layers.Attention)}
+  assert chosen == {"pallas_tpu"}
+
+
+def test_the_tpu_kernel_s_block_sizes_are_its_own_table_s_for_the_chip_compiled_for():
+  """JAX's kernel looks its block sizes up for this machine's device; the adapter looks
+  them up for the target's: (pages, queries) a block, capped by the table width."""
+  key = ("bfloat16", "bfloat16", 32, 8, 128, 16, 32, 512)
+  pages, queries = tuned_block_sizes.TUNED_BLOCK_SIZES["TPU v5"].get(key, (128, 32))
+  assert paged.tpu_block_sizes((32, 32, 128), (1025, 16, 16, 128), 32, jnp.bfloat16,
+                               "TPU v5 lite") == (min(32, pages), min(32, queries))
+  assert paged.tpu_block_sizes((8, 8, 128), (65, 16, 4, 128), 8, jnp.bfloat16,
+                               "TPU v4") == (8, 8)  # v4: (32, 32) untuned, capped.

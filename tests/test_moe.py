@@ -260,11 +260,11 @@ def test_the_grouped_matmul_is_chosen_for_the_devices_the_model_is_compiled_for(
   calls what a TPU runs, not what this CPU would."""
   config = DecoderConfig.tiny(kind="mixtral", num_layers=1, moe=MoeConfig(num_experts=4))
   assert moe.MoE(config, rngs=nnx.Rngs(0)).implementation == "blocked"  # This host: CPU.
-  assert moe.MoE(config, rngs=nnx.Rngs(0), platform="tpu").implementation == "tokamax"
+  assert moe.MoE(config, rngs=nnx.Rngs(0), platform="tpu").implementation == "tokamax_mosaic_tpu"
   tpu = kernels.Backend("tpu", "TPU v5 lite")
   plan = kernels.AttentionPlan(("xla",), "a test", backend=tpu)
   from jax_ai_stack.recipes.models.decoder import Decoder
 
   decoder = Decoder(config, rngs=nnx.Rngs(0), attention=plan)
   kinds = {m.implementation for _, m in nnx.iter_graph(decoder) if isinstance(m, moe.MoE)}
-  assert kinds == {"tokamax"}
+  assert kinds == {"tokamax_mosaic_tpu"}

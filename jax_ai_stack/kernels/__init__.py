@@ -30,7 +30,9 @@ Modules, one job each:
   cli              `jax-ai-stack kernels`
   experts          MoE experts' grouped matmul: tokamax, XLA or the dense reference
   paged            attention over a paged KV cache (the generation engine's): XLA, or
-                   JAX's Pallas kernel on GPU
+                   JAX's Pallas kernels on GPU and TPU; a plan's `paged` chooses it
+  lowering         the kernel a chip's compiler takes (compile-only devices), and the
+                   fallback where it refuses one
 
 Example:
   >>> from jax_ai_stack import kernels
@@ -86,7 +88,7 @@ _EXPORTS = {
 }
 _SUBMODULES = (
     "autotune_file", "autotuning", "blocked", "choice", "cli", "experts",
-    "implementations", "names",
+    "implementations", "lowering", "names",
     "paged", "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
 )  # And `attention`, whose name the function takes.
 __all__ = list(_EXPORTS)

@@ -3,11 +3,17 @@
 `grouped_matmul(lhs, rhs, group_sizes)` multiplies consecutive row groups of
 lhs [M, K] (the tokens sorted by expert, `group_sizes[g]` rows for expert g)
 by their expert's rhs[g] [K, N]; rows past the groups' sum give zeros. It has
-the API of `jax.lax.ragged_dot`. Implementations ("auto": blocked on CPU, else
-tokamax):
+the API of `jax.lax.ragged_dot`. Implementations ("auto": blocked on CPU,
+tokamax_mosaic_tpu on TPU, else tokamax):
 
-  tokamax  `tokamax.ragged_dot`: tokamax picks Mosaic (TPU, Hopper GPUs), Triton (GPU)
-           or XLA (CPU) itself, falling back along that order
+  tokamax  `tokamax.ragged_dot`: tokamax picks Mosaic (Hopper GPUs), Triton (GPU)
+           or XLA itself, falling back along that order
+  tokamax_mosaic_tpu
+           `tokamax.ragged_dot(implementation="mosaic_tpu")`, MegaBlocks' grouped matmul
+           in Mosaic: what "tokamax" becomes on TPU. Named, because tokamax resolves
+           its "mosaic" by the host's device, not the devices a program is compiled
+           for. The kernel takes M, K and N of at least 128 (`mosaic_tpu_refusal`);
+           smaller calls (a decoding step's few rows) run xla
   xla      `jax.lax.ragged_dot`
   blocked  each group's rows padded to whole blocks and one batched matmul over the
            blocks (MegaBlocks' layout): XLA:CPU's ragged_dot costs about every group on
@@ -15,8 +21,8 @@ tokamax):
   dense    every expert on every row, masked to its group: G times the FLOPs; the
            reference the others are tested against, never chosen by "auto"
 
-`choose_grouped_matmul(requested)` returns the implementation that runs and why (what
-`jax-ai-stack kernels` reports and a MoE model is built with).
+`choose_grouped_matmul(requested, platform, shapes=...)` returns the implementation that
+runs and why (what `jax-ai-stack kernels` reports and a MoE model is built with).
 
 Example:
   >>> import jax.numpy as jnp
@@ -34,47 +40,78 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.kernels import names
+from jax_ai_stack.kernels import names, rules
+from jax_ai_stack.kernels.request import Backend
 
 __all__ = ["GROUPED_MATMULS", "choose_grouped_matmul", "grouped_matmul"]
 
-GROUPED_MATMULS = ("tokamax", "xla", "blocked", "dense")
+GROUPED_MATMULS = ("tokamax", "tokamax_mosaic_tpu", "xla", "blocked", "dense")
+MOSAIC_TPU_MIN = 128
+"""tokamax's Mosaic TPU ragged_dot refuses a call whose M, K or N is smaller."""
 _WHY = {"tokamax": "tokamax.ragged_dot, which picks Mosaic, Triton or XLA itself",
+        "tokamax_mosaic_tpu": "tokamax.ragged_dot's Mosaic TPU kernel, named (tokamax "
+                              "resolves 'mosaic' by the host's device)",
         "xla": "jax.lax.ragged_dot",
         "blocked": "each expert's rows padded to blocks, one batched matmul over the blocks",
         "dense": "every expert on every row: the reference"}
 
 
-def choose_grouped_matmul(requested: str = "auto", platform: str | None = None
+def choose_grouped_matmul(requested: str = "auto", platform: str | None = None,
+                          device_kind: str | None = None, *,
+                          shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
                           ) -> tuple[str, str]:
   """(implementation, why) for `requested` ("auto" or one of `GROUPED_MATMULS`) on
-  `platform` (None: JAX's default backend). "auto": `blocked` on CPU, else tokamax
-  where installed, else xla.
+  `platform` (None: JAX's default backend) and `device_kind`. "auto": `blocked` on CPU,
+  else tokamax where installed, else xla; tokamax on TPU is `tokamax_mosaic_tpu`, which
+  gives way to xla for TPUs before v5 and for `shapes` (lhs [M, K], rhs [G, K, N]) it
+  does not take.
 
   Raises ValueError naming the implementations for an unknown name.
   """
   chosen = names.requested(requested, GROUPED_MATMULS, _WHY, "grouped matmul")
-  if chosen is not None:
-    return chosen
   platform = platform or jax.default_backend()
-  if platform == "cpu":
+  if chosen is not None:
+    name, why = chosen
+  elif platform == "cpu":
     return "blocked", (f"auto on cpu: {_WHY['blocked']} (XLA:CPU's ragged_dot costs about "
                        "every group on every row: benchmarks/moe.py)")
-  if importlib.util.find_spec("tokamax") is not None:
-    return "tokamax", f"auto on {platform}: {_WHY['tokamax']}"
-  return "xla", f"auto on {platform}: tokamax is not installed; {_WHY['xla']}"
+  elif importlib.util.find_spec("tokamax") is None:
+    return "xla", f"auto on {platform}: tokamax is not installed; {_WHY['xla']}"
+  else:
+    name, why = "tokamax", f"auto on {platform}: {_WHY['tokamax']}"
+  if name == "tokamax" and platform == "tpu":
+    name, why = "tokamax_mosaic_tpu", f"{why}; on tpu: {_WHY['tokamax_mosaic_tpu']}"
+  if name != "tokamax_mosaic_tpu":
+    return name, why
+  generation = rules.tpu_generation(Backend(platform, device_kind or ""))
+  if platform == "tpu" and generation is not None and generation < 5:
+    return "xla", (f"{why}; it needs TPU v5 or newer (device: {device_kind}): "
+                   f"{_WHY['xla']}")
+  if shapes is not None and (reason := mosaic_tpu_refusal(*shapes)):
+    return "xla", f"{why}; {reason}: {_WHY['xla']}"
+  return name, why
+
+
+def mosaic_tpu_refusal(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> str | None:
+  """Why tokamax's Mosaic TPU ragged_dot refuses lhs [M, K] and rhs [G, K, N] (it raises
+  NotImplementedError as it traces), or None."""
+  if min(*lhs_shape[-2:], *rhs_shape[-2:]) < MOSAIC_TPU_MIN:
+    return (f"its Mosaic TPU kernel takes M, K, N >= {MOSAIC_TPU_MIN}, not lhs "
+            f"{list(lhs_shape)} and rhs {list(rhs_shape)}")
+  return None
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str = "auto",
                    preferred_element_type=None) -> jax.Array:
   """[M, N]: row block g of `lhs` [M, K] times `rhs[g]` [K, N] (`jax.lax.ragged_dot`)."""
-  name, _ = choose_grouped_matmul(implementation)
-  if name == "tokamax":
+  name, _ = choose_grouped_matmul(implementation, shapes=(lhs.shape, rhs.shape))
+  if name in ("tokamax", "tokamax_mosaic_tpu"):
     from jax_ai_stack.kernels.implementations import import_tokamax  # pylint: disable=g-import-not-at-top
 
+    named = {"implementation": "mosaic_tpu"} if name == "tokamax_mosaic_tpu" else {}
     out = import_tokamax().ragged_dot(lhs, rhs, group_sizes,
-                                      preferred_element_type=preferred_element_type)
+                                      preferred_element_type=preferred_element_type, **named)
     # Rows past the groups: zeros, as promised (tokamax's Triton kernel skips them).
     return jnp.where((jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None], out, 0)
   if name == "xla":

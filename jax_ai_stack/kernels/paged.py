@@ -63,7 +63,7 @@ from jax_ai_stack.kernels import names, rules
 from jax_ai_stack.kernels.request import Backend, current_backend
 
 __all__ = ["GROUP_FLOATS", "PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention",
-           "pallas_tpu", "tpu_kernel_fits"]
+           "pallas_tpu", "target_device_kind", "tpu_block_sizes", "tpu_kernel_fits"]
 
 GROUP_FLOATS = 32768
 """The xla loop's rows go in groups (halving while each still reads at least this many
@@ -143,6 +143,34 @@ def tpu_kernel_fits(q: jax.Array, k_pages: jax.Array) -> bool:
   return q.shape[-1] % 128 == 0 and not rest and (words in (1, 2, 4, 8) or words % 8 == 0)
 
 
+def target_device_kind() -> str:
+  """The device kind a kernel traced now is compiled for: the abstract mesh's (how a
+  program for a chip this machine lacks names it, as Pallas' own TPU kernels read it),
+  else this machine's first device."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
+def tpu_block_sizes(q_shape, kv_pages_shape, width: int, dtype, device_kind: str
+                    ) -> tuple[int, int]:
+  """(pages, queries) per block of JAX's ragged paged-attention kernel on `device_kind`:
+  its own tuned table's entry, looked up for the chip compiled for (the kernel looks up
+  this machine's first device, which has no entry off a TPU)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
+
+  tokens, heads, head_dim = q_shape
+  page_size, combined = kv_pages_shape[1], kv_pages_shape[2]
+  heads_per_block, combined_per_block = kernel.get_min_heads_per_blk(heads, combined, dtype,
+                                                                     dtype)
+  key = tuned_block_sizes.simplify_key((dtype, dtype, heads_per_block, combined_per_block // 2,
+                                        head_dim, page_size, tokens, width))
+  generation = rules.tpu_generation(Backend("tpu", device_kind)) or 0
+  name = f"TPU v{generation}"
+  pages, queries = (32, 32) if generation == 4 else (128, 32)
+  pages, queries = tuned_block_sizes.TUNED_BLOCK_SIZES.get(name, {}).get(key, (pages, queries))
+  return min(width, pages), min(tokens, queries)
+
+
 def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_soft_cap=None,
                local_window=None, kernel=None):
   """`paged_attention` through JAX's ragged paged-attention kernel for TPUs (`kernel`:
@@ -150,19 +178,24 @@ def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_sof
 
   Each row's queries are its last positions[b, -1] + 1 - T ones (a chunk of a prompt, or
   one token): the kernel's ragged layout, T queries per row. The pages the table names are
-  gathered into the kernel's pool layout and the table renumbered to them.
+  gathered into the kernel's pool layout and the table renumbered to them: a copy of
+  every page the table names, in each call (docs/kernels.md gives its bytes).
   """
-  if kernel is None:
-    if jax.default_backend() != "tpu":
-      raise ValueError(f"paged attention 'pallas_tpu' runs on TPUs only, not "
-                       f"{jax.default_backend()}: JAX {jax.__version__}'s TPU interpret mode "
-                       "cannot run its ragged paged-attention kernel; choose xla")
-    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
-
-    kernel = ragged.ragged_paged_attention
   b, t, n, h = q.shape
   k, page_size = k_pages.shape[0], k_pages.shape[2]
   width = block_table.shape[1]
+  tuning = {}
+  if kernel is None:
+    kind = target_device_kind()
+    if rules.tpu_generation(Backend("tpu", kind)) is None:
+      raise ValueError(f"paged attention 'pallas_tpu' runs on TPUs only, not {kind}: JAX "
+                       f"{jax.__version__}'s TPU interpret mode cannot run its ragged "
+                       "paged-attention kernel; choose xla")
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
+
+    kernel = ragged.ragged_paged_attention
+    tuning = dict(zip(("num_kv_pages_per_block", "num_queries_per_block"), tpu_block_sizes(
+        (b * t, n, h), (b * width, page_size, 2 * k, h), width, k_pages.dtype, kind)))
   pages = block_table.reshape(-1)
   both = jnp.stack([k_pages[:, pages], v_pages[:, pages]], axis=1)  # [K, 2, B * W, P, H]
   kv_pages = jnp.transpose(both, (2, 3, 0, 1, 4)).reshape(b * width, page_size, 2 * k, h)
@@ -170,7 +203,7 @@ def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_sof
                jnp.arange(b * width, dtype=jnp.int32).reshape(b, width),
                jnp.arange(0, (b + 1) * t, t, dtype=jnp.int32), jnp.asarray([b], jnp.int32),
                sm_scale=scale, soft_cap=logits_soft_cap,
-               sliding_window=None if local_window is None else local_window + 1)
+               sliding_window=None if local_window is None else local_window + 1, **tuning)
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 

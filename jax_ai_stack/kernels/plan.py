@@ -1,8 +1,10 @@
 """`AttentionPlan`: which attention kernels may run, as one explicit value.
 
 A plan is an order of implementation names ("auto" = the platform's
-preference), where it came from, requests pinned to one implementation, and
-tokamax kernel configs from an autotune file. It is immutable and hashable, so
+preference), where it came from, requests pinned to one implementation,
+tokamax kernel configs from an autotune file, and the paged attention of the
+generation engine (`paged_attention`: chosen for the plan's backend, as the
+rest, never for the host that traces). It is immutable and hashable, so
 a model can hold it as static structure, `jit` can key on it, and selection is
 cached per (plan, request, backend, probe mode): calling `attention` inside
 `jit`, `grad` or `remat` costs one lookup per trace. Nothing else (no
@@ -28,7 +30,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from jax_ai_stack.kernels import implementations, selection, table
+from jax_ai_stack.kernels import implementations, paged, selection, table
 from jax_ai_stack.kernels import request as request_lib
 from jax_ai_stack.kernels.choice import Choice
 from jax_ai_stack.kernels.request import Backend, Request
@@ -66,12 +68,16 @@ class AttentionPlan:
   """The backend the plan selects for when a call names none: the devices a run is
   compiled for (a TPU slice's compile-only devices, say); None: the current backend.
   Not saved with the plan: a run reopened elsewhere selects for where it is."""
+  paged: str = "auto"
+  """The generation engine's paged attention: "auto" or one of `paged.PAGED_ATTENTIONS`,
+  chosen by `paged_attention` for the plan's backend."""
 
   def __post_init__(self):
     # Normalised here so that equal plans hash equal however they were written.
     order = selection.parse_implementation(self.order, origin=self.source)
     object.__setattr__(self, "order", order)
     object.__setattr__(self, "pins", _check_pins(self.pins, self.source))
+    paged.choose_paged_attention(self.paged, "cpu")  # A ValueError naming the choices.
 
   def select(self, request: Request, *, backend: Backend | None = None,
              probe: bool | None = None) -> Choice:
@@ -113,6 +119,12 @@ class AttentionPlan:
     pins = tuple((r, n) for r, n in self.pins if r != choice.request)
     return dataclasses.replace(self, pins=pins + ((choice.request, choice.name),))
 
+  def paged_attention(self) -> tuple[str, str]:
+    """(implementation, why) of the engine's paged attention on the plan's backend (else
+    the current one): what a model built with this plan decodes with."""
+    backend = self.backend or request_lib.current_backend()
+    return paged.choose_paged_attention(self.paged, backend.platform, backend.device_kind)
+
   def to_dict(self) -> dict:
     """JSON-ready (e.g. for checkpoint metadata); `from_dict` reads it back."""
     return {
@@ -120,6 +132,7 @@ class AttentionPlan:
         "source": self.source,
         "pins": [{"request": r.to_dict(), "implementation": n} for r, n in self.pins],
         "tokamax_configs": self.tokamax_configs,
+        "paged": self.paged,
     }
 
   @classmethod
@@ -138,7 +151,8 @@ class AttentionPlan:
       raise ValueError(
           f"attention plan tokamax_configs must be JSON text, got {type(configs).__name__}"
       )
-    return cls(tuple(data["order"]), str(data["source"]), tuple(pins), configs)
+    return cls(tuple(data["order"]), str(data["source"]), tuple(pins), configs,
+               paged=str(data.get("paged", "auto")))  # Plans saved before it: auto.
 
   def kernel_configs(self) -> contextlib.AbstractContextManager:
     """A context in which tokamax uses this plan's tuned configs (else a no-op).

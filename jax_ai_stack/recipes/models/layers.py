@@ -171,13 +171,18 @@ class Attention(nnx.Module):
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
     return self.o_proj(out), (keys, values)
 
+  def _paged_attention(self) -> str:
+    """The paged attention the plan chooses for its backend (the devices compiled for)."""
+    return self.attention_plan.paged_attention()[0] if self.attention_plan else "auto"
+
   def _decode_pages(self, q, k, v, keys, values, length, block_table):
     """T tokens per row at positions length[i] ... over pools of pages (one per replica:
     `replicated_pages`), then the output projection."""
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
     attend = functools.partial(_write_and_attend, scale=scale,
                                logits_soft_cap=self.logits_soft_cap,
-                               local_window=self.local_window)
+                               local_window=self.local_window,
+                               implementation=self._paged_attention())
     if keys.ndim == 5:
       out, keys, values = replicated_pages(attend, self.attention_sharding, q, k, v, keys,
                                            values, length, block_table)

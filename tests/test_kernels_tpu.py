@@ -1,0 +1,172 @@
+"""Every TPU kernel the selection can pick, compiled ahead of time for a TPU v5e chip at a
+shape a preset uses, with what is chosen, why, and what falls back where the chip's
+compiler refuses a kernel (`kernels.lowering`).
+
+The devices are libtpu's compile-only ones (`jax_ai_stack.topology`): without libtpu these
+tests are skipped with that reason; with JAX_AI_STACK_TEST_TOPOLOGIES=1 (.ci/run's
+topology row) a missing libtpu is an error instead. Which Mosaic kernel a program calls is
+read from its lowered text (`kernel_name`). Each compile takes about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_ai_stack import kernels, topology
+from jax_ai_stack.kernels import lowering, paged
+from jax_ai_stack.recipes import config as config_lib
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+if os.environ.get("JAX_AI_STACK_TEST_TOPOLOGIES") == "1" and not HAS_LIBTPU:
+  raise RuntimeError("JAX_AI_STACK_TEST_TOPOLOGIES=1 but libtpu is missing")
+pytestmark = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
+
+
+@pytest.fixture(scope="module")
+def chip():
+  return topology.load("v5e:2x2").devices[0]
+
+
+def mosaic_kernels(function, args, device) -> set[str]:
+  """The Mosaic kernels `function` calls when lowered for `device` (its `kernel_name`s)."""
+  mesh = jax.sharding.Mesh([device], ("one",))
+  placed = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in args]
+  with (kernels.compiling_for("tpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+    text = jax.jit(function).lower(*args).as_text()
+  return set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', text))
+
+
+def preset_request(name: str, layer: int) -> kernels.Request:
+  """The training step's attention request of `name`'s layer `layer` (batch and length)."""
+  config = config_lib.load(name)
+  model = config.model
+  shape = (config.data.batch_size, config.data.seq_len)
+  return kernels.Request.from_shapes(
+      (*shape, model.num_heads, model.resolved_head_dim),
+      (*shape, model.num_kv_heads, model.resolved_head_dim), "bfloat16", causal=True,
+      segment_ids=True, local_window=model.local_window(layer), scale=model.attention_scale,
+      logits_soft_cap=model.attn_logit_softcap)
+
+
+ATTENTION = [  # preset, layer, what compiles, its Mosaic kernel (none: XLA's ops).
+    ("lm-tiny", 0, "tokamax_mosaic_tpu", "splash_mha_fwd"),  # Causal.
+    ("gemma3-tiny", 0, "pallas_tpu_splash", "splash_mha_fwd"),  # Sliding window.
+    ("gemma3-tiny", 5, "tokamax_mosaic_tpu", "splash_mha_fwd"),  # Its global layer.
+    ("gemma2-tiny", 0, "tokamax_xla", None),  # Window and soft cap.
+    ("gemma2-tiny", 1, "tokamax_xla", None),  # Soft cap.
+]
+
+
+@pytest.mark.parametrize("preset, layer, name, kernel", ATTENTION,
+                         ids=[f"{p}-layer{layer}" for p, layer, *_ in ATTENTION])
+def test_attention_compiles_for_the_chip_forward_and_backward(chip, preset, layer, name,
+                                                              kernel):
+  request = preset_request(preset, layer)
+  lowered = lowering.attention_that_compiles(request, chip)
+  assert (lowered.name, lowered.refused) == (name, ())
+  plan = kernels.AttentionPlan((name,), "a test", backend=kernels.backend_of(chip))
+
+  def loss(q, k, v, ids):
+    out = kernels.attention(q, k, v, segment_ids=ids, local_window=request.local_window,
+                            scale=request.scale, logits_soft_cap=request.logits_soft_cap,
+                            plan=plan)
+    return out.astype(jnp.float32).sum()
+
+  args = lowering._attention_args(request)  # pylint: disable=protected-access
+  called = mosaic_kernels(jax.grad(loss, argnums=(0, 1, 2)), args, chip)
+  if kernel is None:
+    assert not called
+  else:  # The forward kernel and its backward ones.
+    assert any(k.startswith(kernel) for k in called) and len(called) > 1, called
+
+
+def test_what_the_mosaic_attention_lacks_is_said(chip):
+  """Why the gemma presets' layers do not get tokamax's Mosaic kernel."""
+  backend = kernels.backend_of(chip)
+  with kernels.compiling_for("tpu"):
+    window = kernels.AttentionPlan(("auto",), "t", backend=backend).report(
+        preset_request("gemma3-tiny", 0))
+  reasons = {v.name: v.reason for v in window.verdicts}
+  assert "window size are not supported" in reasons["tokamax_mosaic_tpu"]
+
+
+def moe_tiny_shapes(rows: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+  model = config_lib.load("moe-tiny").model
+  return (rows, model.d_model), (model.moe.num_experts, model.d_model, model.expert_mlp_dim)
+
+
+def test_the_grouped_matmul_is_tokamax_s_mosaic_kernel_at_moe_tiny_s_shape(chip):
+  config = config_lib.load("moe-tiny")
+  rows = config.data.batch_size * config.data.seq_len * config.model.moe.num_experts_per_tok
+  lhs, rhs = moe_tiny_shapes(rows)  # 2048 rows of 128 by 8 experts' [128, 192].
+  lowered = lowering.grouped_matmul_that_compiles("auto", chip, lhs, rhs)
+  assert lowered.name == "tokamax_mosaic_tpu" and not lowered.refused
+  assert "tokamax resolves 'mosaic' by the host's device" in lowered.why
+  args = (jax.ShapeDtypeStruct(lhs, jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+          jax.ShapeDtypeStruct(rhs[:1], jnp.int32))
+  called = mosaic_kernels(
+      lambda *a: kernels.grouped_matmul(*a, implementation=lowered.name), args, chip)
+  assert called, "no Mosaic kernel: XLA's ragged_dot ran"
+  # "tokamax" on a TPU is the same kernel, named.
+  assert kernels.choose_grouped_matmul("tokamax", "tpu")[0] == "tokamax_mosaic_tpu"
+
+
+def test_a_decoding_step_s_few_rows_take_xla_s_ragged_dot_and_say_why(chip):
+  lhs, rhs = moe_tiny_shapes(16)  # 8 rows decoding, 2 experts each.
+  lowered = lowering.grouped_matmul_that_compiles("auto", chip, lhs, rhs)
+  assert lowered.name == "xla"
+  assert "takes M, K, N >= 128, not lhs [16, 128]" in lowered.why
+
+
+def test_paged_attention_at_a_tiny_preset_s_head_dim_is_the_xla_loop(chip):
+  model = config_lib.load("lm-tiny").model  # head_dim 32: not the TPU kernel's lanes.
+  lowered = lowering.paged_attention_that_compiles(
+      "auto", chip, (8, 1, model.num_heads, model.resolved_head_dim),
+      (model.num_kv_heads, 65, 16, model.resolved_head_dim), 8)
+  assert lowered.name == "xla" and "does not take head_dim 32" in lowered.why
+
+
+EIGHT_B = dict(heads=32, kv_heads=8, head_dim=128, page_size=16)  # Llama-3-8B's attention.
+
+
+def eight_b_shapes(rows: int, width: int):
+  s = EIGHT_B
+  return ((rows, 1, s["heads"], s["head_dim"]),
+          (s["kv_heads"], rows * width + 1, s["page_size"], s["head_dim"]))
+
+
+def test_paged_attention_is_the_ragged_kernel_at_8b_shapes_and_copies_the_table_s_pages(chip):
+  rows, width = 32, 32  # 32 rows of 512 positions.
+  q, pool = eight_b_shapes(rows, width)
+  lowered = lowering.paged_attention_that_compiles("auto", chip, q, pool, width)
+  assert lowered == lowering.Lowered("pallas_tpu", lowered.why)
+  args = (jax.ShapeDtypeStruct(q, jnp.bfloat16), *[jax.ShapeDtypeStruct(pool, jnp.bfloat16)] * 2,
+          jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows, 1), jnp.int32))
+  run = lambda *a: paged.paged_attention(*a, scale=0.1, implementation="pallas_tpu")
+  assert mosaic_kernels(run, args, chip) == {"ragged_paged_attention_kernel"}
+  # The adapter gathers every page the table names into the kernel's layout, in each layer
+  # at each step: a temporary as large as those pages (docs/kernels.md gives the figures).
+  mesh = jax.sharding.Mesh([chip], ("one",))
+  placed = jax.sharding.SingleDeviceSharding(chip)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(run).lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
+                                    for a in args]).compile()
+  pages = 2 * rows * width * EIGHT_B["page_size"] * EIGHT_B["kv_heads"] * EIGHT_B["head_dim"] * 2
+  assert compiled.memory_analysis().temp_size_in_bytes >= pages  # 64 MiB.
+
+
+@pytest.mark.slow
+def test_paged_attention_the_compiler_refuses_falls_back_to_xla_with_its_reason(chip):
+  rows, width = 32, 128  # 2048 positions a row: a block of 128 pages overflows scoped VMEM.
+  q, pool = eight_b_shapes(rows, width)
+  lowered = lowering.paged_attention_that_compiles("auto", chip, q, pool, width)
+  assert lowered.name == "xla"
+  assert lowered.refused[0].startswith("pallas_tpu: RESOURCE_EXHAUSTED")
+  assert "Vmem" in lowered.refused[0]
