@@ -33,14 +33,18 @@ from jax_ai_stack.kernels import implementations, rules
 TOLERANCE = {"float32": 5e-5, "bfloat16": 4e-2}
 
 
-def reference_attention(q, k, v, *, causal, segment_ids=None, local_window=None, kv_seq_lengths=None):
-  """Softmax(q k^T / sqrt(H) + mask) v, written out in float32; masks as documented."""
+def reference_attention(q, k, v, *, causal, segment_ids=None, local_window=None, kv_seq_lengths=None,
+                        logits_soft_cap=None):
+  """Softmax(q k^T / sqrt(H) + mask) v, written out in float32; masks and soft cap as
+  documented."""
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   _, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") / np.sqrt(head_dim)
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   i = np.arange(q_len)[:, None]
   j = np.arange(kv_len)[None, :]
   allowed = np.ones((1, 1, q_len, kv_len), bool)
@@ -71,6 +75,7 @@ class Case:
   segment_ids: bool = False
   local_window: int | None = None
   kv_seq_lengths: tuple[int, ...] | None = None
+  logits_soft_cap: float | None = None
 
   def inputs(self, dtype):
     kv_len = self.kv_len or self.q_len
@@ -89,7 +94,8 @@ class Case:
 
   def masks(self):
     return dict(causal=self.causal, segment_ids=self.segment_ids,
-                local_window=self.local_window, kv_seq_lengths=self.kv_seq_lengths is not None)
+                local_window=self.local_window, kv_seq_lengths=self.kv_seq_lengths is not None,
+                logits_soft_cap=self.logits_soft_cap)
 
 
 CASES = {
@@ -129,13 +135,14 @@ def check_against_reference(name: str, case: Case, dtype: str = "float32") -> No
   def run(q, k, v):
     return kernels.attention(
         q, k, v, causal=case.causal, segment_ids=segment_ids, local_window=case.local_window,
-        kv_seq_lengths=lengths, implementation=name,
+        kv_seq_lengths=lengths, logits_soft_cap=case.logits_soft_cap, implementation=name,
     )
 
   def reference(q, k, v):
     return reference_attention(
         q, k, v, causal=case.causal, segment_ids=segment_ids,
         local_window=case.local_window, kv_seq_lengths=lengths,
+        logits_soft_cap=case.logits_soft_cap,
     )
 
   def forward_and_grads(f):
@@ -196,6 +203,9 @@ INTERPRETED = [
                                segment_ids=True, kv_seq_lengths=(128, 120))),
     ("pallas_tpu_splash", Case("local_window_bidirectional", batch=1, q_len=128, heads=2,
                                kv_heads=2, causal=False, local_window=5)),
+    # Gemma 2's sliding layers: a window and a soft cap (small, so that it bites).
+    ("pallas_tpu_splash", Case("soft_cap_local_window", batch=1, q_len=128, heads=2,
+                               kv_heads=1, local_window=31, logits_soft_cap=1.5)),
 ]
 
 
@@ -219,10 +229,11 @@ def test_pallas_kernels_refuse_masks_they_lack(name, masks):
 
 
 @pytest.mark.cpu_backend
-def test_tokamax_mosaic_tpu_kernel_in_tpu_interpret_mode(monkeypatch):
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_tokamax_mosaic_tpu_kernel_in_tpu_interpret_mode(monkeypatch, cap):
   """tokamax's TPU kernel, via our adapter, on CPU: tokamax has no interpret
   switch, but its op objects can skip their device check, and Pallas TPU
-  interpret mode then runs the kernel on CPU."""
+  interpret mode then runs the kernel on CPU. With Gemma 2's soft cap too."""
   from jax.experimental.pallas import tpu as pltpu
 
   tokamax_api = importlib.import_module("tokamax._src.ops.attention.api")
@@ -239,11 +250,12 @@ def test_tokamax_mosaic_tpu_kernel_in_tpu_interpret_mode(monkeypatch):
   q, k, v, _, _, cotangent = case.inputs(jnp.float32)
   run = lambda q, k, v: implementations.tokamax_attention(
       q, k, v, causal=True, segment_ids=None, scale=case.head_dim ** -0.5, local_window=None,
-      kv_seq_lengths=None, interpret=True, implementation="mosaic_tpu")
+      kv_seq_lengths=None, interpret=True, implementation="mosaic_tpu", logits_soft_cap=cap)
   with pltpu.force_tpu_interpret_mode():
     out, vjp_fn = jax.vjp(run, q, k, v)
     grads = vjp_fn(cotangent)
-  expected, expected_vjp = jax.vjp(lambda *a: reference_attention(*a, causal=True), q, k, v)
+  expected, expected_vjp = jax.vjp(
+      lambda *a: reference_attention(*a, causal=True, logits_soft_cap=cap), q, k, v)
   for actual, wanted in zip((out, *grads), (expected, *expected_vjp(cotangent))):
     error = np.max(np.abs(actual - wanted)) / max(1.0, np.max(np.abs(wanted)))
     assert error <= TOLERANCE["float32"]

@@ -158,7 +158,8 @@ def pallas_tpu_flash(q, k, v, *, causal, segment_ids, scale, local_window,
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret):
+def _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret,
+                   logits_soft_cap=None):
   """Builds (and caches) a splash kernel: its mask is preprocessed in NumPy.
 
   Built under `ensure_compile_time_eval` so that its mask arrays are concrete
@@ -175,19 +176,19 @@ def _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret):
     head_mask = splash.FullMask(shape)
   mask = splash.MultiHeadMask([head_mask] * num_heads)
   with jax.ensure_compile_time_eval():
-    return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                  attn_logits_soft_cap=logits_soft_cap)
 
 
 def pallas_tpu_splash(q, k, v, *, causal, segment_ids, scale, local_window,
                       kv_seq_lengths, interpret, logits_soft_cap=None):
-  if logits_soft_cap is not None:
-    raise NotImplementedError("pallas_tpu_splash does not support logits_soft_cap")
-  """JAX's Pallas TPU splash attention (GQA and local windows natively)."""
+  """JAX's Pallas TPU splash attention (GQA, local windows and soft caps natively)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
   batch, q_len, num_heads, _ = q.shape
   kv_len = k.shape[1]
-  kernel = _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret)
+  kernel = _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret,
+                          logits_soft_cap)
   ids = _segment_ids_with_lengths(segment_ids, kv_seq_lengths, batch, q_len, kv_len)
   heads_major = lambda x: x.transpose(0, 2, 1, 3)
   q = heads_major((q * scale).astype(q.dtype))  # splash does not scale logits.

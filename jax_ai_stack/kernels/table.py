@@ -52,8 +52,8 @@ class Implementation:
   local_window: bool = True
   kv_seq_lengths: bool = True
   logits_soft_cap: bool = False
-  """Takes `logits_soft_cap` (checked on CPU for the XLA kernels; the GPU and TPU ones
-  stay off until a run there checks them)."""
+  """Takes `logits_soft_cap` (checked on CPU: the XLA kernels natively, the TPU splash
+  kernels in Pallas interpret mode; the GPU ones stay off until a run there checks them)."""
   gqa: str = "native"
   """"native", or "repeat" (K/V heads are repeated to N before the kernel)."""
   nondeterministic: str | None = None
@@ -172,7 +172,7 @@ _IMPLEMENTATIONS = (
     Implementation(
         "tokamax_mosaic_tpu", "tokamax.dot_product_attention(implementation='mosaic_tpu')",
         _tokamax("mosaic_tpu"), platforms=("tpu",), dtypes=("float32", "bfloat16"),
-        extra_check=rules.mosaic_tpu_check, package="tokamax",
+        logits_soft_cap=True, extra_check=rules.mosaic_tpu_check, package="tokamax",
     ),
     Implementation(
         "pallas_gpu", "jax.experimental.pallas.ops.gpu.attention.mha (Triton)",
@@ -189,7 +189,7 @@ _IMPLEMENTATIONS = (
     Implementation(
         "pallas_tpu_splash", "jax.experimental.pallas.ops.tpu.splash_attention",
         pallas.pallas_tpu_splash, platforms=("tpu",), interpret_platforms=("cpu",),
-        dtypes=("float32", "bfloat16"), seq_multiple=128,
+        dtypes=("float32", "bfloat16"), seq_multiple=128, logits_soft_cap=True,
     ),
 )
 
