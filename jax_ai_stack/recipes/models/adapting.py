@@ -10,7 +10,7 @@ Example:
   >>> from jax_ai_stack.recipes.models.cnn_config import CNNConfig
   >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
   >>> [x.shape for x in example_inputs(DecoderConfig.small())]
-  [(1, 8)]
+  [(1, 128)]
   >>> quant_layers("cnn").other, quant_layers("mixtral")
   ('classifier', None)
 """
@@ -72,10 +72,12 @@ def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
   """Zeros of the shapes one call of the model's `method` takes.
 
   What Qwix needs to run a model once (quantization, LoRA adapters); the values
-  do not matter. Raises ConfigError for a model that gives none.
+  do not matter. A decoder's are 128 tokens (or its whole context): a TPU's Mosaic attention
+  takes sequences in blocks of 128, and a run whose plan is that kernel alone must run them.
+  Raises ConfigError for a model that gives none.
   """
   if isinstance(model_config, DecoderConfig):
-    tokens = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
+    tokens = jnp.zeros((1, min(128, model_config.max_seq_len)), jnp.int32)
     if method != "decode":
       return (tokens,)
     c = model_config  # decode also takes a KV cache.
