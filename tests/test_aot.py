@@ -43,6 +43,20 @@ def test_the_roofline_is_the_slower_of_compute_and_memory():
   assert "no cost analysis" in program(flops=None, bytes_accessed=None).describe(CHIP)
 
 
+def test_while_sampling_the_train_state_stays_beside_the_engine():
+  """An RL run's rollout decodes with the run's own parameters (counted once) while the
+  optimizer state stays on the device: the peak is neither program's alone."""
+  train = program(arguments=300, outputs=0, aliased=0, temporaries=500, code=0)
+  engine = program(name="engine rollout decode", arguments=150, outputs=0, aliased=0,
+                   temporaries=40, code=10, shared=100)
+  compiled = aot.Compiled("rl", topology.Topology(topology.parse("v5e:2x2"), (), CHIP), None,
+                          (), ("xla", ""), ("xla", ""), None, (train, engine))
+  assert compiled.sampling == 300 + 150 + 40 + 10 - 100
+  assert compiled.largest is train
+  plain = aot.Compiled("lm", compiled.target, None, (), ("xla", ""), ("xla", ""), None, (train,))
+  assert plain.sampling is None
+
+
 def test_a_run_that_does_not_fit_names_the_program_and_the_largest_batch():
   plan = memory.MemoryPlan(mesh={"data": 4}, rules="fsdp", batch_size=8, batch_ways=4,
                            parameters=2**30, reference=0, optimizer=2 * 2**30, gradients=2**30,
@@ -71,6 +85,12 @@ def dry_run(capsys, *argv: str) -> tuple[int, str, str]:
   code = cli.main(["train", *argv, "--dry-run"])
   out, err = capsys.readouterr()
   return code, out, err
+
+
+def size(pattern: str, out: str) -> float:
+  """The bytes of `pattern`'s group ("412 KiB", "7.45 MiB") in `out`."""
+  number, unit = re.search(pattern, out)[1].split()
+  return float(number) * 2 ** (10 * ["B", "KiB", "MiB", "GiB"].index(unit))
 
 
 def plan_ratio(out: str) -> float:
@@ -110,12 +130,36 @@ def test_experts_over_the_expert_axis_compile_within_the_plan(capsys, tmp_path):
 def test_a_kernel_the_chip_s_compiler_refuses_falls_back_with_its_reason(capsys, tmp_path):
   """lm-tiny-grpo's 64-token rows: the Mosaic kernels' 128-row blocks do not divide them,
   and XLA:TPU refuses tokamax's XLA attention in float32 (its dot algorithm F32_F32_F32):
-  what a TPU would refuse, refused here, and the next kernel of the order compiled."""
-  code, out, _ = dry_run(capsys, "lm-tiny-grpo", "--topology", "v5e:2x2",
-                         "--workdir", str(tmp_path / "run"))
+  what a TPU would refuse, refused here, and the next kernel of the order compiled.
+
+  Its rollouts' engine is compiled too, as each of a v5p:2x2x2's two hosts runs it: a whole
+  copy of the policy on the host's first chip, beside that chip's share of the train state."""
+  code, out, _ = dry_run(capsys, "lm-tiny-grpo", "mesh.data=1", "mesh.fsdp=-1",
+                         "--topology", "v5p:2x2x2", "--workdir", str(tmp_path / "run"))
   assert code == 0
   assert "attention: xla" in out
   assert "refused by the compiler: tokamax_xla: UNIMPLEMENTED: Dot algorithm" in out
+  assert "engine rollout prefill: compiled in" in out
+  engine = size(r"engine rollout decode: .* arguments ([\d.]+ \w+)", out)
+  shard = size(r"parameters +([\d.]+ \w+)", out)  # fsdp over 8 chips.
+  assert engine > 8 * shard, out  # The whole policy, and its page pool.
+  assert size(r"while sampling: ([\d.]+ \w+) per device", out) > engine, out
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [["lm-tiny-dpo"], ["lm-tiny", "quant.qat=w8a8"]],
+                         ids=["dpo-lora", "qat"])
+def test_a_run_s_transforms_compile_for_a_tpu_slice(capsys, tmp_path, recipe):
+  """DPO's LoRA adapters over a frozen reference (the base's weights, read by no one here),
+  and QAT's fake-quantized matmuls: the train step with its transforms, on a v5e slice whose
+  attention is Mosaic's alone (Qwix runs the model once to place them: 128 tokens, a
+  block of that kernel)."""
+  code, out, _ = dry_run(capsys, *recipe, "model.attention_impl=tokamax_mosaic_tpu",
+                         "--topology", "v5e:2x2", "--workdir", str(tmp_path / "run"))
+  assert code == 0, out
+  assert "attention: tokamax_mosaic_tpu" in out
+  assert re.search(r"train step: compiled in [\d.]+ s; per device [\d.]+ MiB", out)
 
 
 @needs_libtpu

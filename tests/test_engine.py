@@ -292,3 +292,20 @@ def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel
   # per replica, padded to 16, 32; 16, 32; 16, 64; 16, 16) take four calls, a slot per
   # replica of one padded length each, and the ninth one.
   assert result["prefill_calls_one_device"] == 9 and result["prefill_calls"] == 5
+
+
+def test_an_engine_of_an_abstract_model_lowers_its_programs_at_their_largest_shapes():
+  """What `recipes.aot` compiles for a chip this machine lacks: nothing allocated, and the
+  decoding program holds every slot's pages (here on this CPU, for the shapes)."""
+  config = DecoderConfig.tiny()
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  engine = Engine(model, max_slots=4, max_len=64, page_size=16, prefill_chunk=32)
+  assert isinstance(jax.tree.leaves(engine._keys)[0], jax.ShapeDtypeStruct)
+  lowered = engine.lower()
+  pages = 4 * 64 // 16 + 1  # Page 0: where idle rows write.
+  pool = 2 * config.num_layers * config.num_kv_heads * pages * 16 * config.resolved_head_dim * 4
+  decode = lowered["decode"].compile().memory_analysis()
+  assert decode.argument_size_in_bytes > pool
+  assert decode.alias_size_in_bytes == pool  # The pools are donated, updated in place.
+  prefill = lowered["prefill"].compile().memory_analysis()
+  assert prefill.alias_size_in_bytes == pool

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -40,6 +41,9 @@ from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import memory, optim, sharding, step, tasks
 
 __all__ = ["Compiled", "Program", "compile_recipe", "dry_run"]
+
+ENGINE = "engine"
+"""The first word of the engine's programs' names."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +61,20 @@ class Program:
   flops: float | None
   """XLA's count per device; None where the backend reports no cost analysis."""
   bytes_accessed: float | None
+  shared: int = 0
+  """Argument bytes the train state already holds (an engine decoding with the run's own
+  parameters): counted once where both are on the device at once."""
 
   @classmethod
-  def of(cls, name: str, compiled: Any, seconds: float) -> Program:
+  def of(cls, name: str, compiled: Any, seconds: float, shared: int = 0) -> Program:
     stats = compiled.memory_analysis()
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, list) else costs  # Older jax: one per program.
     return cls(name, seconds, stats.argument_size_in_bytes, stats.output_size_in_bytes,
                stats.alias_size_in_bytes, stats.temp_size_in_bytes,
                stats.generated_code_size_in_bytes,
-               costs.get("flops") if costs else None, costs.get("bytes accessed") if costs else None)
+               costs.get("flops") if costs else None, costs.get("bytes accessed") if costs else None,
+               shared)
 
   @property
   def total(self) -> int:
@@ -121,6 +129,17 @@ class Compiled:
   def largest(self) -> Program:
     return max(self.programs, key=lambda p: p.total)
 
+  @property
+  def sampling(self) -> int | None:
+    """Per-device bytes while the run samples (RL's rollouts, an evaluation that generates):
+    the train state, which stays on the device, beside the engine's largest program (its
+    page pool, its temporaries); None for a run that does not generate."""
+    engine = [p for p in self.programs if p.name.startswith(ENGINE)]
+    if not engine:
+      return None
+    state = next(p for p in self.programs if p.name == "train step").arguments
+    return state + max(p.total - p.shared for p in engine)
+
   def describe(self) -> str:
     chip = self.target.chip
     lines = [f"recipe {self.recipe} on {self.target.describe()}"]
@@ -134,6 +153,9 @@ class Compiled:
       lines.append("compiled without XLA's deterministic GPU ops (train.deterministic): "
                    "without a GPU, XLA finds no GEMM configuration under them")
     lines += [program.describe(chip) for program in self.programs]
+    if self.sampling is not None:
+      lines.append(f"while sampling: {memory.format_bytes(self.sampling)} per device (the train "
+                   "state beside the engine's pages and temporaries)")
     lines.append(self.plan.describe(chip.hbm_bytes))
     largest = self.largest
     lines.append(f"XLA / memory plan: {largest.total / max(self.plan.total, 1):.2f} "
@@ -145,10 +167,14 @@ class Compiled:
     """A `UsageError` naming the program that does not fit the chip's HBM, and the largest
     batch the plan says does."""
     largest, hbm = self.largest, self.target.chip.hbm_bytes
-    if largest.total > hbm:
+    needs = [(largest.total, f"its {largest.name}")]
+    if self.sampling is not None:
+      needs.append((self.sampling, "its train state beside the engine while sampling"))
+    total, what = max(needs)
+    if total > hbm:
       raise UsageError(
-          f"{self.recipe} does not fit {self.target.name.text}: its {largest.name} needs "
-          f"{memory.format_bytes(largest.total)} per device, the {self.target.chip.device_kind} "
+          f"{self.recipe} does not fit {self.target.name.text}: {what} needs "
+          f"{memory.format_bytes(total)} per device, the {self.target.chip.device_kind} "
           f"has {memory.format_bytes(hbm)}; {_largest_batch(self.plan, self.target.chip)}")
 
 
@@ -193,7 +219,8 @@ def compile_recipe(config: Any, target: topology.Topology, *,
     batch = _batch(task, placement, rows)
     try:
       programs = (_compiled("train step", train_step, state, batch),
-                  _compiled("eval step", eval_step, state, batch))
+                  _compiled("eval step", eval_step, state, batch),
+                  *_engine_programs(task, config, target, placement, create))
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
@@ -205,6 +232,56 @@ def compile_recipe(config: Any, target: topology.Topology, *,
       kernels.choose_grouped_matmul("auto", backend.platform),
       kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
       plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)))
+
+
+def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
+                     placement: sharding.Placement, create) -> tuple[Program, ...]:
+  """The generation engine's prefill and decoding programs, compiled as the run would build
+  its engine on `target`: RL's rollouts (a slot per completion of a process's rows, up to
+  `rollout.MAX_SLOTS`) and an in-training evaluation's generations (`in_training.BATCH_SIZE`
+  slots), each over a pool of the model's whole context per slot. On one host the engine
+  decodes with the run's model, placed on the mesh; on several, each process with a whole
+  copy on its first device (`sharding.on_this_process`)."""
+  from jax_ai_stack.recipes import inference  # pylint: disable=g-import-not-at-top
+
+  processes = len({device.process_index for device in target.devices})
+  if task.rollouts is not None:
+    from jax_ai_stack.recipes.rl import rollout  # pylint: disable=g-import-not-at-top
+    rows = max(size for _, size in config.data.batch_sizes())
+    slots, what = min(rows // processes, rollout.MAX_SLOTS), "rollout"
+  elif config.train.eval_tasks:
+    from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
+    slots, what = in_training.BATCH_SIZE, "evaluation"
+  else:
+    return ()
+  own = []  # Whether the engine decodes with the run's own parameters (not a merged copy).
+
+  def inference_model():
+    model, _ = create()
+    plain = lambda: task.build_model(config.train.seed, None, None)
+    decoding = task.model_transforms().inference_model(model, plain)
+    own.append(decoding is model)
+    return decoding
+
+  graphdef, params = nnx.split(nnx.eval_shape(inference_model))
+  if processes > 1:
+    placed = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(target.devices[0]), params)
+  else:
+    placed = placement.state_shardings(params)
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        params, placed)
+  model = nnx.merge(graphdef, params)
+  if processes > 1:  # As `sharding.on_one_device` makes it.
+    model = sharding.without_mesh(model)
+  shared = _device_bytes(params) if own[0] and processes == 1 else 0
+  return tuple(_compiled(f"{ENGINE} {what} {name}", lowered, shared=shared)
+               for name, lowered in inference.Engine(model, max_slots=slots).lower().items())
+
+
+def _device_bytes(tree: Any) -> int:
+  """The bytes one device holds of `tree`'s placed `ShapeDtypeStruct`s (the largest share)."""
+  return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+             for s in jax.tree.leaves(tree))
 
 
 def _largest_batch(plan: memory.MemoryPlan, chip: topology.Chip) -> str:
@@ -270,11 +347,13 @@ def _batch(task: tasks.Task, placement: sharding.Placement, rows: int) -> dict[s
   return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in spec.items()}
 
 
-def _compiled(name: str, function: Any, *args: Any) -> Program:
+def _compiled(name: str, function: Any, *args: Any, shared: int = 0) -> Program:
+  """`function` lowered at `args` (or already a `Lowered`) and compiled."""
   started = time.perf_counter()
   with _no_persistent_cache():
-    compiled = function.lower(*args).compile()
-  return Program.of(name, compiled, time.perf_counter() - started)
+    lowered = function if isinstance(function, jax.stages.Lowered) else function.lower(*args)
+    compiled = lowered.compile()
+  return Program.of(name, compiled, time.perf_counter() - started, shared)
 
 
 @contextlib.contextmanager

@@ -288,12 +288,17 @@ def on_one_device(model: nnx.Module, device: jax.Device) -> nnx.Module:
     return jax.device_put(x, device)
 
   graphdef, state = nnx.split(model)
-  copy = nnx.merge(graphdef, jax.tree.map(whole, state))
-  for _, module in nnx.iter_modules(copy):
+  return without_mesh(nnx.merge(graphdef, jax.tree.map(whole, state)))
+
+
+def without_mesh(model: nnx.Module) -> nnx.Module:
+  """`model` with each module's `Layout` and `AttentionSharding` attributes None (in place):
+  its programs then lay nothing out on a mesh."""
+  for _, module in nnx.iter_modules(model):
     for name, value in list(vars(module).items()):
       if isinstance(value, (Layout, AttentionSharding)):
         setattr(module, name, None)
-  return copy
+  return model
 
 
 def on_this_process(model: nnx.Module) -> nnx.Module:

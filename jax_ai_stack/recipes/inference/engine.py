@@ -132,8 +132,14 @@ class Engine:
                                           steps_per_call)
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
     # there.
-    self._keys, self._values = model.init_pages(self.replica_pages + 1, page_size,
-                                                self.replicas)
+    pools = lambda: model.init_pages(self.replica_pages + 1, page_size, self.replicas)
+    if any(isinstance(p, jax.ShapeDtypeStruct) for p in self._params):  # For `lower` only.
+      placed = model.page_sharding(self.replicas)
+      self._keys, self._values = jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
+          jax.eval_shape(pools))
+    else:
+      self._keys, self._values = pools()
     self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)  # Replicas' numbers.
     # pop() hands out page 1 first.
     self._free = [list(range(self.replica_pages, 0, -1)) for _ in range(self.replicas)]
@@ -142,6 +148,24 @@ class Engine:
     self._slots: list[_Slot | None] = [None] * max_slots
     self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
     self._added = 0
+
+  def lower(self) -> dict[str, jax.stages.Lowered]:
+    """The two programs at their largest shapes, lowered: a prefill of a whole
+    `prefill_chunk` in every replica's row and a decoding call of every slot, each over a
+    slot's whole block table. An engine of an abstract model (its parameters
+    `jax.ShapeDtypeStruct`s placed on a chip's devices) lowers them for that chip:
+    `recipes.aot` compiles a run's engine for chips this machine does not have."""
+    spec = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype)
+    rows, replicas = (self.max_slots,), (self.replicas,)
+    table = lambda n: spec((n, self.pages_per_slot))
+    chunk = padded_length(min(self.prefill_chunk, self.max_len), self.prefill_chunk)
+    prefill = self._prefill.lower(self._params, self._keys, self._values,
+                                  spec((self.replicas, chunk)), spec(replicas),
+                                  table(self.replicas), spec(replicas))
+    decode = self._steps.lower(self._params, self._keys, self._values, spec(rows), spec(rows),
+                               table(self.max_slots), spec(rows, np.uint32), spec(rows),
+                               spec(rows, np.float32), spec(rows), spec(rows, np.float32))
+    return {"prefill": prefill, "decode": decode}
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
     """A completion for each request, in the requests' order."""

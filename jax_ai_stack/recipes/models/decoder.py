@@ -263,20 +263,27 @@ class Decoder(nnx.Module):
   def init_pages(self, pages: int, page_size: int, replicas: int = 1):
     """Empty pools of pages for a paged `KVCache`: (keys, values), each with `pages` pages
     of `page_size` positions per replica. One replica: [K, pages, page_size, H] per layer;
-    more: [K, replicas, pages, ...], placed on the mesh with replica r's pool where
-    `page_replicas`' group r of rows lives (and the heads split as the attention's)."""
+    more: [K, replicas, pages, ...], placed on the mesh by `page_sharding`."""
     c = self.config
     shape = ((c.num_kv_heads, pages, page_size, c.resolved_head_dim) if replicas == 1 else
              (c.num_kv_heads, replicas, pages, page_size, c.resolved_head_dim))
     shape = (c.num_layers, *shape) if c.scan_layers else shape
     zeros = lambda: jnp.zeros(shape, jnp.dtype(c.dtype))
-    if replicas > 1 and self.layout is not None:  # Made in place, each device its part.
-      sharding = self.layout.attention()
-      heads = sharding.heads if c.num_kv_heads % sharding.size(sharding.heads) == 0 else ()
-      spec = (None,) * c.scan_layers + (heads or None, sharding.batch)
-      zeros = jax.jit(zeros, out_shardings=NamedSharding(sharding.mesh, P(*spec)))
+    if (placed := self.page_sharding(replicas)) is not None:  # Each device makes its part.
+      zeros = jax.jit(zeros, out_shardings=placed)
     layers = lambda: zeros() if c.scan_layers else tuple(zeros() for _ in range(c.num_layers))
     return layers(), layers()  # Buffers of their own: a step may donate both.
+
+  def page_sharding(self, replicas: int) -> NamedSharding | None:
+    """Where `init_pages`' pools of `replicas` replicas live: replica r's pool where
+    `page_replicas`' group r of rows lives, the heads split as the attention's; None for
+    one replica (the default placement)."""
+    if replicas == 1 or self.layout is None:
+      return None
+    c, sharding = self.config, self.layout.attention()
+    heads = sharding.heads if c.num_kv_heads % sharding.size(sharding.heads) == 0 else ()
+    spec = (None,) * c.scan_layers + (heads or None, sharding.batch)
+    return NamedSharding(sharding.mesh, P(*spec))
 
   def decode(self, tokens: jax.Array, cache: KVCache,
              logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
