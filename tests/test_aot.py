@@ -81,6 +81,23 @@ def test_topology_needs_dry_run_and_a_known_chip(capsys, tmp_path):
   assert not workdir.exists()
 
 
+@needs_libtpu
+@pytest.mark.parametrize("override, message", [
+    ("mesh.data=3", "mesh.data=3 x mesh.fsdp=1 x mesh.expert=1 x mesh.tensor=1 = 3 devices, "
+                    "but there are 4"),
+    ("model.attention_impl=cudnn", "(order from model.attention_impl): cudnn: runs on gpu, not "
+                                   "tpu"),
+])
+def test_a_mesh_or_a_kernel_the_slice_cannot_take_is_one_line(capsys, tmp_path, override,
+                                                               message):
+  workdir = tmp_path / "run"
+  code, out, err = dry_run(capsys, "lm-tiny", override, "--topology", "v5e:2x2",
+                           "--workdir", str(workdir))
+  assert code == 2 and not out and message in err
+  assert len([line for line in err.splitlines() if "error" in line]) == 1
+  assert not workdir.exists()
+
+
 def dry_run(capsys, *argv: str) -> tuple[int, str, str]:
   code = cli.main(["train", *argv, "--dry-run"])
   out, err = capsys.readouterr()
