@@ -5,17 +5,22 @@ compiler refuses a kernel (`kernels.lowering`).
 The devices are libtpu's compile-only ones (`jax_ai_stack.topology`): without libtpu these
 tests are skipped with that reason; with JAX_AI_STACK_TEST_TOPOLOGIES=1 (.ci/run's
 topology row) a missing libtpu is an error instead. Which Mosaic kernel a program calls is
-read from its lowered text (`kernel_name`). Each compile takes about a second.
+read from its lowered text (`kernel_name`). Each compile takes about a second. What a
+kernel computes is checked on CPU in Pallas interpret mode (here the grouped matmul; the
+attention kernels in test_kernels_attention.py), which needs no libtpu.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_ai_stack import kernels, topology
@@ -25,11 +30,13 @@ from jax_ai_stack.recipes import config as config_lib
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 if os.environ.get("JAX_AI_STACK_TEST_TOPOLOGIES") == "1" and not HAS_LIBTPU:
   raise RuntimeError("JAX_AI_STACK_TEST_TOPOLOGIES=1 but libtpu is missing")
-pytestmark = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
 
 
 @pytest.fixture(scope="module")
 def chip():
+  if not HAS_LIBTPU:
+    pytest.skip("libtpu is not installed")
   return topology.load("v5e:2x2").devices[0]
 
 
@@ -114,6 +121,38 @@ def test_the_grouped_matmul_is_tokamax_s_mosaic_kernel_at_moe_tiny_s_shape(chip)
   assert called, "no Mosaic kernel: XLA's ragged_dot ran"
   # "tokamax" on a TPU is the same kernel, named.
   assert kernels.choose_grouped_matmul("tokamax", "tpu")[0] == "tokamax_mosaic_tpu"
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_backend
+def test_the_mosaic_grouped_matmul_equals_the_dense_reference_in_interpret_mode(chip,
+                                                                              monkeypatch):
+  """tokamax's Mosaic TPU ragged_dot through our adapter, interpreted on this CPU (its op
+  has an interpret switch), forward and gradients, against every expert on every row. Its
+  tiles are the v5e's (an abstract mesh of the chip names it; the arrays stay here)."""
+  from jax_ai_stack.kernels import implementations
+
+  api = importlib.import_module("tokamax._src.ops.ragged_dot.api")
+  implementations.import_tokamax()
+  interpreted = dataclasses.replace(api.IMPLEMENTATIONS["mosaic_tpu"], interpret=True,
+                                    vjp=None)  # Its backward then interprets too.
+  monkeypatch.setattr(api, "IMPLEMENTATIONS", {**api.IMPLEMENTATIONS, "mosaic_tpu": interpreted})
+  keys = jax.random.split(jax.random.key(0), 2)
+  lhs = jax.random.normal(keys[0], (256, 128), jnp.float32)
+  rhs = jax.random.normal(keys[1], (4, 128, 128), jnp.float32)
+  sizes = jnp.asarray([100, 0, 60, 64], jnp.int32)  # An empty expert; 32 rows past them.
+
+  def value_and_grads(name):
+    f = lambda l, r: (kernels.grouped_matmul(l, r, sizes, implementation=name) ** 2).sum()
+    return kernels.grouped_matmul(lhs, rhs, sizes, implementation=name), jax.grad(
+        f, argnums=(0, 1))(lhs, rhs)
+
+  mesh = jax.sharding.Mesh([chip], ("one",))
+  with kernels.compiling_for("tpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    mosaic = value_and_grads("tokamax_mosaic_tpu")  # compiling_for: its device check off.
+  for actual, wanted in zip(jax.tree.leaves(mosaic), jax.tree.leaves(value_and_grads("dense"))):
+    scale = max(1.0, float(jnp.abs(wanted).max()))
+    np.testing.assert_allclose(actual / scale, wanted / scale, atol=2e-5)
 
 
 def test_a_decoding_step_s_few_rows_take_xla_s_ragged_dot_and_say_why(chip):

@@ -110,10 +110,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     from jax_ai_stack.kernels.implementations import import_tokamax  # pylint: disable=g-import-not-at-top
 
     named = {"implementation": "mosaic_tpu"} if name == "tokamax_mosaic_tpu" else {}
-    out = import_tokamax().ragged_dot(lhs, rhs, group_sizes,
+    grouped = (jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None]
+    # Rows past the groups: zeros, as promised, and zero gradients. The kernels skip those
+    # rows forward and backward (tokamax's Mosaic TPU kernel leaves its lhs gradient
+    # there unwritten: NaN in interpret mode), and a `where` on the way in selects zeros
+    # for them on the way back.
+    out = import_tokamax().ragged_dot(jnp.where(grouped, lhs, 0), rhs, group_sizes,
                                       preferred_element_type=preferred_element_type, **named)
-    # Rows past the groups: zeros, as promised (tokamax's Triton kernel skips them).
-    return jnp.where((jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None], out, 0)
+    return jnp.where(grouped, out, 0)
   if name == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes,
                               preferred_element_type=preferred_element_type)
