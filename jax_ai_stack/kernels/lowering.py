@@ -9,11 +9,13 @@ it has, say, which no rule of ours states. A device may be a compile-only one
 trains) at the call's shapes, as `train --dry-run --topology` compiles the attention
 kernel of its step, so what a run would fall back to on the chip is known without one.
 
-Example: (needs libtpu; tests/test_kernels_tpu.py runs it)
+Example: (the compiles need libtpu; tests/test_kernels_tpu.py runs them)
   >>> from jax_ai_stack import topology
   >>> chip = topology.load("v5e:2x2").devices[0]  # doctest: +SKIP
   >>> grouped_matmul_that_compiles("auto", chip, (16, 128), (8, 128, 192))  # doctest: +SKIP
   Lowered(name='xla', why="auto on tpu: ...; its Mosaic TPU kernel takes M, K, N >= 128, ...
+  >>> Lowered("xla", "the only one").refused  # Nothing refused before it.
+  ()
 """
 
 from __future__ import annotations

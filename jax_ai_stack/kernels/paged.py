@@ -20,7 +20,9 @@ reading early. A row's bits depend on the group size (the batched matmuls' shape
 which the row count and page shape fix, never on which rows share its group.
 
 Implementations ("auto": pallas_gpu on GPU, pallas_tpu on TPU, else xla), as
-`choose_paged_attention` says (what `jax-ai-stack kernels` reports):
+`choose_paged_attention` says (what `jax-ai-stack kernels` reports). A model does not
+choose at trace time: its `AttentionPlan.paged_attention()` chooses for the plan's backend
+(the devices the run is compiled for), and the model passes that name here:
 
   pallas_gpu  JAX's Pallas paged-attention kernel for GPUs
               (`jax.experimental.pallas.ops.gpu.paged_attention`; interpret mode elsewhere),
@@ -38,7 +40,10 @@ Implementations ("auto": pallas_gpu on GPU, pallas_tpu on TPU, else xla), as
 The pools' layout is the GPU kernel's: [kv_heads, pages, page_size, head_dim]. The TPU
 kernel reads one pool, [pages, page_size, 2 * kv_heads, head_dim] with each head's keys
 and values side by side: its adapter gathers the pages the table names into that layout
-(what the kernel reads anyway, not the whole pool) and renumbers the table.
+(what the kernel reads anyway, not the whole pool) and renumbers the table. That copy costs
+a temporary as large as those pages and about 11x their bytes of HBM traffic in every layer
+at every step (docs/kernels.md measures it for a v5e); the kernel's block sizes are its own
+table's for the chip compiled for (`tpu_block_sizes`).
 
 Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pages 1, 2).
   >>> import jax.numpy as jnp
