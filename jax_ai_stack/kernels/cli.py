@@ -30,6 +30,7 @@ Example: what would run on a TPU (simulated here) for a small shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -172,7 +173,6 @@ def _autotune(request, workdir: str) -> int:
 def run_kernels(args: argparse.Namespace) -> int:
   from jax_ai_stack.kernels import request as request_lib
   from jax_ai_stack.kernels.experts import choose_grouped_matmul
-  from jax_ai_stack.kernels.paged import choose_paged_attention
   from jax_ai_stack.kernels.resolve import resolve_plan
 
   shapes = parse_shape(args.shape or default_recipe_shape(), args.kv_len)
@@ -187,9 +187,9 @@ def run_kernels(args: argparse.Namespace) -> int:
   print(json.dumps(choice.to_dict(), indent=2) if args.json else choice.report())
   if not args.json:  # Mixture-of-experts layers' other kernel (`experts`).
     target = backend or request_lib.current_backend()
-    name, why = choose_grouped_matmul("auto", target.platform)
+    name, why = choose_grouped_matmul("auto", target.platform, target.device_kind)
     print(f"grouped matmul (MoE experts): {name} ({why}); a recipe sets model.moe.grouped_matmul")
-    name, why = choose_paged_attention("auto", target.platform, target.device_kind)
+    name, why = dataclasses.replace(plan, backend=target).paged_attention()  # The model's.
     print(f"paged attention (the generation engine's decoding): {name} ({why})")
   if choice.name is None:
     print("error: no attention implementation fits; see the table above", file=sys.stderr)

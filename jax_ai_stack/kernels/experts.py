@@ -77,6 +77,8 @@ def choose_grouped_matmul(requested: str = "auto", platform: str | None = None,
                        "every group on every row: benchmarks/moe.py)")
   elif importlib.util.find_spec("tokamax") is None:
     return "xla", f"auto on {platform}: tokamax is not installed; {_WHY['xla']}"
+  elif platform == "tpu":
+    name, why = "tokamax_mosaic_tpu", f"auto on tpu: {_WHY['tokamax_mosaic_tpu']}"
   else:
     name, why = "tokamax", f"auto on {platform}: {_WHY['tokamax']}"
   if name == "tokamax" and platform == "tpu":
