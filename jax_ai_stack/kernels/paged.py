@@ -195,7 +195,9 @@ def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_sof
     if rules.tpu_generation(Backend("tpu", kind)) is None:
       raise ValueError(f"paged attention 'pallas_tpu' runs on TPUs only, not {kind}: JAX "
                        f"{jax.__version__}'s TPU interpret mode cannot run its ragged "
-                       "paged-attention kernel; choose xla")
+                       "paged-attention kernel; choose xla (or, compiling for a TPU from "
+                       "this machine, trace inside `jax.sharding.use_abstract_mesh` of the "
+                       "TPU devices' mesh, whose chip Pallas compiles for)")
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
 
     kernel = ragged.ragged_paged_attention
