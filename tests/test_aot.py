@@ -180,6 +180,27 @@ def test_a_run_s_transforms_compile_for_a_tpu_slice(capsys, tmp_path, recipe):
 
 
 @needs_libtpu
+def test_a_run_that_evaluates_on_tasks_compiles_the_engine_its_harness_generates_with():
+  from jax_ai_stack.recipes import config
+  from jax_ai_stack.recipes.evaluation import in_training
+
+  run = config.load("lm-tiny", overrides=["model.num_layers=1", "train.eval_every=10",
+                                          "train.eval_tasks=[hellaswag]"])
+  compiled = aot.compile_recipe(run, topology.load("v5e:2x2"), environ={})
+  names = [p.name for p in compiled.programs]
+  assert names == ["train step", "eval step", "engine evaluation prefill",
+                   "engine evaluation decode"]
+  assert compiled.sampling > compiled.programs[0].arguments
+  decode = compiled.programs[-1]
+  c = run.model  # Every slot's whole context in pages (and page 0), split over 4 replicas.
+  pool = 2 * c.num_layers * c.num_kv_heads * (in_training.BATCH_SIZE * c.max_seq_len + 4 * 64) * (
+      c.resolved_head_dim * 4) // 4
+  # Donated, and split: XLA:TPU's tiles pad the pages' 32-wide heads (here 2x); one pool on
+  # every chip would be 4x.
+  assert pool <= decode.aliased < 4 * pool
+
+
+@needs_libtpu
 @pytest.mark.slow
 def test_a_batch_that_does_not_fit_is_one_line_with_the_largest_that_does(capsys, tmp_path):
   code, out, err = dry_run(capsys, "lm-tiny", "data.batch_size=65536", "model.attention_impl=xla",
@@ -198,6 +219,9 @@ def test_lm_tiny_compiles_for_an_h100_host_within_the_plan(capsys, tmp_path):
   XLA's deterministic ops, which deviceless GPU compiles cannot autotune."""
   code, out, _ = dry_run(capsys, "lm-tiny", "--topology", "h100:8",
                          "--workdir", str(tmp_path / "run"))
+  one, alone, _ = dry_run(capsys, "lm-tiny", "--topology", "h100:1",  # No mesh but the target's.
+                          "--workdir", str(tmp_path / "run"))
+  assert one == 0 and "attention: tokamax_triton" in alone
   assert code == 0
   assert "recipe lm-tiny on h100:8: 8 x NVIDIA H100 80GB HBM3 (compile-only" in out
   assert "attention: tokamax_triton" in out

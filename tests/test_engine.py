@@ -301,11 +301,10 @@ def test_an_engine_of_an_abstract_model_lowers_its_programs_at_their_largest_sha
   model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   engine = Engine(model, max_slots=4, max_len=64, page_size=16, prefill_chunk=32)
   assert isinstance(jax.tree.leaves(engine._keys)[0], jax.ShapeDtypeStruct)
-  lowered = engine.lower()
   pages = 4 * 64 // 16 + 1  # Page 0: where idle rows write.
   pool = 2 * config.num_layers * config.num_kv_heads * pages * 16 * config.resolved_head_dim * 4
-  decode = lowered["decode"].compile().memory_analysis()
+  decode = engine.lower("decode").compile().memory_analysis()
   assert decode.argument_size_in_bytes > pool
   assert decode.alias_size_in_bytes == pool  # The pools are donated, updated in place.
-  prefill = lowered["prefill"].compile().memory_analysis()
+  prefill = engine.lower("prefill").compile().memory_analysis()
   assert prefill.alias_size_in_bytes == pool

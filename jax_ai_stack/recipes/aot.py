@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -218,8 +218,8 @@ def compile_recipe(config: Any, target: topology.Topology, *,
     rows = max(size for _, size in config.data.batch_sizes())
     batch = _batch(task, placement, rows)
     try:
-      programs = (_compiled("train step", train_step, state, batch),
-                  _compiled("eval step", eval_step, state, batch),
+      programs = (_compiled("train step", mesh, lambda: train_step.lower(state, batch)),
+                  _compiled("eval step", mesh, lambda: eval_step.lower(state, batch)),
                   *_engine_programs(task, config, target, placement, create))
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
@@ -274,8 +274,11 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
   if processes > 1:  # As `sharding.on_one_device` makes it.
     model = sharding.without_mesh(model)
   shared = _device_bytes(params) if own[0] and processes == 1 else 0
-  return tuple(_compiled(f"{ENGINE} {what} {name}", lowered, shared=shared)
-               for name, lowered in inference.Engine(model, max_slots=slots).lower().items())
+  engine = inference.Engine(model, max_slots=slots)
+  where = jax.sharding.Mesh(target.devices[:1], ("one",)) if processes > 1 else placement.mesh
+  return tuple(_compiled(f"{ENGINE} {what} {name}", where,
+                         lambda name=name: engine.lower(name), shared=shared)
+               for name in ("prefill", "decode"))
 
 
 def _device_bytes(tree: Any) -> int:
@@ -347,12 +350,13 @@ def _batch(task: tasks.Task, placement: sharding.Placement, rows: int) -> dict[s
   return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in spec.items()}
 
 
-def _compiled(name: str, function: Any, *args: Any, shared: int = 0) -> Program:
-  """`function` lowered at `args` (or already a `Lowered`) and compiled."""
+def _compiled(name: str, mesh: jax.sharding.Mesh, lower: Callable[[], Any], *,
+              shared: int = 0) -> Program:
+  """What `lower()` lowers, compiled, the target's `mesh` the abstract mesh meanwhile: a
+  Pallas GPU kernel asks it which GPU to lower for (no layout sets one on one device)."""
   started = time.perf_counter()
-  with _no_persistent_cache():
-    lowered = function if isinstance(function, jax.stages.Lowered) else function.lower(*args)
-    compiled = lowered.compile()
+  with _no_persistent_cache(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = lower().compile()
   return Program.of(name, compiled, time.perf_counter() - started, shared)
 
 

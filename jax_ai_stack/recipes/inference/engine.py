@@ -149,23 +149,25 @@ class Engine:
     self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
     self._added = 0
 
-  def lower(self) -> dict[str, jax.stages.Lowered]:
-    """The two programs at their largest shapes, lowered: a prefill of a whole
-    `prefill_chunk` in every replica's row and a decoding call of every slot, each over a
-    slot's whole block table. An engine of an abstract model (its parameters
-    `jax.ShapeDtypeStruct`s placed on a chip's devices) lowers them for that chip:
-    `recipes.aot` compiles a run's engine for chips this machine does not have."""
+  def lower(self, program: str) -> jax.stages.Lowered:
+    """`program` ("prefill" or "decode") at its largest shapes, lowered: a prefill of a whole
+    `prefill_chunk` in every replica's row, or a decoding call of every slot, over a slot's
+    whole block table. An engine of an abstract model (its parameters `jax.ShapeDtypeStruct`s
+    placed on a chip's devices) lowers them for that chip: `recipes.aot` compiles a run's
+    engine for chips this machine does not have."""
     spec = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype)
-    rows, replicas = (self.max_slots,), (self.replicas,)
-    table = lambda n: spec((n, self.pages_per_slot))
-    chunk = padded_length(min(self.prefill_chunk, self.max_len), self.prefill_chunk)
-    prefill = self._prefill.lower(self._params, self._keys, self._values,
-                                  spec((self.replicas, chunk)), spec(replicas),
-                                  table(self.replicas), spec(replicas))
-    decode = self._steps.lower(self._params, self._keys, self._values, spec(rows), spec(rows),
-                               table(self.max_slots), spec(rows, np.uint32), spec(rows),
-                               spec(rows, np.float32), spec(rows), spec(rows, np.float32))
-    return {"prefill": prefill, "decode": decode}
+    state = (self._params, self._keys, self._values)
+    if program == "prefill":
+      replicas = (self.replicas,)
+      chunk = padded_length(min(self.prefill_chunk, self.max_len), self.prefill_chunk)
+      return self._prefill.lower(*state, spec((self.replicas, chunk)), spec(replicas),
+                                 spec((self.replicas, self.pages_per_slot)), spec(replicas))
+    if program != "decode":
+      raise ValueError(f"program={program!r}: the engine's are 'prefill' and 'decode'")
+    rows = (self.max_slots,)
+    return self._steps.lower(*state, spec(rows), spec(rows), spec((*rows, self.pages_per_slot)),
+                             spec(rows, np.uint32), spec(rows), spec(rows, np.float32),
+                             spec(rows), spec(rows, np.float32))
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
     """A completion for each request, in the requests' order."""
