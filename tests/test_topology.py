@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -51,21 +52,21 @@ def test_a_bad_name_is_one_line_naming_the_known_ones(text, message):
     topology.parse(text)
 
 
-@pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed: the message is for its absence")
-def test_without_libtpu_the_error_says_how_to_install_it():
-  pin = compat.find_row(compat.load_matrix(), accelerator="tpu").packages["libtpu"]
-  with pytest.raises(UsageError, match=f'needs libtpu, which is not installed: pip install '
-                                       f'"libtpu=={pin}"'):
-    topology.load("v5e:2x2")
-
-
-@pytest.mark.skipif(HAS_CUDA_PLUGIN, reason="the CUDA plugin is installed: the message is for "
-                    "its absence")
-def test_without_the_cuda_plugin_the_error_says_how_to_install_it():
-  pin = compat.find_row(compat.load_matrix(), accelerator="cuda12").packages["jax-cuda12-pjrt"]
-  with pytest.raises(UsageError, match=f'needs jax-cuda12-pjrt, which is not installed: pip '
-                                       f'install "jax-cuda12-pjrt=={pin}"'):
-    topology.load("h100:8")
+@pytest.mark.parametrize("name, package, accelerator", [
+    ("v5e:2x2", "libtpu", "tpu"), ("h100:8", "jax-cuda12-pjrt", "cuda12")])
+def test_a_missing_or_other_version_package_says_the_pip_command(monkeypatch, name, package,
+                                                                  accelerator):
+  row = compat.find_row(compat.load_matrix(), accelerator=accelerator)
+  install = f'pip install "{package}=={row.packages[package]}"'
+  installed = {}
+  monkeypatch.setattr(compat, "installed_version", installed.get)
+  with pytest.raises(UsageError, match=f"needs {package}, which is not installed: "
+                                       f"{re.escape(install)}"):
+    topology.load(name)
+  installed[package] = "0.0.1"
+  with pytest.raises(UsageError, match=f"{package} 0.0.1 is installed, row {row.name} pins "
+                                       f"{re.escape(row.packages[package])}: {re.escape(install)}"):
+    topology.load(name)
 
 
 def test_the_kernels_command_names_a_bad_topology(capsys):
