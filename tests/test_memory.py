@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -148,3 +150,66 @@ def test_the_worked_example_in_docs_scaling_is_what_the_function_prints(capsys):
   assert len(printed) == 3
   for line in printed:
     assert line in text, f"docs/scaling.md lacks the row {line!r}: re-run its snippet"
+
+
+def test_the_head_keeps_one_chunk_of_logits_however_long_the_row():
+  """The head makes its float32 logits (and their gradient) `LOGPS_CHUNK_TOKENS` positions
+  at a time: past one chunk, a row's bytes grow with the blocks' tokens, not the vocabulary."""
+  from jax_ai_stack.recipes.models import activation_memory, head
+  from jax_ai_stack.recipes.models.configs import DecoderConfig
+
+  model = DecoderConfig(vocab_size=262144, max_seq_len=8192)
+  chunk = head.LOGPS_CHUNK_TOKENS
+  at = lambda t: activation_memory.activation_bytes(model, t, {}, "cudnn")  # noqa: E731
+  logits = chunk * 8 * 262144
+  assert at(4 * chunk) - 2 * at(2 * chunk) == -logits  # One chunk's logits, not two.
+  assert at(chunk) == 2 * at(chunk // 2)  # Within a chunk: every position's.
+
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None
+    and os.environ.get("JAX_AI_STACK_TEST_TOPOLOGIES") != "1",  # CI's row: run, and fail.
+    reason="libtpu is not installed")
+
+
+def test_an_unknown_topology_is_a_usage_error():
+  with pytest.raises(UsageError, match="unknown chip 'v9'"):
+    memory.estimate_memory(tiny(), "v9:2")
+
+
+@needs_libtpu
+def test_a_topology_plans_on_its_devices_for_its_chip():
+  """A TPU slice's name: the mesh over its devices, the kernel its chip would run (a flash
+  kernel, not the XLA attention this CPU runs), and its HBM for the largest batch."""
+  from jax_ai_stack import topology
+
+  target = topology.load("v5e:2x2")
+  plan = memory.estimate_memory(tiny(), "v5e:2x2")
+  assert plan.mesh == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1}
+  assert plan.device_memory == target.chip.hbm_bytes > 2**30
+  assert plan == memory.estimate_memory(tiny(), target)
+  on_cpu = memory.estimate_memory(tiny(), 4, attention="xla")
+  assert plan.fixed == on_cpu.fixed and plan.activations < on_cpu.activations
+  assert "xla" not in plan.activations_from and "(flash)" in plan.activations_from
+  assert f"device memory {memory.format_bytes(target.chip.hbm_bytes)}: this batch fits" in (
+      plan.describe())
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_mixture_of_experts_is_measured_on_the_topology_s_chip():
+  """moe-tiny's activations are measured: compiled for the TPU, not on this host's CPU
+  (whose experts run `blocked`, rows padded to blocks)."""
+  plan = memory.estimate_memory(config.load("moe-tiny", overrides=["mesh.expert=2"]), "v5e:2x2")
+  assert plan.activations_from == "measured: XLA temp bytes of the step on TPU v5 lite"
+  assert plan.activations > 0
+
+
+def test_the_compiled_code_is_a_line_of_the_plan_once_known():
+  plan = memory.estimate_memory(tiny(), 1, attention="xla")
+  assert plan.code == 0 and "  code " not in plan.describe(2**30)
+  compiled = dataclasses.replace(plan, code=100 * 2**20)  # Some rows' activations.
+  assert compiled.total == plan.total + 100 * 2**20
+  assert compiled.fixed == plan.fixed + 100 * 2**20
+  assert "  code             100 MiB  (XLA's, of the compiled step)" in compiled.describe(2**30)
+  assert compiled.max_batch_size(2**30) < plan.max_batch_size(2**30)

@@ -2,8 +2,10 @@
 
 `estimate_memory(config, devices)` answers "does it fit, and how large a batch
 fits?" from the config alone, for any number of devices (an int is a mesh of
-that many simulated devices: a `jax.sharding.AbstractMesh`, no hardware). Per
-device it counts:
+that many simulated devices: a `jax.sharding.AbstractMesh`, no hardware), or for
+a TPU slice or GPU host this machine does not have (a `topology.Topology` or its
+name, `"v5e:2x2"`: its compile-only devices, the kernels its chip would run, and
+its HBM for the largest batch). Per device it counts:
 
 * parameters and optimizer state: exact. The model and optimizer are built
   abstractly (`nnx.eval_shape`, nothing allocated), the mesh rules give each
@@ -22,8 +24,11 @@ device it counts:
 * activations: an estimate of what the forward pass keeps for the backward
   pass. Where the Task knows it, analytic (`Task.activation_bytes`; the llama
   family's is `models.decoder.activation_bytes`); for other families, measured: XLA's temporary bytes of the train step
-  compiled for one device's rows on the local backend, less the gradients
-  (`compiled.memory_analysis()`; the pinned jax reports them on CPU too).
+  compiled for one device's rows on the local backend (a topology's: on its
+  chip, with its kernels), less the gradients (`compiled.memory_analysis()`;
+  the pinned jax reports them on CPU too).
+* code: the compiled step's, where it has been compiled for the chip
+  (`aot.compile_recipe`, whose XLA reports it); 0 before.
 
 What is not counted: the input batch, XLA's working space for the optimizer
 update and collectives, fragmentation. Leave headroom: the largest batch is an
@@ -54,7 +59,7 @@ import pydantic
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from jax_ai_stack import kernels
+from jax_ai_stack import kernels, topology
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import optim, sharding, step, tasks
 from jax_ai_stack.recipes.transforms import Frozen
@@ -92,6 +97,11 @@ class MemoryPlan:
   """Activation bytes per row of this device's share of the batch."""
   activations_from: str
   """How the activations were obtained (analytic or measured, and with what)."""
+  device_memory: int | None = None
+  """Bytes of HBM of the topology's chip the plan is for (None: no topology given)."""
+  code: int = 0
+  """The compiled program's code, which XLA keeps on every device (4-20 MiB on a TPU):
+  known once the step is compiled for the chip (`aot`), else 0, and left out."""
 
   @property
   def rows_per_device(self) -> int:
@@ -104,7 +114,8 @@ class MemoryPlan:
   @property
   def fixed(self) -> int:
     """Bytes that do not depend on the batch size."""
-    return self.parameters + self.reference + self.optimizer + self.gradients + self.gathered
+    return (self.parameters + self.reference + self.optimizer + self.gradients + self.gathered
+            + self.code)
 
   @property
   def total(self) -> int:
@@ -122,7 +133,9 @@ class MemoryPlan:
     return room // max(self.activations_per_row, 1) * self.batch_ways
 
   def describe(self, device_memory: int | None = None) -> str:
-    """The plan as a few human-readable lines (what `train --dry-run` prints)."""
+    """The plan as a few human-readable lines (what `train --dry-run` prints); against
+    `device_memory` bytes per device, by default the topology's chip's."""
+    device_memory = self.device_memory if device_memory is None else device_memory
     devices = math.prod(self.mesh.values())
     mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.items())
     lines = [
@@ -136,6 +149,8 @@ class MemoryPlan:
         f"  gradients    {format_bytes(self.gradients):>11}",
         f"  gathered     {format_bytes(self.gathered):>11}  (weights gathered for the matmuls)",
         f"  activations  {format_bytes(self.activations):>11}  ({self.activations_from})",
+        *([f"  code         {format_bytes(self.code):>11}  (XLA's, of the compiled step)"]
+          if self.code else []),
         f"  total        {format_bytes(self.total):>11}",
     ]
     if device_memory is None:
@@ -160,7 +175,8 @@ def abstract_mesh(config: sharding.MeshConfig, device_count: int) -> AbstractMes
                       axis_types=(AxisType.Auto,) * len(shape))
 
 
-def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
+def estimate_memory(config: Any,
+                    devices: int | Mesh | AbstractMesh | topology.Topology | str, *,
                     attention: str | None = None, environ: Mapping[str, str] | None = None,
                     autotune_file: str | os.PathLike | None = None) -> MemoryPlan:
   """The per-device memory plan of one training step of `config`.
@@ -168,11 +184,14 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   Args:
     config: a recipe config (`config.load(...)`).
     devices: a device count (the mesh `config.mesh` gives for that many
-      devices, simulated) or a mesh.
+      devices, simulated), a mesh, or a topology (`topology.Topology`, or its
+      name: `topology.load`), whose compile-only devices the mesh is made of.
+      On a mesh of devices (a topology's, or a `Mesh`) the kernels are those
+      of their chip, and measured activations are compiled for it.
     attention: the attention kernel the llama estimate assumes (a name of
-      `kernels.IMPLEMENTATIONS`); None: the one the config selects on this
-      backend, as the trainer would (`kernels.plan_for_run` of the config,
-      `environ` and `autotune_file`).
+      `kernels.IMPLEMENTATIONS`); None: the one the config selects on the
+      devices' backend, as the trainer would (`kernels.plan_for_run` of the
+      config, `environ` and `autotune_file`).
     environ: the environment the caller read (`JAX_AI_STACK_ATTENTION`);
       None: the process's, now.
     autotune_file: the workdir's autotune file, or None.
@@ -180,14 +199,23 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   Raises:
     ConfigError: the mesh does not fit the device count, or an array or the
       batch does not divide by its mesh axes (the trainer's own messages).
+    UsageError: an unknown topology, or libtpu (the CUDA plugin) missing.
   """
-  mesh = abstract_mesh(config.mesh, devices) if isinstance(devices, int) else devices
+  target = topology.load(devices) if isinstance(devices, str) else devices
+  if isinstance(target, topology.Topology):
+    mesh = sharding.build_mesh(config.mesh, target.devices)
+  else:
+    mesh = abstract_mesh(config.mesh, devices) if isinstance(devices, int) else devices
+  device = _foreign_device(mesh)
   rules = sharding.logical_rules(config.mesh)
   task = tasks.for_config(config)
   transforms = task.model_transforms()
+  plan = None
+  if task.attention_request() is not None:
+    plan, attention = _attention(task, attention, device, environ, autotune_file)
 
   def create():
-    model = transforms.apply(task.build_model(config.train.seed))
+    model = transforms.apply(task.build_model(config.train.seed, plan))
     return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
                                         wrt=transforms.wrt)
 
@@ -201,12 +229,10 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
   batch_ways = ways.get("batch", 1)
   params = nnx.state(model, nnx.Param)
   gathered = _gathered_bytes(params, mesh, rules)
-  if attention is None and task.attention_request() is not None:
-    attention = _selected_attention(task, environ, autotune_file)
   analytic = task.activation_bytes(ways, attention)
   if analytic is None:
     per_row, source = _measured_activation_bytes(task, task.training_loss(transforms), model,
-                                                 optimizer, batch_size // batch_ways)
+                                                 optimizer, batch_size // batch_ways, device)
   else:
     per_row, source = analytic
   remat, layers = getattr(config.model, "remat", "none"), getattr(config.model, "num_layers", 1)
@@ -223,6 +249,7 @@ def estimate_memory(config: Any, devices: int | Mesh | AbstractMesh, *,
       gradients=device_bytes(nnx.state(model, transforms.wrt), mesh, rules),
       gathered=sum(gathered.values()),
       activations_per_row=per_row, activations_from=source,
+      device_memory=target.chip.hbm_bytes if isinstance(target, topology.Topology) else None,
   )
 
 
@@ -254,20 +281,45 @@ def _gathered_bytes(params: Any, mesh: Mesh | AbstractMesh,
   return {path: n for path, n in gathered.items() if n != split[path]}
 
 
-def _selected_attention(task: tasks.Task, environ: Mapping[str, str] | None,
-                        autotune_file: str | os.PathLike | None) -> str:
-  """The kernel a fresh run would train with here (`kernels.plan_for_run`'s precedence)."""
-  _, choice = kernels.plan_for_run(task.attention_request(), task.attention_implementation(),
-                                   environ=environ, autotune_file=autotune_file)
-  return choice.name
+def _foreign_device(mesh: Mesh | AbstractMesh) -> Any:
+  """A device of `mesh` if they are another backend's than this host's (a topology's
+  compile-only devices), else None: the plan then selects and measures here, as before."""
+  if not isinstance(mesh, Mesh):
+    return None
+  device = mesh.devices.flat[0]
+  return device if device.platform != jax.default_backend() else None
+
+
+def _attention(task: tasks.Task, name: str | None, device: Any,
+               environ: Mapping[str, str] | None,
+               autotune_file: str | os.PathLike | None) -> tuple[kernels.AttentionPlan | None, str]:
+  """(the plan the model is built with, its kernel's name): kernel `name`, or where None
+  the one a fresh run would train with on `device`'s chip (`kernels.plan_for_run`'s
+  precedence; None: this backend). The plan is None on this host's backend without a
+  device: the model's own choice, as before topologies."""
+  backend = None if device is None else kernels.backend_of(device)
+  if name is not None:
+    plan = None if backend is None else kernels.AttentionPlan((name,), "the memory plan",
+                                                              backend=backend)
+    return plan, name
+  with kernels.compiling_for(backend.platform if backend else jax.default_backend()):
+    plan, choice = kernels.plan_for_run(task.attention_request(),
+                                        task.attention_implementation(), environ=environ,
+                                        autotune_file=autotune_file, backend=backend,
+                                        probe=True if backend else None)
+  return (plan if backend else None), choice.name
 
 
 def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.Module,
-                               optimizer: nnx.Optimizer, rows: int) -> tuple[int, str]:
+                               optimizer: nnx.Optimizer, rows: int,
+                               device: Any = None) -> tuple[int, str]:
   """XLA's temporary bytes of the one-device train step for `rows` rows, less gradients.
 
-  The batch's shapes come from the first batch of the train split. Tensor
-  parallelism is not taken into account (an overestimate under `fsdp_tp`).
+  Compiled for `device` (a topology's compile-only device: its chip's XLA and kernels,
+  e.g. a TPU's grouped matmul where this host's CPU would pad experts' rows to blocks),
+  or for this host's default device. The batch's shapes come from the first batch of
+  the train split. Tensor parallelism is not taken into account (an overestimate under
+  `fsdp_tp`).
   """
   train_step, _, state = step.make_steps(model, optimizer, loss)
   iterator = iter(task.dataset("train", task.config.train.seed))
@@ -277,14 +329,33 @@ def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.M
     if hasattr(iterator, "close"):
       iterator.close()  # Stops its prefetch thread now.
   batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in first.items()}
-  analysis = train_step.lower(state, batch).compile().memory_analysis()
-  backend = jax.default_backend()
+  if device is None:
+    analysis = train_step.lower(state, batch).compile().memory_analysis()
+    where = jax.default_backend()
+  else:
+    analysis, where = _compiled_for(device, train_step, state, batch), device.device_kind
   if analysis is None:
-    return 0, f"unknown: XLA reports no memory analysis on {backend}"
+    return 0, f"unknown: XLA reports no memory analysis on {where}"
   gradients = sum(x.size * x.dtype.itemsize
                   for x in jax.tree.leaves(nnx.state(model, optimizer.wrt)))
   measured = max(analysis.temp_size_in_bytes - gradients, 0)
-  return -(-measured // max(rows, 1)), f"measured: XLA temp bytes of the step on {backend}"
+  return -(-measured // max(rows, 1)), f"measured: XLA temp bytes of the step on {where}"
+
+
+def _compiled_for(device: Any, function: Any, *args: Any) -> Any:
+  """XLA's memory analysis of `function` compiled for `device` alone, with the kernels
+  lowered for its platform (`kernels.compiling_for`, under a one-device mesh of it)."""
+  placed = jax.sharding.SingleDeviceSharding(device)
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
+  mesh = Mesh([device], ("one",))
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)  # No client loads these back.
+  try:
+    with kernels.compiling_for(device.platform), jax.sharding.use_abstract_mesh(
+        mesh.abstract_mesh):
+      return function.lower(*args).compile().memory_analysis()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def device_memory() -> int | None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jax_ai_stack.recipes.models.configs import DecoderConfig
-
+from jax_ai_stack.recipes.models.head import LOGPS_CHUNK_TOKENS
 
 MATERIALIZING_ATTENTION = frozenset({"xla", "tokamax_xla", "tokamax_xla_chunked"})
 """Attention kernels that keep every head's T x T scores for the backward pass.
@@ -39,8 +39,10 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
   materializing kernel (`MATERIALIZING_ATTENTION`) adds each head's float32
   scores and probabilities over the T keys, and the boolean segment mask (T
   bytes); a flash kernel keeps a float32 log-sum-exp per head instead. After
-  the blocks: the final norm (2 x d_model) and the float32 logits with their
-  gradient (8 bytes x vocab).
+  the blocks: the final norm (2 x d_model) per token, and the float32 logits
+  with their gradient (8 bytes x vocab) of one chunk of the head's positions
+  (`head.LOGPS_CHUNK_TOKENS`): the head makes them a chunk at a time and drops
+  them, so a row of 8,192 tokens holds 256 positions' logits, not 8,192's.
 
   `model.remat` keeps less: "full" keeps each block's input and recomputes
   one block at a time in the backward pass; "save_dots" keeps the outputs of
@@ -71,4 +73,4 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
     kept = model.num_layers * a * (3 * d + (heads + 2 * kv_heads) * h + 2 * mlp) + block
   else:
     kept = model.num_layers * block
-  return t * (kept + 2 * a * d + 8 * vocab)
+  return t * (kept + 2 * a * d) + min(t, LOGPS_CHUNK_TOKENS) * 8 * vocab
