@@ -228,3 +228,25 @@ def test_lm_tiny_compiles_for_an_h100_host_within_the_plan(capsys, tmp_path):
   assert "compiled without XLA's deterministic GPU ops" in out
   assert re.search(r"train step: compiled in [\d.]+ s; per device [\d.]+ MiB of 79\.\d+ GiB", out)
   assert 0.85 <= plan_ratio(out) <= 1.15, out
+
+
+def has_cudnn() -> bool:
+  try:
+    return importlib.util.find_spec("nvidia.cudnn") is not None
+  except ModuleNotFoundError:  # No `nvidia` package at all.
+    return False
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_cudnn_attention_compiles_for_an_h100_where_its_wheels_are_installed(capsys, tmp_path):
+  """jax's cuDNN attention builds its cuDNN graph as it lowers: with the cuDNN wheels (the
+  cuda12 extra's) it compiles for the H100; without, it falls back, saying so."""
+  code, out, _ = dry_run(capsys, "lm-tiny", "model.attention_impl=cudnn,xla",
+                         "model.dtype=bfloat16", "--topology", "h100:1",
+                         "--workdir", str(tmp_path / "run"))
+  assert code == 0
+  if has_cudnn():
+    assert "attention: cudnn\n" in out, out
+  else:
+    assert "attention: xla (over cudnn: RuntimeError when traced: cuDNN not found.)" in out, out

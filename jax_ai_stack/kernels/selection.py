@@ -95,7 +95,9 @@ def probe(impl: table.Implementation, request: Request, interpret: bool,
   try:
     with implementations.compiling_for(platform or jax.default_backend()):
       jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, ids, lengths)
-  except (NotImplementedError, ValueError) as e:  # How kernels refuse inputs.
+  # How kernels refuse inputs; and a library a kernel needs that is missing here (jax's
+  # cudnn attention compiled for a GPU from a host without the cuDNN wheels: "cuDNN not found").
+  except (NotImplementedError, ValueError, RuntimeError) as e:
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__} when traced: {first_line[:200]}"
   return None
