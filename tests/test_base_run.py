@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -29,3 +30,21 @@ def test_the_checksum_sees_one_changed_bit_and_a_reordering():
   flipped = weights["a"].at[3].set(jnp.nextafter(weights["a"][3], 10.0))
   assert base_run.checksum({**weights, "a": flipped}).tolist() != before
   assert base_run.checksum({**weights, "a": weights["a"][::-1]}).tolist() != before
+
+
+def test_a_cast_to_the_checksum_s_dtype_and_back_keeps_other_leaves_and_the_bits():
+  weights = {"w": jnp.array([1.0, 2.5, -3.0], jnp.float32), "steps": jnp.arange(3)}
+  narrow = base_run.with_dtype(weights, "float32", "bfloat16")
+  assert narrow["w"].dtype == jnp.bfloat16 and narrow["steps"].dtype == weights["steps"].dtype
+  back = base_run.with_dtype(narrow, "bfloat16", "float32")
+  assert back["w"].dtype == jnp.float32 and (back["w"] == weights["w"]).all()
+  shapes = base_run.with_dtype(jax.eval_shape(lambda: weights), "float32", "bfloat16")
+  assert shapes["w"].dtype == jnp.bfloat16 and shapes["steps"].dtype == weights["steps"].dtype
+  assert base_run.with_dtype(weights, "float32", "float32") is weights
+
+
+def test_the_checksum_s_dtype_is_the_pointer_s_or_the_saved_config_s():
+  saved = {"config": {"model": {"param_dtype": "bfloat16"}}}
+  assert base_run.start_dtype({"dtype": "float32"}, saved) == "float32"
+  assert base_run.start_dtype({}, saved) == "bfloat16"  # A pointer written before `dtype`.
+  assert base_run.start_dtype({}, None) == ""

@@ -187,6 +187,22 @@ def test_a_base_that_changed_or_vanished_stops_the_resume(base, tmp_path, capsys
   assert steps_on_disk(run) == saved
 
 
+def test_a_finished_run_opens_at_another_param_dtype_over_its_unchanged_base(base, tmp_path):
+  """The checksum is of the base at the dtype the run started with (bfloat16 here): opened
+  at float32 (as the issue did), the base is read at bfloat16, checked, then cast."""
+  run = tmp_path / "run"
+  train.run(tiny_config(*lora_overrides(base, "model.param_dtype=bfloat16", "train.steps=1",
+                                        "train.eval_every=0", "train.sample_tokens=0")), run)
+  assert opened(run).transforms.metadata()["finetune"]["dtype"] == "bfloat16"
+  wide = train.Trainer.open_finished(run, overrides=["model.dtype=float32",
+                                                     "model.param_dtype=float32"])
+  wide.close()
+  params = flat(nnx.state(wide.model, nnx.Param))
+  for name, value in flat(nnx.state(opened(base).model, nnx.Param)).items():
+    assert params[name].dtype == np.float32, name  # bfloat16 values, exactly, at float32.
+    assert np.array_equal(params[name], value.astype(jnp.bfloat16).astype(np.float32)), name
+
+
 @pytest.mark.slow
 def test_qlora_trains_adapters_over_an_int8_base(base, tmp_path):
   extra = lora_overrides(base, "finetune.lora.quantize_base=w8", "train.steps=2",

@@ -5,7 +5,10 @@ Its weights are read into the fine-tuning model's shapes and shardings; a LoRA
 run as a base is its own base with its adapters merged in; a QLoRA run's base
 is quantized as the run's scheme says. A checksum of what was read goes into the
 fine-tune's checkpoints, so a base that vanished or changed is a
-`BaseCheckpointError` on resume, never a silent mix.
+`BaseCheckpointError` on resume, never a silent mix. The checksum is of the
+weights at the `model.param_dtype` the run started with (the pointer's `dtype`):
+a finished run opened with another dtype reads its base at that one, checks it,
+then casts, so a dtype override is no false alarm.
 
 Example:
   >>> import jax.numpy as jnp
@@ -61,6 +64,45 @@ def checksum(tree: Any) -> jax.Array:
   return total
 
 
+def start_dtype(pointer: dict, metadata: dict | None) -> str:
+  """The `model.param_dtype` a pointer's checksum was taken at: its own `dtype`, or (a
+  pointer written before it had one) the param_dtype of the config saved beside it."""
+  if pointer.get("dtype"):
+    return pointer["dtype"]
+  return (((metadata or {}).get("config") or {}).get("model") or {}).get("param_dtype", "")
+
+
+def with_dtype(tree: Any, old: str, new: str) -> Any:
+  """`tree` (shapes or arrays) with its leaves of dtype `old` at dtype `new` (others as
+  they are): the weights at the param_dtype a checksum was taken at, and back."""
+  if not old or not new or jnp.dtype(old) == jnp.dtype(new):
+    return tree
+  old, new = jnp.dtype(old), jnp.dtype(new)
+
+  def cast(leaf):
+    if leaf.dtype != old:
+      return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(leaf.shape, new, sharding=leaf.sharding)
+    return leaf.astype(new)
+
+  if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree)):
+    return jax.tree.map(cast, tree)
+  return jax.jit(lambda t: jax.tree.map(cast, t))(tree)  # One program, not one per weight.
+
+
+def read_checked(pointer: dict, dtype: str, target: nnx.State, origin: str, *,
+                 then: str) -> tuple[nnx.State, int, list[int]]:
+  """The base weights `pointer` names, read into `target` at `dtype` (where the leaves are
+  of the run's param_dtype) and cast to the target's: (weights, step, their checksum at
+  `dtype`). `then`: the param_dtype the target's leaves are at now."""
+  directory = pathlib.Path(pointer["base"])
+  weights, step = read_base(directory, pointer["step"], with_dtype(target, then, dtype), origin,
+                            param_dtype=dtype)
+  found = np.asarray(checksum(nnx.to_pure_dict(weights))).tolist()
+  return with_dtype(weights, dtype, then), step, found
+
+
 def float_target(target: nnx.State, dtype: str) -> nnx.State:
   """The float weights a QLoRA base is quantized from: `w/array/qvalue` -> `w` (its shape)."""
   out = []
@@ -90,8 +132,9 @@ def quantized(weights: nnx.State, target: nnx.State, model: nnx.Module) -> nnx.S
 
 
 def read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
-               origin: str) -> tuple[nnx.State, int]:
-  """The base's weights at `step` (None: newest) into `target`'s shapes and shardings."""
+              origin: str, *, param_dtype: str) -> tuple[nnx.State, int]:
+  """The base's weights at `step` (None: newest) into `target`'s shapes and shardings
+  (`param_dtype`: the dtype of its weights there)."""
   if not directory.is_dir():
     raise BaseCheckpointError(f"the base run's checkpoints {directory} are gone "
                               f"(finetune.base={origin!r})")
@@ -107,7 +150,7 @@ def read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
                                 f"(finetune.base={origin!r}); steps there: {sorted(steps)}")
     adapted = _lora_section(checkpoint.read_metadata(manager, step))
     if adapted is not None:  # A LoRA run: its own base, with its adapters merged in.
-      return _merged_lora_base(manager, step, adapted, target, origin), step
+      return _merged_lora_base(manager, step, adapted, target, origin, param_dtype), step
     try:
       weights = checkpoint.restore_subset(manager, step, target,
                                           what=f"the base run finetune.base={origin!r}")
@@ -122,34 +165,38 @@ def read_base(directory: pathlib.Path, step: int | None, target: nnx.State,
     manager.close()
 
 
-def read_pointed(pointer: dict, target: nnx.State, origin: str) -> tuple[nnx.State, str]:
+def read_pointed(pointer: dict, dtype: str, target: nnx.State, origin: str, *,
+                 then: str) -> tuple[nnx.State, str]:
   """The base weights a checkpoint's pointer names (read as a base is, into `target`),
-  checked against the pointer's checksum; and 'DIR step N', where they were read."""
+  checked against the pointer's checksum at `dtype` (`read_checked`); and 'DIR step N',
+  where they were read."""
   directory = pathlib.Path(pointer["base"])
-  weights, step = read_base(directory, pointer["step"], target, origin)
-  if np.asarray(checksum(nnx.to_pure_dict(weights))).tolist() != pointer["checksum"]:
+  weights, step, found = read_checked(pointer, dtype, target, origin, then=then)
+  if found != pointer["checksum"]:
     raise BaseCheckpointError(f"the base run {directory} step {step} has changed since the run "
                               f"over it trained (finetune.base={origin!r}): restore it")
   return weights, f"{directory} step {step}"
 
 
-def _lora_section(metadata: dict) -> tuple[dict, dict] | None:
-  """(finetune.lora, the pointer to its base) of a LoRA run's checkpoint metadata, else None."""
+def _lora_section(metadata: dict) -> tuple[dict, dict, str] | None:
+  """(finetune.lora, the pointer to its base, the dtype of its checksum) of a LoRA run's
+  checkpoint metadata, else None."""
   finetune = (metadata.get("config") or {}).get("finetune") or {}
   if finetune.get("lora") is None:
     return None
-  return finetune["lora"], metadata.get("finetune") or {}
+  pointer = metadata.get("finetune") or {}
+  return finetune["lora"], pointer, start_dtype(pointer, metadata)
 
 
-def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict], target: nnx.State,
-                      origin: str) -> nnx.State:
+def _merged_lora_base(manager, step: int, adapted: tuple[dict, dict, str], target: nnx.State,
+                      origin: str, then: str) -> nnx.State:
   """A LoRA run as a base: its own base's float weights (read as a base is, checksum
   checked) plus (alpha / r) A B of the adapters it saved, in `target`'s shapes."""
-  config, pointer = adapted
+  config, pointer, dtype = adapted
   if not pointer:
     raise BaseCheckpointError(f"finetune.base={origin!r} is a LoRA run whose checkpoint has "
                               "no pointer to its own base")
-  weights, where = read_pointed(pointer, target, origin)
+  weights, where = read_pointed(pointer, dtype, target, origin, then=then)
   stored = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(
                 manager.item_metadata(step)["state"])}

@@ -10,7 +10,8 @@ scheme of `finetune.quant`.
 
 Checkpoints of a LoRA run hold what changes (adapters, optimizer state, data
 position) and, in the metadata, a pointer to the base: its checkpoint
-directory, step and a checksum of the weights. Restoring reads the base again
+directory, step and a checksum of the weights (at the param_dtype the run
+started with, so opening it at another dtype is no alarm). Restoring reads the base again
 from there, so a run stays small on disk; a base that vanished or changed
 (another checksum) is a `BaseCheckpointError`, never a silent mix.
 
@@ -145,17 +146,25 @@ class Finetune(ModelTransform):
     pointer = (metadata or {}).get("finetune")
     if not fresh and not pointer:
       raise BaseCheckpointError("the checkpoint has no pointer to its finetune.base run")
-    directory, step = ((pathlib.Path(pointer["base"]), pointer["step"]) if pointer
-                       else base_run.resolve_base(self.config.base))
+    dtype = self.model_config.param_dtype
     quantized = self.lora is not None and self.lora.quantize_base is not None
-    read = base_run.float_target(target, self.model_config.param_dtype) if quantized else target
-    weights, step = base_run.read_base(directory, step, read, self.config.base)
-    found = np.asarray(base_run.checksum(nnx.to_pure_dict(weights))).tolist()
-    if pointer and found != pointer["checksum"]:
-      raise BaseCheckpointError(
-          f"the base run {directory} step {step} has changed since this run started (checksum "
-          f"{found} != {pointer['checksum']}): restore it, or fine-tune again in a new --workdir")
-    self.base = {"base": str(directory), "step": step, "checksum": found}
+    read = base_run.float_target(target, dtype) if quantized else target
+    if pointer:  # Read at the dtype its checksum was taken at (a dtype override: cast after).
+      directory, checked = pathlib.Path(pointer["base"]), base_run.start_dtype(pointer, metadata)
+      weights, step, found = base_run.read_checked(pointer, checked or dtype, read,
+                                                   self.config.base, then=dtype)
+      if found != pointer["checksum"]:
+        raise BaseCheckpointError(
+            f"the base run {directory} step {step} has changed since this run started (checksum "
+            f"{found} != {pointer['checksum']}): restore it, or fine-tune again in a new "
+            "--workdir")
+    else:
+      directory, step = base_run.resolve_base(self.config.base)
+      weights, step = base_run.read_base(directory, step, read, self.config.base,
+                                         param_dtype=dtype)
+      found, checked = np.asarray(base_run.checksum(nnx.to_pure_dict(weights))).tolist(), dtype
+    self.base = {"base": str(directory), "step": step, "checksum": found,
+                 "dtype": checked or dtype}
     if quantized:
       weights = base_run.quantized(weights, target, model)
     if self.lora is not None:
@@ -208,8 +217,10 @@ class Finetune(ModelTransform):
     frozen = nnx.filter_state(nnx.state((model,)), _is_base_weight)
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           frozen)
-    floats = base_run.float_target(target, self.model_config.param_dtype)
-    weights, where = base_run.read_pointed(pointer, floats, self.config.base)
+    dtype = self.model_config.param_dtype
+    floats = base_run.float_target(target, dtype)
+    weights, where = base_run.read_pointed(pointer, base_run.start_dtype(pointer, None) or dtype,
+                                           floats, self.config.base, then=dtype)
     return weights[0], where
 
   def describe(self, model: nnx.Module) -> str | None:
