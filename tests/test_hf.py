@@ -191,6 +191,16 @@ def test_sharded_and_single_file_directories_load_the_same_bits(tmp_path):
   assert checkpoint.tree_equal(nnx.state(single), nnx.state(sharded))
 
 
+def test_off_a_terminal_the_load_s_byte_bar_is_plain_lines(tmp_path, monkeypatch, capsys):
+  """Into a log file (pytest's stderr is no terminal): a line at each tenth, no \\r frames."""
+  monkeypatch.setattr(hf.reader, "PROGRESS_MIN_BYTES", 0)  # The tiny model gets its bar.
+  hf.load_model(write_hf(tmp_path, TINY_HF, hf_weights(TINY_HF)))
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("load ")]
+  assert "\r" not in err and 2 <= len(lines) <= 10, err
+  assert lines[-1].startswith("load ") and "(100%)" in lines[-1] and "kB/" in lines[-1], err
+
+
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_export_then_import_is_bitwise(tmp_path, param_dtype):
   config = DecoderConfig(vocab_size=40, num_layers=2, d_model=24, num_heads=4, num_kv_heads=2,

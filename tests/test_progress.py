@@ -1,6 +1,10 @@
 """Progress bars: tqdm on a terminal, plain lines elsewhere."""
 
 import io
+import pathlib
+import re
+
+import jax_ai_stack
 
 from jax_ai_stack.recipes import progress
 
@@ -23,3 +27,28 @@ def test_off_a_terminal_the_bar_is_lines(capsys):
   bar.update(2)
   bar.set_postfix_str("loss 2.000")
   assert capsys.readouterr().err.startswith("step 2/4: loss 2.000, ETA ")
+
+
+def test_a_bar_without_a_postfix_writes_a_line_at_each_tenth():
+  out = io.StringIO()
+  lines = progress.Lines("B", total=2_000_000, initial=0, file=out, label="load", unit_scale=True)
+  for _ in range(40):
+    lines.update(50_000)
+  said = out.getvalue().splitlines()
+  assert len(said) == 10 and said[0].startswith("load 200kB/2.00MB (10%), ETA "), said
+  assert said[-1].startswith("load 2.00MB/2.00MB (100%)")
+
+
+def test_a_disabled_bar_says_nothing_anywhere(capsys):
+  with progress.bar("scoring", unit="request", total=3, tenths=True, disable=True) as bar:
+    bar.update(3)
+    bar.set_postfix_str("done")
+  assert capsys.readouterr().err == ""
+
+
+def test_every_bar_of_the_package_goes_through_progress_bar():
+  """A tqdm drawn directly writes \\r frames into a log file; `progress.bar` writes lines."""
+  package = pathlib.Path(jax_ai_stack.__file__).parent
+  direct = [str(path.relative_to(package)) for path in package.rglob("*.py")
+            if path.name != "progress.py" and re.search(r"\btqdm\(", path.read_text())]
+  assert direct == []

@@ -49,9 +49,8 @@ import optax
 from flax import nnx
 from lm_eval import utils as lm_eval_utils
 from lm_eval.api.model import TemplateLM
-from tqdm import tqdm
-
 from jax_ai_stack.recipes import inference
+from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.evaluation.rows import (SHARED_PAGE, Packed, group_batches, pack,
                                                   row_width, shared_contexts, shared_length,
                                                   whole_pages)
@@ -145,7 +144,8 @@ class HarnessModel(TemplateLM):
     results: list[tuple[float, bool] | None] = [None] * len(requests)
     groups = shared_contexts(sequences, counts) if self._share else []
     rest = sorted(set(range(len(requests))) - {i for group in groups for i in group})
-    with tqdm(total=len(requests), desc="scoring", disable=disable_tqdm) as progress:
+    with progress_lib.bar("scoring", unit="request", total=len(requests), tenths=True,
+                          disable=disable_tqdm) as progress:
       for batch in group_batches(groups, self.batch_size_):
         self._score_contexts_once(batch, sequences, counts, results)
         progress.update(sum(map(len, batch)))
@@ -246,7 +246,8 @@ class HarnessModel(TemplateLM):
     asked = [self._request(*request.args, position=position)
              for position, request in enumerate(requests)]
     outputs = [""] * len(requests)
-    with tqdm(total=len(requests), desc="generating", disable=disable_tqdm) as progress:
+    with progress_lib.bar("generating", unit="request", total=len(requests), tenths=True,
+                          disable=disable_tqdm) as progress:
       for completion in engine.stream(asked):
         outputs[completion.index] = completion.text
         progress.update(1)

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jax_ai_stack.errors import ModelFileError
+from jax_ai_stack.recipes import progress as progress_lib
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.hf.config_json import read_config
 from jax_ai_stack.recipes.models.hf.layout import (
@@ -151,10 +152,8 @@ def load_params(directory: str | os.PathLike, config: DecoderConfig,
   values: dict[tuple, jax.Array] = {}
   experts: dict[tuple, list[np.ndarray]] = {}  # A stacked parameter's slices read so far.
   handles: dict[pathlib.Path, Any] = {}
-  from tqdm import tqdm
-
-  with contextlib.ExitStack() as files, tqdm(
-      total=total, unit="B", unit_scale=True, desc="load", dynamic_ncols=True,
+  with contextlib.ExitStack() as files, progress_lib.bar(
+      "load", unit="B", total=total, tenths=True, unit_scale=True,
       disable=total < PROGRESS_MIN_BYTES) as progress:
     for tensor in needed:
       entry, leaf = stored[tensor.name], leaves[tensor.path]
