@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack import cli
+from jax_ai_stack.errors import CheckpointMismatchError
 from jax_ai_stack.recipes import config, train
 from jax_ai_stack.recipes.finetune import lora_merge
 from jax_ai_stack.recipes.metrics import MetricsLog, eval_change
@@ -201,6 +202,15 @@ def test_a_finished_run_opens_at_another_param_dtype_over_its_unchanged_base(bas
   for name, value in flat(nnx.state(opened(base).model, nnx.Param)).items():
     assert params[name].dtype == np.float32, name  # bfloat16 values, exactly, at float32.
     assert np.array_equal(params[name], value.astype(jnp.bfloat16).astype(np.float32)), name
+
+
+def test_an_override_a_finished_run_s_base_cannot_take_is_named(base, lora_run):
+  """model.d_model changes the adapters' shapes; model.vocab_size only the frozen base's
+  (400 rows are padded to 512, where the base has 384)."""
+  for field, value in (("model.d_model", 48), ("model.vocab_size", 400)):
+    with pytest.raises(CheckpointMismatchError, match=rf"config fields differ from the "
+                       rf"checkpoint's: {re.escape(field)}: \d+ in the checkpoint, {value} now"):
+      train.Trainer.open_finished(lora_run[0], overrides=[f"{field}={value}"])
 
 
 @pytest.mark.slow

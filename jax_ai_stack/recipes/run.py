@@ -335,8 +335,13 @@ def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
       raise WorkdirError(  # The newest step did not read (moved aside): its phases were read.
           f"step {restored.step} was restored, not the newest, whose phases this run was set up "
           "with (that step did not read and was moved aside): run the same command again")
-  state = transforms.load(state, abstract, state_sharding,
-                          restored.metadata if restored else None, model=model)
+  try:  # A fine-tune's base, read into this config's shapes.
+    state = transforms.load(state, abstract, state_sharding,
+                            restored.metadata if restored else None, model=model)
+  except CheckpointMismatchError as e:  # An override the base cannot take: named.
+    if restored is None:
+      raise
+    raise workdir_lib.name_changed_fields(e, restored.metadata, config) from None
   step.merge(model, optimizer, state)  # The abstract objects now hold the arrays.
   return Run(config=config, task=task, workdir=opened.workdir, manager=opened.manager,
              model=model, optimizer=optimizer, train_step=train_step, eval_step=eval_step,
