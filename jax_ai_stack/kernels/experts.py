@@ -115,9 +115,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     grouped = (jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None]
     # Rows past the groups: zeros, as promised, and zero gradients. The kernels skip those
     # rows forward and backward (tokamax's Mosaic TPU kernel leaves its lhs gradient
-    # there unwritten: NaN in interpret mode), and a `where` on the way in selects zeros
-    # for them on the way back.
-    out = import_tokamax().ragged_dot(jnp.where(grouped, lhs, 0), rhs, group_sizes,
+    # there unwritten: NaN in interpret mode).
+    out = import_tokamax().ragged_dot(_zero_gradient_where(lhs, ~grouped), rhs, group_sizes,
                                       preferred_element_type=preferred_element_type, **named)
     return jnp.where(grouped, out, 0)
   if name == "xla":
@@ -130,6 +129,24 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   every = jnp.einsum("mk,gkn->gmn", lhs, rhs, preferred_element_type=preferred_element_type)
   mask = group[None, :] == jnp.arange(rhs.shape[0])[:, None]
   return jnp.where(mask[..., None], every, 0).sum(axis=0).astype(every.dtype)
+
+
+@jax.custom_vjp
+def _zero_gradient_where(x: jax.Array, where: jax.Array) -> jax.Array:
+  """`x` itself (no copy for a kernel to read), whose gradient is zero where `where`."""
+  del where
+  return x
+
+
+def _zero_gradient_forward(x, where):
+  return x, where
+
+
+def _zero_gradient_backward(where, cotangent):
+  return jnp.where(where, 0, cotangent).astype(cotangent.dtype), None
+
+
+_zero_gradient_where.defvjp(_zero_gradient_forward, _zero_gradient_backward)
 
 
 def block_rows(rows: int, groups: int) -> int:
