@@ -214,11 +214,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   common.add_out_argument(parser, "aot_table")
   args = parser.parse_args(argv)
   results = {**common.header("aot_table", device=False), **common.versions(),
-             "tolerance": TOLERANCE, "rows": [measure(row) for row in select(args.rows)]}
-  common.write(results, args.out)
-  table = markdown(results["rows"])
-  args.out.with_suffix(".md").write_text(table)
-  print(table)
+             "tolerance": TOLERANCE, "rows": []}
+  for row in select(args.rows):  # Written after each row: the large ones take minutes.
+    results["rows"].append(measure(row))
+    common.write(results, args.out)
+    args.out.with_suffix(".md").write_text(markdown(results["rows"]))
+  print(markdown(results["rows"]))
   return results
 
 

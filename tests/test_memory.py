@@ -201,7 +201,7 @@ def test_a_mixture_of_experts_is_measured_on_the_topology_s_chip():
   """moe-tiny's activations are measured: compiled for the TPU, not on this host's CPU
   (whose experts run `blocked`, rows padded to blocks)."""
   plan = memory.estimate_memory(config.load("moe-tiny", overrides=["mesh.expert=2"]), "v5e:2x2")
-  assert plan.activations_from == "measured: XLA temp bytes of the step on TPU v5 lite"
+  assert plan.activations_from == "measured: XLA peak heap bytes of the step on TPU v5 lite"
   assert plan.activations > 0
 
 
