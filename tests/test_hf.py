@@ -635,7 +635,9 @@ def _tokenizer_without_eos(source):
     (_bad_llama3, "high_freq_factor=4.0 must be greater than low_freq_factor=5.0"),
     (_corrupt, "not a readable safetensors file"),
     (_bad_tokenizer, "not a huggingface tokenizer file"),
-    (_tokenizer_without_eos, "needs 42 ids but config.json has vocab_size=40: it defines no EOS/PAD"),
+    (_tokenizer_without_eos, "tokenizer.json needs 42 ids but "),
+    (_tokenizer_without_eos, "config.json has vocab_size=40, which cannot embed ids 40 and up: "
+                             "it defines no EOS/PAD"),
 ])
 def test_import_of_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, damage, message):
   source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))
@@ -684,8 +686,24 @@ def test_an_import_that_fails_after_creating_the_workdir_removes_it(tmp_path, ca
 def test_an_import_without_tokenizer_json_needs_room_for_the_byte_tokenizer(tmp_path, capsys):
   source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))  # vocab_size 40 < 259 bytes.
   code, _, err = main(capsys, "import-hf", str(source), "--workdir", str(tmp_path / "run"), *RUN)
-  assert code == 2 and "ByteTokenizer needs 259 ids but config.json has vocab_size=40" in err, err
+  assert code == 2 and (f"ByteTokenizer needs 259 ids but {source / 'config.json'} has "
+                        "vocab_size=40, which cannot embed ids 40 and up") in err, err
   assert "has no tokenizer.json" in err and not (tmp_path / "run").exists()
+
+
+def test_import_notes_a_tokenizer_smaller_than_the_model_once_in_one_line(tmp_path, capsys):
+  """18 ids on 40 rows (the issue: 1,000 on Qwen's 151,936): the rest is only padding."""
+  source = write_hf(tmp_path / "hf", TINY_HF, hf_weights(TINY_HF))
+  _tokenizer_file(source / "tokenizer.json")
+  code, _, err = main(capsys, "import-hf", str(source), "--workdir", str(tmp_path / "run"), *RUN)
+  notes = [line for line in err.splitlines() if line.startswith("note: ")]
+  assert code == 0 and notes == [
+      f"note: {source / 'tokenizer.json'} has 18 ids and {source / 'config.json'} has "
+      "vocab_size=40: the model's 22 rows beyond them are only padding (an id generated there "
+      "decodes to no text)"], err
+  _tokenizer_file(source / "tokenizer.json", WORDS + [f"w{i}" for i in range(22)])  # 40 ids.
+  code, _, err = main(capsys, "import-hf", str(source), "--workdir", str(tmp_path / "other"), *RUN)
+  assert code == 0 and "only padding" not in err, err
 
 
 def test_import_refuses_a_finetune_base(tmp_path, capsys):

@@ -120,11 +120,13 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
     raise UsageError("import-hf starts a run from DIR's weights, not from finetune.base: leave "
                      "finetune unset here, then fine-tune with finetune.base=<the new workdir>")
   copied = tokenizer is not None and config.data.tokenizer_path == str(workdir / hf.TOKENIZER_FILE)
-  # Unreadable or too small for the model: refused before anything is written.
-  _check_tokenizer(tokenizers.HuggingFaceTokenizer(str(tokenizer)) if copied
-                   else tokenizers.build_tokenizer(config.data), config.model.vocab_size,
-                   tokenizer if copied else None, source)
+  # Unreadable or with ids the model cannot embed: refused before anything is written.
+  padding = _check_tokenizer(tokenizers.HuggingFaceTokenizer(str(tokenizer)) if copied
+                             else tokenizers.build_tokenizer(config.data),
+                             config.model.vocab_size, tokenizer if copied else None, source)
   hf.check_weights(source, config.model)  # Names, shapes, headers: before W exists.
+  if padding:  # Said once every check passed: a refusal stays its one line.
+    logs.note(padding)
   created = not workdir.exists()
   try:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -164,24 +166,33 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def _check_tokenizer(tokenizer, vocab_size: int, file: pathlib.Path | None,
-                     source: pathlib.Path) -> None:
-  """Refuses a tokenizer with more ids than the model has rows (`check_data`, before writing).
+                     source: pathlib.Path) -> str | None:
+  """Refuses a tokenizer with more ids than the model has rows (`check_data`, before
+  writing); the note to say where the model has rows no token of it reaches, else None.
 
   A tokenizer.json without BOS or PAD reuses its EOS (`data.tokenizers`); one
   with no EOS of a known name gets the missing ids appended after its
   vocabulary, which a model of exactly that many rows cannot embed; the
-  message says which.
+  message says which. Rows beyond the tokenizer (Qwen's 151,936 over its
+  151,669 ids) are padding: the model never reads them, and an id it generates
+  there decodes to no text, so a tokenizer far smaller than the model (one from
+  another model) is worth a word.
   """
-  if tokenizer.vocab_size <= vocab_size:
-    return
   what = f"{file}" if file else f"the run's {type(tokenizer).__name__}"
+  where = f" ({source} has no tokenizer.json)" if not file else ""
+  rows = f"{source / 'config.json'} has vocab_size={vocab_size}"
+  if tokenizer.vocab_size < vocab_size:
+    return (f"{what}{where} has {tokenizer.vocab_size:,} ids and {rows}: the model's "
+            f"{vocab_size - tokenizer.vocab_size:,} rows beyond them are only padding (an id "
+            "generated there decodes to no text)")
+  if tokenizer.vocab_size == vocab_size:
+    return None
   appended = [name for name, i in zip(("BOS", "EOS", "PAD"), tokenizer.special_ids)
               if i >= vocab_size]
   why = (f": it defines no {'/'.join(appended)} token of a known name, so the recipe's tokenizer "
-         "appends one beyond the model's vocabulary" if file and appended else
-         "" if file else f" ({source} has no tokenizer.json)")
-  raise ModelFileError(f"{what} needs {tokenizer.vocab_size} ids but config.json has "
-                       f"vocab_size={vocab_size}{why}")
+         "appends one beyond the model's vocabulary" if file and appended else where)
+  raise ModelFileError(f"{what} needs {tokenizer.vocab_size:,} ids but {rows}, which cannot "
+                       f"embed ids {vocab_size:,} and up{why}")
 
 
 def export_hf(workdir: str | os.PathLike, out: str | os.PathLike, *,
