@@ -317,12 +317,13 @@ def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.M
 
   Compiled for `device` (a topology's compile-only device: its chip's XLA and kernels,
   e.g. a TPU's grouped matmul where this host's CPU would pad experts' rows to blocks),
-  or for this host's default device. Where XLA reports the peak of its heap (TPU), the
-  peak less the arguments (the train state) stands for the temporary bytes: XLA:TPU's
-  temporaries leave out most of what the backward pass keeps (lm-tiny on v5e:2x2, 16
-  rows a device: 9 MiB of temporaries, a 114 MiB peak). The batch's shapes come from the first batch of
-  the train split. Tensor parallelism is not taken into account (an overestimate under
-  `fsdp_tp`).
+  or for this host's default device (also where the whole step does not fit one of
+  `device`'s chips, which XLA:TPU refuses to compile). Where XLA reports the peak of
+  its heap (TPU), the peak less the arguments (the train state) stands for the
+  temporary bytes: XLA:TPU's temporaries leave out most of what the backward pass keeps
+  (lm-tiny on v5e:2x2, 16 rows a device: 9 MiB of temporaries, a 114 MiB peak). The
+  batch's shapes come from the first batch of the train split. Tensor parallelism is
+  not taken into account (an overestimate under `fsdp_tp`).
   """
   train_step, _, state = step.make_steps(model, optimizer, loss)
   iterator = iter(task.dataset("train", task.config.train.seed))
@@ -332,11 +333,16 @@ def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.M
     if hasattr(iterator, "close"):
       iterator.close()  # Stops its prefetch thread now.
   batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in first.items()}
+  where = jax.default_backend()
+  try:
+    if device is not None:
+      analysis, where = _compiled_for(device, train_step, state, batch), device.device_kind
+  except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a step larger than its HBM.
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    device, where = None, f"{where} (the step does not fit one {device.device_kind})"
   if device is None:
     analysis = train_step.lower(state, batch).compile().memory_analysis()
-    where = jax.default_backend()
-  else:
-    analysis, where = _compiled_for(device, train_step, state, batch), device.device_kind
   if analysis is None:
     return 0, f"unknown: XLA reports no memory analysis on {where}"
   gradients = sum(x.size * x.dtype.itemsize
