@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -64,6 +65,8 @@ class Program:
   shared: int = 0
   """Argument bytes the train state already holds (an engine decoding with the run's own
   parameters): counted once where both are on the device at once."""
+  kernels: tuple[str, ...] = ()
+  """The Pallas kernels in the compiled program: proof of what the chip would run."""
 
   @classmethod
   def of(cls, name: str, compiled: Any, seconds: float, shared: int = 0) -> Program:
@@ -74,7 +77,7 @@ class Program:
                stats.alias_size_in_bytes, stats.temp_size_in_bytes,
                stats.generated_code_size_in_bytes,
                costs.get("flops") if costs else None, costs.get("bytes accessed") if costs else None,
-               shared)
+               shared, pallas_kernels(compiled.as_text()))
 
   @property
   def total(self) -> int:
@@ -96,6 +99,8 @@ class Program:
              f"{f(chip.hbm_bytes)} HBM ({self.total / chip.hbm_bytes:.1%}): arguments "
              f"{f(self.arguments)}, outputs {f(self.outputs)} ({f(self.aliased)} of them in "
              f"donated arguments), temporaries {f(self.temporaries)}, code {f(self.code)}"]
+    if self.kernels:
+      lines.append(f"  Pallas kernels: {', '.join(self.kernels)}")
     roofline = self.roofline(chip)
     if roofline is None:
       lines.append("  flops and bytes: XLA reports no cost analysis for this program here"
@@ -107,6 +112,28 @@ class Program:
                    f"per device: at least {least * 1e3:.3g} ms a step ({bound}-bound), MFU at "
                    f"most {mfu:.0%}")
     return "\n".join(lines)
+
+
+_WRAPPERS = re.compile(r"while|body|cond|branch_\d+|eval_jaxpr|checkpoint|remat\d*|"
+                       r"(jvp|transpose|vmap|jit|shard_map|pjit)(\(.*\))?")
+"""Op-name path elements that wrap a kernel's call rather than name it."""
+
+
+def pallas_kernels(hlo_text: str) -> tuple[str, ...]:
+  """The names of the Pallas kernels a compiled program calls, read from its ops' metadata
+  (`.../splash_mha_fwd_residuals/while/body/pallas_call` gives splash_mha_fwd_residuals).
+
+  Example:
+    >>> pallas_kernels('op_name="jit(f)/jit(ragged)/ragged_kernel/pallas_call" '
+    ...                'op_name="jit(g)/flash_fwd/while/body/eval_jaxpr/pallas_call"')
+    ('flash_fwd', 'ragged_kernel')
+  """
+  names = set()
+  for path in re.findall(r'op_name="([^"]*)/pallas_call"', hlo_text):
+    parts = [p for p in path.split("/") if not _WRAPPERS.fullmatch(p)]
+    if parts:
+      names.add(parts[-1])
+  return tuple(sorted(names))
 
 
 @dataclasses.dataclass(frozen=True)

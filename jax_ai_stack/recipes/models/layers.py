@@ -234,9 +234,13 @@ def replicated_pages(attend: Callable, sharding: kernels.AttentionSharding | Non
   if sharding is None or replicas == 1 or sharding.size(sharding.batch) != replicas:
     return groups(q, k, v, keys, values, length, block_table)
   by_rows, by_pools = P(sharding.batch), P(None, sharding.batch)
-  return jax.shard_map(groups, mesh=sharding.mesh, axis_names=set(sharding.batch),
+  # Manual over the mesh's axes of one device too: a Mosaic kernel (the TPU's ragged paged
+  # attention) refuses to be partitioned automatically, even over an axis of size 1. And
+  # check_vma=False: that opaque call declares outputs with no varying axes.
+  manual = set(sharding.batch) | {a for a, n in sharding.mesh.shape.items() if n == 1}
+  return jax.shard_map(groups, mesh=sharding.mesh, axis_names=manual,
                        in_specs=(by_rows,) * 3 + (by_pools,) * 2 + (by_rows,) * 2,
-                       out_specs=(by_rows, by_pools, by_pools))(
+                       out_specs=(by_rows, by_pools, by_pools), check_vma=False)(
                            q, k, v, keys, values, length, block_table)
 
 
