@@ -57,9 +57,12 @@ memory size and bandwidth but no tensor-core rate."""
 
 _NAME = re.compile(r"(?P<chip>[a-z0-9-]+):(?P<shape>\d+(?:x\d+)*)(?:/(?P<slices>\d+))?")
 _QUIET_LIBTPU = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-                 "TPU_WORKER_HOSTNAMES": "localhost"}
+                 "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 """What libtpu asks a Cloud TPU VM's metadata server for, said up front: without it libtpu
-prints three warnings about a machine that has no TPU, which it does not need to compile."""
+prints three warnings about a machine that has no TPU, which it does not need to compile.
+And leave to share: libtpu takes /tmp/libtpu_lockfile to own the chips, so a second process
+compiling at once (a test worker, another dry run) was refused ("multi-process lockfile"),
+where compile-only devices own no chip."""
 _CUDA_PLUGIN = "jax-cuda12-plugin"
 _CUDA_PJRT = "jax-cuda12-pjrt"
 """The CUDA plugin's two packages: the PJRT plugin (its library carries the target configs)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -91,6 +93,20 @@ def test_tpu_slices_are_devices_with_their_chip_s_figures(text, count, kind, cor
   assert abs(target.chip.hbm_bytes / 2**30 - gigabytes) / gigabytes < 0.1
   assert target.chip.bf16_flops_per_s > 1e14
   assert "jax" in target.chip.source
+
+
+@needs_libtpu
+def test_two_processes_compile_for_tpus_at_once():
+  """libtpu's lockfile owns a machine's chips; compile-only devices own none, so a second
+  dry run (or test worker) beside the first is not refused."""
+  code = ("import time; from jax_ai_stack import topology; topology.load('v5e:2x2'); "
+          "time.sleep(4)")
+  env = {k: v for k, v in os.environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+  children = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+  for child in children:
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
 
 
 @needs_libtpu
