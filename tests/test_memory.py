@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -213,3 +214,19 @@ def test_the_compiled_code_is_a_line_of_the_plan_once_known():
   assert compiled.fixed == plan.fixed + 100 * 2**20
   assert "  code             100 MiB  (XLA's, of the compiled step)" in compiled.describe(2**30)
   assert compiled.max_batch_size(2**30) < plan.max_batch_size(2**30)
+
+
+def test_post_norms_and_q_k_norms_keep_their_inputs():
+  from jax_ai_stack.recipes.models import activation_memory
+  from jax_ai_stack.recipes.models.configs import DecoderConfig
+
+  config = DecoderConfig()
+  fields = ("dtype", "d_model", "resolved_head_dim", "num_heads", "num_kv_heads", "mlp_dim",
+            "vocab_size", "remat", "num_layers", "post_norms", "qk_norm")
+  plain = {name: getattr(config, name) for name in fields}  # A kind's own switches aside.
+  at = lambda **switches: activation_memory.activation_bytes(  # noqa: E731
+      types.SimpleNamespace(**{**plain, **switches}), 128, {}, "cudnn")
+  a, d, blocks = 4, config.d_model, config.num_layers  # float32 activations.
+  qk = config.resolved_head_dim * (config.num_heads + config.num_kv_heads)
+  assert at(qk_norm=True) - at() == 128 * blocks * a * qk
+  assert at(post_norms=True) - at() == 128 * blocks * a * 2 * d

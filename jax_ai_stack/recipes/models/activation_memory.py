@@ -35,7 +35,9 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
   stream and the norms (6 x d_model: block input, the two norms' inputs and
   outputs, the residual after attention), q, k and v after RoPE and the
   attention output ((2 x heads + 2 x kv_heads) x head_dim), and the SwiGLU
-  MLP's gate, up, sigmoid(gate), silu(gate) and product (5 x mlp_dim). A
+  MLP's gate, up, sigmoid(gate), silu(gate) and product (5 x mlp_dim). Gemma's
+  post-norms keep their inputs too (2 x d_model), and q/k norms (Qwen3, Gemma 3)
+  theirs ((heads + kv_heads) x head_dim). A
   materializing kernel (`MATERIALIZING_ATTENTION`) adds each head's float32
   scores and probabilities over the T keys, and the boolean segment mask (T
   bytes); a flash kernel keeps a float32 log-sum-exp per head instead. After
@@ -66,7 +68,8 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
     scores = 2 * 4 * heads * t + t
   else:
     scores = 4 * heads
-  block = a * (6 * d + (2 * heads + 2 * kv_heads) * h + 5 * mlp) + scores
+  norms = (2 * d if model.post_norms else 0) + ((heads + kv_heads) * h if model.qk_norm else 0)
+  block = a * (6 * d + norms + (2 * heads + 2 * kv_heads) * h + 5 * mlp) + scores
   if model.remat == "full":
     kept = model.num_layers * a * d + block
   elif model.remat == "save_dots":
