@@ -230,3 +230,10 @@ def test_post_norms_and_q_k_norms_keep_their_inputs():
   qk = config.resolved_head_dim * (config.num_heads + config.num_kv_heads)
   assert at(qk_norm=True) - at() == 128 * blocks * a * qk
   assert at(post_norms=True) - at() == 128 * blocks * a * 2 * d
+
+
+def test_a_run_on_prompts_plans_for_their_completions():
+  """GRPO's step trains on each prompt's `rl.num_generations` completions."""
+  grpo = config.load("lm-tiny-grpo", overrides=["data.batch_size=4", "rl.num_generations=8"])
+  plan = memory.estimate_memory(grpo, 1, attention="xla")
+  assert plan.batch_size == 32 and plan.rows_per_device == 32

@@ -223,6 +223,7 @@ def estimate_memory(config: Any,
   micro = config.train.microbatch_size
   batch_size = max(size if micro is None else min(size, micro)
                    for _, size in config.data.batch_sizes())
+  batch_size = _step_rows(task, batch_size)
   sharding.batch_shardings(task.batch_axes(), {k: (batch_size,) for k in task.batch_axes()},
                            mesh, rules)  # Raises ConfigError if the batch does not divide.
   ways = {name: math.prod(mesh.shape[axis] for axis in axes) for name, axes in rules.items()}
@@ -251,6 +252,16 @@ def estimate_memory(config: Any,
       activations_per_row=per_row, activations_from=source,
       device_memory=target.chip.hbm_bytes if isinstance(target, topology.Topology) else None,
   )
+
+
+def _step_rows(task: tasks.Task, rows: int) -> int:
+  """Rows of the step that trains on `rows` rows of data: a run on prompts trains on each
+  prompt's `rl.num_generations` completions (`Task.batch_spec`)."""
+  try:
+    spec = task.batch_spec(rows)
+  except NotImplementedError:  # An objective that does not describe its batch.
+    return rows
+  return jax.tree.leaves(spec)[0].shape[0] if spec else rows
 
 
 def device_bytes(abstract_state: Any, mesh: Mesh | AbstractMesh, rules: sharding.Rules) -> int:
