@@ -89,7 +89,7 @@ def rows() -> list[Row]:
       Row("qwen3-30b-a3b", "moe-tiny", "v5p:2x2x2", (*QWEN3_30B_A3B, "data.batch_size=8")),
       Row("gemma3-12b", "gemma3-tiny", "v5p:2x2x2", (*GEMMA3_12B, "data.batch_size=8")),
       Row("qwen3-8b-grpo", "lm-tiny-grpo", "v6e:2x4",
-          (*QWEN3_8B, "data.batch_size=1", "rl.num_generations=8")),
+          (*QWEN3_8B, "data.batch_size=8", "rl.num_generations=2")),
   ]
 
 
@@ -123,8 +123,10 @@ def measure(row: Row) -> dict[str, Any]:
   """The row compiled: plan and XLA bytes per device, their ratio, fit, time, roofline.
 
   XLA's bytes of a program are its peak heap and its code where XLA reports a peak (TPU),
-  else its arguments, outputs, temporaries and code (`aot.Program.total`); the largest
-  program's are compared with the plan, to which its code is added as a line."""
+  else its arguments, outputs, temporaries and code (`aot.Program.total`). The train
+  step's are compared with the plan (of the train step), to which its code is added as a
+  line; whether the run fits is the largest program's, or what an RL run holds while it
+  samples (`aot.Compiled.sampling`: the engine beside the train state), if more."""
   from jax_ai_stack import topology  # pylint: disable=g-import-not-at-top
   from jax_ai_stack.recipes import aot, config  # pylint: disable=g-import-not-at-top
 
@@ -142,23 +144,26 @@ def measure(row: Row) -> dict[str, Any]:
   xla = {p.name: peak[p.name] + p.code if p.name in peak else p.total
          for p in compiled.programs}
   largest = max(compiled.programs, key=lambda p: xla[p.name])
-  plan, chip = dataclasses.replace(compiled.plan, code=largest.code), target.chip
   train = compiled.programs[0]
+  plan, chip = dataclasses.replace(compiled.plan, code=train.code), target.chip
+  sampling = getattr(compiled, "sampling", None)
+  most = max(xla[largest.name], sampling or 0)
   roofline = train.roofline(chip)
   record.update(
       chip=chip.device_kind, devices=len(target.devices), hbm=chip.hbm_bytes,
       attention=compiled.attention.name if compiled.attention else None,
       grouped_matmul=compiled.grouped_matmul[0],
       plan=plan.total, plan_lines=_plan_lines(plan), activations_from=plan.activations_from,
-      xla=xla[largest.name], xla_program=largest.name, programs=xla,
-      xla_lines={"arguments": largest.arguments, "outputs": largest.outputs,
-                 "aliased": largest.aliased, "temporaries": largest.temporaries,
-                 "code": largest.code, "peak": peak.get(largest.name)},
-      sampling=getattr(compiled, "sampling", None),
-      ratio=xla[largest.name] / max(plan.total, 1), fits=xla[largest.name] <= chip.hbm_bytes,
+      xla=xla[train.name], largest=largest.name, programs=xla,
+      xla_lines={"arguments": train.arguments, "outputs": train.outputs,
+                 "aliased": train.aliased, "temporaries": train.temporaries,
+                 "code": train.code, "peak": peak.get(train.name)},
+      sampling=sampling, most=most,
+      ratio=xla[train.name] / max(plan.total, 1), fits=most <= chip.hbm_bytes,
       compile_seconds={p.name: p.seconds for p in compiled.programs},
       mfu_ceiling=roofline[1] if roofline else None)
-  print(f"{row.id}: plan {_gib(plan.total)}, XLA {_gib(xla[largest.name])} ({largest.name}), "
+  print(f"{row.id}: plan {_gib(plan.total)}, XLA {_gib(xla[train.name])} (largest: "
+        f"{largest.name}, {_gib(most)} at most), "
         f"ratio {record['ratio']:.2f}, compiled in {sum(record['compile_seconds'].values()):.1f} s",
         flush=True)
   return record

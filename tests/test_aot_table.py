@@ -85,6 +85,6 @@ def test_lm_tiny_on_a_v5e_slice_is_within_the_tolerance(aot_table, tmp_path):
   assert json.loads(out.read_text()) == json.loads(json.dumps(results))
   (row,) = results["rows"]
   assert "error" not in row, row
-  assert row["fits"] and row["xla_program"] == "train step"
+  assert row["fits"] and row["largest"] == "train step"
   assert abs(row["ratio"] - 1) <= aot_table.TOLERANCE, row
   assert "| lm-tiny | v5e:2x2 |" in out.with_suffix(".md").read_text()
