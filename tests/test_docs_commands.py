@@ -84,6 +84,8 @@ SKIPPED = {
                                                "where .ci/run installs libtpu",
     "jax-ai-stack train lm-tiny --dry-run --topology v5e:2x2":
         "needs libtpu: tests/test_aot.py runs it where .ci/run installs libtpu",
+    "JAX_PLATFORMS=cpu python benchmarks/aot_table.py":
+        "needs libtpu and compiles for an hour: tests/test_aot_table.py runs one row of it",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
 }
