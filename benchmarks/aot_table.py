@@ -19,11 +19,10 @@ row's pin; a row that cannot compile says why in its `error`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import common
@@ -93,40 +92,14 @@ def rows() -> list[Row]:
   ]
 
 
-@contextlib.contextmanager
-def peaks() -> Iterator[dict[str, int]]:
-  """{program name: XLA's peak heap bytes} of the programs compiled in the block.
-
-  XLA:TPU's `temp_size_in_bytes` leaves out most of what the backward pass keeps (lm-tiny
-  on v5e:2x2 at 16 rows a device: 9 MiB of temporaries, a 114 MiB peak); its
-  `peak_memory_in_bytes` is what the heap holds at once, arguments included, code not.
-  `aot.Program` does not carry it yet: this keeps it as each program is made."""
-  from jax_ai_stack.recipes import aot  # pylint: disable=g-import-not-at-top
-
-  found: dict[str, int] = {}
-  original = aot.Program.of
-
-  def of(name, compiled, *rest, **kwargs):
-    peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)
-    if peak:
-      found[name] = int(peak)
-    return original(name, compiled, *rest, **kwargs)
-
-  aot.Program.of = of
-  try:
-    yield found
-  finally:
-    aot.Program.of = original
-
-
 def measure(row: Row) -> dict[str, Any]:
   """The row compiled: plan and XLA bytes per device, their ratio, fit, time, roofline.
 
-  XLA's bytes of a program are its peak heap and its code where XLA reports a peak (TPU),
-  else its arguments, outputs, temporaries and code (`aot.Program.total`). The train
-  step's are compared with the plan (of the train step), to which its code is added as a
-  line; whether the run fits is the largest program's, or what an RL run holds while it
-  samples (`aot.Compiled.sampling`: the engine beside the train state), if more."""
+  XLA's bytes of a program are `aot.Program.total` (its peak heap and code where XLA
+  reports a peak, as on TPU). The train step's are compared with the plan (of the train
+  step, its code a line); whether the run fits is the largest program's, or what an RL run
+  holds while it samples (`aot.Compiled.sampling`: the engine beside the train state), if
+  more."""
   from jax_ai_stack import topology  # pylint: disable=g-import-not-at-top
   from jax_ai_stack.recipes import aot, config  # pylint: disable=g-import-not-at-top
 
@@ -134,19 +107,17 @@ def measure(row: Row) -> dict[str, Any]:
                             "overrides": list(row.overrides)}
   try:
     target = topology.load(row.topology)
-    with peaks() as peak:
-      compiled = aot.compile_recipe(config.load(row.recipe, overrides=list(row.overrides)),
-                                    target, environ={})
+    compiled = aot.compile_recipe(config.load(row.recipe, overrides=list(row.overrides)),
+                                  target, environ={})
   except Exception as e:  # pylint: disable=broad-except  # A row's failure is its result.
     record["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
     print(f"{row.id}: {record['error']}", flush=True)
     return record
-  xla = {p.name: peak[p.name] + p.code if p.name in peak else p.total
-         for p in compiled.programs}
-  largest = max(compiled.programs, key=lambda p: xla[p.name])
+  xla = {p.name: p.total for p in compiled.programs}
+  largest = compiled.largest
   train = compiled.programs[0]
-  plan, chip = dataclasses.replace(compiled.plan, code=train.code), target.chip
-  sampling = getattr(compiled, "sampling", None)
+  plan, chip = compiled.plan, target.chip
+  sampling = compiled.sampling
   most = max(xla[largest.name], sampling or 0)
   roofline = train.roofline(chip)
   record.update(
@@ -157,7 +128,7 @@ def measure(row: Row) -> dict[str, Any]:
       xla=xla[train.name], largest=largest.name, programs=xla,
       xla_lines={"arguments": train.arguments, "outputs": train.outputs,
                  "aliased": train.aliased, "temporaries": train.temporaries,
-                 "code": train.code, "peak": peak.get(train.name)},
+                 "code": train.code, "peak": train.peak},
       sampling=sampling, most=most,
       ratio=xla[train.name] / max(plan.total, 1), fits=most <= chip.hbm_bytes,
       compile_seconds={p.name: p.seconds for p in compiled.programs},

@@ -161,6 +161,9 @@ def test_a_kernel_the_chip_s_compiler_refuses_falls_back_with_its_reason(capsys,
   shard = size(r"parameters +([\d.]+ \w+)", out)  # fsdp over 8 chips.
   assert engine > 8 * shard, out  # The whole policy, and its page pool.
   assert size(r"while sampling: ([\d.]+ \w+) per device", out) > engine, out
+  # A slot per completion: 16 prompts x 8, 64 at most, each with pages for 128 positions.
+  pool = 2 * 4 * 2 * (64 * 128 // 64 + 1) * 64 * 32 * 4  # Keys and values, 4 layers, f32.
+  assert size(r"engine rollout decode: .*\(([\d.]+ \w+) of them in donated", out) >= pool
 
 
 @needs_libtpu

@@ -67,6 +67,10 @@ class Program:
   parameters): counted once where both are on the device at once."""
   kernels: tuple[str, ...] = ()
   """The Pallas kernels in the compiled program: proof of what the chip would run."""
+  peak: int = 0
+  """XLA's peak heap, arguments included, code not; 0 where the backend reports none (GPU).
+  XLA:TPU's temporaries leave out most of what a backward pass keeps (lm-tiny on v5e:2x2
+  at 16 rows a device: 9 MiB of temporaries, a 114 MiB peak)."""
 
   @classmethod
   def of(cls, name: str, compiled: Any, seconds: float, shared: int = 0) -> Program:
@@ -77,11 +81,15 @@ class Program:
                stats.alias_size_in_bytes, stats.temp_size_in_bytes,
                stats.generated_code_size_in_bytes,
                costs.get("flops") if costs else None, costs.get("bytes accessed") if costs else None,
-               shared, pallas_kernels(compiled.as_text()))
+               shared, pallas_kernels(compiled.as_text()),
+               int(getattr(stats, "peak_memory_in_bytes", 0) or 0))
 
   @property
   def total(self) -> int:
-    """What the program holds on a device at once (a donated argument counted once)."""
+    """What the program holds on a device at once: its peak heap and code where XLA reports
+    a peak, else its buffers (a donated argument counted once) and code."""
+    if self.peak:
+      return self.peak + self.code
     return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
 
   def roofline(self, chip: topology.Chip) -> tuple[float, float] | None:
@@ -95,8 +103,9 @@ class Program:
 
   def describe(self, chip: topology.Chip) -> str:
     f = memory.format_bytes
+    peak = f"peak heap {f(self.peak)}, " if self.peak else ""
     lines = [f"{self.name}: compiled in {self.seconds:.1f} s; per device {f(self.total)} of "
-             f"{f(chip.hbm_bytes)} HBM ({self.total / chip.hbm_bytes:.1%}): arguments "
+             f"{f(chip.hbm_bytes)} HBM ({self.total / chip.hbm_bytes:.1%}): {peak}arguments "
              f"{f(self.arguments)}, outputs {f(self.outputs)} ({f(self.aliased)} of them in "
              f"donated arguments), temporaries {f(self.temporaries)}, code {f(self.code)}"]
     if self.kernels:
@@ -151,6 +160,8 @@ class Compiled:
   programs: tuple[Program, ...]
   deterministic: bool = False
   """`train.deterministic`, which a GPU run sets XLA's deterministic ops for."""
+  group: int = 1
+  """Rows a step trains on per example of data.batch_size (rl.num_generations on prompts)."""
 
   @property
   def largest(self) -> Program:
@@ -184,9 +195,9 @@ class Compiled:
       lines.append(f"while sampling: {memory.format_bytes(self.sampling)} per device (the train "
                    "state beside the engine's pages and temporaries)")
     lines.append(self.plan.describe(chip.hbm_bytes))
-    largest = self.largest
-    lines.append(f"XLA / memory plan: {largest.total / max(self.plan.total, 1):.2f} "
-                 f"({largest.name}: {memory.format_bytes(largest.total)} per device, plan "
+    train = self.programs[0]  # What the plan is for; the engine's pool it does not count.
+    lines.append(f"XLA / memory plan: {train.total / max(self.plan.total, 1):.2f} "
+                 f"({train.name}: {memory.format_bytes(train.total)} per device, plan "
                  f"{memory.format_bytes(self.plan.total)})")
     return "\n".join(lines)
 
@@ -202,7 +213,8 @@ class Compiled:
       raise UsageError(
           f"{self.recipe} does not fit {self.target.name.text}: {what} needs "
           f"{memory.format_bytes(total)} per device, the {self.target.chip.device_kind} "
-          f"has {memory.format_bytes(hbm)}; {_largest_batch(self.plan, self.target.chip)}")
+          f"has {memory.format_bytes(hbm)}; "
+          f"{_largest_batch(self.plan, self.target.chip, self.group)}")
 
 
 def _fallbacks(choice: kernels.Choice) -> str:
@@ -222,6 +234,7 @@ def compile_recipe(config: Any, target: topology.Topology, *,
     NoImplementationError: no attention kernel fits on that chip.
   """
   task = tasks.for_config(config)
+  group = config.rl.num_generations if task.rollouts is not None else 1
   backend = kernels.backend_of(target.devices[0])
   mesh = sharding.build_mesh(config.mesh, target.devices)
   placement = sharding.Placement(mesh, sharding.logical_rules(config.mesh), task.batch_axes())
@@ -241,7 +254,8 @@ def compile_recipe(config: Any, target: topology.Topology, *,
         microbatch_size=getattr(config.train, "microbatch_size", None))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract, state_sharding)
-    plan_bytes = memory.estimate_memory(config, mesh, attention=choice.name if choice else None)
+    plan_bytes = memory.estimate_memory(config, target, attention=choice.name if choice else None,
+                                        environ=environ)
     rows = max(size for _, size in config.data.batch_sizes())
     batch = _batch(task, placement, rows)
     try:
@@ -253,18 +267,20 @@ def compile_recipe(config: Any, target: topology.Topology, *,
         raise
       raise UsageError(  # XLA:TPU refuses a program larger than HBM as it compiles it.
           f"{config.name} does not fit {target.name.text}: {str(e).strip().splitlines()[0]}; "
-          f"{_largest_batch(plan_bytes, target.chip)}") from None
+          f"{_largest_batch(plan_bytes, target.chip, group)}") from None
+  plan_bytes = dataclasses.replace(plan_bytes, code=programs[0].code)  # Known once compiled.
   return Compiled(
       config.name, target, choice, refused,
       kernels.choose_grouped_matmul("auto", backend.platform),
       kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
-      plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)))
+      plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)),
+      group=group)
 
 
 def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
                      placement: sharding.Placement, create) -> tuple[Program, ...]:
   """The generation engine's prefill and decoding programs, compiled as the run would build
-  its engine on `target`: RL's rollouts (a slot per completion of a process's rows, up to
+  its engine on `target`: RL's rollouts (a slot per completion of a process's prompts, up to
   `rollout.MAX_SLOTS`) and an in-training evaluation's generations (`in_training.BATCH_SIZE`
   slots), each over a pool of the model's whole context per slot. On one host the engine
   decodes with the run's model, placed on the mesh; on several, each process with a whole
@@ -274,8 +290,8 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
   processes = len({device.process_index for device in target.devices})
   if task.rollouts is not None:
     from jax_ai_stack.recipes.rl import rollout  # pylint: disable=g-import-not-at-top
-    rows = max(size for _, size in config.data.batch_sizes())
-    slots, what = min(rows // processes, rollout.MAX_SLOTS), "rollout"
+    prompts = max(size for _, size in config.data.batch_sizes()) // processes
+    slots, what = min(prompts * config.rl.num_generations, rollout.MAX_SLOTS), "rollout"
   elif config.train.eval_tasks:
     from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
     slots, what = in_training.BATCH_SIZE, "evaluation"
@@ -314,9 +330,13 @@ def _device_bytes(tree: Any) -> int:
              for s in jax.tree.leaves(tree))
 
 
-def _largest_batch(plan: memory.MemoryPlan, chip: topology.Chip) -> str:
-  return (f"the largest global batch that fits is about {plan.max_batch_size(chip.hbm_bytes):,} "
-          "(data.batch_size), or spread the state over more devices (mesh.fsdp)")
+def _largest_batch(plan: memory.MemoryPlan, chip: topology.Chip, group: int = 1) -> str:
+  """The advice of a run that does not fit; `group` rows a step trains on per example of
+  data.batch_size (a run on prompts: rl.num_generations completions of each)."""
+  largest = plan.max_batch_size(chip.hbm_bytes) // group
+  return (f"the largest global batch that fits is about {largest:,} (data.batch_size"
+          f"{f', each prompt {group} completions' if group > 1 else ''}), or spread the state "
+          "over more devices (mesh.fsdp)")
 
 
 def _attention_that_compiles(task: tasks.Task, environ: Mapping[str, str], device: Any):
