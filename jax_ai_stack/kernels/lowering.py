@@ -33,8 +33,8 @@ from jax_ai_stack.kernels.plan import AttentionPlan
 from jax_ai_stack.kernels.selection import NoImplementationError
 from jax_ai_stack.kernels.request import Request, backend_of
 
-__all__ = ["Lowered", "attention_that_compiles", "compile_error",
-           "grouped_matmul_that_compiles", "paged_attention_that_compiles"]
+__all__ = ["Lowered", "attention_compile_error", "attention_that_compiles", "compile_error",
+           "grouped_matmul_that_compiles", "no_persistent_cache", "paged_attention_that_compiles"]
 
 
 class Lowered(NamedTuple):
@@ -53,7 +53,7 @@ def compile_error(function: Callable[..., Any], args: tuple[Any, ...], device: A
   placed = jax.sharding.SingleDeviceSharding(device)
   args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in args)
   try:
-    with (_no_persistent_cache(), implementations.compiling_for(device.platform),
+    with (no_persistent_cache(), implementations.compiling_for(device.platform),
           jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
       jax.jit(function).lower(*args).compile()
   except (jax.errors.JaxRuntimeError, NotImplementedError) as e:
@@ -74,7 +74,7 @@ def attention_that_compiles(request: Request, device: Any, implementation: str =
   while True:
     with implementations.compiling_for(backend.platform):
       choice = AttentionPlan(order, "the compile check", backend=backend).select(request)
-    reason = compile_error(_attention_loss(choice), _attention_args(request), device)
+    reason = attention_compile_error(choice, device)
     if reason is None:
       why = "; ".join(v.reason for v in choice.verdicts if v.name in choice.order and
                       v.status == "rejected") or f"first of {', '.join(choice.order)}"
@@ -85,6 +85,12 @@ def attention_that_compiles(request: Request, device: Any, implementation: str =
       raise NoImplementationError(f"no attention kernel compiles for {device.device_kind}: "
                                   + "; ".join(refused))
     order = rest
+
+
+def attention_compile_error(choice, device: Any) -> str | None:
+  """Why `device`'s compiler refuses `choice`'s kernel (a `kernels.Choice`), forward and
+  backward at one row of its request, or None."""
+  return compile_error(_attention_loss(choice), _attention_args(choice.request), device)
 
 
 def _attention_args(request: Request) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -162,7 +168,7 @@ def _or_xla(name: str, why: str, step: Callable[[str], Callable[..., Any]],
 
 
 @contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
+def no_persistent_cache() -> Iterator[None]:
   """The persistent compilation cache off: it would keep programs for compile-only devices
   that no client can load back."""
   enabled = jax.config.jax_enable_compilation_cache

@@ -26,18 +26,18 @@ Example: (needs libtpu; tests/test_aot.py runs it)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
 from jax_ai_stack import kernels, topology
+from jax_ai_stack.kernels import lowering
 from jax_ai_stack.errors import UsageError
 from jax_ai_stack.recipes import memory, optim, sharding, step, tasks
 
@@ -348,7 +348,7 @@ def _attention_that_compiles(task: tasks.Task, environ: Mapping[str, str], devic
   while True:
     plan, choice = kernels.plan_for_run(task.attention_request(), implementation,
                                         environ=environ, backend=backend, probe=True)
-    reason = None if choice is None else _compile_error(choice, device)
+    reason = None if choice is None else lowering.attention_compile_error(choice, device)
     if reason is None:
       return plan, choice, tuple(refused)
     refused.append(f"{choice.name}: {reason}{_fallbacks(choice)}")
@@ -357,32 +357,6 @@ def _attention_that_compiles(task: tasks.Task, environ: Mapping[str, str], devic
       raise kernels.NoImplementationError(
           f"no attention kernel compiles for {device.device_kind}: " + "; ".join(refused))
     implementation = ",".join(rest)
-
-
-def _compile_error(choice: kernels.Choice, device: Any) -> str | None:
-  """Why the chip's compiler refuses `plan`'s kernel at `request` on `device`, or None: at
-  one row, since what a compiler refuses (a block size, a dot algorithm) is per row."""
-  request = choice.request
-  plan = kernels.AttentionPlan((choice.name,), "the compile check", backend=choice.backend)
-  placed = jax.sharding.SingleDeviceSharding(device)
-  q = jax.ShapeDtypeStruct((1, *request.q_shape[1:]), request.dtype, sharding=placed)
-  k = jax.ShapeDtypeStruct((1, *request.k_shape[1:]), request.dtype, sharding=placed)
-  ids = (jax.ShapeDtypeStruct((1, request.q_len), "int32", sharding=placed)
-         if request.segment_ids else None)
-
-  def loss(q, k, v, ids):
-    out = kernels.attention(q, k, v, causal=request.causal, segment_ids=ids,
-                            scale=request.scale, local_window=request.local_window,
-                            logits_soft_cap=request.logits_soft_cap, plan=plan)
-    return out.astype("float32").sum()
-
-  mesh = jax.sharding.Mesh([device], ("one",))  # Whose device the kernels lower for.
-  try:
-    with _no_persistent_cache(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, ids).compile()
-  except jax.errors.JaxRuntimeError as e:
-    return str(e).strip().splitlines()[0]
-  return None
 
 
 def _batch(task: tasks.Task, placement: sharding.Placement, rows: int) -> dict[str, Any]:
@@ -402,21 +376,9 @@ def _compiled(name: str, mesh: jax.sharding.Mesh, lower: Callable[[], Any], *,
   """What `lower()` lowers, compiled, the target's `mesh` the abstract mesh meanwhile: a
   Pallas GPU kernel asks it which GPU to lower for (no layout sets one on one device)."""
   started = time.perf_counter()
-  with _no_persistent_cache(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+  with lowering.no_persistent_cache(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     compiled = lower().compile()
   return Program.of(name, compiled, time.perf_counter() - started, shared)
-
-
-@contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
-  """The persistent compilation cache off for the block: it would write programs for
-  compile-only devices that no client can load back (jax warns at each later read)."""
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def dry_run(config: Any, name: str, *, dry_run: bool, environ: Mapping[str, str]) -> int:
