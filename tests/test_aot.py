@@ -236,6 +236,18 @@ def test_lm_tiny_compiles_for_an_h100_host_within_the_plan(capsys, tmp_path):
   assert 0.85 <= plan_ratio(out) <= 1.15, out
 
 
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_experts_compile_for_an_h100_host(capsys, tmp_path):
+  """tokamax's GPU grouped matmuls read this host's device (Mosaic GPU refuses the
+  architecture; Triton needs jax_triton): a compile-only H100 gets XLA's ragged_dot."""
+  code, out, _ = dry_run(capsys, "moe-tiny", "mesh.expert=2", "--topology", "h100:8",
+                         "--workdir", str(tmp_path / "run"))
+  assert code == 0
+  assert "compiled here as XLA's ragged_dot" in out
+  assert re.search(r"train step: compiled in [\d.]+ s; per device [\d.]+ MiB", out)
+
+
 def has_cudnn() -> bool:
   try:
     return importlib.util.find_spec("nvidia.cudnn") is not None

@@ -108,6 +108,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type=None) -> jax.Array:
   """[M, N]: row block g of `lhs` [M, K] times `rhs[g]` [K, N] (`jax.lax.ragged_dot`)."""
   name, _ = choose_grouped_matmul(implementation, shapes=(lhs.shape, rhs.shape))
+  if name == "tokamax" and _compiling_for_a_gpu_elsewhere():
+    # tokamax's GPU kernels read this host's device (Mosaic GPU: "Unsupported GPU
+    # architecture"; Triton needs jax_triton), so a compile-only GPU gets XLA's ragged_dot.
+    name = "xla"
   if name in ("tokamax", "tokamax_mosaic_tpu"):
     from jax_ai_stack.kernels.implementations import import_tokamax  # pylint: disable=g-import-not-at-top
 
@@ -129,6 +133,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   every = jnp.einsum("mk,gkn->gmn", lhs, rhs, preferred_element_type=preferred_element_type)
   mask = group[None, :] == jnp.arange(rhs.shape[0])[:, None]
   return jnp.where(mask[..., None], every, 0).sum(axis=0).astype(every.dtype)
+
+
+def _compiling_for_a_gpu_elsewhere() -> bool:
+  """Whether the call is traced for a GPU this host does not have (a compile-only device's
+  abstract mesh, `jax_ai_stack.topology`)."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return (device is not None and device.platform == "gpu"
+          and jax.devices()[0].platform != "gpu")
 
 
 @jax.custom_vjp

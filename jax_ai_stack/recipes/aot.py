@@ -269,9 +269,12 @@ def compile_recipe(config: Any, target: topology.Topology, *,
           f"{config.name} does not fit {target.name.text}: {str(e).strip().splitlines()[0]}; "
           f"{_largest_batch(plan_bytes, target.chip, group)}") from None
   plan_bytes = dataclasses.replace(plan_bytes, code=programs[0].code)  # Known once compiled.
+  grouped = kernels.choose_grouped_matmul("auto", backend.platform)
+  if backend.platform == "gpu" and grouped[0] == "tokamax":  # kernels.experts says why.
+    grouped = (grouped[0], f"{grouped[1]}; compiled here as XLA's ragged_dot: tokamax's GPU "
+                           "kernels read this host's device")
   return Compiled(
-      config.name, target, choice, refused,
-      kernels.choose_grouped_matmul("auto", backend.platform),
+      config.name, target, choice, refused, grouped,
       kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
       plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)),
       group=group)
