@@ -115,7 +115,7 @@ def measure(row: Row) -> dict[str, Any]:
     return record
   xla = {p.name: p.total for p in compiled.programs}
   largest = compiled.largest
-  train = compiled.programs[0]
+  train = compiled.train
   plan, chip = compiled.plan, target.chip
   sampling = compiled.sampling
   most = max(xla[largest.name], sampling or 0)

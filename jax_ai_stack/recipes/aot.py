@@ -168,6 +168,11 @@ class Compiled:
     return max(self.programs, key=lambda p: p.total)
 
   @property
+  def train(self) -> Program:
+    """The train step: what the memory plan is for (it does not count an engine's pool)."""
+    return self.programs[0]
+
+  @property
   def sampling(self) -> int | None:
     """Per-device bytes while the run samples (RL's rollouts, an evaluation that generates):
     the train state, which stays on the device, beside the engine's largest program (its
@@ -175,8 +180,7 @@ class Compiled:
     engine = [p for p in self.programs if p.name.startswith(ENGINE)]
     if not engine:
       return None
-    state = next(p for p in self.programs if p.name == "train step").arguments
-    return state + max(p.total - p.shared for p in engine)
+    return self.train.arguments + max(p.total - p.shared for p in engine)
 
   def describe(self) -> str:
     chip = self.target.chip
@@ -195,7 +199,7 @@ class Compiled:
       lines.append(f"while sampling: {memory.format_bytes(self.sampling)} per device (the train "
                    "state beside the engine's pages and temporaries)")
     lines.append(self.plan.describe(chip.hbm_bytes))
-    train = self.programs[0]  # What the plan is for; the engine's pool it does not count.
+    train = self.train
     lines.append(f"XLA / memory plan: {train.total / max(self.plan.total, 1):.2f} "
                  f"({train.name}: {memory.format_bytes(train.total)} per device, plan "
                  f"{memory.format_bytes(self.plan.total)})")
@@ -269,15 +273,17 @@ def compile_recipe(config: Any, target: topology.Topology, *,
           f"{config.name} does not fit {target.name.text}: {str(e).strip().splitlines()[0]}; "
           f"{_largest_batch(plan_bytes, target.chip, group)}") from None
   plan_bytes = dataclasses.replace(plan_bytes, code=programs[0].code)  # Known once compiled.
-  grouped = kernels.choose_grouped_matmul("auto", backend.platform)
+  moe = getattr(config.model, "moe", None)  # What the model's experts were built with.
+  grouped = kernels.choose_grouped_matmul(moe.grouped_matmul if moe else "auto",
+                                          backend.platform, backend.device_kind)
   if backend.platform == "gpu" and grouped[0] == "tokamax":  # kernels.experts says why.
     grouped = (grouped[0], f"{grouped[1]}; compiled here as XLA's ragged_dot: tokamax's GPU "
                            "kernels read this host's device")
+  paged = (plan.paged_attention() if plan is not None else  # What the model decodes with.
+           kernels.choose_paged_attention("auto", backend.platform, backend.device_kind))
   return Compiled(
-      config.name, target, choice, refused, grouped,
-      kernels.choose_paged_attention("auto", backend.platform, backend.device_kind),
-      plan_bytes, programs, deterministic=bool(getattr(config.train, "deterministic", False)),
-      group=group)
+      config.name, target, choice, refused, grouped, paged, plan_bytes, programs,
+      deterministic=bool(getattr(config.train, "deterministic", False)), group=group)
 
 
 def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
