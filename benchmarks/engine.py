@@ -157,7 +157,7 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
   _, first, engine = run_engine(model, requests, workload["slots"], steps_per_call)
   rates = {name: new_tokens / s for name, s in seconds.items()}
   best_loop = max(rates["loop"], rates["loop-batched"])
-  page_bytes = _cache_bytes(config, 1, engine.page_size)
+  page_bytes = _cache_bytes(model, 1, engine.page_size)
   transformers = None
   if torch_python:
     transformers = run_transformers(model, requests, workload["slots"], torch_python)
@@ -175,9 +175,9 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
       "time_to_first_token_s": {"median": statistics.median(first), "worst": max(first)},
       "kv_cache_bytes": {"engine_pool": engine.max_pages * page_bytes,
                          "engine_peak_held": engine.peak_pages * page_bytes,
-                         "full_length_per_request": _cache_bytes(config, len(requests),
+                         "full_length_per_request": _cache_bytes(model, len(requests),
                                                                  config.max_seq_len),
-                         "tokens_held": _cache_bytes(config, 1, sum(
+                         "tokens_held": _cache_bytes(model, 1, sum(
                              len(r.prompt) + r.max_tokens for r in requests))},
       "engine_vs_best_loop": common.target(rates["engine"] / best_loop, TARGET_VS_LOOP,
                                            at_least=True),
@@ -188,9 +188,11 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
           TARGET_VS_TRANSFORMERS, at_least=True)})
 
 
-def _cache_bytes(config: DecoderConfig, rows: int, length: int) -> int:
-  per_token = 2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim
-  return rows * length * per_token * jnp.dtype(config.dtype).itemsize
+def _cache_bytes(model: Decoder, rows: int, length: int) -> int:
+  """What `rows` rows of `length` positions hold in the model's paged cache (its layers'
+  `cache_spec`s: keys and values here)."""
+  per_token, _ = model.page_bytes(1)
+  return rows * length * per_token
 
 
 def _params(model) -> int:

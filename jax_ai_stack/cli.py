@@ -37,8 +37,7 @@ import signal
 import sys
 import threading
 
-from jax_ai_stack import logs, native_logs
-from jax_ai_stack.errors import UserError
+from jax_ai_stack.errors import UserError  # Imports nothing.
 
 INTERRUPTED_EXIT_CODE = 130  # As shells report SIGINT.
 
@@ -46,6 +45,7 @@ INTERRUPTED_EXIT_CODE = 130  # As shells report SIGINT.
 _COMMAND_MODULES = (
     "jax_ai_stack.doctor",
     "jax_ai_stack.recipes.cli",
+    "jax_ai_stack.recipes.generate_cli",
     "jax_ai_stack.recipes.hf_cli",
     "jax_ai_stack.recipes.serve.cli",
     "jax_ai_stack.recipes.data.cli",
@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
   # Building the parser imports each command's module (jax among them): a Ctrl-C
   # there must end as one anywhere else does. A KeyboardInterrupt raised inside an
   # import can leave CPython marked to kill itself by SIGINT at exit (-2, not 130).
+  # `logs` and `native_logs` are imported here, not at the top, for the same reason:
+  # `python -m jax_ai_stack.cli` runs this module's imports before any handler.
   with _ctrl_c_exits(next(iter(sys.argv[1:] if argv is None else argv), "")):
+    from jax_ai_stack import logs, native_logs  # pylint: disable=import-outside-toplevel
     parser = build_parser()
   args, extra = parser.parse_known_args(argv)
   if extra and not getattr(args, "accepts_overrides", False):

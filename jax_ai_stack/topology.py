@@ -38,6 +38,10 @@ __all__ = ["Chip", "Name", "Topology", "GPU_KINDS", "TPU_CHIPS", "chip_of", "loa
 
 TPU_CHIPS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 """The TPU generations libtpu makes slices of, by the names its topologies take."""
+MEGACORE_CHIPS = ("v4", "v5p")
+"""Chips of two TensorCores that JAX runs as one device ("megacore"), as a Cloud TPU VM
+does: libtpu's topologies give a v4 one device per core unless asked (and JAX's mesh
+building then refuses them), as MaxText's train_compile asks too."""
 
 GPU_KINDS = {
     "h100": "NVIDIA H100 80GB HBM3", "h100-pcie": "NVIDIA H100 PCIe",
@@ -177,6 +181,8 @@ def _tpu_devices(name: Name) -> list[Any]:
   _require("libtpu", "tpu", name.text)
   topology = f"{name.chip}:{'x'.join(map(str, name.shape))}"
   kwargs = {"num_slices": name.slices} if name.slices > 1 else {}
+  if name.chip in MEGACORE_CHIPS:
+    kwargs["chip_config_name"] = "megacore"
   with _environ_defaults(_QUIET_LIBTPU):
     try:
       return list(topologies.get_topology_desc(platform="tpu", topology_name=topology,

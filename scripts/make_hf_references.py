@@ -3,7 +3,9 @@
 For each decoder family, a tiny random model whose config turns on every switch
 the family has (biases, q/k norms, soft caps, a sliding window shorter than the
 sequence, local and global layers, an explicit head_dim, linear RoPE scaling,
-experts with and without renormalised router weights, a dense layer among sparse ones),
+experts with and without renormalised router weights, a dense layer among sparse ones,
+a gated shared expert, attention sinks, YaRN with a ramp inside the head, a SwiGLU clamp
+the activations reach, chunks shorter than the sequence, a NoPE layer's temperature),
 saved as transformers saves it, plus its float32 logits on fixed tokens and its
 greedy continuation of a prompt:
 
@@ -38,6 +40,9 @@ PROMPT_LEN, NEW_TOKENS = 5, 8
 _SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
+_TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+"""Within the tiny vocabulary (SmolLM3's and Phi-3's defaults are not)."""
+
 CONFIGS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1,
@@ -61,12 +66,56 @@ CONFIGS = {
         num_hidden_layers=3, head_dim=12, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=False,
         tie_word_embeddings=True)),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
+        num_hidden_layers=2, rope_theta=500_000.0, tie_word_embeddings=False)),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(
+        num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 500_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(
+        num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1], use_sliding_window=True,
+        sliding_window=6, rope_theta=2_000_000.0, tie_word_embeddings=True, **_TOKEN_IDS)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        num_hidden_layers=2, sliding_window=7, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": 0.75,  # Phi-4-mini's: 6 of 8 features turn.
+                         "short_factor": [1.0, 1.7, 3.4], "long_factor": [1.2, 5.0, 9.0]},
+        tie_word_embeddings=False, **_TOKEN_IDS)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=True,
+        use_sliding_window=True, sliding_window=6, max_window_layers=2,
+        tie_word_embeddings=False)),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_hidden_layers=2, head_dim=16, sliding_window=6, num_local_experts=4,
+        num_experts_per_tok=2, swiglu_limit=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096})),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=24, intermediate_size_mlp=64,
+        interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1,
+        no_rope_layers=[1, 1, 0, 1], attention_chunk_size=5, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}, **_TOKEN_IDS)),
+    "olmo3-yarn": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(  # Long context.
+        num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0,
+                                            "rope_theta": 500_000.0,
+                                            "original_max_position_embeddings": 8},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 
 
-ORDER = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
-         "qwen3_moe"]
-"""Every reference, in the order that gives each its seed."""
+SEEDS = {"qwen2": 0, "qwen3": 1, "mistral": 2, "gemma2": 3, "gemma3": 4, "gemma3-conditional": 5,
+         "mixtral": 6, "qwen3_moe": 7, "olmo2": 8, "olmo3": 9, "smollm3": 10, "phi3": 11,
+         "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15}
+"""Every reference and its seed, fixed once written (two families added side by side took
+the same next seeds; a seed need not be unique, only kept)."""
+ORDER = list(SEEDS)
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> None:
@@ -116,7 +165,7 @@ def main() -> None:
   parser.add_argument("names", nargs="*", help="families to write (default: all)")
   args = parser.parse_args()
   wanted = args.names or ORDER
-  for seed, name in enumerate(ORDER):  # The seed is the place: new names go last.
+  for name, seed in SEEDS.items():
     if name not in wanted:
       continue
     if name == "gemma3-conditional":
@@ -124,7 +173,7 @@ def main() -> None:
       config, model_class = _gemma3_conditional(config_class(**_SHAPE, **fields).to_dict())
     else:
       config_class, model_class, fields = CONFIGS[name]
-      config = config_class(**_SHAPE, **fields)
+      config = config_class(**{**_SHAPE, **fields})
     write(name, config, model_class, seed)
   versions = {"transformers": transformers.__version__, "torch": torch.__version__}
   (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n", encoding="utf-8")

@@ -1,8 +1,20 @@
-"""Test-wide settings: CPU only, and one persistent XLA compilation cache.
+"""Test-wide settings: CPU only, and a persistent XLA compilation cache per test worker.
 
-Many tests build the same tiny model again (a resumed run is a new process or a
-new jit), so caching compiled programs on disk keeps the suite fast on 2 cores.
-Subprocesses started by tests inherit the cache through the environment.
+Many tests build the same tiny model again (a resumed run is a new process or a new jit),
+so caching compiled programs on disk keeps the suite fast on 2 cores. Subprocesses inherit
+their worker's cache through the environment. Each pytest-xdist worker has its own: JAX
+(0.10 to 0.12) writes an entry in place, so a process reading the key another is writing
+gets a truncated program; tests that start processes compiling the same program at once (or
+kill one) turn the cache off.
+
+A worker's compiled programs are released at the end of a test file once they are many
+(`_release_compiled_programs`).
+XLA:CPU maps each program's code and data as regions of their own (about 3 maps a program)
+and JAX's caches keep every program alive, so a worker's maps grow toward Linux's limit of
+65,530 a process (vm.max_map_count; one worker had 24,400 twenty minutes into the suite).
+Past it mmap fails: workers segfaulted in a compile and in a cache write, each late in a
+long-lived worker. A dead worker is the end of a pytest-xdist run (the files it had left
+never ran; once CI hung until its limit).
 """
 
 import json
@@ -12,7 +24,8 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax-ai-stack-test-cache")
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax-ai-stack-test-cache",
+                                              os.environ.get("PYTEST_XDIST_WORKER", "main"))
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -23,8 +36,10 @@ import pytest  # noqa: E402
 DURATIONS_FILE = pathlib.Path(__file__).with_name("durations.json")
 """Each test's seconds (setup + call + teardown) in a whole-suite run on a CI-sized machine
 (2 cores, pytest-xdist on both), written by `pytest --record-durations tests/durations.json`."""
-SLOW_S = 10.0
-"""A test that takes longer is marked `slow` (test_markers.py checks it against DURATIONS_FILE)."""
+SLOW_S = 3.0
+"""A test that took longer in DURATIONS_FILE is marked `slow` at collection (unless it is marked
+`every_row`): CI runs the suite minus `slow` on a second Python, where 3 s keeps that run near
+seven minutes; a test not recorded yet can say `@pytest.mark.slow` itself."""
 
 _durations: dict[str, float] = {}
 
@@ -34,15 +49,46 @@ def pytest_addoption(parser):
                    help="write each test's seconds (setup + call + teardown) to PATH as JSON")
 
 
+@pytest.hookimpl(tryfirst=True)  # Before `-m` deselects by marker.
+def pytest_collection_modifyitems(items):
+  recorded = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+  for item in items:
+    if (recorded.get(item.nodeid, 0.0) > SLOW_S and item.get_closest_marker("every_row") is None
+        and item.get_closest_marker("slow") is None):
+      item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_logreport(report):
   _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
-  path = session.config.getoption("--record-durations")
+  path = (session.config.getoption("--record-durations")
+          or os.environ.get("JAX_AI_STACK_RECORD_DURATIONS"))  # A run whose command is fixed.
   if path and not hasattr(session.config, "workerinput"):  # The controller sees every report.
     recorded = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(_durations.items())}
     pathlib.Path(path).write_text(json.dumps(recorded, indent=0) + "\n")
+
+
+MAPS_TO_RELEASE = 20_000
+"""A worker whose memory maps pass this at the end of a test file frees its programs: one file
+adds at most about 21,000, so a worker stays well under the kernel's 65,530. (Freeing after
+every file instead made the suite about twice as slow: each file then traced, lowered and
+loaded again the programs an earlier one had in JAX's caches.)"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """After a test file, JAX's caches cleared and the programs freed where the worker's memory
+  maps are many (see the module)."""
+  yield
+  import gc
+  import sys
+
+  maps = pathlib.Path("/proc/self/maps")  # Linux's; elsewhere nothing is freed.
+  if "jax" in sys.modules and maps.exists() and maps.read_bytes().count(b"\n") > MAPS_TO_RELEASE:
+    sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +122,18 @@ def pytest_runtest_setup(item):
   if jax.default_backend() != "cpu":
     pytest.skip(f"assumes JAX's CPU backend, and this process runs on {jax.default_backend()}: "
                 "run it with JAX_PLATFORMS=cpu")
+
+
+@pytest.fixture
+def engine_lengths(monkeypatch) -> list[int]:
+  """The `max_len` (positions a slot holds) of each generation engine built in the test."""
+  from jax_ai_stack.recipes.inference import engine as engine_lib
+
+  lengths, built = [], engine_lib.Engine.__init__
+
+  def record(self, *args, **kwargs):
+    built(self, *args, **kwargs)
+    lengths.append(self.max_len)
+
+  monkeypatch.setattr(engine_lib.Engine, "__init__", record)
+  return lengths

@@ -22,8 +22,9 @@ def test_every_dense_decoder_kind_is_quantized_as_the_decoder_and_no_mixture_of_
 def test_example_inputs_fit_each_method_and_a_model_of_one_s_own_has_none():
   config = DecoderConfig.small()
   tokens, cache = adapting.example_inputs(config, "decode")
-  assert isinstance(cache, KVCache) and len(cache.keys) == config.num_layers
-  assert cache.keys[0].shape == (1, tokens.shape[1], config.num_kv_heads, config.resolved_head_dim)
+  assert isinstance(cache, KVCache) and len(cache.state) == config.num_layers
+  assert cache.state[0]["keys"].shape == (1, tokens.shape[1], config.num_kv_heads,
+                                          config.resolved_head_dim)
   (images,) = adapting.example_inputs(CNNConfig())
   assert images.shape == (1, *CNNConfig().image_shape)
   with pytest.raises(ConfigError, match="CustomModelConfig models give no example inputs"):

@@ -56,6 +56,30 @@ def test_the_table_has_a_line_per_row_and_marks_what_is_off(aot_table):
   assert len(lines) == 5
 
 
+def test_a_row_out_of_tolerance_is_a_failure_unless_explained(aot_table, monkeypatch):
+  off = record(row="lm-tiny-grpo@v5p:2x2x1", recipe="lm-tiny-grpo", topology="v5p:2x2x1",
+               ratio=0.56)
+  assert aot_table.unexplained([record(), off, {"row": "x@v5e:2x2", "error": "E"}]) == [
+      "lm-tiny-grpo@v5p:2x2x1"]
+  assert "| 0.56 * |" in aot_table.markdown([off])
+  monkeypatch.setitem(aot_table.EXPLAINED, "lm-tiny-grpo@v5p:2x2x1", "the engine")
+  assert aot_table.unexplained([record(), off]) == []
+  table = aot_table.markdown([off])
+  assert "| 0.56 † |" in table and table.endswith("\n† lm-tiny-grpo on v5p:2x2x1: the engine.\n")
+  assert aot_table.markdown([record(ratio=1.1)]).count("†") == 0  # Within: no reason shown.
+
+
+def test_every_explained_row_is_a_row(aot_table):
+  assert set(aot_table.EXPLAINED) <= {r.id for r in aot_table.rows()}
+
+
+def test_the_table_prints_again_from_measured_rows(aot_table, tmp_path, capsys):
+  measured = tmp_path / "rows.json"
+  measured.write_text(json.dumps({"rows": [record(), record(row="b", ratio=1.3)]}))
+  assert aot_table.main(["--markdown", str(measured)])["unexplained"] == ["b"]
+  assert "| lm-tiny | v5e:2x2 | 25.0 MiB | 26.0 MiB | 1.04 |" in capsys.readouterr().out
+
+
 def test_rows_are_every_preset_on_every_slice_then_the_real_sizes(aot_table):
   small = aot_table.select(["small"])
   assert len(small) == len(aot_table.SMALL) * len(aot_table.SLICES)
@@ -87,4 +111,5 @@ def test_lm_tiny_on_a_v5e_slice_is_within_the_tolerance(aot_table, tmp_path):
   assert "error" not in row, row
   assert row["fits"] and row["largest"] == "train step"
   assert abs(row["ratio"] - 1) <= aot_table.TOLERANCE, row
+  assert results["unexplained"] == []
   assert "| lm-tiny | v5e:2x2 |" in out.with_suffix(".md").read_text()

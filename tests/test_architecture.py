@@ -35,10 +35,12 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("compat", "doctor", "topology", "kernels.*")),
     ("recipe configs", "the config tree (and the Task registry it names) loads, validates and "
      "prints without jax", (
-         "recipes.configlib", "recipes.mesh_axes", "recipes.*_config", "recipes.config",
+         "recipes.configlib", "recipes.mesh_axes", "recipes.byte_sizes", "recipes.*_config", "recipes.config",
          "recipes.compile_cache", "recipes.data.config", "recipes.finetune.config",
          "recipes.rl.config",
-         "recipes.models.configs", "recipes.models.cnn_config", "recipes.models.hf.families",
+         "recipes.models.configs", "recipes.models.cnn_config", "recipes.models.custom_config",
+         "recipes.models.moe_config", "recipes.models.rope_config",
+         "recipes.models.hf.families",
          "recipes.models.hf.families.*",
          "recipes.tasks", "recipes.tasks.registry", "recipes.phases")),
     ("builders", "each builds one library object (model, dataset, mesh, optimizer, step, "
@@ -49,10 +51,13 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.sharding",
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
-         "recipes.checkpoint.*", "recipes.distributed", "recipes.memory", "recipes.aot",
+         "recipes.checkpoint.*", "recipes.distributed", "recipes.memory", "recipes.host_memory",
+         "recipes.measured_activations",
+         "recipes.aot",
          "recipes.transforms", "recipes.stop_signal", "recipes.finetune.lora",
          "recipes.finetune.adapters", "recipes.finetune.base_run", "recipes.finetune.quant",
-         "recipes.finetune.reference", "recipes.finetune.transforms")),
+         "recipes.finetune.reference", "recipes.finetune.transforms",
+         "recipes.finetune.teacher")),
     ("the run", "`build_run` opens a workdir into a Run; what trains one or works on a "
      "finished one (quantize, merge) builds on it", (
          "recipes.preflight", "recipes.workdir", "recipes.opening", "recipes.held_out", "recipes.run",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_ai_stack.recipes.finetune import base_run
@@ -30,6 +31,29 @@ def test_the_checksum_sees_one_changed_bit_and_a_reordering():
   flipped = weights["a"].at[3].set(jnp.nextafter(weights["a"][3], 10.0))
   assert base_run.checksum({**weights, "a": flipped}).tolist() != before
   assert base_run.checksum({**weights, "a": weights["a"][::-1]}).tolist() != before
+
+
+def _numpy_checksum(leaves) -> list[int]:
+  """The checksum's definition: per leaf, sum((position * 2654435761 + 1) * bits) and
+  sum((position + index) * bits) over its unsigned words, mod 2**32; total * 31 + sums."""
+  total = np.zeros(2, np.uint64)
+  for index, leaf in enumerate(leaves):
+    leaf = np.asarray(leaf)
+    words = leaf.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[leaf.dtype.itemsize]).ravel()
+    bits, position = words.astype(np.uint64), np.arange(words.size, dtype=np.uint64)
+    sums = [((position * 2654435761 + 1) % 2**32 * bits).sum() % 2**32,
+            ((position + index) % 2**32 * bits).sum() % 2**32]
+    total = (total * 31 + np.array(sums, np.uint64)) % 2**32
+  return total.tolist()
+
+
+def test_the_checksum_of_a_weight_larger_than_a_block_is_the_one_runs_already_saved():
+  # Pointers written by earlier versions hold checksums: the blocked sums must equal them.
+  rng = np.random.default_rng(0)
+  leaves = [jnp.asarray(rng.standard_normal(2 * base_run.CHECKSUM_BLOCK + 5), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((3, 7)), jnp.float32),
+            jnp.asarray(rng.integers(-9, 9, base_run.CHECKSUM_BLOCK), jnp.int8)]
+  assert base_run.checksum(leaves).tolist() == _numpy_checksum(leaves)
 
 
 def test_a_cast_to_the_checksum_s_dtype_and_back_keeps_other_leaves_and_the_bits():

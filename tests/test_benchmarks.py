@@ -163,6 +163,23 @@ def test_startup_quick_finds_the_warm_run_in_the_cache(tmp_path):
 
 
 @pytest.mark.slow
+def test_real_size_quick_runs_the_journey_and_holds_each_training_peak_to_its_plan(tmp_path):
+  results = _run_quick("real_size", tmp_path)
+  steps = results["steps"]
+  assert list(steps) == ["write", "import", "lora", "full", "generate", "serve", "export"]
+  assert steps["write"]["files"] > 3  # Shards, their index and config.json.
+  for name in ("import", "lora", "full", "generate", "serve", "export"):
+    assert steps[name]["seconds"] > 0 and steps[name]["peak_bytes"] > 100 << 20, name
+  for kind in ("lora", "full"):
+    figures = steps[kind]
+    assert figures["s_per_step"] > 0 and figures["tokens_per_s"] > 0
+    assert figures["peak_over_plan"] == figures["peak_bytes"] / figures["plan_bytes"]
+  assert steps["lora"]["plan_bytes"] < steps["full"]["plan_bytes"]  # Adam moments of adapters.
+  assert steps["serve"]["completion_tokens"] > 0 and steps["generate"]["tokens_per_s"] > 0
+  assert results["met_target"] == all(steps[k]["target"]["met"] for k in ("lora", "full"))
+
+
+@pytest.mark.slow
 def test_compile_depth_quick_times_both_layouts_at_each_depth(tmp_path):
   results = _run_quick("compile_depth", tmp_path)
   assert [row["num_layers"] for row in results["rows"]] == list(_load("compile_depth").QUICK_DEPTHS)
@@ -575,3 +592,15 @@ def test_rl_demo_quick_reports_exact_answers_before_and_after_grpo(tmp_path):
   assert results["gain"]["target"] == 0.2 and results["gain"]["at_least"]
   assert "base" not in results and results["sft"]["steps"] == 4 and results["grpo"]["steps"] == 2
   assert results["sft"]["seconds"] > 0 and results["grpo"]["seconds"] > 0
+
+
+def test_distill_quick_reports_both_students_held_out_loss_and_the_teacher_s(tmp_path):
+  results = _run_quick("distill", tmp_path)
+  assert results["mode"] == "quick"
+  assert [results[k]["preset"] for k in ("teacher", "plain", "distilled")] == [
+      "lm-small", "lm-tiny", "lm-tiny-distill"]
+  for run in ("teacher", "plain", "distilled"):
+    assert results[run]["steps"] == 4 and 0 < results[run]["eval_lm_loss"] < 10
+  assert results["distilled"]["eval_loss"] != results["distilled"]["eval_lm_loss"]  # Half KL.
+  assert results["distilled_minus_plain"] == pytest.approx(
+      results["distilled"]["eval_lm_loss"] - results["plain"]["eval_lm_loss"])

@@ -95,8 +95,10 @@ def test_a_model_of_ones_own_resumes_bitwise_and_reopens_read_only(my_model, tmp
   assert "resumed from step 4" in capsys.readouterr().out  # fit says so itself.
   assert (tmp_path / "stopped" / train.PLOT_FILE).exists()  # fit leaves the plot.
 
-  done = train.Trainer.open_finished(tmp_path / "stopped", task=module.task, validation=True)
-  reference = train.Trainer.open_finished(tmp_path / "straight", task=module.task)
+  done = train.Trainer.open_finished(tmp_path / "stopped", task=module.task, validation=True,
+                                     optimizer_state=True)
+  reference = train.Trainer.open_finished(tmp_path / "straight", task=module.task,
+                                          optimizer_state=True)
   try:
     assert done.step == reference.step == 12
     assert checkpoint.tree_equal(done.state, reference.state)  # Dropout included.

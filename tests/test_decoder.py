@@ -95,8 +95,8 @@ def test_rope_scaling_is_validated_by_field():
     RopeScaling(high_freq_factor=1.0)
   with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.factor'.*greater than 0"):
     configlib.from_dict(DecoderConfig, {"rope_scaling": {"factor": 0}})
-  with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.kind'.*'yarn'"):
-    configlib.from_dict(DecoderConfig, {"rope_scaling": {"kind": "yarn"}})
+  with pytest.raises(configlib.ConfigError, match=r"'rope_scaling.kind'.*'dynamic'"):
+    configlib.from_dict(DecoderConfig, {"rope_scaling": {"kind": "dynamic"}})
   with pytest.raises(configlib.ConfigError, match="did you mean 'rope_scaling.low_freq_factor'"):
     configlib.from_dict(DecoderConfig, {"rope_scaling": {"low_freq_facter": 2.0}})
   # A dotted override fills the rest with Llama 3.1's values.
@@ -340,7 +340,7 @@ def test_llama3_rope_scaling_matches_meta_reference(head_dim, theta, factor, low
 
 def test_no_rope_scaling_keeps_the_plain_rope_bitwise():
   positions = jnp.arange(40)[None] * 7
-  sin, cos = decoder.rope_tables(positions, 16, 500_000.0)
+  sin, cos, _ = decoder.rope_tables(positions, 16, 500_000.0)
   # The formula before rope_scaling existed: checkpoints and resumes must not move a bit.
   inv_freq = 1.0 / 500_000.0 ** (jnp.arange(0, 8, dtype=jnp.float32) * 2 / 16)
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
@@ -400,7 +400,7 @@ def test_a_prefill_with_logits_at_gives_each_row_s_chosen_token_s_logits_alone(m
   assert chosen.shape == (2, 1, every.shape[-1])
   np.testing.assert_allclose(chosen[:, 0], every[jnp.arange(2), jnp.asarray([6, 2])],
                              atol=1e-6)
-  np.testing.assert_array_equal(chosen_cache.keys[0], every_cache.keys[0])
+  np.testing.assert_array_equal(chosen_cache.state[0]["keys"], every_cache.state[0]["keys"])
 
 
 

@@ -88,6 +88,8 @@ SKIPPED = {
         "needs libtpu and compiles for an hour: tests/test_aot_table.py runs one row of it",
     "jax-ai-stack serve --workdir": "serves until it is stopped: tests/test_serve_server.py "
                                     "starts it on loopback and speaks to it with the openai client",
+    "python benchmarks/distill.py": "trains three models for about 20 minutes: "
+                                    "tests/test_benchmarks.py runs its --quick form",
 }
 """Commands (a unique leading part) that cannot run here, and why."""
 
@@ -527,6 +529,20 @@ CHAT = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat --prompt")
 CHAT_FILE = doc("jax-ai-stack generate --workdir runs/lm-tiny-sft --chat questions.jsonl")
 
 
+TEACHER = doc("jax-ai-stack train lm-small")
+DISTILL = doc("jax-ai-stack train lm-tiny-distill")
+
+
+@pytest.mark.slow
+def test_a_student_distils_from_the_teacher_the_guide_trains(tmp_path):
+  """docs/post_training.md's pair: lm-small into runs/lm-small, then lm-tiny-distill, whose
+  teacher is that run (both shrunk alike: a teacher needs the student's vocabulary only)."""
+  ok(run(TEACHER, *TINY, cwd=tmp_path))
+  out = ok(run(DISTILL, *TINY, cwd=tmp_path))
+  assert "(and a frozen teacher of " in out and "runs/lm-small)" in out
+  assert re.search(r"done: step 4, loss [\d.]+, divergence [\d.]+, lm_loss", out), out
+
+
 DPO = doc("jax-ai-stack train lm-tiny-dpo")
 DPO_JSONL = doc("jax-ai-stack train lm-tiny-dpo data.source=preference data.paths=[pairs.jsonl]")
 DPO_FULL = doc("jax-ai-stack train lm-tiny-dpo finetune.lora=null")
@@ -558,7 +574,7 @@ def test_chat_fine_tuning_then_preference_tuning(tmp_path):
          "data.validation_fraction=0.3", cwd=tmp_path))
   assert (tmp_path / "runs" / "my-dpo" / "checkpoints").is_dir()
   out = ok(run(DPO_FULL, *tiny, cwd=tmp_path))
-  assert re.search(r"  reference +\S+ \S+  \(frozen copy of the base", out), out
+  assert re.search(r"  reference +\S+ \S+  \(frozen: DPO's copy of the base", out), out
 
 
 # ---- docs/post_training.md: reinforcement learning -----------------------------------

@@ -36,7 +36,8 @@ def tiny():
 
 @pytest.mark.parametrize("name", ["llama-scanned", *(
     pytest.param(name, marks=pytest.mark.slow)
-    for name in ("gemma2", "mixtral", "qwen3", "mistral", "gemma3", "qwen3_moe"))])
+    for name in ("gemma2", "mixtral", "qwen3", "mistral", "gemma3", "qwen3_moe",
+                 "olmo2", "olmo3", "smollm3", "phi3", "qwen2_moe", "gpt_oss", "llama4"))])
 def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
   """Two slots for three prompts: the third is admitted mid-way, into a freed slot."""
   if name == "llama-scanned":
@@ -90,6 +91,15 @@ def test_requests_end_at_a_stop_token_or_their_limit_and_free_their_slot(tiny):
   assert first.tokens == free[0].tokens[:free[0].tokens.index(stop) + 1]
   assert first.finish_reason == "stop"
   assert [c.tokens for c in rest] == [c.tokens for c in free[1:]]
+
+
+def test_a_completion_says_when_its_first_token_came_and_stays_equal_across_runs(tiny):
+  """Time to first token counts from the request's queueing: one that waits for the slot
+  has its first token later. The time is no part of a completion's equality."""
+  requests = [Request(p, 6, temperature=0) for p in _prompts(256, [4, 6])]
+  first, second = Engine(tiny, max_slots=1).run(requests)  # The second waits its turn.
+  assert 0 < first.first_token_s < second.first_token_s
+  assert Engine(tiny, max_slots=1).run(requests) == [first, second]  # Other times, equal.
 
 
 def _text(ids) -> str:
@@ -236,17 +246,19 @@ def test_pools_per_replica_give_each_group_of_rows_its_own_pages(tiny):
   same page numbers; each group as if decoded alone over a pool of its own."""
   tokens = jnp.asarray(RNG.integers(0, 256, (4, 5)), jnp.int32)
   starts, table = jnp.zeros((4,), jnp.int32), jnp.asarray([[1], [2], [1], [2]], jnp.int32)
-  logits, cache = tiny.decode(tokens, KVCache(*tiny.init_pages(3, 8, replicas=2), starts,
+  logits, cache = tiny.decode(tokens, KVCache(tiny.init_pages(3, 8, replicas=2), starts,
                                                table))
-  assert cache.keys[0].shape == (2, 2, 3, 8, 32)  # [K, replicas, pages, page_size, H]
+  assert cache.state[0]["keys"].shape == (2, 2, 3, 8, 32)  # [K, replicas, pages, page_size, H]
   for group in (0, 1):
     rows = slice(2 * group, 2 * group + 2)
-    alone, own = tiny.decode(tokens[rows], KVCache(*tiny.init_pages(3, 8), starts[rows],
+    alone, own = tiny.decode(tokens[rows], KVCache(tiny.init_pages(3, 8), starts[rows],
                                                     table[rows]))
     np.testing.assert_allclose(logits[rows], alone, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(cache.keys[1][:, group], own.keys[1], atol=1e-6, rtol=0)
+    for name in ("keys", "values"):
+      np.testing.assert_allclose(cache.state[1][name][:, group], own.state[1][name],
+                                 atol=1e-6, rtol=0)
   with pytest.raises(ValueError, match="3 rows do not split into the pools' 2 replicas"):
-    tiny.decode(tokens[:3], KVCache(*tiny.init_pages(3, 8, replicas=2), starts[:3], table[:3]))
+    tiny.decode(tokens[:3], KVCache(tiny.init_pages(3, 8, replicas=2), starts[:3], table[:3]))
 
 
 def test_on_a_data_parallel_mesh_the_engine_asks_for_pages_each_replica_can_hold(tiny):
@@ -266,7 +278,10 @@ def test_on_a_data_parallel_mesh_the_engine_asks_for_pages_each_replica_can_hold
     ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}, "('data', 'fsdp')"),
     ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2},
      "('data', 'expert')"),
-], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor"])
+    pytest.param("gpt_oss", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2},
+                 "('data', 'expert')", marks=pytest.mark.slow),  # Sinks in each replica's call.
+], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor",
+        "gpt_oss on data x expert x tensor"])
 def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel_replica(
     name, mesh, replicas):
   """Weights split over `tensor` (and a MoE's experts over `expert`); eight slots in four
@@ -300,7 +315,7 @@ def test_an_engine_of_an_abstract_model_lowers_its_programs_at_their_largest_sha
   config = DecoderConfig.tiny()
   model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   engine = Engine(model, max_slots=4, max_len=64, page_size=16, prefill_chunk=32)
-  assert isinstance(jax.tree.leaves(engine._keys)[0], jax.ShapeDtypeStruct)
+  assert isinstance(jax.tree.leaves(engine._cache)[0], jax.ShapeDtypeStruct)
   pages = 4 * 64 // 16 + 1  # Page 0: where idle rows write.
   pool = 2 * config.num_layers * config.num_kv_heads * pages * 16 * config.resolved_head_dim * 4
   decode = engine.lower("decode").compile().memory_analysis()
@@ -308,3 +323,24 @@ def test_an_engine_of_an_abstract_model_lowers_its_programs_at_their_largest_sha
   assert decode.alias_size_in_bytes == pool  # The pools are donated, updated in place.
   prefill = engine.lower("prefill").compile().memory_analysis()
   assert prefill.alias_size_in_bytes == pool
+
+
+def test_a_slot_is_as_long_as_its_longest_request_in_powers_of_two_up_to_the_model():
+  from jax_ai_stack.recipes.inference import slot_length
+
+  assert slot_length([Request((1,) * 3, max_tokens=4)], 40_960) == 64  # One page at least.
+  assert slot_length([Request((1,) * 60, max_tokens=5), Request((1,), max_tokens=2)],
+                     40_960) == 128
+  assert slot_length([Request((1,) * 200, max_tokens=57)], 40_960) == 512  # 257 -> 512.
+  assert slot_length([Request((1,) * 200, max_tokens=57)], 300) == 300  # The model's end.
+
+
+def test_generating_a_few_tokens_holds_pages_for_them_not_for_the_model_s_whole_context(
+    engine_lengths):
+  # Qwen3's 40,960 positions a slot would be 4.7 GB of keys and values at 0.6B, to write 32.
+  from jax_ai_stack.recipes import config as config_lib
+  from jax_ai_stack.recipes import tasks
+
+  task = tasks.for_config(config_lib.load("lm-tiny", overrides=["model.max_seq_len=2048"]))
+  text = task.generate(task.build_model(0), "def ", 6, 0.0, 0)
+  assert text.startswith("def ") and engine_lengths == [64]

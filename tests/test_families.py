@@ -1,5 +1,5 @@
-"""The decoder families (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE) against
-transformers' outputs.
+"""The decoder families (Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, OLMo 2,
+OLMo 3, SmolLM3, Phi-3, Qwen2-MoE, GPT-OSS) against transformers' outputs.
 
 The reference files in tests/references/hf/ were written by
 scripts/make_hf_references.py with transformers (which CI does not install):
@@ -30,7 +30,8 @@ from multidevice import run_on_devices
 
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
-            "qwen3_moe"]
+            "qwen3_moe", "olmo2", "olmo3", "smollm3", "phi3", "qwen2_moe", "gpt_oss", "olmo3-yarn",
+            "llama4"]
 CAUSAL = [name for name in FAMILIES if name != "gemma3-conditional"]
 ATOL = 1e-4
 """float32 logits of about 5 in magnitude, summed in another order than torch's."""
@@ -72,6 +73,41 @@ def test_each_reference_exercises_its_family_s_switches():
   assert mixtral.moe.norm_topk_prob and all(mixtral.moe_layers) and mixtral.sliding_window
   assert not qwen3_moe.moe.norm_topk_prob and qwen3_moe.moe_layers == (True, False, True)
   assert qwen3_moe.expert_mlp_dim != qwen3_moe.mlp_dim and qwen3_moe.qk_norm
+  for olmo in (configs["olmo2"], configs["olmo3"]):
+    assert not olmo.pre_norms and olmo.post_norms and olmo.qk_norm_scope == "projection"
+  olmo3 = configs["olmo3"]
+  assert olmo3.layer_types.count("full") == 1 and olmo3.local_rope_theta != olmo3.rope_theta
+  assert olmo3.rope_scaling.kind == "linear"
+  smollm3 = configs["smollm3"]
+  assert smollm3.nope_layers == (1,) and smollm3.layer_types[1] == "sliding"
+  phi3 = configs["phi3"]
+  scaling = phi3.rope_scaling
+  assert scaling.kind == "longrope" and scaling.short_factor != scaling.long_factor
+  assert scaling.attention_factor > 1 and phi3.sliding_window and phi3.rotary_dim == 6
+  # The logits' tokens reach past Phi-3's original context (long factors), the greedy
+  # continuation does not (short factors).
+  assert _reference("phi3")["greedy"].shape[1] <= scaling.original_max_position_embeddings < (
+      seq_len)
+  qwen2_moe = configs["qwen2_moe"]
+  assert qwen2_moe.moe.shared_expert_dim not in (None, qwen2_moe.mlp_dim, qwen2_moe.expert_mlp_dim)
+  assert qwen2_moe.moe.shared_expert_gate and qwen2_moe.qkv_bias and qwen2_moe.moe.norm_topk_prob
+  assert qwen2_moe.moe_layers == (True, False, True) and "sliding" in qwen2_moe.layer_types
+  gpt_oss = configs["gpt_oss"]
+  assert gpt_oss.attention_sinks and gpt_oss.qkv_bias and gpt_oss.o_proj_bias
+  assert gpt_oss.layer_types == ("sliding", "full") and gpt_oss.rope_scaling.kind == "yarn"
+  assert not gpt_oss.rope_scaling.truncate
+  moe = gpt_oss.moe
+  assert moe.router_bias and moe.expert_bias and moe.interleaved_gate_up
+  assert moe.expert_activation == "clamped_swiglu" and moe.swiglu_limit == 0.5
+  llama4 = configs["llama4"]
+  assert llama4.layer_types == ("chunked", "chunked", "full", "chunked")
+  assert llama4.attention_chunk_size < seq_len and llama4.nope_layers == (2,)
+  assert llama4.qk_l2_norm and llama4.nope_temperature == (4.0, 0.5)
+  assert llama4.rope_scaling.kind == "llama3" and llama4.moe_layers == (False, True) * 2
+  moe = llama4.moe
+  assert moe.router_score == "sigmoid" and moe.weight_inputs
+  assert moe.num_experts_per_tok == 1 and moe.shared_expert_dim == llama4.expert_mlp_dim
+  assert llama4.expert_mlp_dim != llama4.mlp_dim
 
 
 def _with(config: DecoderConfig, **changes) -> DecoderConfig:
@@ -93,6 +129,15 @@ def _with(config: DecoderConfig, **changes) -> DecoderConfig:
     ("gemma2", dict(mlp_activation="silu")),
     ("gemma3", dict(local_rope_theta=None)),
     ("gemma3", dict(rope_scaling=None)),
+    ("olmo3", dict(local_rope_theta=None)),
+    ("smollm3", dict(nope_layers=())),
+    ("phi3", dict(rope_scaling=None)),
+    ("phi3", dict(sliding_window=None)),
+    ("gpt_oss", dict(rope_scaling=None)),
+    ("llama4", dict(attention_chunk_size=None, layer_types=None)),
+    ("llama4", dict(qk_l2_norm=False)),
+    ("llama4", dict(nope_temperature=None)),
+    ("llama4", dict(rope_scaling=None)),
 ])
 def test_turning_a_switch_off_moves_the_logits_far_past_the_tolerance(name, changes):
   model = hf.load_model(REFERENCES / name)
@@ -100,6 +145,58 @@ def test_turning_a_switch_off_moves_the_logits_far_past_the_tolerance(name, chan
   nnx.update(other, nnx.state(model))
   tokens = jnp.asarray(_reference(name)["tokens"])
   assert float(jnp.abs(other(tokens) - model(tokens)).max()) > 100 * ATOL
+
+
+def test_qwen2_moe_s_shared_expert_and_its_gate_move_the_logits():
+  model = hf.load_model(REFERENCES / "qwen2_moe")
+  tokens = jnp.asarray(_reference("qwen2_moe")["tokens"])
+  before = model(tokens)
+  gate = model.layers[0].mlp.shared_expert_gate.kernel
+  gate[...] = jnp.full_like(gate[...], 100.0)  # sigmoid -> 1: the ungated shared expert.
+  ungated = model(tokens)
+  down = model.layers[0].mlp.shared_expert.down_proj.kernel
+  down[...] = jnp.zeros_like(down[...])  # No shared expert.
+  assert float(jnp.abs(ungated - before).max()) > 100 * ATOL
+  assert float(jnp.abs(model(tokens) - ungated).max()) > 100 * ATOL
+
+
+@pytest.mark.parametrize("change", ["sinks", "o_proj bias", "clamp", "expert biases",
+                                    "router bias"])
+def test_gpt_oss_s_sinks_biases_and_clamp_move_the_logits(change):
+  """Each of GPT-OSS's switches shows in the reference's logits: sinks at -1e9 (no sink),
+  a zero bias, or a clamp out of reach."""
+  model = hf.load_model(REFERENCES / "gpt_oss")
+  tokens = jnp.asarray(_reference("gpt_oss")["tokens"])
+  before = model(tokens)
+  for block in model.layers:
+    attention, moe = block.attention, block.mlp
+    params = {"sinks": [attention.sinks], "o_proj bias": [attention.o_proj.bias],
+              "expert biases": [moe.gate_up_proj_bias, moe.down_proj_bias],
+              "router bias": [moe.router.bias], "clamp": []}[change]
+    for param in params:
+      param[...] = jnp.full_like(param[...], -1e9 if change == "sinks" else 0.0)
+    if change == "clamp":
+      moe.swiglu = (moe.swiglu[0], 1e9)
+  assert float(jnp.abs(model(tokens) - before).max()) > 100 * ATOL
+
+
+def test_a_bfloat16_gpt_oss_checkpoint_imports(tmp_path):
+  """GPT-OSS's own release dtype: the reference's tensors in bfloat16 load as a bfloat16
+  model whose logits are the float32 reference's, within bfloat16's precision."""
+  import ml_dtypes
+  import safetensors.numpy
+
+  directory = _copy_reference("gpt_oss", tmp_path, dtype="bfloat16")
+  weights = safetensors.numpy.load_file(str(directory / "model.safetensors"))
+  safetensors.numpy.save_file({name: array.astype(ml_dtypes.bfloat16)
+                               for name, array in weights.items()},
+                              str(directory / "model.safetensors"))
+  model = hf.load_model(directory)
+  assert model.config.param_dtype == model.config.dtype == "bfloat16"
+  assert model.layers[0].mlp.gate_up_proj[...].dtype == jnp.bfloat16
+  ref = _reference("gpt_oss")
+  logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+  assert np.abs(logits - ref["logits"]).max() < 0.25, np.abs(logits - ref["logits"]).max()
 
 
 def test_zero_biases_move_qwen2_s_logits():
@@ -117,6 +214,10 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(family):
   """Prefill, then one token at a time past every sliding window: the full pass's logits."""
   name, model, ref = family
   tokens = jnp.asarray(ref["tokens"])
+  if (scaling := model.config.rope_scaling) is not None and scaling.kind == "longrope":
+    # LongRoPE's factors follow the longest position of a call: the cache's keys of the
+    # first positions were rotated by the short ones, a full pass's by the long ones.
+    tokens = tokens[:, :scaling.original_max_position_embeddings]
   cache = model.init_cache(tokens.shape[0], model.config.max_seq_len)
   logits, cache = model.decode(tokens[:, :4], cache)
   steps = [logits]
@@ -215,9 +316,16 @@ def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> path
     ("mixtral", {"router_jitter_noise": 0.1},
      "router_jitter_noise=0.1 is not supported: the router here adds no noise"),
     ("qwen3_moe", {"num_experts_per_tok": 5}, "moe.num_experts_per_tok=5 is above moe.num_experts=4"),
-    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-     "rope_parameters=.* is not supported: of the RoPE types only default, llama3, linear"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+     "rope_parameters=.* is not supported: of the RoPE types only default, llama3, linear, "
+     "longrope, yarn"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707}},
+     r"rope_parameters.mscale=0.707 is not supported: YaRN is implemented without it"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}},
+     r"quantization_config.quant_method='mxfp4' is not supported: its expert weights are MXFP4 "
+     r"blocks.*Mxfp4Config\(dequantize=True\)"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
+    ("qwen2_moe", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("gemma2", {"use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not supported: the decoder is causal"),
     ("gemma2", {"layer_types": ["full_attention", "chunked_attention"] * 2},
@@ -227,12 +335,49 @@ def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> path
      "key"),
     ("gemma3-conditional", {"audio_config": {}},
      "audio_config=.* is not supported: not a key of Gemma3ForConditionalGeneration"),
+    ("olmo2", {"attention_bias": True}, "attention_bias=True is not supported: the model has no "
+     "biases"),
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 8.0},
+                                   "sliding_attention": {"rope_type": "default"}}},
+     r"rope_parameters.full_attention=\{'rope_type': 'dynamic'.* is not supported: of the RoPE "
+     "types only default, llama3, linear, longrope, yarn"),
+    ("smollm3", {"no_rope_layers": [1, 2, 1, 1]},
+     r"no_rope_layers=\[1, 2, 1, 1\] is not supported: expected a 1 \(RoPE\) or 0 \(NoPE\)"),
+    ("qwen3", {"rope_parameters": {"rope_theta": 10_000.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5 is not supported: Qwen3ForCausalLM turns every feature"),
+    ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop=0.1 is not supported: the model has no dropout"),
+    ("llama4", {"attention_bias": True}, "attention_bias=True is not supported: Llama 4's text "
+     "model has neither"),
+    ("llama4", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("llama4", {"layer_types": ["sliding_attention"] * 4}, "layer_types=.* is not supported: "
+     "expected full_attention or chunked_attention"),
 ])
 def test_bad_config_keys_and_values_are_named_in_one_line(tmp_path, name, changes, message):
   directory = _copy_reference(name, tmp_path, **changes)
   with pytest.raises(ModelFileError, match=message) as error:
     hf.read_config(directory)
   assert "\n" not in str(error.value) and str(directory / "config.json") in str(error.value)
+
+
+def test_llama4_s_text_and_vision_checkpoint_reads_its_text_model(tmp_path):
+  """Llama4ForConditionalGeneration as transformers 5.24 saves it (config.json's text_config;
+  `language_model.model.*`, `language_model.lm_head`, `vision_model.*`, `multi_modal_projector.*`),
+  made here from the Llama 4 reference: the text model's logits are the reference's."""
+  import safetensors.numpy
+
+  text = json.loads((REFERENCES / "llama4" / "config.json").read_text())
+  config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+            "text_config": text, "vision_config": {"hidden_size": 16}, "boi_token_index": 90,
+            "eoi_token_index": 91, "image_token_index": 92, "tie_word_embeddings": False}
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  weights = safetensors.numpy.load_file(str(REFERENCES / "llama4" / "model.safetensors"))
+  weights = {"language_model." + name: array for name, array in weights.items()}
+  weights["vision_model.class_embedding"] = np.zeros(16, np.float32)
+  weights["multi_modal_projector.linear_1.weight"] = np.zeros((32, 16), np.float32)
+  safetensors.numpy.save_file(weights, str(tmp_path / "model.safetensors"))
+  model, ref = hf.load_model(tmp_path), _reference("llama4")
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ref["tokens"]))), ref["logits"],
+                             atol=ATOL, rtol=0)
 
 
 def test_a_tensor_of_the_wrong_shape_names_itself_and_both_shapes(tmp_path):
@@ -248,6 +393,10 @@ def test_a_tensor_of_the_wrong_shape_names_itself_and_both_shapes(tmp_path):
     ("mistral", dict(layer_types=("full",) * 4), "layer_types=.* does not go with kind='mistral'"),
     ("gemma3", dict(layer_types=("sliding", "full")), "layer_types has 2 entries; num_layers=4"),
     ("qwen2", dict(layer_types=("full", "sliding") * 2), "sliding_window is not set"),
+    ("llama", dict(attention_chunk_size=8), "attention_chunk_size=8 does not go with kind="
+     "'llama'.* llama4"),
+    ("qwen2", dict(layer_types=("full", "chunked") * 2), "attention_chunk_size is not set"),
+    ("qwen3", dict(qk_l2_norm=True), "qk_l2_norm=True does not go with kind='qwen3'"),
 ])
 def test_a_switch_the_kind_cannot_express_is_refused(kind, fields, message):
   with pytest.raises(ValueError, match=message):
@@ -284,19 +433,40 @@ PRESET_SIZE = ["model.num_layers=2", "model.layer_types=[sliding,full]", "model.
                "train.sample_tokens=4", "train.progress=false", "optim.warmup_steps=1"]
 
 
+PRESET_LAYERS = {
+    "olmo2-tiny": ["model.layer_types=null", "model.sliding_window=null"],
+    "smollm3-tiny": ["model.nope_layers=[0]"],
+    "phi3-tiny": ["model.layer_types=null", *(
+        f"model.rope_scaling.{name}_factor=[{', '.join(['1.5'] * 8)}]"
+        for name in ("short", "long")),
+        "model.rope_scaling.original_max_position_embeddings=16"],
+}
+"""Where a preset's layers differ from PRESET_SIZE's: OLMo 2 has no sliding layers; SmolLM3's
+sliding layer is its NoPE one; Phi-3 has a window on every layer or none, and LongRoPE factors
+for head_dim 16 (the long ones in training's 32-token rows)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["qwen2-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "gemma3-tiny", "olmo2-tiny", "olmo3-tiny",
+                                    "smollm3-tiny", "phi3-tiny"])
 def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
-  """The whole journey on the families with the most switches (qwen2: biases and sliding
-  layers when set; gemma3: four norms, q/k norms, soft caps, local and global layers):
-  training from scratch, PTQ, QAT, then LoRA on a QLoRA (w8) base, each evaluated and
-  sampled (KV cache) with finite numbers."""
+  """The whole journey, training from scratch, PTQ, QAT, then LoRA on a QLoRA (w8) base, each
+  evaluated and sampled (KV cache) with finite numbers, on the families with the most switches:
+
+  - qwen2: biases and sliding layers when set;
+  - gemma3: four norms, q/k norms, soft caps, local and global layers;
+  - olmo2: norms after the sublayers only, q/k norms over the whole projection;
+  - olmo3: olmo2's block with sliding layers of their own RoPE base;
+  - smollm3: a NoPE layer (the sliding one);
+  - phi3: LongRoPE (the long factors in training's rows, the short ones sampling).
+  """
   import math
 
   from jax_ai_stack.recipes import config, train
   from jax_ai_stack.recipes.finetune import ptq
 
-  steps = ["train.steps=3", "train.eval_every=3", "checkpoint.save_every=3"]
+  steps = ["train.steps=3", "train.eval_every=3", "checkpoint.save_every=3",
+           *PRESET_LAYERS.get(preset, [])]
   base = tmp_path / "base"
   result = train.run(config.load(preset, overrides=[*PRESET_SIZE, *steps]), base)
   assert result["step"] == 3 and math.isfinite(result["eval_loss"])
@@ -356,3 +526,46 @@ def test_each_kind_is_declared_by_its_family_file_alone():
               if isinstance(node, ast.Constant) and node.value in families.KINDS
               and id(node) not in docstrings}
   assert named == {("recipes/models/configs.py", "llama"), ("recipes/models/__init__.py", "llama")}
+
+
+@pytest.mark.parametrize("preset", ["olmo2-tiny", "olmo3-tiny", "smollm3-tiny", "phi3-tiny"])
+def test_the_memory_plan_counts_each_family_s_parameters(preset):
+  """The plan's parameter bytes are the built model's (OLMo's post-norms and projection-wide
+  q/k norms included), and `num_params` counts them from the config alone."""
+  from jax_ai_stack.recipes import config, memory
+
+  recipe = config.load(preset, overrides=PRESET_SIZE + PRESET_LAYERS.get(preset, []))
+  model = nnx.eval_shape(lambda: Decoder(recipe.model, rngs=nnx.Rngs(0)))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count == recipe.model.num_params()
+  plan = memory.estimate_memory(recipe, 1, attention="xla")
+  assert plan.parameters == 4 * count and plan.activations > 0
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json, layer_types aside (the default pattern).
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn"],
+                            "quant_method": "mxfp4"}}
+
+
+def test_gpt_oss_20b_s_config_is_refused_naming_the_route_and_its_dequantized_save_reads():
+  """The MXFP4 release is refused in one line naming transformers' dequantized save; the
+  config that save writes (without quantization_config) describes 20.9B parameters."""
+  with pytest.raises(ModelFileError, match=r"quant_method='mxfp4' is not supported: .*"
+                     r"Mxfp4Config\(dequantize=True\).*save_pretrained"):
+    hf.config_json.decoder_fields(GPT_OSS_20B)
+  saved = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+  config = DecoderConfig(**hf.config_json.decoder_fields(saved))
+  assert round(config.num_params() / 1e9, 1) == 20.9 and config.attention_sinks
+  assert config.layer_types[:2] == ("sliding", "full") and config.rope_scaling.factor == 32
+  assert config.moe.num_experts == 32 and config.moe.num_experts_per_tok == 4

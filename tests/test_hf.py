@@ -253,9 +253,9 @@ def test_bfloat16_tensors_are_cast_to_the_parameter_dtype(tmp_path):
     ("architectures", ["DeepseekV3ForCausalLM"]),
     ("model_type", "mistral"),
     ("hidden_act", "gelu"),
-    ("rope_scaling", {"rope_type": "longrope", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "ntk", "factor": 8.0}),
     ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 10000.0}),
     ("rope_parameters", "llama3"),
     ("attention_bias", True),
     ("mlp_bias", True),
@@ -606,7 +606,7 @@ def _bad_shape(source):
 
 
 def _refused(source):
-  (source / "config.json").write_text(json.dumps({**TINY_HF, "rope_scaling": {"rope_type": "yarn"}}))
+  (source / "config.json").write_text(json.dumps({**TINY_HF, "rope_scaling": {"rope_type": "dynamic"}}))
 
 
 def _bad_llama3(source):

@@ -154,6 +154,13 @@ def _like_one_device(whole: pathlib.Path, out: str) -> None:
                              [r["loss"] for r in records(one, "train")], rtol=2e-5)
 
 
+def _distill_checks(whole: pathlib.Path, out: str) -> None:
+  assert "(and a frozen teacher of " in out
+  saved = checkpoint_paths(whole)
+  assert saved and not [p for p in saved if "teacher" in p]  # Read again on resume instead.
+  assert all(r["divergence"] > 0 and r["lm_loss"] > 0 for r in records(whole, "train"))
+
+
 def _harness_checks(whole: pathlib.Path, out: str) -> None:
   evals = records(whole, "eval")
   assert [r["step"] for r in evals] == [4, 8]
@@ -218,6 +225,9 @@ CASES = [
                     "optim.learning_rate=0.002"]),
     Case("dpo", "lora", "llama", "pairs", "lm-tiny-dpo", _dpo("lora"), check=_dpo_checks("lora")),
     Case("dpo", "full", "llama", "pairs", "lm-tiny-dpo", _dpo("full"), check=_dpo_checks("full")),
+    Case("distill", "none", "llama", "text", "lm-tiny-distill",
+         lambda i: [*TUNE, "data.max_documents=30", "model.d_model=16",
+                    f"finetune.distill.teacher={i.base(*TUNE)}"], check=_distill_checks),
     Case("grpo", "full", "llama", "prompts", "lm-tiny-grpo", _grpo(1), kills=(2,),
          check=_grpo_checks(1)),
     Case("grpo", "full", "llama", "prompts, 3 updates a rollout", "lm-tiny-grpo", _grpo(3),

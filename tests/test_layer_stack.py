@@ -94,12 +94,12 @@ def test_conversion_round_trip_is_bitwise(pair):
 def test_decode_and_generate_match_unrolled(pair):
   unrolled, scanned = pair
   cache = scanned.init_cache(2, 16)
-  assert cache.keys.shape == (3, 2, 16, 2, 8)
+  assert cache.state["keys"].shape == (3, 2, 16, 2, 8)
   prompt = tokens((2, 5))
   logits, cache = scanned.decode(prompt, cache)
   np.testing.assert_allclose(logits, unrolled(prompt), rtol=1e-5, atol=1e-5)
   assert int(cache.length) == 5
-  # A per-layer cache (a tuple, as `models.adapting.example_inputs` builds) is stacked on the way in.
+  # A per-layer cache (a tuple, an unrolled model's) is stacked on the way in.
   per_layer = unrolled.init_cache(2, 16)
   np.testing.assert_allclose(scanned.decode(prompt, per_layer)[0], logits, rtol=1e-6)
   for temperature in (0.0, 1.0):

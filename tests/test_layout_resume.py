@@ -48,8 +48,8 @@ def pure(trainer: train.Trainer) -> dict:
 
 
 def saved(workdir) -> train.Trainer:
-  """The newest step as saved (its own config, so its own layout)."""
-  trainer = train.Trainer.open_finished(workdir)
+  """The newest step as saved (its own config, so its own layout), moments included."""
+  trainer = train.Trainer.open_finished(workdir, optimizer_state=True)
   trainer.close()
   return trainer
 

@@ -5,6 +5,7 @@ and resumed, on one device and on the mesh: test_kill_and_resume.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import jax
@@ -96,6 +97,16 @@ def test_auto_takes_the_blocked_matmul_on_cpu_and_tokamax_elsewhere():
   assert kernels.choose_grouped_matmul("xla", "cpu") == ("xla", "requested: jax.lax.ragged_dot")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is None, reason="tokamax is not installed")
+def test_a_layer_built_for_a_tpu_before_v5_takes_xla_s_ragged_dot():
+  """The chip the model is compiled for, not only its platform, picks the grouped matmul:
+  tokamax's Mosaic TPU kernel needs a v5 or newer."""
+  config, rngs = _config(), nnx.Rngs(0)
+  built = lambda kind: moe.MoE(config, rngs=rngs, platform="tpu", device_kind=kind)
+  assert built("TPU v4").implementation == "xla"
+  assert built("TPU v5 lite").implementation == "tokamax_mosaic_tpu"
+
+
 @pytest.mark.parametrize("rows, groups, block", [(8192, 8, 128), (2048, 8, 64), (20, 4, 8)])
 def test_blocks_are_a_power_of_two_near_a_quarter_of_a_group(rows, groups, block):
   from jax_ai_stack.kernels import experts
@@ -108,9 +119,13 @@ def test_an_unknown_grouped_matmul_is_named():
     kernels.choose_grouped_matmul("cuda")
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_the_layer_equals_a_loop_over_tokens_and_their_experts(normalize):
-  config = _config(norm_topk_prob=normalize)
+@pytest.mark.parametrize("normalize, shared", [(True, None), (False, None),
+                                               (False, "gated"), (True, "ungated")])
+def test_the_layer_equals_a_loop_over_tokens_and_their_experts(normalize, shared):
+  """Routed experts and a shared expert (with or without its sigmoid gate) against NumPy."""
+  shared_fields = {} if shared is None else dict(shared_expert_dim=12,
+                                                 shared_expert_gate=shared == "gated")
+  config = _config(norm_topk_prob=normalize, **shared_fields)
   layer = moe.MoE(config, rngs=nnx.Rngs(1))
   x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
   y, _ = layer(x)
@@ -125,6 +140,49 @@ def test_the_layer_equals_a_loop_over_tokens_and_their_experts(normalize):
     for e, w in zip(picked, weights):
       hidden = token @ gate[e]
       expected[n] += w * ((hidden / (1 + np.exp(-hidden)) * (token @ up[e])) @ down[e])
+  if shared is not None:
+    mlp = layer.shared_expert
+    s_gate, s_up, s_down = (np.asarray(m.kernel[...], np.float64)
+                            for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    tokens = np.asarray(x, np.float64).reshape(10, 16)
+    hidden = tokens @ s_gate
+    out = (hidden / (1 + np.exp(-hidden)) * (tokens @ s_up)) @ s_down
+    if shared == "gated":
+      out *= 1 / (1 + np.exp(-(tokens @ np.asarray(layer.shared_expert_gate.kernel[...]))))
+    else:
+      assert layer.shared_expert_gate is None
+    expected += out
+  np.testing.assert_allclose(np.asarray(y).reshape(10, 16), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_gpt_oss_s_experts_equal_a_loop_over_tokens():
+  """Router bias; gate and up interleaved in one weight, with biases; the clamped SwiGLU
+  (a clamp the activations reach); a down bias per expert: NumPy, as transformers'
+  GptOssExperts computes them."""
+  config = _config(router_bias=True, expert_bias=True, interleaved_gate_up=True,
+                   expert_activation="clamped_swiglu", swiglu_alpha=1.5, swiglu_limit=0.8)
+  layer = moe.MoE(config, rngs=nnx.Rngs(1))
+  for param in (layer.router.bias, layer.gate_up_proj_bias, layer.down_proj_bias):
+    param[...] = jnp.asarray(RNG.normal(size=param.shape), jnp.float32)
+  x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
+  y, _ = layer(x)
+  router, router_bias = (np.asarray(p[...], np.float64)
+                         for p in (layer.router.kernel, layer.router.bias))
+  gate_up, gate_up_bias, down, down_bias = (np.asarray(p[...], np.float64) for p in (
+      layer.gate_up_proj, layer.gate_up_proj_bias, layer.down_proj, layer.down_proj_bias))
+  expected, clamped = np.zeros((10, 16)), 0
+  for n, token in enumerate(np.asarray(x, np.float64).reshape(10, 16)):
+    logits = token @ router + router_bias
+    picked = np.argsort(-logits, kind="stable")[:2]
+    weights = np.exp(logits[picked] - logits[picked].max())
+    for e, w in zip(picked, weights / weights.sum()):
+      both = token @ gate_up[e] + gate_up_bias[e]
+      gate, up = both[::2], both[1::2]
+      clamped += np.sum(gate > 0.8) + np.sum(np.abs(up) > 0.8)
+      gate, up = np.minimum(gate, 0.8), np.clip(up, -0.8, 0.8)
+      hidden = (up + 1) * gate / (1 + np.exp(-1.5 * gate))
+      expected[n] += w * (hidden @ down[e] + down_bias[e])
+  assert clamped > 0
   np.testing.assert_allclose(np.asarray(y).reshape(10, 16), expected, rtol=1e-4, atol=1e-5)
 
 
@@ -158,6 +216,7 @@ def test_scanned_experts_compute_what_unrolled_ones_do():
     (["model.moe.num_experts_per_tok=9"], "moe.num_experts_per_tok=9 is above moe.num_experts=8"),
     (["model.moe=null"], "kind='mixtral' is a mixture of experts: set model.moe"),
     (["model.moe.dense_layers=[4]"], "moe.dense_layers names layer 4; the layers are 0..3"),
+    (["model.moe.shared_expert_gate=true"], "moe.shared_expert_gate=true needs a shared expert"),
     (["mesh.expert=3"], "mesh.expert=3 does not divide model.moe.num_experts=8"),
 ])
 def test_a_bad_moe_config_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
@@ -185,6 +244,19 @@ def test_the_memory_plan_of_a_moe_model_is_measured():
 
   plan = memory.estimate_memory(config_lib.load("moe-tiny", overrides=SMALL), 1)
   assert plan.activations_from.startswith("measured") and plan.activations_per_row > 0
+
+
+@pytest.mark.parametrize("preset", ["qwen2_moe-tiny", "gpt_oss-tiny", "llama4-tiny"])
+def test_the_memory_plan_counts_a_family_s_expert_weights(preset):
+  """Shared experts and their gates (and every other weight a family adds) are counted: the
+  plan's parameter bytes are the config's count, which equals the built model's."""
+  from jax_ai_stack.recipes import memory
+
+  config = config_lib.load(preset, overrides=[*MOE_PRESET_SIZE, *FAMILY_PRESETS[preset]])
+  model = nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0)))
+  built = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  plan = memory.estimate_memory(config, 1)
+  assert plan.parameters == 4 * config.model.num_params() == 4 * built
 
 
 @pytest.mark.slow
@@ -239,7 +311,9 @@ def test_the_memory_plan_keeps_experts_split_over_the_expert_axis():
 @pytest.mark.parametrize("name", [
     # On every row: the shard_map and its collectives are what changes with jax.
     pytest.param("mixtral", marks=pytest.mark.every_row),
-    pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
   """The Mixtral and Qwen3-MoE reference checkpoints on 8 simulated devices with their
   experts split over `expert` (alone with `data`; with fsdp and tensor under fsdp_tp):
@@ -268,3 +342,50 @@ def test_the_grouped_matmul_is_chosen_for_the_devices_the_model_is_compiled_for(
   decoder = Decoder(config, rngs=nnx.Rngs(0), attention=plan)
   kinds = {m.implementation for _, m in nnx.iter_graph(decoder) if isinstance(m, moe.MoE)}
   assert kinds == {"tokamax_mosaic_tpu"}
+
+
+# A family preset's model at a size that trains in seconds, its switches kept (the Qwen2-MoE
+# preset's dense layer 2 is dropped with the layers past 1).
+MOE_PRESET_SIZE = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2",
+                   "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=32",
+                   "model.max_seq_len=32", "model.moe.num_experts=4", "data.seq_len=32",
+                   "data.batch_size=4", "data.max_documents=30", "data.validation_fraction=0.2",
+                   "train.eval_batches=1", "train.progress=false", "train.sample_tokens=0",
+                   "optim.warmup_steps=1", "train.steps=2", "train.eval_every=2",
+                   "checkpoint.save_every=2"]
+FAMILY_PRESETS = {"qwen2_moe-tiny": ["model.moe.dense_layers=[]", "model.moe.expert_mlp_dim=16",
+                                     "model.moe.shared_expert_dim=24"],
+                  "gpt_oss-tiny": ["model.layer_types=[sliding,full]", "model.sliding_window=8"],
+                  "llama4-tiny": ["model.layer_types=[chunked,full]", "model.nope_layers=[1]",
+                                  "model.attention_chunk_size=8", "model.moe.dense_layers=[0]",
+                                  "model.moe.expert_mlp_dim=16", "model.moe.shared_expert_dim=16",
+                                  "model.nope_temperature=[4.0,0.5]"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(FAMILY_PRESETS))
+def test_a_moe_family_preset_trains_lora_adapts_and_exports(preset, tmp_path):
+  """A MoE family's tiny preset trains from scratch; LoRA adapts it (its dense layers: the
+  attention and a shared expert's MLP; QLoRA and QAT are refused for every MoE model, as
+  `finetune.quant` says), and export-hf writes the family's layout, which computes what the
+  run does. (The engine's greedy tokens are transformers': tests/test_engine.py.)"""
+  from jax_ai_stack.recipes.finetune import adapters
+
+  size = [*MOE_PRESET_SIZE, *FAMILY_PRESETS[preset]]
+  base = train.run(config_lib.load(preset, overrides=size), tmp_path / "base")
+  assert base["step"] == 2 and np.isfinite(base["eval_loss"])
+  lora = train.run(config_lib.load(preset, overrides=[
+      *size, f"finetune.base={tmp_path / 'base'}", "finetune.lora.rank=4"]), tmp_path / "lora")
+  assert lora["step"] == 2 and np.isfinite(lora["eval_loss"])
+  run = train.Trainer.open_finished(tmp_path / "lora")
+  tokens = jnp.arange(16, dtype=jnp.int32)[None]
+  try:
+    assert run.config.model.kind == preset.removesuffix("-tiny")
+    assert adapters.adapter_pairs(run.model)
+    logits = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, tokens))
+  finally:
+    run.close()
+  assert cli.main(["export-hf", "--workdir", str(tmp_path / "lora"), str(tmp_path / "hf")]) == 0
+  exported = hf.load_model(tmp_path / "hf")
+  assert exported.config.kind == preset.removesuffix("-tiny")
+  np.testing.assert_allclose(np.asarray(exported(tokens)), logits, atol=1e-5, rtol=1e-5)

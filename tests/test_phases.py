@@ -49,8 +49,8 @@ def test_a_run_resumed_at_the_stage_boundary_with_the_next_settings_equals_the_p
   out = capsys.readouterr().out
   assert "phase 2 from step 6: data.batch_schedule changed, data.mixture changed" in out
   assert train_losses(tmp_path) == train_losses(planned)
-  assert checkpoint.tree_equal(train.Trainer.open_finished(tmp_path).state,
-                               train.Trainer.open_finished(planned).state)
+  assert checkpoint.tree_equal(train.Trainer.open_finished(tmp_path, optimizer_state=True).state,
+                               train.Trainer.open_finished(planned, optimizer_state=True).state)
   metadata = _metadata(tmp_path)
   assert [p["step"] for p in metadata["phases"]] == [0, 6]
   stages = metadata["config"]["data"]["mixture"]["stages"]  # Composed: the run's own.

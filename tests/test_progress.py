@@ -3,6 +3,7 @@
 import io
 import pathlib
 import re
+import time
 
 import jax_ai_stack
 
@@ -52,3 +53,29 @@ def test_every_bar_of_the_package_goes_through_progress_bar():
   direct = [str(path.relative_to(package)) for path in package.rglob("*.py")
             if path.name != "progress.py" and re.search(r"\btqdm\(", path.read_text())]
   assert direct == []
+
+
+def test_a_quick_wait_says_nothing_and_a_long_one_says_what_it_does_as_it_goes(
+    capsys, monkeypatch):
+  with progress.waiting("quick", done=lambda wait: "quick done"):
+    pass
+  assert capsys.readouterr().err == ""  # A quick phase stays silent, its outcome too.
+  monkeypatch.setattr(progress, "QUIET_S", 0.3)
+  monkeypatch.setattr(progress, "EVERY_S", 0.8)
+  with progress.waiting("tracing f", done=lambda wait: f"traced f in {wait.elapsed_s:.1f} s"):
+    time.sleep(2.0)
+  said = capsys.readouterr().err.splitlines()
+  assert said[0] == "tracing f ..." and said[-1].startswith("traced f in 2.")
+  assert len(said) >= 3 and re.fullmatch(r"tracing f \.\.\. [12] s", said[1]), said  # Heartbeat.
+
+
+def test_the_newest_wait_speaks_and_the_older_one_keeps_quiet_meanwhile(capsys, monkeypatch):
+  monkeypatch.setattr(progress, "QUIET_S", 0.0)
+  monkeypatch.setattr(progress, "EVERY_S", 1.0)
+  with progress.waiting("sampling 8 tokens", done=lambda wait: "sampled"):
+    with progress.waiting("compiling decode", done=lambda wait: "compiled decode"):
+      time.sleep(1.7)
+  said = capsys.readouterr().err.splitlines()
+  assert said[:2] == ["sampling 8 tokens ...", "compiling decode ..."], said
+  assert said[2].startswith("compiling decode ... ") and said[-2:] == ["compiled decode", "sampled"]
+  assert not any(line.startswith("sampling 8 tokens ... ") for line in said)  # One heartbeat.

@@ -56,7 +56,8 @@ def test_a_replay_ends_with_the_same_bits(three_phases, tmp_path, capsys):
   assert "replay: phase 1 of 3 ended at step 4; phase 2 begins" in out
   assert "Run the same command again" not in out  # Between phases nothing stopped.
   assert train_losses(replayed) == train_losses(three_phases)
-  done, original = train.Trainer.open_finished(replayed), train.Trainer.open_finished(three_phases)
+  done, original = (train.Trainer.open_finished(replayed, optimizer_state=True),
+                    train.Trainer.open_finished(three_phases, optimizer_state=True))
   try:
     assert done.step == original.step == 12
     assert checkpoint.tree_equal(done.state, original.state)

@@ -123,3 +123,12 @@ def test_a_gap_between_engine_and_trainer_is_said_once_with_its_correction(task_
                   "(cpu kernels): truncated importance sampling weighs each token by "
                   "min(p_trainer / p_engine, rl.importance_cap=3)")
   assert rollouts.notice({"sampler_logp_gap": 5e-3}) is None  # Once.
+
+
+def test_a_rollout_slot_holds_a_prompt_and_its_completion_not_the_model_s_context(
+    engine_lengths):
+  task = tasks.for_config(config_lib.load("lm-tiny-grpo",
+                                          overrides=[*SMALL, "model.max_seq_len=1024"]))
+  samples = task.rollouts.sample(task.build_model(0), "train", [0, 1], 2, 1.0, step=0)
+  assert len(samples) == 4
+  assert engine_lengths == [task.config.data.seq_len + 1] < [1024]  # One length a run.

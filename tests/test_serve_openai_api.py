@@ -170,12 +170,17 @@ def test_a_large_body_is_checked_in_milliseconds_not_walked_value_by_value():
                {"model": "m", "prompt": ['a\\"[b\\\\'] * 300_000},
                {"model": "m", "prompt": ["\U0001F600"] * 300_000}]:  # Escaped pairs: valid.
     raw = json.dumps(body).encode()
-    started = time.perf_counter()
-    json.loads(raw)
-    loads = time.perf_counter() - started
-    started = time.perf_counter()
     assert openai_api.parse_json(raw) == body
-    assert time.perf_counter() - started < 5 * loads + 0.1
+
+    def best_of_3(parse) -> float:  # The least of three: a loaded machine's pauses left out.
+      times = []
+      for _ in range(3):
+        started = time.perf_counter()
+        parse(raw)
+        times.append(time.perf_counter() - started)
+      return min(times)
+
+    assert best_of_3(openai_api.parse_json) < 5 * best_of_3(json.loads) + 0.1
 
 
 @pytest.mark.parametrize("text, depth", [

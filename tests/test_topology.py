@@ -82,14 +82,17 @@ def test_the_kernels_command_names_a_bad_topology(capsys):
 @pytest.mark.parametrize("text, count, kind, cores", [
     ("v5e:2x2", 4, "TPU v5 lite", 1), ("v5p:2x2x2", 8, "TPU v5", 2),
     ("v6e:4x4", 16, "TPU v6 lite", 1), ("v5e:2x2/2", 8, "TPU v5 lite", 1),
+    ("v4:2x2x1", 4, "TPU v4", 2),  # One device per chip (megacore), as JAX's meshes need.
 ])
 def test_tpu_slices_are_devices_with_their_chip_s_figures(text, count, kind, cores):
   target = topology.load(text)
   assert len(target.devices) == count
   assert {d.device_kind for d in target.devices} == {kind}
   assert {d.platform for d in target.devices} == {"tpu"}
-  # Google's figures per chip (cloud.google.com/tpu/docs): v5e 16 GB, v5p 95 GB, v6e 32 GB.
-  gigabytes = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}[kind]
+  assert {getattr(d, "num_cores", 1) for d in target.devices} == {cores}
+  # Google's figures per chip (cloud.google.com/tpu/docs): v4 32 GB, v5e 16 GB, v5p 95 GB,
+  # v6e 32 GB.
+  gigabytes = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}[kind]
   assert abs(target.chip.hbm_bytes / 2**30 - gigabytes) / gigabytes < 0.1
   assert target.chip.bf16_flops_per_s > 1e14
   assert "jax" in target.chip.source

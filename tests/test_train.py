@@ -4,12 +4,15 @@ SIGKILL: test_kill_and_resume.py), preemption, and the bad-input paths that must
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from jax_ai_stack import cli
 from jax_ai_stack.errors import ConfigError
@@ -23,7 +26,7 @@ from training_helpers import STEPS, TINY, tiny_config, train_losses
 
 
 def final_state(workdir):
-  trainer = train.Trainer.open_finished(workdir)
+  trainer = train.Trainer.open_finished(workdir, optimizer_state=True)
   trainer.close()
   return trainer.step, trainer.state
 
@@ -65,6 +68,22 @@ def test_in_process_stop_and_resume_is_bitwise_identical(reference, tmp_path):
   step_b, state_b = final_state(tmp_path)
   assert step_a == step_b == STEPS
   assert checkpoint.tree_equal(state_a, state_b)
+
+
+def test_a_finished_run_is_read_without_its_optimizer_state_unless_asked(reference):
+  # AdamW's moments are twice the parameters: generate, serve, eval and export need none.
+  workdir, _ = reference
+  step, whole = final_state(workdir)
+  trainer = train.Trainer.open_finished(workdir, validation=True)
+  try:
+    assert list(trainer.state) == [0] and list(whole) == [0, 1]
+    assert checkpoint.tree_equal(trainer.state[0], whole[0])  # The model, bitwise.
+    assert not [x for x in jax.tree.leaves(nnx.state(trainer.optimizer))
+                if isinstance(x, jax.Array)]  # Left abstract: nothing read or allocated.
+    assert trainer.step == step and np.isfinite(trainer.evaluate()["eval_loss"])
+    assert trainer.generate("def ", 4, 0.0).startswith("def ")
+  finally:
+    trainer.close()
 
 
 def test_finished_run_resumes_instantly(reference, capsys):
@@ -181,7 +200,8 @@ def test_cli_keeps_a_corrupt_steps_library_output_off_the_terminal(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=300,
                           check=False)
   assert result.returncode == 0, result.stderr
-  assert result.stderr.splitlines() == [
+  waits = re.compile(r".* \.\.\.( \d+ s)?")  # A phase over 5 s on a loaded machine says so.
+  assert [line for line in result.stderr.splitlines() if not waits.fullmatch(line)] == [
       "warning: checkpoint step 10 is unreadable (state: truncated); skipped, using step 5"]
 
 

@@ -58,14 +58,16 @@ def test_a_chain_refuses_two_transforms_that_claim_the_same_thing(first, second,
     Chain([_Tag("a"), _Tag("b", **first), _Tag("c"), _Tag("d", **second)])
 
 
-@pytest.mark.parametrize("overrides, trains, reference_kept", [
-    ([], nnx.Param, False),
-    (["finetune.base=runs/x"], nnx.Param, False),
-    (["finetune.base=runs/x", "finetune.lora={rank: 4}"], nnx.LoRAParam, False),
-    (["data.source=preference_stdlib", "finetune.base=runs/x"], nnx.Param, True),
+@pytest.mark.parametrize("overrides, trains, reference_kept, compares", [
+    ([], nnx.Param, False, False),
+    (["finetune.base=runs/x"], nnx.Param, False, False),
+    (["finetune.base=runs/x", "finetune.lora={rank: 4}"], nnx.LoRAParam, False, False),
+    (["data.source=preference_stdlib", "finetune.base=runs/x"], nnx.Param, True, True),
+    (["data.source=preference_stdlib", "finetune.base=runs/x", "finetune.lora={rank: 4}"],
+     nnx.LoRAParam, False, True),  # The reference: the adapters switched off.
 ])
 def test_what_a_recipe_asks_changes_what_trains_and_what_is_saved(overrides, trains,
-                                                                   reference_kept):
+                                                                   reference_kept, compares):
   config = config_lib.load("lm-tiny", overrides=[*TINY, *overrides])
   chain = finetune_transforms.for_config(config)
   assert chain.wrt is trains
@@ -77,7 +79,8 @@ def test_what_a_recipe_asks_changes_what_trains_and_what_is_saved(overrides, tra
   decoding = chain.inference_model(model, lambda: task.build_model(0)) if trains is nnx.Param \
       else model
   assert not nnx.state(decoding, Frozen)
-  assert (chain.reference_model(model) is not None) == (reference_kept or trains is not nnx.Param)
+  # Only an objective that compares with the base gets it (a distillation's is its teacher).
+  assert (chain.reference_model(model) is not None) == compares
 
 
 def test_the_frozen_copy_is_laid_out_like_the_weights():

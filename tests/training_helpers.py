@@ -70,7 +70,11 @@ def kill_at_step(preset: str, workdir: pathlib.Path, overrides: list[str], step:
                  devices: int = 1) -> int:
   """`jax-ai-stack train preset` in a subprocess on `devices` CPU devices, SIGKILLed once
   it has logged `step`; returns the last step it logged."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
+  # No persistent compilation cache: jax 0.10 writes an entry in place (lru_cache.py's
+  # write_bytes), so a process killed mid-write leaves a truncated entry that a later reader
+  # of the shared test cache crashes on (a segfault in get_executable_and_time).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+             JAX_ENABLE_COMPILATION_CACHE="false")
   process = subprocess.Popen(
       [sys.executable, "-m", "jax_ai_stack.cli", "train", preset, "--workdir", str(workdir),
        *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -91,7 +95,7 @@ def state_digests(workdir) -> dict[str, str]:
   """Each array of the finished run's state (parameters, optimizer moments, RNG, step) by
   path, as its dtype, shape and a hash of its bytes: two runs are bitwise the same when
   these are equal, and a difference names the array."""
-  trainer = train.Trainer.open_finished(workdir)
+  trainer = train.Trainer.open_finished(workdir, optimizer_state=True)
   trainer.close()
   digests = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(trainer.state)[0]:

@@ -62,13 +62,14 @@ def _plan(plan: AttentionPlan | None, implementation: str | Sequence[str] | None
 
 
 def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths,
-         sharding: sharded.AttentionSharding | None) -> jax.Array:
-  """The chosen kernel, or the next eligible one where a kernel refuses."""
+         sharding: sharded.AttentionSharding | None, sinks=None) -> jax.Array:
+  """The chosen kernel, or the next eligible one where a kernel refuses. (Only
+  partitionable kernels take `sinks`, so the per-shard wrapper never sees them.)"""
   refusals = []
   for name, interpret in choice.fallbacks:
     implementation = table.IMPLEMENTATIONS[name]
     run = functools.partial(implementations.call, implementation.run, choice.request,
-                            interpret=interpret)
+                            interpret=interpret, sinks=sinks)
     if not implementation.partitionable:
       run = sharded.per_shard(run, sharding, choice.request, name=name)
     try:
@@ -92,6 +93,8 @@ def attention(
     local_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_seq_lengths: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
     plan: AttentionPlan | None = None,
     implementation: str | Sequence[str] | None = None,
     sharding: sharded.AttentionSharding | None = None,
@@ -110,6 +113,11 @@ def attention(
     local_window: w >= 0: query i sees keys i - w .. i.
     logits_soft_cap: c > 0: each scaled logit x becomes c * tanh(x / c).
     kv_seq_lengths: [B] ints; keys at or past that index are ignored.
+    sinks: [N], one logit per query head that joins its softmax's denominator and weights
+      no value (GPT-OSS's attention sinks); kernels without them are refused by the plan.
+    chunk_size: C >= 1: chunked local attention (Llama 4's): query i sees only the keys of
+      its chunk, j // C == i // C (with `kv_seq_lengths` L, decoding, the queries sit at
+      L - T ... L - 1); kernels without the mask are refused by the plan, with the reason.
     plan: the kernels that may run (models get one passed in). None:
       `resolve_plan()` at this call, i.e. `JAX_AI_STACK_ATTENTION` or "auto";
       a convenience for notebooks.
@@ -134,7 +142,10 @@ def attention(
   request = Request.from_shapes(
       q.shape, k.shape, q.dtype, causal=causal, segment_ids=segment_ids is not None,
       local_window=local_window, kv_seq_lengths=kv_seq_lengths is not None,
-      scale=scale, logits_soft_cap=logits_soft_cap,
+      scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks is not None,
+      chunk_size=chunk_size,
   )
+  if sinks is not None and sinks.shape != (q.shape[2],):
+    raise ValueError(f"sinks {sinks.shape} must be [N] = ({q.shape[2]},), one per query head")
   choice = plan.select(request)
-  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, sharding)
+  return _run(choice, q, k, v, segment_ids, kv_seq_lengths, sharding, sinks)

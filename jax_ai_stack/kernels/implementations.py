@@ -18,6 +18,12 @@ Mask semantics shared by every adapter (and by the tests' reference):
   * kv_seq_lengths [B]: keys at index >= length are ignored.
   * logits_soft_cap c: each scaled logit x becomes c * tanh(x / c) before the
     masks (Gemma 2's), so a large logit cannot swamp the softmax.
+  * chunk_size C (only to the adapters whose table entry takes chunks, as `chunk_size=`):
+    query i, at position p_i, sees keys j with j // C == p_i // C (and the masks above);
+    p_i is i, or with kv_seq_lengths L the row's last T positions' (L - T + i: decoding).
+  * sinks [N] (only to the adapters whose table entry takes them, as `sinks=`): query head
+    n's softmax gets one more logit, sinks[n], in its denominator, with no value (GPT-OSS's
+    learned attention sinks): the weights sum to less than one.
 
 Libraries are imported inside the adapters: tokamax alone takes seconds to
 import, and only the kernel that runs should pay for its import.
@@ -58,18 +64,22 @@ def call(
     kv_seq_lengths: jax.Array | None = None,
     *,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Runs one adapter (an `Implementation.run`) on arrays that fit `request`.
 
   The request supplies the static masks (causal, local_window), the scale
   (default 1 / sqrt(head_dim)) and the soft cap; the arrays supply the dynamic
-  masks.
+  masks; `sinks` [N] (the request's `sinks`) go only to adapters that take them.
   """
   scale = request.head_dim ** -0.5 if request.scale is None else request.scale
+  extra = {} if sinks is None else {"sinks": sinks}
+  if request.chunk_size is not None:
+    extra["chunk_size"] = request.chunk_size
   return kernel(
       q, k, v, causal=request.causal, segment_ids=segment_ids, scale=scale,
       local_window=request.local_window, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
-      logits_soft_cap=request.logits_soft_cap,
+      logits_soft_cap=request.logits_soft_cap, **extra,
   )
 
 
@@ -109,9 +119,17 @@ def compiling_for(platform: str) -> contextlib.AbstractContextManager:
 
 
 def jax_nn(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
-           interpret, logits_soft_cap=None, implementation="xla"):
-  """`jax.nn.dot_product_attention` with `implementation` "xla" or "cudnn"."""
+           interpret, logits_soft_cap=None, implementation="xla", sinks=None, chunk_size=None):
+  """`jax.nn.dot_product_attention` with `implementation` "xla" or "cudnn"; with `sinks` or
+  `chunk_size` (xla only), `softmax_with_sinks`, which jax.nn has no input for."""
   del interpret
+  if sinks is not None or chunk_size is not None:
+    if implementation != "xla":
+      raise NotImplementedError(f"jax.nn's {implementation} attention has no sinks or chunks")
+    return softmax_with_sinks(q, k, v, sinks, causal=causal, segment_ids=segment_ids,
+                              scale=scale, local_window=local_window,
+                              kv_seq_lengths=kv_seq_lengths, logits_soft_cap=logits_soft_cap,
+                              chunk_size=chunk_size)
   if logits_soft_cap is not None:  # The table says so too; this guards direct calls.
     raise NotImplementedError("jax.nn.dot_product_attention has no logits_soft_cap")
   return jax.nn.dot_product_attention(
@@ -123,6 +141,46 @@ def jax_nn(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
       local_window_size=_window(local_window),
       implementation=implementation,
   )
+
+
+def softmax_with_sinks(q, k, v, sinks, *, causal, segment_ids, scale, local_window,
+                       kv_seq_lengths, logits_soft_cap=None, chunk_size=None):
+  """Plain attention (the masks above, `chunk_size`'s too) whose softmax of query head n has
+  sinks[n] in its denominator (None: no sinks): weights exp(x_j - m) / (sum_j exp(x_j - m) +
+  exp(sinks[n] - m)), m the largest of the logits and the sink, in float32. Returns
+  [B, T, N, H] in q's dtype."""
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  groups = n // kv_heads
+  queries = q.reshape(b, t, kv_heads, groups, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", queries, k,
+                      preferred_element_type=jnp.float32) * scale
+  if logits_soft_cap is not None:
+    logits = jnp.tanh(logits / logits_soft_cap) * logits_soft_cap
+  query_at, key_at = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  mask = jnp.ones((t, s), bool)
+  if causal:
+    mask &= key_at <= query_at
+  if local_window is not None:
+    mask &= key_at >= query_at - local_window
+  mask = mask[None, None, None]  # [1, 1, 1, T, S]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
+  if kv_seq_lengths is not None:
+    mask = mask & (key_at < kv_seq_lengths[:, None, None, None, None])
+  if chunk_size is not None:  # Each query's position: i, or the row's last T (decoding).
+    at = query_at if kv_seq_lengths is None else (
+        kv_seq_lengths[:, None, None, None, None] - t + query_at)
+    mask = mask & (key_at // chunk_size == at // chunk_size)
+  logits = jnp.where(mask, logits, -jnp.inf)
+  if sinks is None:  # A sink of -inf adds nothing; a fully masked row gives zeros.
+    sinks = jnp.full((n,), -jnp.inf, jnp.float32)
+  sink = sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1)
+  top = jnp.maximum(logits.max(-1, keepdims=True), sink)
+  weights = jnp.where(mask, jnp.exp(logits - top), 0.0)
+  probs = weights / (weights.sum(-1, keepdims=True) + jnp.exp(sink - top))
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))
+  return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def tokamax_installed_attention() -> tuple[str, ...]:

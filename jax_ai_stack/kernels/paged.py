@@ -35,7 +35,7 @@ choose at trace time: its `AttentionPlan.paged_attention()` chooses for the plan
               TPUs only: JAX's TPU interpret mode cannot run this kernel (jax 0.10.2 and
               0.12.0.1 fail on its reshaped refs), so on CPU the tests run the adapter
               with the kernel's own reference (`ref_ragged_paged_attention`) in its place
-  xla         the loop over pages above, everywhere
+  xla         the loop over pages above, everywhere; the one that takes attention sinks and chunks
 
 The pools' layout is the GPU kernel's: [kv_heads, pages, page_size, head_dim]. The TPU
 kernel reads one pool, [pages, page_size, 2 * kv_heads, head_dim] with each head's keys
@@ -87,10 +87,14 @@ _AUTO = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 
 
 def choose_paged_attention(requested: str = "auto", platform: str | None = None,
-                           device_kind: str | None = None) -> tuple[str, str]:
+                           device_kind: str | None = None, *, sinks: bool = False,
+                           chunked: bool = False) -> tuple[str, str]:
   """(implementation, why) for `requested` ("auto" or one of `PAGED_ATTENTIONS`) on
-  `platform` and `device_kind` (None: JAX's default backend and its first device). Raises
-  ValueError naming the choices."""
+  `platform` and `device_kind` (None: JAX's default backend and its first device), for a
+  model with sinks or chunks (xla: the kernels take neither). ValueError names the choices."""
+  refused = "attention sinks" if sinks else "chunked attention (chunk_size)" if chunked else ""
+  if refused and (chosen := choose_paged_attention(requested, platform, device_kind))[0] != "xla":
+    return "xla", f"{chosen[0]} refused: {refused} not supported; {_WHY['xla']}"
   chosen = names.requested(requested, PAGED_ATTENTIONS, _WHY, "paged attention")
   if chosen is not None:
     return chosen
@@ -108,23 +112,25 @@ def choose_paged_attention(requested: str = "auto", platform: str | None = None,
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_table: jax.Array, positions: jax.Array, *, scale: float,
                     logits_soft_cap: float | None = None, local_window: int | None = None,
-                    implementation: str = "auto") -> jax.Array:
+                    sinks: jax.Array | None = None, implementation: str = "auto",
+                    chunk_size: int | None = None) -> jax.Array:
   """Each row's queries over its pages.
 
   q [B, T, N, H]; k_pages, v_pages [K, pages, page_size, H] (N a multiple of K: grouped
   queries); block_table [B, W] int32, row b's positions j * page_size ... in page
   block_table[b, j]; positions [B, T]: query t of row b sits at positions[b, t] and
   attends to the row's positions up to it, with `local_window` w to the last w + 1 of
-  them. Returns [B, T, N, H] in q's dtype.
+  them (`chunk_size` C: of its chunk only, C * (p // C) ... p); `sinks` [N]: each query
+  head's sink logit joins its softmax's denominator. Returns [B, T, N, H] in q's dtype.
   """
-  name, _ = choose_paged_attention(implementation)
+  name, _ = choose_paged_attention(implementation, sinks=sinks is not None, chunked=bool(chunk_size))
   if name == "pallas_gpu" and q.shape[1] == 1 and local_window is None:
     return _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap)
   if name == "pallas_tpu" and tpu_kernel_fits(q, k_pages):
     return pallas_tpu(q, k_pages, v_pages, block_table, positions, scale=scale,
                       logits_soft_cap=logits_soft_cap, local_window=local_window)
   return _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap,
-              local_window)
+              local_window, sinks, chunk_size)
 
 
 def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap):
@@ -214,7 +220,8 @@ def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_sof
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window):
+def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window,
+         sinks=None, chunk_size=None):
   b, t, n, h = q.shape
   k, page_size = k_pages.shape[0], k_pages.shape[2]
   g = n // k
@@ -225,17 +232,22 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
   queries = queries.astype(jnp.float32) * scale
   last = jnp.repeat(positions, g, axis=1)[None, :, :, None]  # [1, B, T * G, 1]: own position.
   first = jnp.zeros_like(last) if local_window is None else last - local_window
+  first = first if chunk_size is None else jnp.maximum(first, last // chunk_size * chunk_size)
   # The table columns each row reads: up to its furthest query's position.
   columns = jnp.minimum(positions.max(axis=1) // page_size + 1, block_table.shape[1])
   rows = _group_rows(b, k * page_size * h)
   attend = functools.partial(_online_softmax, k_pages=k_pages, v_pages=v_pages,
                              logits_soft_cap=logits_soft_cap)
+  if sinks is not None:  # [K, B, T * G], as the queries: head k * G + g's sink.
+    sinks = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(k, 1, 1, g),
+                             (k, b, t, g)).reshape(k, b, t * g)
   if rows == b:
-    out = attend(queries, last, first, block_table, columns.max())
+    out = attend(queries, last, first, block_table, columns.max(), sinks)
   else:
     order = jnp.argsort(-columns, stable=True).reshape(-1, rows)  # Longest first.
     outs = [attend(queries[:, group], last[:, group], first[:, group], block_table[group],
-                   columns[group].max()) for group in order]
+                   columns[group].max(), None if sinks is None else sinks[:, group])
+            for group in order]
     out = jnp.concatenate(outs, axis=1)[:, jnp.argsort(order.reshape(-1))]
   out = out.reshape(k, b, t, g, h)
   return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
@@ -250,11 +262,11 @@ def _group_rows(rows: int, row_floats: int) -> int:
   return size
 
 
-def _online_softmax(queries, last, first, block_table, columns, *, k_pages, v_pages,
-                    logits_soft_cap):
+def _online_softmax(queries, last, first, block_table, columns, sinks=None, *, k_pages,
+                    v_pages, logits_soft_cap):
   """queries [K, B, Q, H] (scaled, float32) over the first `columns` (traced) columns of
-  `block_table` [B, W], keys at or before `last` and at or after `first` ([1, B, Q, 1]):
-  the attention's output [K, B, Q, H]."""
+  `block_table` [B, W], keys at or before `last` and at or after `first` ([1, B, Q, 1]),
+  `sinks` [K, B, Q] in the denominator if given: the attention's output [K, B, Q, H]."""
   page_size = k_pages.shape[2]
   offsets = jnp.arange(page_size)
 
@@ -280,5 +292,9 @@ def _online_softmax(queries, last, first, block_table, columns, *, k_pages, v_pa
   # Made from the queries, so that inside a shard_map the carry varies as they do.
   start = (jnp.full_like(queries[..., 0], -jnp.inf), jnp.zeros_like(queries[..., 0]),
            jnp.zeros_like(queries))
-  _, total, weighted = jax.lax.fori_loop(0, columns, page, start)
+  top, total, weighted = jax.lax.fori_loop(0, columns, page, start)
+  if sinks is not None:  # Every query sees its own position: top is finite.
+    new_top = jnp.maximum(top, sinks)
+    total = total * jnp.exp(top - new_top) + jnp.exp(sinks - new_top)
+    weighted = weighted * jnp.exp(top - new_top)[..., None]
   return weighted / total[..., None]

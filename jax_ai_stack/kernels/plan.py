@@ -119,11 +119,13 @@ class AttentionPlan:
     pins = tuple((r, n) for r, n in self.pins if r != choice.request)
     return dataclasses.replace(self, pins=pins + ((choice.request, choice.name),))
 
-  def paged_attention(self) -> tuple[str, str]:
+  def paged_attention(self, *, sinks: bool = False, chunked: bool = False) -> tuple[str, str]:
     """(implementation, why) of the engine's paged attention on the plan's backend (else
-    the current one): what a model built with this plan decodes with."""
+    the current one): what a model built with this plan decodes with (`sinks`, `chunked`: a
+    model with attention sinks or chunked attention, which only xla takes)."""
     backend = self.backend or request_lib.current_backend()
-    return paged.choose_paged_attention(self.paged, backend.platform, backend.device_kind)
+    return paged.choose_paged_attention(self.paged, backend.platform, backend.device_kind,
+                                        sinks=sinks, chunked=chunked)
 
   def to_dict(self) -> dict:
     """JSON-ready (e.g. for checkpoint metadata); `from_dict` reads it back."""

@@ -120,6 +120,12 @@ class Request:
   """The logits' scale; None: 1 / sqrt(head_dim)."""
   logits_soft_cap: float | None = None
   """Logits x become cap * tanh(x / cap) (Gemma 2); None: uncapped."""
+  sinks: bool = False
+  """The call passes attention sinks: a learned logit per query head that joins each
+  softmax's denominator and weights no value (GPT-OSS)."""
+  chunk_size: int | None = None
+  """Chunked local attention (Llama 4's `attention_chunk_size` C): a query at position p sees
+  only the keys of its chunk, positions C * (p // C) ... p; None: no chunks."""
 
   @classmethod
   def from_shapes(
@@ -134,6 +140,8 @@ class Request:
       kv_seq_lengths: bool = False,
       scale: float | None = None,
       logits_soft_cap: float | None = None,
+      sinks: bool = False,
+      chunk_size: int | None = None,
   ) -> Request:
     """Validates shapes (q [B, T, N, H], k/v [B, S, K, H]); ValueError names the problem.
 
@@ -151,6 +159,10 @@ class Request:
         isinstance(local_window, bool) or not isinstance(local_window, int) or local_window < 0
     ):
       raise ValueError(f"local_window {local_window!r} must be an int >= 0 or None")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+      raise ValueError(f"chunk_size {chunk_size!r} must be an int >= 1 or None")
     for name, value in (("scale", scale), ("logits_soft_cap", logits_soft_cap)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                 or not value > 0):
@@ -159,7 +171,7 @@ class Request:
         batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, normalize_dtype(dtype),
         bool(causal), bool(segment_ids), local_window, bool(kv_seq_lengths),
         None if scale is None else float(scale),
-        None if logits_soft_cap is None else float(logits_soft_cap),
+        None if logits_soft_cap is None else float(logits_soft_cap), bool(sinks), chunk_size,
     )
 
   @classmethod
@@ -179,6 +191,7 @@ class Request:
         d["dtype"], causal=d.get("causal", True), segment_ids=d.get("segment_ids", False),
         local_window=d.get("local_window"), kv_seq_lengths=d.get("kv_seq_lengths", False),
         scale=d.get("scale"), logits_soft_cap=d.get("logits_soft_cap"),
+        sinks=d.get("sinks", False), chunk_size=d.get("chunk_size"),
     )
 
   @property
@@ -201,6 +214,10 @@ class Request:
       flags.append(f"scale={self.scale:g}")
     if self.logits_soft_cap is not None:
       flags.append(f"logits_soft_cap={self.logits_soft_cap:g}")
+    if self.sinks:
+      flags.append("sinks")
+    if self.chunk_size is not None:
+      flags.append(f"chunk_size={self.chunk_size}")
     shape = lambda s: "[" + ",".join(map(str, s)) + "]"
     return f"q {shape(self.q_shape)} k/v {shape(self.k_shape)} {self.dtype}, {', '.join(flags)}"
 

@@ -54,6 +54,12 @@ class Implementation:
   logits_soft_cap: bool = False
   """Takes `logits_soft_cap` (checked on CPU: the XLA kernels natively, the TPU splash
   kernels in Pallas interpret mode; the GPU ones stay off until a run there checks them)."""
+  sinks: bool = False
+  """Takes attention sinks (a logit per head in each softmax's denominator): the XLA
+  adapter alone, as a plain softmax; the others' kernels have no such input."""
+  chunked: bool = False
+  """Takes chunked local attention (`Request.chunk_size`, Llama 4's): the XLA adapter alone,
+  as a plain softmax with the chunk mask; the others' kernels have no such mask."""
   gqa: str = "native"
   """"native", or "repeat" (K/V heads are repeated to N before the kernel)."""
   nondeterministic: str | None = None
@@ -103,6 +109,10 @@ class Implementation:
       return "kv_seq_lengths not supported"
     if request.logits_soft_cap is not None and not self.logits_soft_cap:
       return "logits_soft_cap not supported"
+    if request.sinks and not self.sinks:
+      return "attention sinks not supported"
+    if request.chunk_size is not None and not self.chunked:
+      return "chunked attention (chunk_size) not supported"
     return None
 
   def check(self, request: Request, backend: Backend, *, named: bool) -> tuple[str | None, bool]:
@@ -129,7 +139,8 @@ _IMPLEMENTATIONS = (
     Implementation(
         "xla", "jax.nn.dot_product_attention(implementation='xla')",
         functools.partial(impls.jax_nn, implementation="xla"),
-        platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS, partitionable=True,
+        platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS, partitionable=True, sinks=True,
+        chunked=True,
     ),
     Implementation(
         "cudnn", "jax.nn.dot_product_attention(implementation='cudnn')",

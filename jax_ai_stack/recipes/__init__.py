@@ -13,8 +13,9 @@ Example:
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = (
-    "aot", "checkpoint", "checkpoint_config", "cli", "compile_cache", "config", "configlib",
-    "data", "distributed", "evaluation", "finetune", "held_out", "hf_cli", "inference", "memory",
+    "aot", "byte_sizes", "checkpoint", "checkpoint_config", "cli", "compile_cache", "config",
+    "configlib", "data", "distributed", "evaluation", "finetune", "generate_cli", "held_out",
+    "hf_cli", "host_memory", "inference", "measured_activations", "memory",
     "mesh_axes", "metrics", "models", "opening", "optim", "optim_config", "phases", "preflight",
     "profile", "progress", "record", "rl", "run", "serve", "sharding", "sharding_config", "step",
     "stop_signal", "tasks", "train", "trainer", "transforms", "workdir",

@@ -279,8 +279,11 @@ def compile_recipe(config: Any, target: topology.Topology, *,
   if backend.platform == "gpu" and grouped[0] == "tokamax":  # kernels.experts says why.
     grouped = (grouped[0], f"{grouped[1]}; compiled here as XLA's ragged_dot: tokamax's GPU "
                            "kernels read this host's device")
-  paged = (plan.paged_attention() if plan is not None else  # What the model decodes with.
-           kernels.choose_paged_attention("auto", backend.platform, backend.device_kind))
+  sinks = bool(getattr(config.model, "attention_sinks", False))  # Only xla takes them,
+  chunked = getattr(config.model, "attention_chunk_size", None) is not None  # and chunks.
+  paged = (plan.paged_attention(sinks=sinks, chunked=chunked) if plan is not None else
+           kernels.choose_paged_attention("auto", backend.platform, backend.device_kind,
+                                          sinks=sinks, chunked=chunked))  # What it decodes with.
   return Compiled(
       config.name, target, choice, refused, grouped, paged, plan_bytes, programs,
       deterministic=bool(getattr(config.train, "deterministic", False)), group=group)
@@ -291,7 +294,8 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
   """The generation engine's prefill and decoding programs, compiled as the run would build
   its engine on `target`: RL's rollouts (a slot per completion of a process's prompts, up to
   `rollout.MAX_SLOTS`) and an in-training evaluation's generations (`in_training.BATCH_SIZE`
-  slots), each over a pool of the model's whole context per slot. On one host the engine
+  slots); a rollout's slot holds `data.seq_len + 1` positions, an evaluation's the model's whole
+  context (lm-eval's `max_length`). On one host the engine
   decodes with the run's model, placed on the mesh; on several, each process with a whole
   copy on its first device (`sharding.on_this_process`)."""
   from jax_ai_stack.recipes import inference  # pylint: disable=g-import-not-at-top
@@ -301,9 +305,10 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
     from jax_ai_stack.recipes.rl import rollout  # pylint: disable=g-import-not-at-top
     prompts = max(size for _, size in config.data.batch_sizes()) // processes
     slots, what = min(prompts * config.rl.num_generations, rollout.MAX_SLOTS), "rollout"
+    max_len = min(config.data.seq_len + 1, config.model.max_seq_len)  # As `Rollouts` sizes it.
   elif config.train.eval_tasks:
     from jax_ai_stack.recipes.evaluation import in_training  # pylint: disable=g-import-not-at-top
-    slots, what = in_training.BATCH_SIZE, "evaluation"
+    slots, what, max_len = in_training.BATCH_SIZE, "evaluation", None
   else:
     return ()
   own = []  # Whether the engine decodes with the run's own parameters (not a merged copy).
@@ -326,7 +331,7 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
   if processes > 1:  # As `sharding.on_one_device` makes it.
     model = sharding.without_mesh(model)
   shared = _device_bytes(params) if own[0] and processes == 1 else 0
-  engine = inference.Engine(model, max_slots=slots)
+  engine = inference.Engine(model, max_slots=slots, max_len=max_len)
   where = jax.sharding.Mesh(target.devices[:1], ("one",)) if processes > 1 else placement.mesh
   return tuple(_compiled(f"{ENGINE} {what} {name}", where,
                          lambda name=name: engine.lower(name), shared=shared)

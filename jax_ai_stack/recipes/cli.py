@@ -1,4 +1,5 @@
-"""`jax-ai-stack train`, `generate` and `eval`: the recipes from the command line.
+"""`jax-ai-stack train` and `eval`: the recipes from the command line (`generate`:
+`recipes.generate_cli`).
 
     jax-ai-stack train [PRESET] [--config FILE.yaml] [--workdir DIR] [dotted overrides]
     jax-ai-stack train ... --distributed auto            (one process per host, on a cluster)
@@ -31,8 +32,6 @@ import argparse
 import functools
 import json
 import os
-import secrets
-import sys
 import time
 
 from jax_ai_stack import logs
@@ -134,46 +133,6 @@ def register(subparsers) -> None:
                       f"exit status {distributed.PEER_LOST_EXIT_CODE} (default "
                       f"{distributed.DEFAULT_HEARTBEAT_TIMEOUT_S})")
   train.set_defaults(func=run_train, accepts_overrides=True)
-
-  generate = subparsers.add_parser(
-      "generate", help="sample text from a trained LM workdir",
-      description="Continue a prompt with the language model trained in --workdir (read-only; "
-      "the run's own attention kernels).")
-  generate.add_argument("--workdir", required=True, help="a workdir `train` wrote")
-  generate.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
-  generate.add_argument("--max-new-tokens", type=int,
-                        help="tokens to add, at least 1; fewer if the model's max_seq_len is "
-                        "reached or it ends (default: 128, or as many as fit)")
-  generate.add_argument("--ignore-eos", action="store_true",
-                        help="continue a prompt past the model's end-of-sequence ids (its "
-                        "generation config's eos_token_id, else the tokenizer's EOS), to "
-                        "--max-new-tokens; chat replies still end at their end of turn")
-  generate.add_argument("--temperature", type=float, default=0.8,
-                        help="sampling temperature; 0 picks the most likely token (default 0.8)")
-  generate.add_argument("--seed", type=int,
-                        help="the sampling seed: the same seed gives the same text (default: a "
-                        "new one each call, printed so that it can be repeated)")
-  generate.add_argument("--top-k", type=int, metavar="K",
-                        help="sample among the K most likely tokens only (default: all)")
-  generate.add_argument("--top-p", type=float, metavar="P",
-                        help="sample among the likeliest tokens whose probabilities add up to P "
-                        "(nucleus sampling, 0 < P <= 1; default: all)")
-  generate.add_argument("--verbose", action="store_true",
-                        help="show the libraries' log lines on the console too")
-  generate.add_argument("--quantized", metavar="SCHEME",
-                        help="run the parameters `quantize --scheme SCHEME` saved in --workdir")
-  generate.add_argument("--chat", nargs="?", const="-", metavar="FILE.jsonl",
-                        help="answer as the assistant: --prompt is a user turn, rendered with "
-                        "the run's chat template, and only the reply is printed, up to its "
-                        "end-of-turn token; with a JSONL file, one reply per line (each a "
-                        "conversation ending with a user turn, or {\"prompt\"})")
-  generate.add_argument("--input", metavar="FILE.jsonl",
-                        help="one request per line, {\"prompt\": TEXT} (continued) or "
-                        "{\"messages\": [...]} (answered as the assistant), each with an "
-                        "optional \"stop\" (strings that end it), decoded together; "
-                        "one JSON line per result on stdout as each finishes: {index, text, "
-                        "finish_reason, tokens}")
-  generate.set_defaults(func=run_generate)
 
   evaluate = subparsers.add_parser(
       "eval", help="evaluate a trained workdir on its validation split",
@@ -325,51 +284,6 @@ def _process_index(launch) -> int:
   return 0 if launch.mode == "off" else jax.process_index()
 
 
-def run_generate(args: argparse.Namespace) -> int:
-  if args.top_p is not None and not 0 < args.top_p <= 1:
-    raise UsageError(f"--top-p must be in (0, 1]; got {args.top_p}")
-  if args.top_k is not None and args.top_k < 1:
-    raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
-  if args.max_new_tokens is not None and args.max_new_tokens < 1:
-    raise UsageError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-  _check_quantized(args)
-  seed = args.seed
-  if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
-    seed = secrets.randbelow(2**31)
-  logs.status(f"generating from {args.workdir} ...")
-  from jax_ai_stack.recipes import compile_cache
-
-  compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
-
-  if args.input and args.chat:
-    raise UsageError("--input and --chat both name what to answer: give one")
-  from jax_ai_stack.recipes.inference import request_file
-
-  conversations = request_file.conversations(args.chat, args.prompt) if args.chat else None
-  items = request_file.read(args.input) if args.input else None
-  trainer = _open_finished(args, validation=False, method="decode")
-  try:
-    sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
-    if items is not None:
-      results = trainer.stream(items, args.max_new_tokens, args.temperature,
-                               ignore_eos=args.ignore_eos, **sampling)
-      for done, result in enumerate(results, start=1):
-        print(json.dumps(result), flush=True)
-        logs.status(f"{done}/{len(items)} done")
-    elif conversations is None:
-      print(trainer.generate(args.prompt, args.max_new_tokens, args.temperature,
-                             ignore_eos=args.ignore_eos, **sampling))
-    if conversations:  # One batch of the generation engine; one reply per line, in order.
-      for reply in trainer.chat_many(conversations, args.max_new_tokens, args.temperature,
-                                     **sampling):
-        print(reply)
-  finally:
-    trainer.close()
-  if args.seed is None and seed is not None:
-    print(f"(seed {seed}: --seed {seed} gives this text again)", file=sys.stderr)
-  return 0
-
-
 def eval_overrides(args: argparse.Namespace) -> list[str]:
   """`args.overrides` as `data.x=v` strings, for `eval` and `quantize`.
 
@@ -396,20 +310,23 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 def run_eval(args: argparse.Namespace) -> int:
   _check_quantized(args)
   logs.status(f"evaluating {args.workdir} ...")  # Before the imports.
-  from jax_ai_stack.recipes import compile_cache
+  from jax_ai_stack.recipes import compile_cache, progress
 
   compile_cache.enable()  # "auto": JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 
-  if args.tasks:
-    from jax_ai_stack.recipes.evaluation import cli as evaluation_cli
+  with compile_cache.CompileTimes(announce=progress.Wait):  # Long compiles said as they go.
+    if args.tasks:
+      from jax_ai_stack.recipes.evaluation import cli as evaluation_cli
 
-    return evaluation_cli.run_harness(
-        args, lambda: _open_finished(args, validation=False, method="__call__"))
-  trainer = _open_finished(args, validation=True, method="__call__")
-  try:
-    metrics = trainer.evaluate()
-  finally:
-    trainer.close()
+      return evaluation_cli.run_harness(
+          args, lambda: _open_finished(args, validation=False, method="__call__"))
+    with progress.waiting("opening the run"):
+      trainer = _open_finished(args, validation=True, method="__call__")
+    try:
+      with progress.waiting("evaluating"):
+        metrics = trainer.evaluate()
+    finally:
+      trainer.close()
   print(json.dumps({"step": trainer.step, **metrics}, indent=2))
   return 0
 

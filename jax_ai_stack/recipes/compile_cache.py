@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping
-from typing import Annotated
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
 import pydantic
 
@@ -125,6 +125,8 @@ _TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _MISS_EVENT = "/jax/compilation_cache/cache_misses"
+_VERBS = {_TRACE_EVENTS[0]: ("tracing", "traced"), _TRACE_EVENTS[1]: ("lowering", "lowered"),
+          _COMPILE_EVENT: ("compiling", "compiled")}
 
 
 @dataclasses.dataclass
@@ -133,7 +135,11 @@ class CompileTimes:
 
   Listens to `jax.monitoring` events (the same names in jax 0.10 and 0.12);
   trace includes lowering to StableHLO; compile is XLA's backend compile, which
-  a cache hit skips.
+  a cache hit skips. `announce` (`progress.Wait`, or any function of a text returning
+  something with `close(done)`): each trace, lowering and compile is announced with it
+  as it starts (from JAX's start events), and closed with how long it took, by JAX's
+  own duration, and whether the persistent cache served it: a long start-up is never
+  silent, and no second timer measures what JAX measures.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -148,6 +154,8 @@ class CompileTimes:
   compiles: int = 0
   cache_hits: int = 0
   cache_misses: int = 0
+  announce: Callable[[str], Any] | None = None
+  _waits: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   def startup_line(self, import_s: float | None, init_s: float, first_step_s: float) -> str:
     """Where the wait for the first step went: import, init, trace, compile, cache hits."""
@@ -158,8 +166,29 @@ class CompileTimes:
             f"first step after {first_step_s:.1f} s; of which trace {self.trace_s:.1f} s, "
             f"compile {self.compile_s:.1f} s ({self.compiles} programs, {hits})")
 
+  def _on_start(self, event: str, value: float, **kwargs) -> None:
+    """JAX's start of a trace, lowering or compile (`log_elapsed_time` records its start
+    time as a scalar)."""
+    del value
+    if event in _VERBS:
+      name = kwargs.get("fun_name", "a program")
+      self._waits.setdefault((event, name), []).append(
+          [self.announce(f"{_VERBS[event][0]} {name}"), False])  # [wait, cache hit]
+
+  def _done(self, event: str, duration: float, name: str) -> None:
+    waits = self._waits.get((event, name))
+    if not waits:
+      return
+    wait, hit = waits.pop()
+    served = ""
+    if event == _COMPILE_EVENT:
+      served = (" (loaded from the compilation cache)" if hit else
+                " (not in the compilation cache)" if active_dir() else "")
+    wait.close(f"{_VERBS[event][1]} {name} in {duration:.1f} s{served}")
+
   def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-    del kwargs
+    if self.announce is not None:
+      self._done(event, duration, kwargs.get("fun_name", "a program"))
     if event in _TRACE_EVENTS:
       self.trace_s += duration
     elif event == _COMPILE_EVENT:
@@ -170,6 +199,9 @@ class CompileTimes:
     del kwargs
     if event == _HIT_EVENT:
       self.cache_hits += 1
+      for (kind, _), waits in self._waits.items():  # The compile open now was served.
+        if kind == _COMPILE_EVENT and waits:
+          waits[-1][1] = True
     elif event == _MISS_EVENT:
       self.cache_misses += 1
 
@@ -182,6 +214,8 @@ class CompileTimes:
     if not self._listening:
       jax.monitoring.register_event_duration_secs_listener(self._on_duration)
       jax.monitoring.register_event_listener(self._on_event)
+      if self.announce is not None:
+        jax.monitoring.register_scalar_listener(self._on_start)
       self._listening = True
     return self
 
@@ -192,6 +226,12 @@ class CompileTimes:
     if self._listening:
       jax.monitoring.unregister_event_duration_listener(self._on_duration)
       jax.monitoring.unregister_event_listener(self._on_event)
+      if self.announce is not None:
+        jax.monitoring.unregister_scalar_listener(self._on_start)
+        for waits in self._waits.values():  # Left open by an exception.
+          for wait, _ in waits:
+            wait.close()
+        self._waits.clear()
       self._listening = False
 
   def __enter__(self) -> CompileTimes:

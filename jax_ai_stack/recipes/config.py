@@ -173,9 +173,17 @@ class RecipeConfig:
 
   def __post_init__(self):
     registry.registered(self.model).check(self)
-    if self.data.is_prompts and not self.rl.rewards:
+    distills = self.finetune.distill.teacher is not None
+    if self.data.is_prompts and not self.rl.rewards and not distills:
       raise ConfigError(f"rl.rewards is empty: a run on prompts (data.source="
-                        f"{self.data.source!r}) needs at least one reward, 'module:function'")
+                        f"{self.data.source!r}) needs at least one reward, 'module:function' "
+                        "(or a teacher to distill from: finetune.distill.teacher)")
+    if distills and self.data.is_preference:
+      raise ConfigError(f"finetune.distill.teacher: distillation learns on text, chats or "
+                        f"prompts, not data.source={self.data.source!r}")
+    if distills and self.data.is_prompts and self.rl.dynamic_sampling:
+      raise ConfigError("rl.dynamic_sampling drops groups whose rewards are equal, and an "
+                        "on-policy distillation run learns from every completion: turn it off")
     updates = self.rl.updates_per_rollout
     for field, value in (("train.steps", self.train.steps),
                          ("checkpoint.save_every", self.checkpoint.save_every),

@@ -15,18 +15,34 @@ its HBM for the largest batch). Per device it counts:
   XLA reduce-scatters them), so exact in the same way. The model is the
   run's, after its transforms (`Task.model_transforms`): with LoRA the
   optimizer state and gradients are the adapters', and a full fine-tuning
-  DPO run's frozen copy of the base is counted as "reference".
+  DPO run's frozen copy of the base, and a distillation run's teacher, are counted
+  as "reference".
 * gathered weights: a matmul of batch-split activations needs its weight
   whole along the mesh axes that split the batch, so under `fsdp` XLA
   all-gathers it; without remat the gathered copy stays live from the
   forward to the backward pass (measured on CPU: the whole model's), with
-  remat each block gathers again when it is recomputed (one block's).
+  remat each block gathers again when it is recomputed (one block's). The
+  embedding's copy, gathered for the lookup, is dropped before the blocks run
+  where the head has weights of its own (untied): Llama-3-8B shapes on a
+  v5e-16, 0.98 GiB of the plan XLA does not hold.
 * activations: an estimate of what the forward pass keeps for the backward
   pass. Where the Task knows it, analytic (`Task.activation_bytes`; the llama
-  family's is `models.decoder.activation_bytes`); for other families, measured: XLA's temporary bytes of the train step
-  compiled for one device's rows on the local backend (a topology's: on its
-  chip, with its kernels), less the gradients (`compiled.memory_analysis()`;
-  the pinned jax reports them on CPU too).
+  family's is `models.decoder.activation_bytes`, with what the platform's XLA
+  keeps: a TPU's or GPU's fuses elementwise ops into the backward pass); for
+  other families, and for a small model on a topology (`MEASURED_BELOW`),
+  measured: XLA's temporary bytes of the train step compiled for one device's
+  rows on the local backend (a topology's: on its chip, with its kernels), less
+  the gradients (`compiled.memory_analysis()`; the pinned jax reports them on
+  CPU too).
+* float32 copies (this host's CPU devices only; not for a device count, which plans for
+  an accelerator): XLA:CPU computes a bfloat16 matmul in float32, so the
+  step holds a float32 copy of each bfloat16 weight it multiplies (twice the weight's
+  bytes), and of a tied embedding a second, transposed for the head. Measured at
+  Qwen3-0.6B's shapes: 2.80 GiB of a LoRA step's 3.50 GiB of temporaries.
+* checkpoint (this host's CPU devices only): Orbax copies the saved state to host memory
+  and writes it in the background while the next steps run; on a CPU that memory is the
+  devices'. A full fine-tune at Qwen3-0.6B's shapes peaks in the step after the first
+  checkpoint, 3.3 GiB over the step alone.
 * code: the compiled step's, where it has been compiled for the chip
   (`aot.compile_recipe`, whose XLA reports it); 0 before.
 
@@ -50,25 +66,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import pydantic
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jax_ai_stack import kernels, topology
 from jax_ai_stack.errors import UsageError
-from jax_ai_stack.recipes import optim, sharding, step, tasks
+from jax_ai_stack.recipes import measured_activations, optim, sharding, tasks
+from jax_ai_stack.recipes.byte_sizes import format_bytes, parse_bytes  # noqa: F401
 from jax_ai_stack.recipes.transforms import Frozen
-
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
-"""What `parse_bytes` accepts: stricter than `pydantic.ByteSize` alone, which reads
-"1,5GB" as 1 byte and ignores what follows a unit ("16GB!")."""
-_BYTE_SIZE = pydantic.TypeAdapter(pydantic.ByteSize)
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -86,7 +96,8 @@ class MemoryPlan:
   parameters: int
   """The model's state (parameters, and RNG state if it keeps any)."""
   reference: int
-  """A frozen copy of the base's weights (DPO's reference in full fine-tuning), else 0."""
+  """Frozen weights: a copy of the base's (DPO's reference in full fine-tuning), or a
+  distillation run's teacher; else 0."""
   optimizer: int
   """The optimizer's state (moments, step count, accumulated gradients)."""
   gradients: int
@@ -99,6 +110,12 @@ class MemoryPlan:
   """How the activations were obtained (analytic or measured, and with what)."""
   device_memory: int | None = None
   """Bytes of HBM of the topology's chip the plan is for (None: no topology given)."""
+  float32_copies: int = 0
+  """XLA:CPU's float32 copies of the bfloat16 weights the step multiplies; 0 elsewhere."""
+  checkpoint_copy: int = 0
+  """On this host's CPU devices: the copy of the saved state a checkpoint is written from
+  while the next steps run (Orbax copies it to host memory, which on a CPU is the devices'
+  memory; elsewhere it is the host's, not a device's); 0 elsewhere."""
   code: int = 0
   """The compiled program's code, which XLA keeps on every device (4-20 MiB on a TPU):
   known once the step is compiled for the chip (`aot`), else 0, and left out."""
@@ -115,7 +132,7 @@ class MemoryPlan:
   def fixed(self) -> int:
     """Bytes that do not depend on the batch size."""
     return (self.parameters + self.reference + self.optimizer + self.gradients + self.gathered
-            + self.code)
+            + self.float32_copies + self.checkpoint_copy + self.code)
 
   @property
   def total(self) -> int:
@@ -143,12 +160,17 @@ class MemoryPlan:
         f"global batch {self.batch_size} ({_rows(self.rows_per_device)} per device)",
         "per-device memory plan:",
         f"  parameters   {format_bytes(self.parameters):>11}",
-        *([f"  reference    {format_bytes(self.reference):>11}  (frozen copy of the base: "
-           "DPO's reference)"] if self.reference else []),
+        *([f"  reference    {format_bytes(self.reference):>11}  (frozen: DPO's copy of the "
+           "base, or a distillation teacher)"] if self.reference else []),
         f"  optimizer    {format_bytes(self.optimizer):>11}",
         f"  gradients    {format_bytes(self.gradients):>11}",
         f"  gathered     {format_bytes(self.gathered):>11}  (weights gathered for the matmuls)",
         f"  activations  {format_bytes(self.activations):>11}  ({self.activations_from})",
+        *([f"  float32      {format_bytes(self.float32_copies):>11}  (XLA:CPU's copies of the "
+           "bfloat16 weights for its matmuls)"] if self.float32_copies else []),
+        *([f"  checkpoint   {format_bytes(self.checkpoint_copy):>11}  (the saved state's copy "
+           "a checkpoint is written from, beside the next steps)"] if self.checkpoint_copy
+          else []),
         *([f"  code         {format_bytes(self.code):>11}  (XLA's, of the compiled step)"]
           if self.code else []),
         f"  total        {format_bytes(self.total):>11}",
@@ -230,9 +252,14 @@ def estimate_memory(config: Any,
   batch_ways = ways.get("batch", 1)
   params = nnx.state(model, nnx.Param)
   gathered = _gathered_bytes(params, mesh, rules)
-  analytic = task.activation_bytes(ways, attention)
-  if analytic is None:
-    per_row, source = _measured_activation_bytes(task, task.training_loss(transforms), model,
+  if getattr(config.model, "tie_embeddings", True) is False:  # A head of its own.
+    # The embedding is gathered for the lookup at the step's start and dropped: the blocks
+    # do not read it, nor does its gradient (the looked-up rows' scatter).
+    gathered = {path: n for path, n in gathered.items() if not path.startswith("embed/")}
+  platform = device.platform if device is not None else jax.default_backend()
+  analytic = task.activation_bytes(ways, attention, platform)
+  if analytic is None or _small_on(device, target, model, optimizer):
+    per_row, source = measured_activations.per_row(task, task.training_loss(transforms), model,
                                                  optimizer, batch_size // batch_ways, device)
   else:
     per_row, source = analytic
@@ -241,6 +268,7 @@ def estimate_memory(config: Any,
     blocks = sum(n for path, n in gathered.items() if "/layers/" in f"/{path}")
     gathered = {"blocks": blocks // layers,
                 **{path: n for path, n in gathered.items() if "/layers/" not in f"/{path}"}}
+  host_cpu = isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
   return MemoryPlan(
       mesh=dict(mesh.shape), rules=config.mesh.rules, batch_size=batch_size,
       batch_ways=batch_ways,
@@ -249,9 +277,35 @@ def estimate_memory(config: Any,
       optimizer=device_bytes(nnx.state(optimizer), mesh, rules),
       gradients=device_bytes(nnx.state(model, transforms.wrt), mesh, rules),
       gathered=sum(gathered.values()),
+      float32_copies=(_float32_copies(model, gathered, mesh, rules,
+                                      tied=getattr(config.model, "tie_embeddings", True))
+                      if host_cpu else 0),
+      checkpoint_copy=(device_bytes(transforms.saved(nnx.state((model, optimizer))), mesh,
+                                    rules) if host_cpu else 0),
       activations_per_row=per_row, activations_from=source,
       device_memory=target.chip.hbm_bytes if isinstance(target, topology.Topology) else None,
   )
+
+
+MEASURED_BELOW = 16
+"""On a topology's chip, a model whose whole train state is under 1/MEASURED_BELOW of the
+chip's HBM has its activations measured there, not estimated: compiling its one-device step
+takes seconds, and the analytic estimate does not see what that chip's XLA does at such
+sizes. XLA:TPU lays arrays out in tiles of 8 x 128 (lm-tiny's heads of 32 take 128 lanes),
+keeps a float32 matmul's operands in bfloat16 (its default precision makes one bfloat16
+pass), and fuses the SwiGLU's elementwise ops into the backward pass (it keeps gate and up,
+not their products): lm-tiny-grpo, 32 rows of 64 tokens a device on v5e:2x2, keeps 0.6 of
+the estimate. A larger model is estimated (a one-device compile of an 8B step takes
+minutes, and it would not fit a chip)."""
+
+
+def _small_on(device: Any, target: Any, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
+  """Whether the activations are measured on `device`, a topology's chip (see
+  `MEASURED_BELOW`)."""
+  if device is None or not isinstance(target, topology.Topology):
+    return False
+  state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state((model, optimizer))))
+  return state * MEASURED_BELOW <= target.chip.hbm_bytes
 
 
 def _step_rows(task: tasks.Task, rows: int) -> int:
@@ -277,6 +331,24 @@ def _shard_bytes(abstract_state: Any, mesh: Mesh | AbstractMesh,
       jax.tree_util.keystr(path, simple=True, separator="/"):
           math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
       for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract_state), shardings)}
+
+
+def _float32_copies(model: nnx.Module, gathered: dict[str, int], mesh: Mesh | AbstractMesh,
+                    rules: sharding.Rules, *, tied: bool) -> int:
+  """Bytes of the float32 copies XLA:CPU makes of the bfloat16 weights a step multiplies
+  (each device's share, whole where it is gathered): twice their bfloat16 bytes, and a
+  tied embedding's twice again (its transposed copy for the head)."""
+  weights = nnx.state(model, nnx.Any(nnx.Param, Frozen))
+  shares = _shard_bytes(weights, mesh, rules)
+  dtypes = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf.dtype
+            for path, leaf in jax.tree_util.tree_leaves_with_path(weights)}
+  total = 0
+  for path, share in shares.items():
+    if dtypes[path] != jnp.bfloat16:
+      continue
+    share = max(share, gathered.get(path, 0))
+    total += 2 * share * (2 if tied and "/embed/" in f"/{path}" else 1)
+  return total
 
 
 def _gathered_bytes(params: Any, mesh: Mesh | AbstractMesh,
@@ -321,94 +393,10 @@ def _attention(task: tasks.Task, name: str | None, device: Any,
   return (plan if backend else None), choice.name
 
 
-def _measured_activation_bytes(task: tasks.Task, loss: step.LossFn, model: nnx.Module,
-                               optimizer: nnx.Optimizer, rows: int,
-                               device: Any = None) -> tuple[int, str]:
-  """XLA's temporary bytes of the one-device train step for `rows` rows, less gradients.
-
-  Compiled for `device` (a topology's compile-only device: its chip's XLA and kernels,
-  e.g. a TPU's grouped matmul where this host's CPU would pad experts' rows to blocks),
-  or for this host's default device (also where the whole step does not fit one of
-  `device`'s chips, which XLA:TPU refuses to compile). Where XLA reports the peak of
-  its heap (TPU), the peak less the arguments (the train state) stands for the
-  temporary bytes: XLA:TPU's temporaries leave out most of what the backward pass keeps
-  (lm-tiny on v5e:2x2, 16 rows a device: 9 MiB of temporaries, a 114 MiB peak). The
-  batch's shapes come from the first batch of the train split. Tensor parallelism is
-  not taken into account (an overestimate under `fsdp_tp`).
-  """
-  train_step, _, state = step.make_steps(model, optimizer, loss)
-  iterator = iter(task.dataset("train", task.config.train.seed))
-  try:
-    first = next(iterator)
-  finally:
-    if hasattr(iterator, "close"):
-      iterator.close()  # Stops its prefetch thread now.
-  batch = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in first.items()}
-  where = jax.default_backend()
-  try:
-    if device is not None:
-      analysis, where = _compiled_for(device, train_step, state, batch), device.device_kind
-  except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a step larger than its HBM.
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
-    device, where = None, f"{where} (the step does not fit one {device.device_kind})"
-  if device is None:
-    analysis = train_step.lower(state, batch).compile().memory_analysis()
-  if analysis is None:
-    return 0, f"unknown: XLA reports no memory analysis on {where}"
-  gradients = sum(x.size * x.dtype.itemsize
-                  for x in jax.tree.leaves(nnx.state(model, optimizer.wrt)))
-  peak = getattr(analysis, "peak_memory_in_bytes", 0) if device is not None else 0
-  if peak:  # XLA:TPU's temporaries leave out most of what the backward pass keeps.
-    measured, what = peak - analysis.argument_size_in_bytes - gradients, "peak heap bytes"
-  else:
-    measured, what = analysis.temp_size_in_bytes - gradients, "temp bytes"
-  return -(-max(measured, 0) // max(rows, 1)), f"measured: XLA {what} of the step on {where}"
-
-
-def _compiled_for(device: Any, function: Any, *args: Any) -> Any:
-  """XLA's memory analysis of `function` compiled for `device` alone, with the kernels
-  lowered for its platform (`kernels.compiling_for`, under a one-device mesh of it)."""
-  placed = jax.sharding.SingleDeviceSharding(device)
-  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
-  mesh = Mesh([device], ("one",))
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)  # No client loads these back.
-  try:
-    with kernels.compiling_for(device.platform), jax.sharding.use_abstract_mesh(
-        mesh.abstract_mesh):
-      return function.lower(*args).compile().memory_analysis()
-  finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
-
-
 def device_memory() -> int | None:
   """Bytes of memory of this process's first device, if the backend says (not CPU)."""
   stats = jax.local_devices()[0].memory_stats()
   return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-
-
-def parse_bytes(text: str) -> int:
-  """'16GiB' -> 17179869184; also GB (powers of 10), MiB, KiB, plain bytes.
-
-  Raises:
-    UsageError: not a size.
-  """
-  match = _SIZE.fullmatch(text)
-  try:
-    if match:  # "16Gi" too, which ByteSize reads only as "16GiB".
-      return int(_BYTE_SIZE.validate_python(f"{match[1]}{match[2] or ''}B"))
-  except pydantic.ValidationError:  # Too large for a float.
-    pass
-  raise UsageError(f"--device-memory {text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB")
-
-
-def format_bytes(n: int) -> str:
-  """Bytes in binary units with three significant digits: '1.50 GiB'."""
-  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.3g} {unit}" if n / size >= 100 else f"{n / size:.2f} {unit}"
-  return f"{n} B"
 
 
 def dry_run(config: Any, *, device_memory_text: str | None = None,
@@ -421,6 +409,7 @@ def dry_run(config: Any, *, device_memory_text: str | None = None,
   as for training. Nothing is trained, allocated, or written.
   """
   memory = parse_bytes(device_memory_text) if device_memory_text else device_memory()
-  plan = estimate_memory(config, jax.device_count(), environ=environ, autotune_file=autotune_file)
+  plan = estimate_memory(config, sharding.build_mesh(config.mesh, jax.devices()), environ=environ,
+                         autotune_file=autotune_file)  # This host's: on a CPU, its copies.
   return f"recipe {config.name} on {jax.device_count()} {jax.default_backend()} device(s)\n" + (
       plan.describe(memory))

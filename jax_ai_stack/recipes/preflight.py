@@ -9,8 +9,8 @@ behind (no config.yaml, record.json, metrics.jsonl or checkpoints/).
 
 `references(config)` lists what a config names; `check_references` imports each
 (`train.run` and `opening.open_to_train` call it, so a notebook's `Trainer.open`
-is checked too); `check` adds a fresh run's `finetune.base` and the harness
-tasks, resolved once and handed to the Trainer.
+is checked too); `check` adds a fresh run's `finetune.base`, a distillation teacher and the
+harness tasks, resolved once and handed to the Trainer.
 
 Example:
   >>> from jax_ai_stack.recipes import config
@@ -69,12 +69,23 @@ def check_base(config: Any, workdir: pathlib.Path | None) -> None:
   base_run.resolve_base(base)
 
 
+def check_teacher(config: Any) -> None:
+  """A distillation run's teacher is a trained run that speaks the student's tokens
+  (`teacher.read_teacher`'s one line otherwise)."""
+  distill = getattr(getattr(config, "finetune", None), "distill", None)
+  if getattr(distill, "teacher", None) is not None:
+    from jax_ai_stack.recipes.finetune import teacher  # pylint: disable=g-import-not-at-top
+
+    teacher.read_teacher(distill.teacher, config)
+
+
 def check(config: Any, workdir: pathlib.Path | None = None):
   """`check_references` and `check_base`, then `train.eval_tasks` resolved
   (`evaluation.in_training.TrainingTasks`, or None without them): ConfigError for a bad
   name, before the run opens."""
   check_references(config)
   check_base(config, workdir)
+  check_teacher(config)
   if not getattr(config.train, "eval_tasks", ()):
     return None
   try:  # A built-in Task; a custom one (model.task, or given in Python) is asked at opening.

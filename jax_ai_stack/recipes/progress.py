@@ -5,6 +5,11 @@ each update of the postfix writes one line, `UNIT N/TOTAL: TEXT, ETA 1m05s`;
 a bar with no postfix (bytes read, requests scored) writes one at each tenth,
 `load 357MB/1.19GB (30%), ETA 12s`. Every bar the package draws is one of these.
 
+A wait with no bar (building a model, tracing, compiling, sampling) is a `Wait`:
+its line once it has lasted `QUIET_S` seconds, then the time it has taken every
+`EVERY_S` seconds while nothing else was said, so that no phase is silent for
+long; quick phases say nothing.
+
 Example:
   >>> lines = Lines("step", total=10, initial=0, file=sys.stdout)
   >>> lines.update(4)
@@ -14,8 +19,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
+from collections.abc import Iterator
+
+QUIET_S = 5.0
+"""A `Wait` shorter than this says nothing (most programs compile in less)."""
+EVERY_S = 15.0
+"""A `Wait` still open says so this often while no other line of a wait was written."""
+_TICK_S = 0.5
 
 
 def bar(label: str, *, unit: str, total: int | None, initial: int = 0,
@@ -102,6 +116,106 @@ class Lines:
 
   def close(self) -> None:
     pass
+
+
+class Wait:
+  """A phase the user waits on without a bar: `TEXT ...` on stderr once it has lasted
+  `first` seconds (default `QUIET_S`; 0: at once), then `TEXT ... 35 s` every `EVERY_S`
+  seconds while no other wait wrote a line (the newest open wait speaks); `close(done)`
+  writes `done` only where a line was written, so that a quick phase stays silent.
+  `said`: the caller has written TEXT already; only the heartbeat follows. Plain lines
+  everywhere (above tqdm's bar on a terminal), from one background thread that the
+  open waits share."""
+
+  def __init__(self, text: str, *, first: float | None = None, said: bool = False):
+    self.text, self.said = text, said
+    self.started = time.perf_counter()
+    self._first = QUIET_S if first is None else first
+    with _LOCK:
+      _OPEN.append(self)
+      if said:
+        _LAST[0] = self.started
+      elif self._first == 0:
+        self._say(f"{text} ...")
+    _ensure_ticker()
+
+  @property
+  def elapsed_s(self) -> float:
+    return time.perf_counter() - self.started
+
+  def close(self, done: str | None = None) -> None:
+    """Ends the wait; `done` (its outcome) is written if the wait said anything."""
+    with _LOCK:
+      if self in _OPEN:
+        _OPEN.remove(self)
+      if done and self.said:
+        self._say(done)
+
+  def _due(self, now: float) -> str | None:
+    """The line the ticker should write for this wait now, or None."""
+    if not self.said:
+      return f"{self.text} ..." if now - self.started >= self._first else None
+    if now - _LAST[0] >= EVERY_S:
+      return f"{self.text} ... {now - self.started:.0f} s"
+    return None
+
+  def _say(self, line: str) -> None:
+    """Writes `line` (the caller holds `_LOCK`)."""
+    self.said = True
+    _LAST[0] = time.perf_counter()
+    stream = sys.stderr
+    if stream.isatty():  # Above the bar, if one is drawn.
+      from tqdm import tqdm
+
+      tqdm.write(line, file=stream)
+    else:
+      print(line, file=stream, flush=True)
+
+
+_LOCK = threading.Lock()
+_OPEN: list[Wait] = []
+"""The open waits, oldest first (console pacing, not program state)."""
+_LAST = [0.0]
+"""When a wait last wrote a line."""
+_TICKER: list[threading.Thread] = []
+
+
+def _ensure_ticker() -> None:
+  with _LOCK:
+    if _TICKER:
+      return
+    thread = threading.Thread(target=_tick, name="jax-ai-stack waits", daemon=True)
+    _TICKER.append(thread)
+  thread.start()
+
+
+def _tick() -> None:
+  """Writes the newest wait's due line every `_TICK_S`; ends when no wait is open."""
+  while True:
+    time.sleep(_TICK_S)
+    with _LOCK:
+      if not _OPEN:
+        _TICKER.clear()
+        return
+      now = time.perf_counter()
+      for wait in reversed(_OPEN):
+        if (line := wait._due(now)) is not None:  # pylint: disable=protected-access
+          wait._say(line)  # pylint: disable=protected-access
+          break
+
+
+@contextlib.contextmanager
+def waiting(text: str, *, first: float | None = None, said: bool = False,
+            done=None) -> Iterator[Wait]:
+  """A `Wait` for the block; `done`: a function of the wait giving its closing line
+  (not called where the block raised)."""
+  wait = Wait(text, first=first, said=said)
+  ok = False
+  try:
+    yield wait
+    ok = True
+  finally:
+    wait.close(done(wait) if ok and done is not None else None)
 
 
 def _duration(seconds: float) -> str:

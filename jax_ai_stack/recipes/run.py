@@ -42,8 +42,8 @@ from flax import nnx
 
 from jax_ai_stack import kernels
 from jax_ai_stack.errors import CheckpointMismatchError, WorkdirError
-from jax_ai_stack.recipes import (checkpoint, configlib, held_out, opening, optim, phases,
-                                  sharding, step, tasks)
+from jax_ai_stack.recipes import (checkpoint, configlib, held_out, host_memory, opening, optim,
+                                  phases, sharding, step, tasks)
 from jax_ai_stack.recipes import workdir as workdir_lib
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.opening import TaskArg
@@ -223,6 +223,7 @@ def build_run(
     task: TaskArg = None,
     validation: bool | None = None,
     capture_stderr: bool = False,
+    optimizer_state: bool = False,
 ) -> Run:
   """Opens `workdir` into a `Run`: restored from its newest checkpoint, else initialised.
 
@@ -251,6 +252,9 @@ def build_run(
     capture_stderr: while a damaged checkpoint step is read, send what the
       libraries print to the error log (`checkpoint.restore`'s). It redirects
       the process's stderr, so the command line asks for it; a notebook need not.
+    optimizer_state: `mode="read"`: read the optimizer's state too. By default a
+      finished run is read without it (AdamW's moments are twice the parameters): its
+      `state` is the model's part alone, `state[0]`, and its optimizer stays abstract.
 
   Raises:
     WorkdirError: the workdir is unusable, has no checkpoint (read), or has
@@ -271,14 +275,36 @@ def build_run(
   else:
     raise ValueError(f"mode must be 'train' or 'read', not {mode!r}")
   try:
-    return _assemble(opened, initial_params=initial_params)
+    return _assemble(opened, initial_params=initial_params,
+                     model_only=mode == "read" and not optimizer_state)
   except BaseException:
     opened.manager.close()
     raise
 
 
-def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
-  """Model, optimizer and steps, restored into (no initialisation) or initialised."""
+def _state_bytes(model: nnx.Module, optimizer: nnx.Optimizer, wrt: Any, *,
+                 training: bool, model_only: bool) -> dict[str, int]:
+  """Bytes of an abstract model's parameters and (unless `model_only`) its optimizer
+  state, and of the gradients where it trains."""
+  def size(state):  # Arrays only: a custom model's state may hold plain Python values.
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
+               if hasattr(x, "size") and hasattr(x, "dtype"))
+
+  parts = {"parameters": size(nnx.state(model))}
+  if not model_only:
+    parts["optimizer state"] = size(nnx.state(optimizer))
+  return {**parts, "gradients": size(nnx.state(model, wrt))} if training else parts
+
+
+def _model_part(state: nnx.State) -> nnx.State:
+  """The model's half of a (model, optimizer) state (or of its shardings)."""
+  return nnx.from_flat_state([(path, leaf) for path, leaf in nnx.to_flat_state(state)
+                              if path[0] == 0])
+
+
+def _assemble(opened: opening.Opened, *, initial_params=None, model_only: bool = False) -> Run:
+  """Model, optimizer and steps, restored into (no initialisation) or initialised;
+  `model_only`: a finished run's model alone is read (see `build_run`'s `optimizer_state`)."""
   config, task, plan, placement = opened.config, opened.task, opened.plan, opened.placement
   transforms = task.model_transforms()
 
@@ -291,6 +317,11 @@ def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
                                         wrt=transforms.wrt)
 
   model, optimizer = nnx.eval_shape(create)  # Shapes only: nothing allocated yet.
+  if jax.default_backend() == "cpu":  # The devices' memory is the host's: before any weights.
+    host_memory.check_fits(_state_bytes(model, optimizer, transforms.wrt,
+                                        training=opened.train_data is not None,
+                                        model_only=model_only),
+                           processes=jax.process_count())
   state_sharding = placement.state_shardings(nnx.state((model, optimizer)))
   train_step, eval_step, abstract = step.make_steps(
       model, optimizer, task.training_loss(transforms), state_sharding=state_sharding,
@@ -301,9 +332,11 @@ def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
   if opened.restore:  # Into shapes only: no initialisation when a checkpoint exists.
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
+    read = _model_part if model_only else lambda state: state
     try:
-      restored = checkpoint.restore(opened.manager, transforms.saved(abstract), train_batches,
-                                    capture_stderr=opened.capture_stderr)
+      restored = checkpoint.restore(opened.manager, read(transforms.saved(abstract)),
+                                    train_batches, capture_stderr=opened.capture_stderr,
+                                    subset=model_only)
     except CheckpointMismatchError as e:
       metadata = checkpoint.read_metadata(opened.manager, capture_stderr=opened.capture_stderr)
       raise workdir_lib.name_changed_fields(e, metadata, config) from None
@@ -313,9 +346,9 @@ def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
     train_batches = iter(train_data)
     # One compiled program that writes each array straight to its devices
     # (eagerly, each initialiser would also compile on its own).
-    if initial_params is None:
-      state = jax.jit(lambda: transforms.saved(nnx.state(create())),  # No frozen base init.
-                      out_shardings=transforms.saved(state_sharding))()
+    if initial_params is None:  # What `load` reads instead (a base) is not initialised.
+      fresh = lambda state: transforms.initialised(transforms.saved(state))  # noqa: E731
+      state = jax.jit(lambda: fresh(nnx.state(create())), out_shardings=fresh(state_sharding))()
     else:  # Placed by `initial_params`, then donated: one copy on the devices.
       bare = nnx.state(nnx.eval_shape(  # The Task's model, before QAT or adapters.
           lambda: task.build_model(config.train.seed, plan, placement.layout())))
@@ -326,7 +359,7 @@ def _assemble(opened: opening.Opened, *, initial_params=None) -> Run:
                       out_shardings=transforms.saved(state_sharding), donate_argnums=0)(params)
     start = 0
   else:
-    state = jax.device_put(restored.state, transforms.saved(state_sharding))
+    state = jax.device_put(restored.state, read(transforms.saved(state_sharding)))
     start = restored.step
     if start:  # Step 0 (import-hf's) has trained under no config: nothing to keep bitwise.
       _warn_attention_change(restored.metadata, opened.choice)

@@ -50,13 +50,14 @@ def make_steps(
 
   `train_step(state, batch) -> (state, metrics)` donates `state`;
   `eval_step(state, batch) -> metrics` runs the model in eval mode (no
-  dropout) and changes nothing. `state_sharding`: a NamedSharding per state
+  dropout) and changes nothing; it reads the model's half of `state` alone, so a
+  finished run read without its optimizer state evaluates too. `state_sharding`: a NamedSharding per state
   leaf; the new state keeps it and the metrics are replicated.
   `microbatch_size`: the most rows one forward and backward pass takes (it must
   divide each batch's rows); None: the whole batch at once.
   """
   model.eval()
-  eval_graphdef, _ = nnx.split((model, optimizer))
+  eval_graphdef, _ = nnx.split(model)
   model.train()
   graphdef, state = nnx.split((model, optimizer))
 
@@ -68,7 +69,7 @@ def make_steps(
 
   @functools.partial(jax.jit, **eval_placement)
   def eval_step(state: nnx.State, batch: Batch) -> dict[str, jax.Array]:
-    model, _ = nnx.merge(eval_graphdef, state)
+    model = nnx.merge(eval_graphdef, state[0])  # The model's half: the optimizer's is unread.
     loss, aux = loss_fn(model, batch)
     return {"loss": loss, **aux}
 

@@ -31,7 +31,7 @@ import jax
 
 from jax_ai_stack import determinism
 from jax_ai_stack.errors import WorkdirError
-from jax_ai_stack.recipes import compile_cache, distributed, preflight, record
+from jax_ai_stack.recipes import compile_cache, distributed, preflight, progress, record
 from jax_ai_stack.recipes.config import RecipeConfig
 from jax_ai_stack.recipes.metrics import (METRICS_FILE, PLOT_FILE, eval_change, format_metrics,
                                           read_metrics)
@@ -77,11 +77,13 @@ def run(
   harness_tasks = preflight.check(config, workdir)  # Before anything is built or written.
   print(f"recipe {config.name}: preparing data and model in {workdir} ...", flush=True)
   started = time.perf_counter()
-  compile_times = compile_cache.CompileTimes().start()
+  # Says each long trace and compile as it goes, the whole run long (eval, sample too).
+  compile_times = compile_cache.CompileTimes(announce=progress.Wait).start()
   try:
-    trainer = Trainer.of(build_run(config, workdir, mode="train", task=task,
-                                   resume=resume or config.train.resume, environ=environ,
-                                   capture_stderr=capture_stderr))
+    with progress.waiting("preparing data and model", said=True):
+      trainer = Trainer.of(build_run(config, workdir, mode="train", task=task,
+                                     resume=resume or config.train.resume, environ=environ,
+                                     capture_stderr=capture_stderr))
   except BaseException:
     compile_times.stop()
     raise
@@ -93,8 +95,10 @@ def run(
     write_config(workdir, config)  # config.yaml: `train --config` runs this phase again.
   init_s = time.perf_counter() - started
 
+  first_step = None  # The wait for the first step: its trace, compile and run.
+
   def report_startup():
-    compile_times.stop()
+    first_step.close()
     if verbose:
       from tqdm import tqdm  # Above the bar, not on its line.
 
@@ -126,6 +130,7 @@ def run(
       if trainer.transforms.evaluates_before_training:
         trainer.evaluate_before_training()
       print("compiling the train step ...", flush=True)
+      first_step = progress.Wait("compiling the train step", said=True)
       result = trainer.fit(stop_after=stop_after, on_first_step=report_startup)
       if result["stopped_by"]:
         planned = result["stopped_by"] == f"stop_after={stop_after}"  # The caller goes on.
@@ -134,6 +139,8 @@ def run(
         return result
       _print_lines(trainer.finish())
   finally:
+    if first_step is not None:
+      first_step.close()  # Again does nothing.
     compile_times.stop()
     trainer.close()
   _print_done(result, workdir, trainer.task.headline(result))

@@ -82,7 +82,8 @@ class Trainer(Run):
 
   @classmethod
   def open_finished(cls, workdir: str | pathlib.Path, *, validation: bool = False,
-                    overrides: Sequence[str] = (), task: TaskArg = None) -> Trainer:
+                    overrides: Sequence[str] = (), task: TaskArg = None,
+                    optimizer_state: bool = False) -> Trainer:
     """A trained run, read-only, with its saved config and attention plan (for notebooks).
 
     `build_run(None, workdir, mode="read", ...)`: no train data is built and
@@ -90,9 +91,10 @@ class Trainer(Run):
     `data.validation_fraction=0.2`) apply over the saved config. `task`: a
     model of one's own, as a function (or Task subclass) called with the
     saved config, or a Task; default: the one the saved config names.
+    `optimizer_state`: read the optimizer's state too (by default the model alone).
     """
     return cls.of(build_run(None, workdir, mode="read", validation=validation,
-                            overrides=overrides, task=task))
+                            overrides=overrides, task=task, optimizer_state=optimizer_state))
 
   # ---- the pieces of the loop ------------------------------------------------
 
@@ -263,7 +265,8 @@ class Trainer(Run):
               on_first_step()
               on_first_step = None
           if evaluating:
-            eval_metrics = {**self.evaluate(), **self.harness_metrics()}
+            with progress_lib.waiting(f"evaluating at step {self.step}"):  # Said if long.
+              eval_metrics = {**self.evaluate(), **self.harness_metrics()}
             metrics_log.write(self.step, "eval", eval_metrics)
             last.update(eval_metrics)
             progress_lib.say(progress, f"step {self.step}: " + format_metrics(eval_metrics))

@@ -10,6 +10,7 @@ calls its hooks at fixed points of a run:
   apply(model)               the model as built (traced, under eval_shape or jit)
   wrt                        what the optimizer updates and the gradient is taken of
   saved(state)               the part of the (model, optimizer) state a checkpoint holds
+  initialised(state)         the part of a fresh run's saved state made from the seed
   load(state, ...)           weights read from elsewhere (a base run) into the state
   metadata()                 what a checkpoint records beside the arrays
   reference_model(model)     the frozen model a preference objective compares with
@@ -81,6 +82,12 @@ class ModelTransform:
     """The part of a (model, optimizer) state that checkpoints hold."""
     return state
 
+  def initialised(self, state: nnx.State) -> nnx.State:
+    """The part of a fresh run's `saved` state that is initialised from the seed. What it
+    leaves out, `load` reads from elsewhere: initialising it too would only be thrown away
+    (a full fine-tune's base weights, and its compiled initialisation's memory)."""
+    return state
+
   def load(self, state: nnx.State, abstract: nnx.State, shardings: nnx.State,
            metadata: dict | None, *, model: nnx.Module) -> nnx.State:
     """`state` (what `saved` keeps, restored or initialised) completed with what the
@@ -140,6 +147,11 @@ class Chain(ModelTransform):
   def saved(self, state):
     for transform in self.transforms:
       state = transform.saved(state)
+    return state
+
+  def initialised(self, state):
+    for transform in self.transforms:
+      state = transform.initialised(state)
     return state
 
   def load(self, state, abstract, shardings, metadata, *, model):

@@ -47,14 +47,14 @@ expected = alone.run(requests)
 engine = Engine(model, **settings)
 prefill_calls = counted(engine)
 got = engine.run(requests)
-keys = engine._keys  # pylint: disable=protected-access
-layer_keys = keys[0] if isinstance(keys, tuple) else keys
+state = engine._cache  # pylint: disable=protected-access
+layer_keys = (state[0] if isinstance(state, tuple) else state)["keys"]
 # The decoding step's collectives that move pages ([..., page_size, head_dim]): none, when
 # each replica reads its own pool.
 idle = np.zeros(8, np.int32)
 compiled = engine._steps.lower(  # pylint: disable=protected-access
-    engine._params, keys, engine._values, idle, idle,  # pylint: disable=protected-access
-    np.zeros((8, 4), np.int32), *engine_module._settings([None] * 8)).compile().as_text()
+    engine._params, state, idle, idle,  # pylint: disable=protected-access
+    np.zeros((8, 4), np.int32), idle, *engine_module._settings([None] * 8)).compile().as_text()
 collectives = (re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start)?\(", line)
                for line in compiled.splitlines())

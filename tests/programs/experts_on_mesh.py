@@ -39,6 +39,6 @@ for mesh_name, mesh_config in meshes.items():
   out[mesh_name] = {
       "batch": differences(model, tokens, expected[len(tokens)]),
       "one row": differences(model, tokens[:1], expected[1]),
-      "experts": str(model.layers[0].mlp.gate_proj.get_value().sharding.spec[0]),
+      "experts": str(model.layers[0].mlp.down_proj.get_value().sharding.spec[0]),
       "exchange": all(p in program for p in ("shard_map", "all_gather", "reduce_scatter"))}
 print(json.dumps(out))

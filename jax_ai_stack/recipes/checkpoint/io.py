@@ -209,6 +209,15 @@ def tree_equal(a: Any, b: Any) -> bool:
   )
 
 
+def read_leaves(state_dir: pathlib.Path, target: dict) -> dict:
+  """Orbax's tree of `target`'s leaves alone, read from a step's state directory (the
+  manager's restore reads a whole item: a partial target is refused)."""
+  args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+  with ocp.PyTreeCheckpointer() as reader:
+    return reader.restore(state_dir, args=args)
+
+
 def restore_subset(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State,
                    *, what: str = "the checkpoint") -> nnx.State:
   """Reads only the leaves of `abstract_state` from `step`'s state (the rest stays on disk).
@@ -220,10 +229,7 @@ def restore_subset(manager: ocp.CheckpointManager, step: int, abstract_state: nn
   read as saved and converted.
   """
   target, note = _read_target(manager, step, abstract_state, subset=True, what=what)
-  args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-  with ocp.PyTreeCheckpointer() as reader:
-    items = reader.restore(pathlib.Path(manager.directory) / str(step) / "state", args=args)
+  items = read_leaves(pathlib.Path(manager.directory) / str(step) / "state", target)
   if note is not None:
     items = _to_target_layout(items, abstract_state)
     log.info("%s (%s)", note, what)

@@ -36,7 +36,7 @@ from flax import nnx
 from jax_ai_stack.errors import WorkdirError
 from jax_ai_stack.recipes.checkpoint import capture
 from jax_ai_stack.recipes.checkpoint.io import (_Damaged, _from_savable, _read_target,
-                                                _to_target_layout)
+                                                _to_target_layout, read_leaves)
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def _keep_output(manager, unreadable: list[_Unreadable], output, quiet: bool) ->
 
 def restore(
     manager: ocp.CheckpointManager, abstract_state: nnx.State, data_iterator: Any = None, *,
-    capture_stderr: bool = False,
+    capture_stderr: bool = False, subset: bool = False,
 ) -> Restored | None:
   """Restores the newest good step into `abstract_state` (and `data_iterator`).
 
@@ -291,11 +291,12 @@ def restore(
   optimizer built under `nnx.eval_shape`, e.g.
   `nnx.state(nnx.eval_shape(lambda: (model_fn(), optimizer_fn())))`. Leaves
   that carry a `sharding` are restored onto it. `capture_stderr`: as
-  `newest_readable`'s.
+  `newest_readable`'s. `subset`: `abstract_state` is a part of what was saved (a
+  finished run's model, not its optimizer state), and only that part is read.
   """
   found = newest_readable(manager, functools.partial(
-      _read_step, manager, abstract_state=abstract_state, data_iterator=data_iterator),
-      capture_stderr=capture_stderr)
+      _read_step, manager, abstract_state=abstract_state, data_iterator=data_iterator,
+      subset=subset), capture_stderr=capture_stderr)
   if found is None:
     return None
   step, (metadata, state, note) = found
@@ -305,7 +306,7 @@ def restore(
   return Restored(step, _from_savable(abstract_state, state), metadata, note)
 
 
-def _read_step(manager, step: int, *, abstract_state, data_iterator):
+def _read_step(manager, step: int, *, abstract_state, data_iterator, subset: bool = False):
   """(metadata, Orbax's state tree, layout note) of `step`, item by item to name a damaged one.
 
   Each step is read in its own layer layout (steps of one workdir may differ).
@@ -316,9 +317,12 @@ def _read_step(manager, step: int, *, abstract_state, data_iterator):
   _check_items(step_dir, ["meta", "state"] + (["data"] if data_iterator is not None else []))
   metadata = _read_meta(manager, step)
   with _reading(step_dir, "state"):
-    target, note = _read_target(manager, step, abstract_state)
-    state = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))["state"]
+    target, note = _read_target(manager, step, abstract_state, subset=subset)
+    if subset:
+      state = read_leaves(step_dir / "state", target)
+    else:
+      state = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))["state"]
   if data_iterator is not None:
     with _reading(step_dir, "data"):
       manager.restore(step, args=ocp.args.Composite(

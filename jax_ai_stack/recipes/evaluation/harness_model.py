@@ -350,8 +350,8 @@ def _score_shared(graphdef, state, prefixes, inputs, targets, starts, block_tabl
     empty = lambda count: jnp.zeros((*lead, k, count, SHARED_PAGE, h), prefilled.dtype)
     return jnp.concatenate([empty(1), pages, empty(own)], axis=-3)
 
-  logits, _ = model.decode(inputs, KVCache(jax.tree.map(pool, cache.keys),
-                                           jax.tree.map(pool, cache.values), starts,
+  # The contiguous keys and values cut into the pages `cache_specs()` lays out.
+  logits, _ = model.decode(inputs, KVCache(jax.tree.map(pool, cache.state), starts,
                                            block_table))
   return _target_scores(logits, targets)
 

@@ -29,7 +29,7 @@ Example:
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("adapters", "base_run", "config", "lora", "lora_cli", "lora_merge", "ptq", "quant",
-               "quant_cli", "reference", "transforms")
+               "quant_cli", "reference", "teacher", "transforms")
 _EXPORTS = {
     "FinetuneConfig": "config",
     "LoraConfig": "config",

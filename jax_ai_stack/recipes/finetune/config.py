@@ -127,6 +127,41 @@ class DpoConfig:
 
 
 @config_dataclass
+class DistillConfig:
+  """Distillation from a teacher (`finetune.distill`): the student learns the teacher's
+  distribution over each next token of the run's data, not only the token itself; on
+  prompts, of the completions it samples itself (on-policy)."""
+
+  teacher: str | None = None
+  """A trained run whose model teaches (its workdir, newest step, or one step directory),
+  or a Hugging Face directory, with the run's tokenizer and vocabulary; frozen, never
+  saved. None: no distillation."""
+  loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+  """forward_kl: KL(teacher || student) (Hinton's KD: the student covers what the teacher
+  allows); reverse_kl: KL(student || teacher) (MiniLLM: mode-seeking); jsd: GKD's
+  generalized Jensen-Shannon divergence at `beta`."""
+  beta: float = 0.5
+  """jsd: the teacher's share of the mixture both are compared with, in (0, 1) (0 would be
+  forward_kl, 1 reverse_kl, as TRL's GKD has them)."""
+  temperature: float = 1.0
+  """Both models' logits are divided by it; the divergence is scaled by its square, so the
+  gradient keeps its size (Hinton et al.)."""
+  next_token_weight: float = 0.0
+  """The share of the loss that is the next token's cross-entropy on the data; the rest is
+  the divergence."""
+
+  def __post_init__(self):
+    if self.loss == "jsd" and not 0 < self.beta < 1:
+      raise ValueError(f"finetune.distill.beta must be in (0, 1) for loss jsd, got {self.beta} "
+                       "(0 is loss forward_kl, 1 reverse_kl)")
+    if self.temperature <= 0:
+      raise ValueError(f"finetune.distill.temperature must be > 0, got {self.temperature}")
+    if not 0 <= self.next_token_weight < 1:
+      raise ValueError("finetune.distill.next_token_weight must be in [0, 1), got "
+                       f"{self.next_token_weight}")
+
+
+@config_dataclass
 class FinetuneConfig:
   base: str | None = None
   """A trained run to start from: its workdir (newest step) or one step directory
@@ -135,6 +170,8 @@ class FinetuneConfig:
   """Train low-rank adapters only (the base frozen); None: fine-tune every parameter."""
   dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
   """The DPO loss, for a run on preference data (`data.source: preference`)."""
+  distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+  """Learn from a teacher's distribution (`distill.teacher`), on text or chat data."""
 
   def __post_init__(self):
     if self.lora is not None and self.base is None:

@@ -66,9 +66,11 @@ class Finetune(ModelTransform):
   """
 
   def __init__(self, config: FinetuneConfig, model_config: Any, seed: int, *,
-               keeps_reference: bool = False):
+               compares: bool = False):
+    """`compares`: the run's objective compares with the base (DPO, RL with a KL penalty)."""
     self.config, self.model_config, self.seed = config, model_config, seed
-    self.keeps_reference = keeps_reference
+    self.compares = config.active and compares
+    self.keeps_reference = self.compares and config.lora is None
     self.base: dict | None = None
 
   @classmethod
@@ -77,9 +79,9 @@ class Finetune(ModelTransform):
     config = getattr(recipe, "finetune", None) or FinetuneConfig()
     data = getattr(recipe, "data", None)
     compares = getattr(data, "is_preference", False) or (  # DPO, or RL with a KL penalty.
-        getattr(data, "is_prompts", False) and recipe.rl.beta > 0)
-    return cls(config, recipe.model, recipe.train.seed,
-               keeps_reference=config.active and config.lora is None and compares)
+        getattr(data, "is_prompts", False) and recipe.rl.beta > 0
+        and config.distill.teacher is None)  # (A distillation compares with its teacher.)
+    return cls(config, recipe.model, recipe.train.seed, compares=compares)
 
   @property
   def label(self) -> str:
@@ -93,7 +95,9 @@ class Finetune(ModelTransform):
 
   @property
   def provides_reference(self) -> bool:
-    return self.lora is not None or self.keeps_reference
+    """Where the objective compares with the base (a distillation run's teacher is another
+    transform's)."""
+    return self.compares
 
   @property
   def evaluates_before_training(self) -> bool:
@@ -126,6 +130,13 @@ class Finetune(ModelTransform):
     if self.lora is not None:
       return nnx.filter_state(state, nnx.Not(_is_base_weight))
     return nnx.filter_state(state, nnx.Not(Frozen)) if self.keeps_reference else state
+
+  def initialised(self, state: nnx.State) -> nnx.State:
+    """A fresh full fine-tune starts from the base's weights: its own are not initialised
+    (LoRA's base is not in `saved`'s part to begin with)."""
+    if self.config.active and self.lora is None:
+      return nnx.filter_state(state, nnx.Not(_is_model_param))
+    return state
 
   def load(self, state: nnx.State, abstract: nnx.State, shardings: nnx.State,
            metadata: dict | None, *, model: nnx.Module) -> nnx.State:

@@ -29,7 +29,7 @@ from flax import nnx
 from jax_ai_stack.recipes.transforms import Frozen
 
 __all__ = ["ATTRIBUTE", "Frozen", "add_frozen_copy", "copy_path", "frozen_copy_model",
-           "without_frozen_copy"]
+           "without_attribute", "without_frozen_copy"]
 
 ATTRIBUTE = "reference"
 """The model attribute that holds the copy (state paths `reference/<weight's path>`)."""
@@ -69,8 +69,14 @@ def frozen_copy_model(model: nnx.Module) -> nnx.Module:
 
 def without_frozen_copy(model: nnx.Module) -> nnx.Module:
   """A shallow copy of `model` without the frozen copy (the same arrays): what decodes."""
-  if not nnx.state(model, Frozen):
+  return without_attribute(model, ATTRIBUTE)
+
+
+def without_attribute(model: nnx.Module, attribute: str) -> nnx.Module:
+  """A copy of `model` without what a transform keeps at `attribute` (a frozen copy, a
+  distillation teacher); `model` itself where it has none."""
+  if not hasattr(model, attribute):
     return model
   bare = nnx.clone(model)
-  delattr(bare, ATTRIBUTE)
+  delattr(bare, attribute)
   return bare

@@ -16,6 +16,7 @@ from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("engine", "programs", "request_file", "requests", "sampling", "text")
 _EXPORTS = {"Completion": "requests", "Engine": "engine", "Request": "requests",
-            "RequestError": "requests", "TextStream": "text", "sample": "sampling"}
+            "RequestError": "requests", "TextStream": "text", "sample": "sampling",
+            "slot_length": "requests"}
 __all__ = [*_SUBMODULES, *_EXPORTS]
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _EXPORTS)

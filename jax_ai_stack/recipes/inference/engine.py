@@ -20,8 +20,12 @@ the data-parallel replicas of the mesh's batch axes (`Decoder.page_replicas`: da
 expert, where they divide `max_slots`), each replica with a pool of its own and its slots'
 pages in it, the key/value heads over `tensor`. A step's attention then reads only the
 pages on its own devices, and each device holds its replica's pages alone; the replicas
-prefill their waiting slots side by side, a row each; the tokens are one device's
-(tests/test_engine.py).
+prefill their waiting slots side by side, a row each; the tokens are one device's (tests).
+
+The cache is the model's, one pytree the engine passes through its compiled calls unread:
+each layer says what it keeps (its `cache_spec`, laid out by `Decoder.init_pages`), pages
+of keys and values, or a state per slot, which the engine empties when it admits a request
+to the slot (`Decoder.reset_slot`); each row is told its slot (`KVCache.slots`).
 
 Pages: the keys and values live in a pool of `max_pages` pages of `page_size` positions,
 and each slot has a block table, the pages of its positions in order. A request is
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -77,10 +82,10 @@ class _Slot:
   length: int
   """Tokens in its pages: its prompt's as chunks are prefilled, then each new token once it
   is fed back. Until the whole prompt is in, the slot has no token and is not decoded."""
-  text: TextStream | None = None
-  """Its text as tokens arrive (an engine given `decode`)."""
+  text: TextStream | None = None  # Its text as tokens arrive (an engine given `decode`).
   pages: list[int] = dataclasses.field(default_factory=list)
   """The pool's pages it holds, in the order of its positions."""
+  queued_at: float = 0.0  # perf_counter() at its queueing: its first_token_s counts from it.
 
 
 class Engine:
@@ -100,8 +105,8 @@ class Engine:
     token ids to text (the tokenizer's): each completion's `text`, and requests' `stop`
     strings. `page_size`: positions per page of the KV cache; `max_pages`: the pool's
     pages (default: `max_slots` rows of `max_len`; on a mesh, split evenly among its
-    data-parallel replicas). `prefill_chunk`: the most prompt
-    tokens a request prefills per `step`, between the decoding calls of the others."""
+    data-parallel replicas). `prefill_chunk`: the most prompt tokens a request prefills
+    per `step`, between the decoding calls of the others."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -118,8 +123,7 @@ class Engine:
     self.pages_per_slot = -(-self.max_len // page_size)
     self.max_pages = max_pages or max_slots * self.pages_per_slot
     self.replicas = model.page_replicas(max_slots)
-    """Data-parallel replicas: slot s and its pages live in replica s // (max_slots /
-    replicas)."""
+    """Data-parallel replicas: slot s and its pages live in replica s // (max_slots / replicas)."""
     if self.max_pages % self.replicas:
       raise ValueError(f"max_pages={max_pages} must be a multiple of the mesh's "
                        f"{self.replicas} data-parallel replicas (each holds a pool)")
@@ -131,22 +135,25 @@ class Engine:
     self._prefill, self._steps = programs(graphdef, structure, max_top_logprobs,
                                           steps_per_call)
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
-    # there.
-    pools = lambda: model.init_pages(self.replica_pages + 1, page_size, self.replicas)
+    # there. The cache is the model's (see the module).
+    self.replica_slots = max_slots // self.replicas  # Slot s is its replica's s % this.
+    cache = lambda: model.init_pages(self.replica_pages + 1, page_size, self.replicas,
+                                     slots=self.replica_slots)
     if any(isinstance(p, jax.ShapeDtypeStruct) for p in self._params):  # For `lower` only.
-      placed = model.page_sharding(self.replicas)
-      self._keys, self._values = jax.tree.map(
-          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
-          jax.eval_shape(pools))
+      placed = model.page_sharding(self.replicas)  # None, or a tree like the cache.
+      abstract = lambda a, s=None: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+      self._cache = jax.tree.map(abstract, jax.eval_shape(cache), *[placed] * bool(placed))
     else:
-      self._keys, self._values = pools()
+      self._cache = cache()
+    # Admission empties a slot's per-slot state (pages need none: a table names its own).
+    per_slot = any(a.per_slot for spec in model.cache_specs() for a in spec.values())
+    self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
     self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)  # Replicas' numbers.
     # pop() hands out page 1 first.
     self._free = [list(range(self.replica_pages, 0, -1)) for _ in range(self.replicas)]
-    self.peak_pages = 0
-    """The most pages held at once so far."""
+    self.peak_pages = 0  # The most pages held at once so far.
     self._slots: list[_Slot | None] = [None] * max_slots
-    self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
+    self._waiting: collections.deque[tuple[int, Request, float]] = collections.deque()
     self._added = 0
 
   def lower(self, program: str) -> jax.stages.Lowered:
@@ -156,18 +163,19 @@ class Engine:
     placed on a chip's devices) lowers them for that chip: `recipes.aot` compiles a run's
     engine for chips this machine does not have."""
     spec = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype)
-    state = (self._params, self._keys, self._values)
+    state = (self._params, self._cache)
     if program == "prefill":
       replicas = (self.replicas,)
       chunk = padded_length(min(self.prefill_chunk, self.max_len), self.prefill_chunk)
       return self._prefill.lower(*state, spec((self.replicas, chunk)), spec(replicas),
-                                 spec((self.replicas, self.pages_per_slot)), spec(replicas))
+                                 spec((self.replicas, self.pages_per_slot)), spec(replicas),
+                                 spec(replicas))
     if program != "decode":
       raise ValueError(f"program={program!r}: the engine's are 'prefill' and 'decode'")
     rows = (self.max_slots,)
     return self._steps.lower(*state, spec(rows), spec(rows), spec((*rows, self.pages_per_slot)),
-                             spec(rows, np.uint32), spec(rows), spec(rows, np.float32),
-                             spec(rows), spec(rows, np.float32))
+                             spec(rows), spec(rows, np.uint32), spec(rows),
+                             spec(rows, np.float32), spec(rows), spec(rows, np.float32))
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
     """A completion for each request, in the requests' order."""
@@ -197,7 +205,7 @@ class Engine:
     """Queues a checked request; its index."""
     index = self._added
     self._added += 1
-    self._waiting.append((index, request))
+    self._waiting.append((index, request, time.perf_counter()))
     return index
 
   def cancel(self, index: int) -> bool:
@@ -296,15 +304,18 @@ class Engine:
       raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
                 f"{request.top_logprobs}")
 
-  def _admit(self, number: int, index: int, request: Request) -> _Slot:
+  def _admit(self, number: int, index: int, request: Request, queued_at: float) -> _Slot:
     """The request in slot `number`, given its pages (in the slot's table)."""
     free = self._free[self._replica(number)]
     pages = [free.pop() for _ in range(self.pages_for(request))]
     self.peak_pages = max(self.peak_pages, self.pages_in_use)
     self._tables[number, :len(pages)] = pages
+    if self._reset is not None:
+      self._cache = self._reset(self._cache, self._replica(number),
+                                number % self.replica_slots)
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
-    return _Slot(index, request, Completion(index, [], [], ""), 0, text, pages)
+    return _Slot(index, request, Completion(index, [], [], ""), 0, text, pages, queued_at)
 
   def _chunk(self, slot: _Slot) -> tuple[int, ...]:
     """The part of `slot`'s prompt that its next prefill takes."""
@@ -341,12 +352,14 @@ class Engine:
     tokens = np.zeros((self.replicas, length), np.int32)
     starts, lasts = np.zeros((2, self.replicas), np.int32)
     table = np.zeros((self.replicas, width), np.int32)
+    rows = np.full((self.replicas,), self.replica_slots, np.int32)  # Idle: past the last.
     for replica, (number, slot) in call.items():
       tokens[replica, :len(chunks[replica])] = chunks[replica]
       starts[replica], lasts[replica] = slot.length, len(chunks[replica]) - 1
       table[replica] = self._tables[number, :width]
-    logits, self._keys, self._values = self._prefill(
-        self._params, self._keys, self._values, tokens, starts, table, lasts)
+      rows[replica] = number % self.replica_slots
+    logits, self._cache = self._prefill(self._params, self._cache, tokens, starts, table,
+                                        rows, lasts)
     done = []
     for replica, (number, slot) in call.items():
       slot.length += len(chunks[replica])
@@ -378,10 +391,12 @@ class Engine:
     width = self._width(max(slot.length for slot in slots if slot is not None)
                         + self.steps_per_call)
     table = self._tables[:, :width].copy()
-    table[[slot is None for slot in slots]] = 0  # Idle rows write to page 0 only.
-    outputs = self._steps(self._params, self._keys, self._values, tokens, lengths, table,
-                          *settings)
-    *sampled, self._keys, self._values = outputs  # Each [steps, B, ...].
+    idle = [slot is None for slot in slots]
+    table[idle] = 0  # Idle rows write to page 0 only, and to no slot's state.
+    rows = np.arange(self.max_slots, dtype=np.int32) % self.replica_slots
+    rows[idle] = self.replica_slots
+    outputs = self._steps(self._params, self._cache, tokens, lengths, table, rows, *settings)
+    *sampled, self._cache = outputs  # Each [steps, B, ...].
     new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
     grown = []
     for number, slot in enumerate(slots):
@@ -407,6 +422,8 @@ class Engine:
     request, completion = slot.request, slot.completion
     completion.tokens.append(int(token))
     completion.logprobs.append(float(logp))
+    if len(completion.tokens) == 1:  # Read from the device by now: it has come.
+      completion.first_token_s = time.perf_counter() - slot.queued_at
     if request.top_logprobs:
       completion.top_logprobs.append(
           [(int(t), float(v)) for t, v in zip(top_tokens[:request.top_logprobs],

@@ -1,10 +1,11 @@
 """The engine's compiled programs, and the sizes they are compiled for.
 
 `programs(graphdef, structure, ...)` gives the two jitted calls an `Engine` makes: a
-prefill of prompt chunks (a row per data-parallel replica) into the pages of a KV cache,
-and a loop on the device that decodes `count` tokens for every slot, each fed to the
-next. Shapes are rounded so that few programs serve many requests: a chunk to a power of
-two (`padded_length`), a block table to 1, 2, 3, 4, 6, 8, 12, ... pages (`half_octave`).
+prefill of prompt chunks (a row per data-parallel replica) into the model's cache (its
+pages and slots: a pytree the model lays out and only its layers read), and a loop on the
+device that decodes `count` tokens for every slot, each fed to the next. Shapes are
+rounded so that few programs serve many requests: a chunk to a power of two
+(`padded_length`), a block table to 1, 2, 3, 4, 6, 8, 12, ... pages (`half_octave`).
 Token i of a request is sampled with `fold_in(key(seed), i)` (`sample_rows`), so its
 tokens do not depend on how many steps one call takes.
 """
@@ -74,35 +75,37 @@ def programs(graphdef, structure, max_top: int, count: int) -> tuple[Callable, C
   def model(params: list[jax.Array]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
 
-  return (jax.jit(functools.partial(_prefill, model), donate_argnums=(1, 2)),
-          jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=(1, 2)))
+  return (jax.jit(functools.partial(_prefill, model), donate_argnums=1),
+          jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=1))
 
 
-def _prefill(model: Callable, params, keys, values, tokens, start, block_table, last):
+def _prefill(model: Callable, params, state, tokens, start, block_table, slots, last):
   """Chunks of prompts, tokens [R, T] (a row per replica) at positions start[r] ..., into
-  their pages (`block_table` [R, W]): the logits [R, V] of each row's token last[r], and
-  the updated pools. `model(params)`: the decoder."""
+  their pages (`block_table` [R, W]) and slots (`slots` [R]): the logits [R, V] of each
+  row's token last[r], and the updated cache state (`KVCache.state`, which the engine
+  passes through unread). `model(params)`: the decoder."""
   model = model(params)
-  logits, cache = model.decode(tokens, KVCache(keys, values, start, block_table),
-                               logits_at=last)
-  return logits[:, 0], cache.keys, cache.values
+  cache = KVCache(state, start, block_table, slots, valid=last + 1)
+  logits, cache = model.decode(tokens, cache, logits_at=last)
+  return logits[:, 0], cache.state
 
 
-def _steps(model: Callable, max_top: int, count: int, params, keys, values, tokens, lengths,
-           block_table, seeds, counts, temperature, top_k, top_p):
-  """`count` tokens for every row, each at its own position of its pages (`block_table`),
-  each step's tokens fed to the next, in a loop on the device: outputs [count, B, ...] and
-  the updated pools. A row's token i is keyed `fold_in(seed, i)`, so the tokens do not
-  depend on `count`. `model(params)`: the decoder."""
+def _steps(model: Callable, max_top: int, count: int, params, state, tokens, lengths,
+           block_table, slots, seeds, counts, temperature, top_k, top_p):
+  """`count` tokens for every row, each at its own position of its pages (`block_table`)
+  and in its slot (`slots`), each step's tokens fed to the next, in a loop on the device:
+  outputs [count, B, ...] and the updated cache state. A row's token i is keyed
+  `fold_in(seed, i)`, so the tokens do not depend on `count`. `model(params)`: the
+  decoder."""
   def one(carry, _):
     # The parameters ride in the carry: a scanned-layer model splits them again inside
     # `decode`, which NNX allows only for values of the loop's own trace.
-    params, keys, values, tokens, lengths, counts = carry
+    params, state, tokens, lengths, counts = carry
     logits, cache = model(params).decode(tokens[:, None],
-                                         KVCache(keys, values, lengths, block_table))
+                                         KVCache(state, lengths, block_table, slots))
     sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
-    return (params, cache.keys, cache.values, sampled[0], lengths + 1, counts + 1), sampled
+    return (params, cache.state, sampled[0], lengths + 1, counts + 1), sampled
 
-  carry = (params, keys, values, tokens, lengths, counts)
-  (_, keys, values, *_), sampled = jax.lax.scan(one, carry, None, length=count)
-  return (*sampled, keys, values)
+  carry = (params, state, tokens, lengths, counts)
+  (_, state, *_), sampled = jax.lax.scan(one, carry, None, length=count)
+  return (*sampled, state)

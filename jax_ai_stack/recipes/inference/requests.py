@@ -1,5 +1,6 @@
-"""What a request to the engine asks (`Request`) and what it produced (`Completion`), and
-the error naming a request's field that does not fit an engine (`RequestError`).
+"""What a request to the engine asks (`Request`) and what it produced (`Completion`), the
+error naming a request's field that does not fit an engine (`RequestError`), and the slot
+length a list of requests needs (`slot_length`).
 
 Example:
   >>> Request((1, 2), max_tokens=4, temperature=0).top_k is None
@@ -9,8 +10,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-__all__ = ["Completion", "Request", "RequestError"]
+__all__ = ["Completion", "Request", "RequestError", "slot_length"]
+
+SHORTEST_SLOT = 64
+"""`slot_length`'s least length: one page of the engine's default size."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +69,26 @@ class Completion:
   text: str = ""
   """With the engine's `decode`: the new tokens' text so far that no stop string can still
   change (a stop token left out), cut before the stop string that ended it."""
+  first_token_s: float | None = dataclasses.field(default=None, compare=False)
+  """Seconds from the request's queueing (`add`, `stream`) to its first token: time to
+  first token, waiting and prefill (and any compile) included; None before it. Not
+  compared: two runs of the same request are equal."""
+
+
+def slot_length(requests: Sequence[Request], limit: int) -> int:
+  """The positions an engine's slot needs for `requests` (the longest prompt with its new
+  tokens), as a power of two from `SHORTEST_SLOT`, so that calls of similar lengths reuse one
+  compiled program; at most `limit` (the model's `max_seq_len`).
+
+  An engine's pool is its slots times this length. Sized by the model's whole context
+  instead, one slot of Qwen3-0.6B (40,960 positions) holds 4.7 GB of keys and values, to
+  write 32 tokens.
+
+  Example:
+    >>> slot_length([Request((1,) * 10, max_tokens=100), Request((1, 2), max_tokens=8)], 4096)
+    128
+    >>> slot_length([Request((1,) * 10, max_tokens=100)], 100), slot_length([], 4096)
+    (100, 64)
+  """
+  longest = max((len(r.prompt) + r.max_tokens for r in requests), default=1)
+  return min(limit, max(SHORTEST_SLOT, 1 << (longest - 1).bit_length()))

@@ -28,7 +28,7 @@ splash) are flash kernels: they keep the output and a log-sum-exp per query.
 
 
 def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int],
-                     attention: str) -> int:
+                     attention: str, *, fused: bool = False) -> int:
   """Bytes one row of `seq_len` tokens keeps for the backward pass, on one device.
 
   Per token and block, in the compute dtype (`model.dtype`): the residual
@@ -37,7 +37,8 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
   attention output ((2 x heads + 2 x kv_heads) x head_dim), and the SwiGLU
   MLP's gate, up, sigmoid(gate), silu(gate) and product (5 x mlp_dim). Gemma's
   post-norms keep their inputs too (2 x d_model), and q/k norms (Qwen3, Gemma 3)
-  theirs ((heads + kv_heads) x head_dim). A
+  theirs ((heads + kv_heads) x head_dim); without pre-norms (OLMo 2/3) there are no
+  pre-norm outputs (2 x d_model fewer). A
   materializing kernel (`MATERIALIZING_ATTENTION`) adds each head's float32
   scores and probabilities over the T keys, and the boolean segment mask (T
   bytes); a flash kernel keeps a float32 log-sum-exp per head instead. After
@@ -58,6 +59,13 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
   measures within 15% of this plus the gradients and gathered weights, under
   each rule set (tests/test_memory.py). The remat variants cannot be checked
   there: XLA's CPU scheduler recomputes early and keeps as much as without.
+
+  `fused`: what XLA keeps on a TPU or GPU, which fuses elementwise ops into the backward
+  pass's kernels and keeps their inputs: of the residual stream, the two norms' inputs
+  (2 x d_model, not 6), and of the MLP, gate and up (2 x mlp_dim, not 5). Read from the
+  buffers live at the peak of lm-tiny-grpo's step on v5e:2x2 (XLA:TPU's memory-space
+  assignment dump) and on h100:8 (XLA:GPU's buffer assignment): per block and token,
+  gate and up, the norms' inputs, q, k, v and the scores, and no SwiGLU product.
   """
   a, t = np.dtype(model.dtype).itemsize, seq_len
   d, h = model.d_model, model.resolved_head_dim
@@ -68,8 +76,10 @@ def activation_bytes(model: DecoderConfig, seq_len: int, ways: Mapping[str, int]
     scores = 2 * 4 * heads * t + t
   else:
     scores = 4 * heads
-  norms = (2 * d if model.post_norms else 0) + ((heads + kv_heads) * h if model.qk_norm else 0)
-  block = a * (6 * d + norms + (2 * heads + 2 * kv_heads) * h + 5 * mlp) + scores
+  norms = (2 * d if model.post_norms else 0) - (0 if model.pre_norms else 2 * d) + (
+      (heads + kv_heads) * h if model.qk_norm else 0)
+  residual, swiglu = (2, 2) if fused else (6, 5)
+  block = a * (residual * d + norms + (2 * heads + 2 * kv_heads) * h + swiglu * mlp) + scores
   if model.remat == "full":
     kept = model.num_layers * a * d + block
   elif model.remat == "save_dots":

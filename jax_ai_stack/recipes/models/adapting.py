@@ -21,12 +21,13 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes import configlib
 from jax_ai_stack.recipes.models.cnn_config import CNNConfig
 from jax_ai_stack.recipes.models.configs import MOE_KINDS, DecoderConfig
-from jax_ai_stack.recipes.models.decoder import KVCache
+from jax_ai_stack.recipes.models.decoder import Decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,9 @@ def example_inputs(model_config: Any, method: str = "__call__") -> tuple:
     tokens = jnp.zeros((1, min(128, model_config.max_seq_len)), jnp.int32)
     if method != "decode":
       return (tokens,)
-    c = model_config  # decode also takes a KV cache.
-    zeros = tuple(jnp.zeros((1, tokens.shape[1], c.num_kv_heads, c.resolved_head_dim),
-                            jnp.dtype(c.dtype)) for _ in range(c.num_layers))
-    return tokens, KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+    # decode also takes a cache: the one its layers lay out (a model without parameters).
+    model = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
+    return tokens, model.init_cache(1, tokens.shape[1])
   if isinstance(model_config, CNNConfig):
     return (jnp.zeros((1, *model_config.image_shape), jnp.float32),)
   raise ConfigError(f"{type(model_config).__name__} models give no example inputs: "

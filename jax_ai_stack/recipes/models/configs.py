@@ -20,7 +20,10 @@ from pydantic_core import ArgsKwargs
 
 from jax_ai_stack.kernels import names
 from jax_ai_stack.recipes.configlib import config_dataclass
+from jax_ai_stack.recipes.models.custom_config import CustomModelConfig  # noqa: F401 - was here
 from jax_ai_stack.recipes.models.hf import families as hf_families
+from jax_ai_stack.recipes.models.moe_config import GroupedMatmul, MoeConfig  # noqa: F401
+from jax_ai_stack.recipes.models.rope_config import RopeScaling  # noqa: F401 - was here
 
 DECODER_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 """The decoder's attention and MLP projections: the layers LoRA adapts by default."""
@@ -29,44 +32,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "save_dots"]
 
 
-@config_dataclass
-class RopeScaling:
-  """A RoPE frequency scaling: Llama 3.1's ("llama3") or plain division ("linear").
-
-  "llama3" (Hugging Face's rope_type "llama3") stretches a model trained on
-  `original_max_position_embeddings` tokens to a longer context: frequencies whose wavelength exceeds original / low_freq_factor
-  are divided by `factor`, those under original / high_freq_factor are kept, and
-  the ones between are blended smoothly. Llama 3.1 and 3.2 were trained with it,
-  so their weights only give their logits with it. The defaults are Llama
-  3.1's; Llama 3.2 uses factor 32.
-  """
-
-  kind: Literal["llama3", "linear"] = "llama3"
-  """The scaling rule: "llama3", or "linear" (every frequency divided by `factor`,
-  Gemma 3's global layers; the other fields are then unused)."""
-  factor: PositiveFloat = 8.0
-  """Divides the low (long-wavelength) frequencies; with "linear", all of them."""
-  low_freq_factor: PositiveFloat = 1.0
-  """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
-  high_freq_factor: PositiveFloat = 4.0
-  """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-  original_max_position_embeddings: PositiveInt = 8192
-  """The context length the model was pretrained on, before scaling."""
-
-  def __post_init__(self):
-    if self.high_freq_factor <= self.low_freq_factor:
-      raise ValueError(
-          f"high_freq_factor={self.high_freq_factor} must be greater than "
-          f"low_freq_factor={self.low_freq_factor}"
-      )
-
-
 _FAMILIES = hf_families.every_family()  # One small module each, no jax.
 DecoderKind = Literal[hf_families.KINDS]  # type: ignore[valid-type]
 MOE_KINDS = tuple(family.kind for family in _FAMILIES if family.experts is not None)
 """The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
-GroupedMatmul = Literal["auto", "tokamax", "xla", "blocked", "dense"]
-LayerType = Literal["full", "sliding"]
+LayerType = Literal["full", "sliding", "chunked"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     family.kind: dict(family.switches) for family in _FAMILIES if family.switches}
@@ -77,52 +47,12 @@ KIND_FREE: dict[str, tuple[str, ...]] = {family.kind: family.free for family in 
 """The switches each architecture may set as it likes (its family file's `free`); the others
 keep their defaults (or `KIND_DEFAULTS`), since its Hugging Face layout cannot express them."""
 
-SWITCHES = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "embed_scale", "mlp_activation",
-            "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "layer_types",
-            "sliding_window", "local_rope_theta")
+SWITCHES = ("qkv_bias", "qk_norm", "qk_norm_scope", "norm_offset", "pre_norms", "post_norms",
+            "embed_scale", "mlp_activation", "attn_logit_softcap", "final_logit_softcap",
+            "query_pre_attn_scalar", "layer_types", "sliding_window", "local_rope_theta",
+            "nope_layers", "rotary_dim", "o_proj_bias", "attention_sinks", "attention_chunk_size",
+            "qk_l2_norm", "nope_temperature")
 """The architectural switches of `DecoderConfig`, in the order its docstring lists them."""
-
-
-@config_dataclass
-class MoeConfig:
-  """Mixture-of-experts feed-forward layers (`model.moe`; Mixtral, Qwen3-MoE).
-
-  A router scores each token against every expert (softmax in float32) and its
-  `num_experts_per_tok` best experts (ties: the lower index) each run their own
-  gated MLP on it; their outputs are summed, weighted by the router.
-  """
-
-  num_experts: Annotated[int, pydantic.Field(ge=2)] = 8
-  """Experts per MoE layer."""
-  num_experts_per_tok: PositiveInt = 2
-  """Experts each token is sent to (top-k)."""
-  expert_mlp_dim: PositiveInt | None = None
-  """Hidden units of each expert's gated MLP (Qwen3-MoE's moe_intermediate_size);
-  None: `mlp_dim` (Mixtral's intermediate_size)."""
-  norm_topk_prob: bool = True
-  """Renormalise the chosen experts' router weights to sum to 1 (Mixtral always;
-  Qwen3-MoE as its config says)."""
-  router_aux_loss_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.01
-  """Weight of the Switch load-balancing loss, E * sum_e(tokens share_e * mean prob_e),
-  1 when balanced, added to the training loss."""
-  router_z_loss_coef: Annotated[float, pydantic.Field(ge=0.0)] = 0.0
-  """Weight of the router z-loss, mean(logsumexp(router logits)^2) (ST-MoE)."""
-  dense_layers: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
-  """Layers whose feed-forward stays a dense MLP (Qwen3-MoE's mlp_only_layers)."""
-  sparse_step: PositiveInt = 1
-  """Layer i is a MoE layer when (i + 1) % sparse_step == 0 and it is not in
-  `dense_layers` (Qwen3-MoE's decoder_sparse_step)."""
-  grouped_matmul: GroupedMatmul = "auto"
-  """How the experts run: "tokamax" (tokamax.ragged_dot: Mosaic/Triton on GPU and TPU,
-  XLA on CPU), "xla" (jax.lax.ragged_dot), "blocked" (each expert's rows padded to
-  blocks, one batched matmul: the fast one on CPU), "dense" (every expert on every
-  token, masked: the reference); "auto": blocked on CPU, else tokamax (`kernels.experts`)."""
-
-  def __post_init__(self):
-    if self.num_experts_per_tok > self.num_experts:
-      raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is above "
-                       f"moe.num_experts={self.num_experts}: a token cannot pick more experts "
-                       "than there are")
 
 
 @config_dataclass
@@ -130,7 +60,7 @@ class DecoderConfig:
   """Shapes, numerics and architectural switches of a decoder LM. The defaults are `tiny()`.
 
   One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 2 and Gemma 3
-  (text): `kind` names the Hugging Face architecture, and each switch what it
+  (text), Mixtral, Qwen3-MoE, Qwen2-MoE, GPT-OSS and Llama 4 (text): `kind` names the Hugging Face architecture, and each switch what it
   does; a kind fills in the switches it has on (`KIND_DEFAULTS`: `kind:
   gemma2` alone gives Gemma 2's norms, MLP and embedding scale) and refuses
   those its layout cannot express (`KIND_FREE` lists what it may vary).
@@ -160,13 +90,14 @@ class DecoderConfig:
   mlp_dim: PositiveInt = 384
   """Hidden units of the gated MLP."""
   moe: MoeConfig | None = None
-  """Mixture-of-experts feed-forward layers (kinds mixtral and qwen3_moe, which need
-  it); None: every layer's MLP is dense."""
+  """Mixture-of-experts feed-forward layers (the MoE kinds, `MOE_KINDS`: mixtral, qwen3_moe,
+  qwen2_moe, gpt_oss, which need it); None: every layer's MLP is dense."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
   rope_scaling: RopeScaling | None = None
   """Llama 3.1 / 3.2's scaling of the RoPE frequencies (Hugging Face's
-  rope_scaling with rope_type "llama3"), or Gemma 3's "linear" one, without which
+  rope_scaling with rope_type "llama3"), Gemma 3's "linear" one, or GPT-OSS's "yarn",
+  without which
   their weights give other logits; None is plain RoPE. import-hf sets it from
   config.json, export-hf writes it back; `model.rope_scaling.factor=32` sets it
   with Llama 3.1's other values. With `local_rope_theta` it applies to the full
@@ -181,13 +112,19 @@ class DecoderConfig:
   """Biases on the q, k and v projections (Qwen2's)."""
   qk_norm: bool = False
   """An RMSNorm over each head's features of q and of k, before RoPE (Qwen3, Gemma 3)."""
+  qk_norm_scope: Literal["head", "projection"] = "head"
+  """What the q/k RMSNorms (`qk_norm`) normalise over: each head's features ("head"), or
+  every head's at once ("projection", a weight of heads x head_dim: OLMo 2 and 3)."""
   norm_offset: float = 0.0
   """Every RMSNorm scales by (norm_offset + weight): 1.0 is Gemma's `x * (1 + w)`,
   its weight starting at 0; kept as Gemma parametrises it, not folded into the
   weight, so that a bfloat16 round trip, LoRA and weight decay see Gemma's own."""
+  pre_norms: bool = True
+  """RMSNorms on the attention's and the MLP's inputs; False: the sublayers read the residual
+  stream as it is (OLMo 2 and 3, which norm only their outputs: `post_norms`)."""
   post_norms: bool = False
   """RMSNorms on the attention and the MLP outputs before each residual add
-  (Gemma 2/3's four norms per block)."""
+  (Gemma 2/3's four norms per block; OLMo 2's two, with `pre_norms` off)."""
   embed_scale: bool = False
   """Multiply the token embeddings by sqrt(d_model), in the compute dtype (Gemma's)."""
   mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
@@ -200,14 +137,35 @@ class DecoderConfig:
   """Attention logits are scaled by query_pre_attn_scalar ** -0.5 (Gemma's);
   None: head_dim ** -0.5."""
   layer_types: tuple[LayerType, ...] | None = None
-  """Each layer's attention, "full" or "sliding" (one entry per layer); None: every
-  layer "sliding" when `sliding_window` is set (Mistral), else "full"."""
+  """Each layer's attention, "full", "sliding" or "chunked" (`attention_chunk_size`) (one
+  entry per layer); None: every layer "sliding" when `sliding_window` is set (Mistral), else
+  "full"."""
   sliding_window: PositiveInt | None = None
   """Keys a query of a "sliding" layer sees, itself included (Hugging Face's
   `sliding_window`: key j is seen from query i when i - window < j <= i)."""
   local_rope_theta: PositiveFloat | None = None
   """RoPE base of the "sliding" layers, which then use no `rope_scaling` (Gemma 3's
   `rope_local_base_freq`); None: every layer uses `rope_theta`."""
+  nope_layers: tuple[Annotated[int, pydantic.Field(ge=0)], ...] = ()
+  """Layers whose attention turns no q and k by RoPE (NoPE: SmolLM3's every fourth)."""
+  rotary_dim: PositiveInt | None = None
+  """RoPE turns each head's first rotary_dim features (even), the rest pass as they are
+  (Phi-4-mini's partial_rotary_factor 0.75); None: all head_dim of them."""
+  o_proj_bias: bool = False
+  """A bias on the attention's output projection (GPT-OSS's)."""
+  attention_sinks: bool = False
+  """A learned logit per query head (`attention.sinks`) that joins each softmax's
+  denominator and weights no value, so a head can attend to nothing (GPT-OSS's sinks).
+  Kernels that cannot take them are refused by the attention plan, with the reason."""
+  attention_chunk_size: PositiveInt | None = None
+  """Chunked local attention of the "chunked" layers (Llama 4's): a token at position p sees
+  the positions C * (p // C) ... p of its chunk of C. Only the XLA kernels take it."""
+  qk_l2_norm: bool = False
+  """q and k divided by their RMS over each head (eps `norm_eps`, no weight) after RoPE, in
+  the layers with RoPE (Llama 4's `use_qk_norm`)."""
+  nope_temperature: tuple[PositiveFloat, PositiveFloat] | None = None
+  """(floor_scale, attn_scale): the NoPE layers' queries at position p are multiplied by
+  1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) (Llama 4's attention temperature)."""
   dtype: DType = "float32"
   """Compute dtype of activations and matmuls; logits are always float32. bfloat16
   pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts,
@@ -256,8 +214,15 @@ class DecoderConfig:
           f"num_heads={self.num_heads} must divide d_model={self.d_model} "
           "when head_dim is not set"
       )
-    if self.resolved_head_dim % 2:
-      raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+    rotary = self.rotary_dim or self.resolved_head_dim
+    if self.resolved_head_dim % 2 or rotary % 2 or rotary > self.resolved_head_dim:
+      raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE, and "
+                       f"rotary_dim={rotary} even and at most head_dim")
+    scaling, half = self.rope_scaling, rotary // 2
+    if scaling is not None and scaling.kind == "longrope" and (
+        {len(scaling.short_factor), len(scaling.long_factor)} != {half}):
+      raise ValueError(f"rope_scaling's short_factor and long_factor need rotary_dim / 2 = {half} "
+                       f"entries each; got {len(scaling.short_factor)}, {len(scaling.long_factor)}")
 
   def _check_switches(self) -> None:
     """ValueError naming a switch this `kind` cannot express, or a window that does not fit."""
@@ -275,6 +240,8 @@ class DecoderConfig:
                        f"{self.num_layers} needs one per layer")
     if "sliding" in self.resolved_layer_types and self.sliding_window is None:
       raise ValueError("layer_types names 'sliding' layers but sliding_window is not set")
+    if "chunked" in self.resolved_layer_types and self.attention_chunk_size is None:
+      raise ValueError("layer_types names 'chunked' layers but attention_chunk_size is not set")
     if (self.kind in MOE_KINDS) != (self.moe is not None):
       raise ValueError(f"kind={self.kind!r} " + (
           "is a mixture of experts: set model.moe (e.g. model.moe.num_experts=8)"
@@ -288,6 +255,12 @@ class DecoderConfig:
       if self.scan_layers and len(set(self.moe_layers)) > 1:
         raise ValueError("scan_layers needs identical blocks; moe.dense_layers / moe.sparse_step "
                          "mix dense and MoE layers (set model.scan_layers=false)")
+    if wrong := [i for i in self.nope_layers if i >= self.num_layers]:
+      raise ValueError(f"nope_layers names layer {wrong[0]}; the layers are 0.."
+                       f"{self.num_layers - 1}")
+    if self.scan_layers and 0 < len(set(self.nope_layers)) < self.num_layers:
+      raise ValueError("scan_layers needs identical blocks; nope_layers mixes layers with and "
+                       "without RoPE (set model.scan_layers=false)")
     if self.scan_layers and len(set(self.resolved_layer_types)) > 1:
       raise ValueError("scan_layers needs identical blocks; layer_types mixes full and sliding "
                        "layers (set model.scan_layers=false)")
@@ -320,6 +293,11 @@ class DecoderConfig:
       return None
     return self.sliding_window - 1
 
+  def chunk_size(self, layer: int) -> int | None:
+    """The attention kernels' `chunk_size` of `layer`; None: not a "chunked" layer."""
+    chunked = self.resolved_layer_types[layer] == "chunked"
+    return self.attention_chunk_size if chunked else None
+
   def rope(self, layer: int) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of `layer`'s RoPE: sliding layers use `local_rope_theta` if set."""
     if self.local_rope_theta is not None and self.resolved_layer_types[layer] == "sliding":
@@ -348,10 +326,13 @@ class DecoderConfig:
     """Parameter count, from the shapes alone (no arrays are built)."""
     embed = self.padded_vocab_size * self.d_model
     h = self.resolved_head_dim
-    norms = (4 if self.post_norms else 2) * self.d_model + (2 * h if self.qk_norm else 0)
+    qk_norms = 2 * h if self.qk_norm_scope == "head" else (self.num_heads + self.num_kv_heads) * h
+    norms = (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + (
+        qk_norms if self.qk_norm else 0)
     biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
+    biases += self.d_model * self.o_proj_bias + self.num_heads * self.attention_sinks
     blocks = sum(self._block_matmul_params(layer, active=False) + norms + biases
-                 for layer in range(self.num_layers))
+                 + self._block_bias_params(layer) for layer in range(self.num_layers))
     head = 0 if self.tie_embeddings else embed
     return embed + blocks + self.d_model + head  # + the final norm
 
@@ -377,7 +358,15 @@ class DecoderConfig:
     if not self.moe_layers[layer]:
       return attention + 3 * d * self.mlp_dim
     experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
-    return attention + d * self.moe.num_experts + experts * 3 * d * self.expert_mlp_dim
+    shared = 3 * d * (self.moe.shared_expert_dim or 0) + d * self.moe.shared_expert_gate
+    return attention + d * self.moe.num_experts + experts * 3 * d * self.expert_mlp_dim + shared
+
+  def _block_bias_params(self, layer: int) -> int:
+    """A MoE layer's router and expert biases (none in a dense one)."""
+    if not self.moe_layers[layer]:
+      return 0
+    moe, f = self.moe, self.expert_mlp_dim
+    return moe.num_experts * (moe.router_bias + moe.expert_bias * (2 * f + self.d_model))
 
   @classmethod
   def tiny(cls, **overrides) -> DecoderConfig:
@@ -406,23 +395,3 @@ class DecoderConfig:
 
 _SWITCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecoderConfig)
                     if f.name in SWITCHES}
-
-
-@config_dataclass
-class CustomModelConfig:
-  """A model of your own (`kind: custom`): what builds its Task, and its settings.
-
-  Saved with each checkpoint like any model config, so the run's config says
-  what trained it. `task` lets the commands (`eval`, `--dry-run`, a resume)
-  rebuild the Task by import; without it, pass `task=` in Python.
-  """
-
-  kind: Literal["custom"] = "custom"
-  """Model family; tells model configs apart in a recipe."""
-  task: str | None = None
-  """"module:name" of a function (or Task subclass) that takes the recipe config and
-  returns the run's Task, importable from the current directory or PYTHONPATH;
-  None: the Task is passed in Python (`Trainer.open(config, workdir, task=...)`)."""
-  settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-  """Your model's own settings (any YAML mapping; `model.settings.width=64`), read by
-  your code as `config.model.settings["width"]` and saved with the run."""

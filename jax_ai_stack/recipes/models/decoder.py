@@ -29,7 +29,7 @@ for the sharding recipe to map onto mesh axes:
 With `config.scan_layers` the blocks are one `Block` whose parameters are
 stacked [num_layers, ...] (built with `nnx.vmap`) and run by `nnx.scan`: XLA
 compiles one block instead of `num_layers`, so compile time stays flat in depth.
-The KV cache is then stacked too (keys [num_layers, B, S, K, H]).
+The cache is then stacked too (keys [num_layers, B, S, K, H]).
 `layer_stack.convert` moves the weights between the two layouts.
 
 Under a mesh of several devices the trainer also gives the model a
@@ -43,7 +43,9 @@ Parameter paths keep to names that a weight-decay mask can match: the token
 embedding sits under `embed`, norms are attributes whose names contain `norm`
 (their parameter is `scale`), and there are no biases.
 
-The layers (attention and its KV cache, MLP, norms, `Block`) are in `layers`.
+The layers (attention and its KV cache, MLP, norms, `Block`) are in `layers`. What a
+layer caches is its attention's to say (`cache_spec`, `models.cache`): `init_pages` and
+`init_cache` lay every layer's out, and `decode` hands each layer its own.
 Beside the model: `decoding.generate` samples with the KV cache (the
 generation engine, `recipes.inference`, decodes many requests at once) and
 `activation_memory.activation_bytes` estimates what training keeps for the
@@ -64,10 +66,9 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack import kernels
+from jax_ai_stack.recipes.models import cache as cache_lib
 from jax_ai_stack.recipes.models import eager_sharding_scope
 # Re-exported: the memory estimate and RoPE were defined here before they had modules.
 from jax_ai_stack.recipes.models.activation_memory import (  # noqa: F401
@@ -135,18 +136,18 @@ def _scan_blocks(run_block, blocks: Block, x, rope, segment_ids):
 
 
 def _scan_decode(blocks: Block, x, rope, cache: KVCache):
-  """`_scan_blocks` with each layer's slice of the stacked cache; its new keys/values."""
-  keys, values = cache.keys, cache.values
-  if isinstance(keys, (tuple, list)):  # A per-layer cache: stack it.
-    keys, values = jnp.stack(keys), jnp.stack(values)
+  """`_scan_blocks` with each layer's slice of the stacked cache state; the new state."""
+  state = cache.state
+  if isinstance(state, (tuple, list)):  # A per-layer cache: stack it.
+    state = jax.tree.map(lambda *layers: jnp.stack(layers), *state)
 
-  @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None, None, None), out_axes=(nnx.Carry, 0, 0),
+  @nnx.scan(in_axes=(nnx.Carry, 0, 0, None, None), out_axes=(nnx.Carry, 0),
             transform_metadata=_STACKED)
-  def body(x, block, k, v, rope, length, block_table):
-    x, (k, v), _ = block(x, rope, cache=(k, v, length, block_table))
-    return x, k, v
+  def body(x, block, state, rope, cache):
+    x, state, _ = block(x, rope, cache=cache._replace(state=state))
+    return x, state
 
-  return body(x, blocks, keys, values, rope, cache.length, cache.block_table)
+  return body(x, blocks, state, rope, cache._replace(state=None))
 
 
 class Decoder(nnx.Module):
@@ -202,6 +203,7 @@ class Decoder(nnx.Module):
       with_moe_losses: bool = False,
       targets: jax.Array | None = None,
       chunk_tokens: int = LOGPS_CHUNK_TOKENS,
+      hidden: bool = False,
   ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Logits [B, T, vocab] (float32) for int tokens [B, T]; with `targets`, the
     log-probability of each target instead, [B, T] (float32), computed over the sequence
@@ -217,6 +219,8 @@ class Decoder(nnx.Module):
         {} for a dense model), as (logits, losses).
       targets: int token ids [B, T] whose log-probabilities to return (the next tokens).
       chunk_tokens: positions of the sequence per chunk of the head (`targets` only).
+      hidden: return the last layer's hidden states [B, T, D] instead, before the final
+        norm and the head (`head_logits` makes logits of them, a chunk at a time).
 
     The objectives ask for `targets`: Qwix intercepts one method of a model (its LoRA
     adapters and fake quantization live in `__call__`), so the head runs here too.
@@ -237,18 +241,32 @@ class Decoder(nnx.Module):
       for block, rope in zip(self.layers, ropes):
         x, layer_stats = run_block(block, x, rope, segment_ids)
         stats += [layer_stats] if layer_stats is not None else []
-    out = self._logits(x) if targets is None else self._target_logps(x, targets, chunk_tokens)
+    if hidden:
+      out = x
+    else:
+      out = self._logits(x) if targets is None else self._target_logps(x, targets, chunk_tokens)
     return (out, moe_losses(self.config, stats)) if with_moe_losses else out
 
+  def head_logits(self, x: jax.Array) -> jax.Array:
+    """Float32 logits [..., vocab] of hidden states as `__call__(hidden=True)` returns them:
+    the final norm, the head (vocabulary padding dropped) and its soft cap. A distillation
+    loss makes them for a chunk of positions at a time, the student's and the teacher's."""
+    return self._logits(x)
+
+  def cache_specs(self, paged: bool = True) -> list[cache_lib.Spec]:
+    """Each layer's cache spec (its attention's `cache_spec`): what `init_pages` (paged) and
+    `init_cache` (not) lay out. A stacked model's layers share one."""
+    if self.config.scan_layers:
+      return [self.layers.attention.cache_spec(paged)] * self.config.num_layers
+    return [block.attention.cache_spec(paged) for block in self.layers]
+
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-    """An empty KV cache for `batch_size` rows of up to `max_length` tokens."""
-    c = self.config
-    shape = (batch_size, max_length, c.num_kv_heads, c.resolved_head_dim)
-    if c.scan_layers:
-      zeros = jnp.zeros((c.num_layers, *shape), jnp.dtype(c.dtype))
-    else:
-      zeros = tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))
-    return KVCache(keys=zeros, values=zeros, length=jnp.zeros((), jnp.int32))
+    """An empty cache for `batch_size` rows of up to `max_length` tokens, each layer's
+    contiguous (`cache_specs(paged=False)`), for `decode` without a block table."""
+    state = cache_lib.lay_out(self.cache_specs(paged=False),
+                              {cache_lib.SLOTS: batch_size, cache_lib.LENGTH: max_length},
+                              stacked=self.config.scan_layers)
+    return KVCache(state, length=jnp.zeros((), jnp.int32))
 
   def page_replicas(self, rows: int) -> int:
     """Into how many groups this model's mesh splits `rows` decoding rows (its batch axes,
@@ -260,30 +278,45 @@ class Decoder(nnx.Module):
     replicas = sharding.size(sharding.batch)
     return replicas if rows % replicas == 0 else 1
 
-  def init_pages(self, pages: int, page_size: int, replicas: int = 1):
-    """Empty pools of pages for a paged `KVCache`: (keys, values), each with `pages` pages
-    of `page_size` positions per replica. One replica: [K, pages, page_size, H] per layer;
-    more: [K, replicas, pages, ...], placed on the mesh by `page_sharding`."""
-    c = self.config
-    shape = ((c.num_kv_heads, pages, page_size, c.resolved_head_dim) if replicas == 1 else
-             (c.num_kv_heads, replicas, pages, page_size, c.resolved_head_dim))
-    shape = (c.num_layers, *shape) if c.scan_layers else shape
-    zeros = lambda: jnp.zeros(shape, jnp.dtype(c.dtype))
-    if (placed := self.page_sharding(replicas)) is not None:  # Each device makes its part.
-      zeros = jax.jit(zeros, out_shardings=placed)
-    layers = lambda: zeros() if c.scan_layers else tuple(zeros() for _ in range(c.num_layers))
-    return layers(), layers()  # Buffers of their own: a step may donate both.
+  def init_pages(self, pages: int, page_size: int, replicas: int = 1, *, slots: int = 1):
+    """The engine's empty cache state (`KVCache.state`): every layer's spec laid out with
+    `pages` pages of `page_size` positions and `slots` slots of per-slot state, per replica
+    (more than one: a replica axis, `cache.lay_out`, placed on the mesh by
+    `page_sharding`). The plain decoder's: keys and values [K, pages, page_size, H] per
+    layer ([K, replicas, pages, ...] with replicas; stacked: [num_layers, ...])."""
+    sizes = {cache_lib.PAGES: pages, cache_lib.PAGE_SIZE: page_size, cache_lib.SLOTS: slots}
+    specs, stacked = self.cache_specs(), self.config.scan_layers
+    placed = self.page_sharding(replicas)
+    state = lambda: cache_lib.lay_out(specs, sizes, replicas, stacked=stacked)
+    if placed is None:
+      return state()
+    return jax.jit(state, out_shardings=placed)()  # Each device makes its part.
 
-  def page_sharding(self, replicas: int) -> NamedSharding | None:
-    """Where `init_pages`' pools of `replicas` replicas live: replica r's pool where
-    `page_replicas`' group r of rows lives, the heads split as the attention's; None for
-    one replica (the default placement)."""
+  def page_sharding(self, replicas: int):
+    """Where `init_pages`' state of `replicas` replicas lives (a pytree like it): replica
+    r's pools and slots where `page_replicas`' group r of rows lives, the heads split as the
+    attention's; None for one replica (the default placement)."""
     if replicas == 1 or self.layout is None:
       return None
-    c, sharding = self.config, self.layout.attention()
-    heads = sharding.heads if c.num_kv_heads % sharding.size(sharding.heads) == 0 else ()
-    spec = (None,) * c.scan_layers + (heads or None, sharding.batch)
-    return NamedSharding(sharding.mesh, P(*spec))
+    sharding = self.layout.attention()
+    return cache_lib.shardings(self.cache_specs(), sharding.mesh, sharding.batch,
+                               sharding.heads, sharding.size(sharding.heads),
+                               stacked=self.config.scan_layers)
+
+  def reset_slot(self, state, replica, slot):
+    """`init_pages`' `state` with slot `slot` of replica `replica` emptied: what the engine
+    does when it admits a request there (a no-op for paged arrays: the block table says
+    which pages a slot reads)."""
+    return cache_lib.reset_slot(self.cache_specs(), state, replica, slot,
+                                stacked=self.config.scan_layers)
+
+  def page_bytes(self, page_size: int) -> tuple[int, int]:
+    """(bytes of one page of `page_size` positions, bytes of one slot's per-slot state) over
+    every layer: what an engine's cache costs."""
+    sizes = {cache_lib.PAGES: 1, cache_lib.PAGE_SIZE: page_size, cache_lib.SLOTS: 1}
+    arrays = [a for spec in self.cache_specs() for a in spec.values()]
+    return (sum(a.bytes(sizes) for a in arrays if not a.per_slot),
+            sum(a.bytes(sizes) for a in arrays if a.per_slot))
 
   def decode(self, tokens: jax.Array, cache: KVCache,
              logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -301,31 +334,34 @@ class Decoder(nnx.Module):
     t = tokens.shape[1]
     if jnp.ndim(cache.length) == 1 and cache.block_table is None:
       raise ValueError("a cache with one length per row is a paged one: give its block_table")
-    positions = jnp.reshape(cache.length, (-1, 1)) + jnp.arange(t)
-    ropes = self._ropes(jnp.broadcast_to(positions, tokens.shape))
+    positions = jnp.broadcast_to(jnp.reshape(cache.length, (-1, 1)) + jnp.arange(t), tokens.shape)
+    longest = None if logits_at is None else jnp.take_along_axis(  # A padded chunk's last token.
+        positions, jnp.reshape(logits_at, (-1, 1)), axis=1)[:, 0]
+    ropes = self._ropes(positions, longest)
     x = self._embed(tokens)
     if self.config.scan_layers:
-      x, keys, values = _scan_decode(self.layers, x, ropes[0], cache)
+      x, state = _scan_decode(self.layers, x, ropes[0], cache)
     else:
-      keys, values = [], []
-      for i, (block, rope) in enumerate(zip(self.layers, ropes)):
-        x, (k, v), _ = block(x, rope, cache=(cache.keys[i], cache.values[i], cache.length,
-                                             cache.block_table))
-        keys.append(k)
-        values.append(v)
-      keys, values = tuple(keys), tuple(values)
+      state = []
+      for layer, block, rope in zip(cache.state, self.layers, ropes):
+        x, layer, _ = block(x, rope, cache=cache._replace(state=layer))
+        state.append(layer)
+      state = tuple(state)
     if logits_at is not None:
       x = jnp.take_along_axis(x, jnp.reshape(logits_at, (-1, 1, 1)), axis=1)
-    return self._logits(x), cache._replace(keys=keys, values=values, length=cache.length + t)
+    return self._logits(x), cache._replace(state=state, length=cache.length + t)
 
-  def _ropes(self, positions: jax.Array) -> list[RopeTables]:
-    """Each layer's RoPE tables, computed once per distinct (theta, scaling)."""
+  def _ropes(self, positions: jax.Array, longest: jax.Array | None = None) -> list[RopeTables]:
+    """Each layer's RoPE tables, computed once per distinct (theta, scaling); `longest`: each
+    row's last position that holds a token, where it is not the last of `positions`
+    (LongRoPE's choice of factors follows it: `rope_tables`)."""
     config, tables = self.config, {}
     out = []
     for layer in range(config.num_layers):
       key = config.rope(layer)
       if key not in tables:
-        tables[key] = rope_tables(positions, config.resolved_head_dim, *key)
+        rotary = config.rotary_dim or config.resolved_head_dim
+        tables[key] = rope_tables(positions, rotary, *key, longest=longest)
       out.append(tables[key])
     return out
 

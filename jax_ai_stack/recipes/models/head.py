@@ -53,11 +53,22 @@ def target_logps(logits_of: Callable[[jax.Array], jax.Array], x: jax.Array,
   def logps(x, targets):
     return -optax.softmax_cross_entropy_with_integer_labels(logits_of(x), targets)
 
-  if targets.shape[1] <= chunk_tokens:
-    return logps(x, targets)
-  out = jax.lax.map(lambda xt: jax.checkpoint(logps)(*xt),
-                    (_chunked(x, chunk_tokens), _chunked(targets, chunk_tokens)))
-  return _unchunked(out, targets.shape[1])
+  return over_positions(logps, (x, targets), chunk_tokens)
+
+
+def over_positions(per_chunk: Callable[..., Any], arrays: tuple[jax.Array, ...],
+                   chunk_tokens: int) -> Any:
+  """`per_chunk(*arrays)` for arrays [B, T, ...] with the same T, computed `chunk_tokens`
+  positions at a time, each chunk's intermediates (its logits) dropped and made again in
+  the backward pass (`jax.checkpoint`); its outputs [B, chunk, ...] joined back to [B, T,
+  ...]. What makes a loss over the vocabulary cost one chunk's logits, not the sequence's:
+  `target_logps`, and a distillation loss over two models' heads."""
+  t = arrays[0].shape[1]
+  if t <= chunk_tokens:
+    return per_chunk(*arrays)
+  out = jax.lax.map(lambda chunk: jax.checkpoint(per_chunk)(*chunk),
+                    tuple(_chunked(a, chunk_tokens) for a in arrays))
+  return jax.tree.map(lambda y: _unchunked(y, t), out)
 
 
 VOCAB_TILE = 8192

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack import kernels
 from jax_ai_stack.kernels.paged import paged_attention
+from jax_ai_stack.recipes.models.cache import (HEADS, LENGTH, PAGE_SIZE, PAGES, SLOTS,
+                                                CacheArray, KVCache, Spec, replicated)
 from jax_ai_stack.recipes.models.configs import DecoderConfig
-from jax_ai_stack.recipes.models.moe import ACTIVATIONS, MoE
+from jax_ai_stack.recipes.models.mlp import MLP, on_tokens  # noqa: F401 - re-exported
+from jax_ai_stack.recipes.models.moe import MoE
 from jax_ai_stack.recipes.models.rope import RopeTables, rotate
 
 if TYPE_CHECKING:
@@ -41,28 +44,6 @@ HIDDEN_AXES = ("batch", "length", None)
 """Logical names of the hidden states [B, T, D]. D stays whole: the parameters'
 "embed" is split over fsdp, which the batch already uses."""
 
-
-
-class KVCache(NamedTuple):
-  """Keys and values of every layer; the first `length` positions are filled.
-
-  keys[i] and values[i] are [B, S, num_kv_heads, head_dim] for layer i: a tuple
-  of arrays, or one stacked array [num_layers, B, S, ...] with `scan_layers`.
-  """
-
-  keys: tuple[jax.Array, ...] | jax.Array
-  values: tuple[jax.Array, ...] | jax.Array
-  length: jax.Array
-  """int32: a scalar (every row holds as many tokens), or [B], one per row, with a
-  `block_table` only."""
-  block_table: jax.Array | None = None
-  """Paged (the generation engine's): int32 [B, W], row b's positions j * page_size ... in
-  page block_table[b, j] of keys[i] and values[i], which are then pools of pages
-  [num_kv_heads, pages, page_size, head_dim] (stacked: [num_layers, ...]); `length`
-  is [B]: row i's T tokens go to positions length[i] ... (a chunk of its prompt, or one).
-  Pools [num_kv_heads, R, pages, page_size, head_dim] are one per replica: the rows are R
-  equal groups in order, group r's table numbering the pages of pool r
-  (`Decoder.init_pages`)."""
 
 
 def _fan_in_init(in_axis, out_axis):
@@ -75,9 +56,13 @@ def _fan_in_init(in_axis, out_axis):
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE; k/v have `num_kv_heads` heads.
 
-  The config's switches: biases on q/k/v (`qkv_bias`), an RMSNorm over each head
-  of q and k before RoPE (`qk_norm`), the logits' scale and soft cap, and
-  `layer`'s sliding window; the kernels get all three through their request.
+  The config's switches: biases on q/k/v (`qkv_bias`) and on the output (`o_proj_bias`),
+  an RMSNorm over each head of q and k before RoPE (`qk_norm`; over the whole projection
+  with `qk_norm_scope` "projection"), the logits' scale and soft cap, `layer`'s sliding
+  window, its chunks (`attention_chunk_size`) and a sink logit per head (`attention_sinks`)
+  (the kernels get the last five through their request), whether it rotates q and k at all
+  (`nope_layers`), and Llama 4's L2 norm of q and k after RoPE (`qk_l2_norm`) or, in a NoPE
+  layer, its queries' temperature (`nope_temperature`).
   """
 
   def __init__(self, config: DecoderConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
@@ -99,69 +84,117 @@ class Attention(nnx.Module):
     self.q_proj = projection(n, "heads")
     self.k_proj = projection(k, "kv_heads")
     self.v_proj = projection(k, "kv_heads")
+    out_bias = dict(bias_shape=(d,), bias_init=nnx.with_partitioning(
+        nnx.initializers.zeros, ("embed",))) if config.o_proj_bias else {}
     self.o_proj = nnx.Einsum(
-        "btnh,nhd->btd", (n, h, d), rngs=rngs, **dtypes,
+        "btnh,nhd->btd", (n, h, d), rngs=rngs, **dtypes, **out_bias,
         kernel_init=nnx.with_partitioning(
             _fan_in_init(in_axis=(0, 1), out_axis=2), ("heads", "head_dim", "embed")
         ),
     )
-    if config.qk_norm:
-      self.q_norm = rms_norm(config, rngs, h)
-      self.k_norm = rms_norm(config, rngs, h)
+    self.sinks = nnx.Param(jnp.zeros((n,), jnp.dtype(config.param_dtype)),
+                           out_sharding=("heads",)) if config.attention_sinks else None
+    self.qk_norm_heads = config.qk_norm_scope == "projection"
+    if config.qk_norm:  # Over one head's features, or over all heads' at once.
+      self.q_norm = rms_norm(config, rngs, n * h if self.qk_norm_heads else h)
+      self.k_norm = rms_norm(config, rngs, k * h if self.qk_norm_heads else h)
     else:
       self.q_norm = self.k_norm = None
+    self.use_rope = layer not in config.nope_layers
+    self.l2_norm = config.norm_eps if config.qk_l2_norm and self.use_rope else None
+    self.temperature = None if self.use_rope else config.nope_temperature
+    self.chunk_size = config.chunk_size(layer)
     self.attention_plan = attention
     self.attention_sharding = sharding
     self.local_window = config.local_window(layer)
     self.logits_soft_cap = config.attn_logit_softcap
     self.scale = config.attention_scale
+    self.cache_shape = (k, h, config.dtype)
+    """Key/value heads, head_dim and dtype of its cache (`cache_spec`)."""
+
+  def _qk_norm(self, norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
+    """`norm` of x [B, T, N, H] over each head's H features, or (`qk_norm_scope`
+    "projection") over all N * H at once."""
+    if not self.qk_norm_heads:
+      return norm(x)
+    return norm(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)
 
   def _attend(self, q, k, v, *, causal, segment_ids=None, kv_seq_lengths=None,
               local_window=None):
     return kernels.attention(
         q, k, v, causal=causal, segment_ids=segment_ids, kv_seq_lengths=kv_seq_lengths,
         local_window=local_window, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-        plan=self.attention_plan, sharding=self.attention_sharding,
+        sinks=self._sinks(), chunk_size=self.chunk_size, plan=self.attention_plan,
+        sharding=self.attention_sharding,
     )
+
+  def _after_rope(self, q, k, rope: RopeTables):
+    """Llama 4's: q and k over their RMS (`qk_l2_norm`, RoPE layers), or a NoPE layer's
+    queries scaled by the temperature of their positions (`nope_temperature`)."""
+    if self.l2_norm is not None:
+      q, k = l2_norm(q, self.l2_norm), l2_norm(k, self.l2_norm)
+    if self.temperature is not None:
+      floor_scale, attn_scale = self.temperature
+      at = rope.positions.astype(jnp.float32)[:, :, None, None]
+      scale = jnp.log1p(jnp.floor((at + 1.0) / floor_scale)) * attn_scale + 1.0
+      q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    return q, k
+
+  def cache_spec(self, paged: bool = True) -> Spec:
+    """What this layer caches for decoding: its keys and values, paged (the engine's pools
+    [K, pages, page_size, H], the layout of every paged kernel, `kernels.paged`) or one
+    contiguous row per sequence [B, S, K, H] (`Decoder.init_cache`). The decoder lays them
+    out (`cache.lay_out`); nobody else reads the names."""
+    heads, head_dim, dtype = self.cache_shape
+    dims = ((heads, PAGES, PAGE_SIZE, head_dim) if paged else
+            (SLOTS, LENGTH, heads, head_dim))
+    axes = (HEADS, None, None, None) if paged else (None, None, HEADS, None)
+    array = CacheArray(dims, dtype, axes)
+    return {"keys": array, "values": array}
+
+  def _sinks(self) -> jax.Array | None:
+    return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
   def __call__(
       self,
       x: jax.Array,
       rope: RopeTables,
       segment_ids: jax.Array | None = None,
-      cache: tuple[jax.Array, ...] | None = None,
-  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """x [B, T, D] -> ([B, T, D], updated (keys, values) or None).
+      cache: KVCache | None = None,
+  ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    """x [B, T, D] -> ([B, T, D], this layer's updated cache state, or None).
 
     `rope`: the tables of the tokens' positions (`rope_tables`).
 
-    With `cache` = (keys, values, length): the new keys/values are written at
-    `length`. T > 1 is a prefill and must start an empty cache (length 0); T == 1
-    decodes one token that attends to the first length + 1 cached positions
-    (with a sliding window, to the last `window + 1` of them, read as one slice).
-    (keys, values, length, block_table): pools of pages (`KVCache.block_table`), length [B],
-    T tokens per row (a chunk of a prompt, or one) written at length[i] ... and attending
-    causally to all the row's positions before.
+    With `cache` (its `state` this layer's, as `cache_spec` lays it out): the new keys and
+    values are written at `cache.length`. Contiguous (no block table): T > 1 is a prefill
+    and must start an empty cache (length 0); T == 1 decodes one token that attends to the
+    first length + 1 cached positions (with a sliding window, to the last `window + 1` of
+    them, read as one slice). Paged (`KVCache.block_table`): length [B], T tokens per row
+    (a chunk of a prompt, or one) written at length[i] ... and attending causally to all
+    the row's positions before.
     """
     q, k = self.q_proj(x), self.k_proj(x)
     if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rotate(q, rope), rotate(k, rope)
+      q, k = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k)
+    if self.use_rope:
+      q, k = rotate(q, rope), rotate(k, rope)
+    q, k = self._after_rope(q, k, rope)
     v = self.v_proj(x)
     window = self.local_window
     if cache is None:
       out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
       return self.o_proj(out), None
-    keys, values, length = cache[:3]
-    if len(cache) > 3 and cache[3] is not None:
-      return self._decode_pages(q, k, v, keys, values, length, cache[3])
+    if cache.block_table is not None:
+      return self._decode_pages(q, k, v, cache)
+    keys, values, length = cache.state["keys"], cache.state["values"], cache.length
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(
         values, v.astype(values.dtype), length, axis=1
     )
     if x.shape[1] > 1:  # Prefill: nothing precedes the prompt, so its own keys suffice.
       out = self._attend(q, k, v, causal=True, local_window=window)
-    elif window is not None and keys.shape[1] > window + 1:
+    elif window is not None and keys.shape[1] > window + 1 and self.chunk_size is None:
       start = jnp.maximum(length - window, 0)  # The window's keys: one fixed-size slice.
       seen = jnp.full((x.shape[0],), length - start + 1, dtype=jnp.int32)
       recent = (jax.lax.dynamic_slice_in_dim(c, start, window + 1, axis=1) for c in (keys, values))
@@ -169,32 +202,39 @@ class Attention(nnx.Module):
     else:
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
-    return self.o_proj(out), (keys, values)
+    return self.o_proj(out), {"keys": keys, "values": values}
 
   def _paged_attention(self) -> str:
     """The paged attention the plan chooses for its backend (the devices compiled for)."""
-    return self.attention_plan.paged_attention()[0] if self.attention_plan else "auto"
+    if self.attention_plan is None:
+      return "auto"
+    return self.attention_plan.paged_attention(sinks=self.sinks is not None,
+                                               chunked=self.chunk_size is not None)[0]
 
-  def _decode_pages(self, q, k, v, keys, values, length, block_table):
+  def _decode_pages(self, q, k, v, cache: KVCache):
     """T tokens per row at positions length[i] ... over pools of pages (one per replica:
-    `replicated_pages`), then the output projection."""
+    `per_replica`), then the output projection; (out, the updated pools)."""
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
     attend = functools.partial(_write_and_attend, scale=scale,
                                logits_soft_cap=self.logits_soft_cap,
-                               local_window=self.local_window,
+                               local_window=self.local_window, sinks=self._sinks(),
+                               chunk_size=self.chunk_size,
                                implementation=self._paged_attention())
-    if keys.ndim == 5:
-      out, keys, values = replicated_pages(attend, self.attention_sharding, q, k, v, keys,
-                                           values, length, block_table)
+    rows = (q, k, v, cache.length, cache.block_table)
+    spec = {name: array for name, array in self.cache_spec().items() if name in cache.state}
+    if replicated(spec, cache.state):
+      out, state = per_replica(attend, self.attention_sharding, spec, rows, cache.state)
     else:
-      out, keys, values = attend(q, k, v, keys, values, length, block_table)
-    return self.o_proj(out), (keys, values)
+      out, state = attend(rows, cache.state)
+    return self.o_proj(out), state
 
 
-def _write_and_attend(q, k, v, keys, values, length, block_table, **options):
+def _write_and_attend(rows, state, **options):
   """Each row's new keys and values k, v [B, T, K, H] written into the page that holds their
   position (a position past the row's table goes to page 0, which the engine never hands
-  out), then `kernels.paged.paged_attention` (`options`) of q: (out, keys, values)."""
+  out), then `kernels.paged.paged_attention` (`options`) of q: (out, the updated state)."""
+  q, k, v, length, block_table = rows
+  keys, values = state["keys"], state["values"]
   page_size = keys.shape[2]  # Pools [K, pages, page_size, H].
   positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
   page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
@@ -202,13 +242,15 @@ def _write_and_attend(q, k, v, keys, values, length, block_table, **options):
   put = lambda pool, new: pool.at[:, page, positions % page_size].set(
       jnp.moveaxis(new, 2, 0).astype(pool.dtype))  # new [B, T, K, H] as [K, B, T, H].
   keys, values = put(keys, k), put(values, v)
-  return paged_attention(q, keys, values, block_table, positions, **options), keys, values
+  out = paged_attention(q, keys, values, block_table, positions, **options)
+  return out, {"keys": keys, "values": values}
 
 
-def replicated_pages(attend: Callable, sharding: kernels.AttentionSharding | None, q, k, v,
-                     keys, values, length, block_table):
-  """`attend` (as `_write_and_attend`) with pools of pages per replica, keys and values
-  [K, R, pages, P, H]: rows in R equal groups, each over its own pool.
+def per_replica(attend: Callable, sharding: kernels.AttentionSharding | None, spec: Spec,
+                rows: tuple[jax.Array, ...], state: dict[str, jax.Array]):
+  """`attend(rows, state) -> (out, state)` (as `_write_and_attend`) over a layer's cache of
+  several replicas (`spec`'s arrays with a replica axis, `cache.lay_out`): `rows` (arrays
+  whose first axis is the batch's) in R equal groups, each over its replica's part.
 
   On a mesh whose batch axes split the rows into R groups (a data-parallel engine), each
   group runs where its rows and its pool live, in a `shard_map` over those axes: no page
@@ -217,71 +259,40 @@ def replicated_pages(attend: Callable, sharding: kernels.AttentionSharding | Non
   read across the replicas). Elsewhere the groups run side by side (`vmap`; one group is
   the plain call).
   """
-  replicas, rows = keys.shape[1], q.shape[0]
-  if rows % replicas:
-    raise ValueError(f"{rows} rows do not split into the pools' {replicas} replicas")
+  axes = {name: array.replica_axis() for name, array in spec.items()}
+  name = next(iter(axes))
+  replicas, count = state[name].shape[axes[name]], rows[0].shape[0]
+  if count % replicas:
+    raise ValueError(f"{count} rows do not split into the pools' {replicas} replicas")
 
-  def groups(q, k, v, keys, values, length, block_table):
-    count = keys.shape[1]
-    if count == 1:
-      out, keys, values = attend(q, k, v, keys[:, 0], values[:, 0], length, block_table)
-      return out, keys[:, None], values[:, None]
-    split = lambda x: x.reshape(count, -1, *x.shape[1:])
-    out, keys, values = jax.vmap(attend, in_axes=(0, 0, 0, 1, 1, 0, 0), out_axes=(0, 1, 1))(
-        split(q), split(k), split(v), keys, values, split(length), split(block_table))
-    return out.reshape(-1, *out.shape[2:]), keys, values
+  def groups(rows, state):
+    groups = state[name].shape[axes[name]]
+    if groups == 1:
+      out, state = attend(rows, {n: jnp.squeeze(a, axes[n]) for n, a in state.items()})
+      return out, {n: jnp.expand_dims(a, axes[n]) for n, a in state.items()}
+    split = lambda x: x.reshape(groups, -1, *x.shape[1:])
+    out, state = jax.vmap(attend, in_axes=(0, axes), out_axes=(0, axes))(
+        jax.tree.map(split, rows), state)
+    return out.reshape(-1, *out.shape[2:]), state
 
   if sharding is None or replicas == 1 or sharding.size(sharding.batch) != replicas:
-    return groups(q, k, v, keys, values, length, block_table)
-  by_rows, by_pools = P(sharding.batch), P(None, sharding.batch)
+    return groups(rows, state)
+  by_rows = P(sharding.batch)
+  by_pools = {n: P(*(None,) * axis, sharding.batch) for n, axis in axes.items()}
   # Manual over the mesh's axes of one device too: a Mosaic kernel (the TPU's ragged paged
   # attention) refuses to be partitioned automatically, even over an axis of size 1. And
   # check_vma=False: that opaque call declares outputs with no varying axes.
   manual = set(sharding.batch) | {a for a, n in sharding.mesh.shape.items() if n == 1}
   return jax.shard_map(groups, mesh=sharding.mesh, axis_names=manual,
-                       in_specs=(by_rows,) * 3 + (by_pools,) * 2 + (by_rows,) * 2,
-                       out_specs=(by_rows, by_pools, by_pools), check_vma=False)(
-                           q, k, v, keys, values, length, block_table)
+                       in_specs=(tuple(by_rows for _ in rows), by_pools),
+                       out_specs=(by_rows, by_pools), check_vma=False)(rows, state)
 
 
-def on_tokens(layer: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-  """`layer(x)` applied to x [..., D] as one [tokens, D] matrix, reshaped back.
-
-  The same forward values, but a dense layer's weight gradient becomes one
-  plain matmul: on a 3-D input XLA:CPU contracts the batch and sequence axes with
-  layout copies around the dot (the tiny Llama's MLP forward+backward took 17 ms
-  3-D, 10 ms flattened; the whole step 15-20% less; the gradients sum in another
-  order, so their last bits differ). A reshape of the leading axes costs nothing,
-  on a mesh too (the batch axis stays the sharded one).
-  """
-  y = layer(x.reshape(-1, x.shape[-1]))
-  return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class MLP(nnx.Module):
-  """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
-
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-    d, f = config.d_model, config.mlp_dim
-    dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
-    init = nnx.initializers.lecun_normal()
-    self.gate_proj = nnx.Linear(
-        d, f, use_bias=False, rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
-    )
-    self.up_proj = nnx.Linear(
-        d, f, use_bias=False, rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
-    )
-    self.down_proj = nnx.Linear(
-        f, d, use_bias=False, rngs=rngs, **dtypes,
-        kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
-    )
-    self.activation = config.mlp_activation
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    act = ACTIVATIONS[self.activation]
-    return on_tokens(lambda x: self.down_proj(act(self.gate_proj(x)) * self.up_proj(x)), x)
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+  """x over its RMS along the last axis, x / sqrt(mean(x^2) + eps), in float32, without a
+  weight (Llama 4's `Llama4TextL2Norm`, which is an RMSNorm despite its name)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class OffsetRMSNorm(nnx.RMSNorm):
@@ -318,19 +329,21 @@ def rms_norm(config: DecoderConfig, rngs: nnx.Rngs, features: int | None = None)
 class Block(nnx.Module):
   """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
 
-  With `post_norms` (Gemma 2/3) each branch's output is normed before its add.
+  With `post_norms` (Gemma 2/3) each branch's output is normed before its add; without
+  `pre_norms` (OLMo 2/3) each branch reads x itself.
   The MLP is a mixture of experts (`moe.MoE`) in the layers `config.moe_layers`
   names; the block then also returns the layer's `moe.MoeStats` (else None).
   """
 
   def __init__(self, config: DecoderConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
                layout: Layout | None = None, layer: int = 0):
-    self.attention_norm = rms_norm(config, rngs)
+    self.attention_norm = rms_norm(config, rngs) if config.pre_norms else None
     self.attention = Attention(config, attention, rngs=rngs, layer=layer,
                                sharding=layout.attention() if layout else None)
-    self.mlp_norm = rms_norm(config, rngs)
-    platform = attention.backend.platform if attention and attention.backend else None
-    self.mlp = (MoE(config, rngs=rngs, layout=layout, platform=platform)
+    self.mlp_norm = rms_norm(config, rngs) if config.pre_norms else None
+    backend = attention.backend if attention else None
+    self.mlp = (MoE(config, rngs=rngs, layout=layout, platform=backend and backend.platform,
+                    device_kind=backend and backend.device_kind)
                 if config.moe_layers[layer] else MLP(config, rngs=rngs))
     if config.post_norms:
       self.post_attention_norm = rms_norm(config, rngs)
@@ -340,18 +353,23 @@ class Block(nnx.Module):
     self.layout = layout
 
   def __call__(self, x, rope: RopeTables, segment_ids=None, cache=None):
-    h, new_cache = self.attention(self.attention_norm(x), rope, segment_ids, cache)
+    h, new_cache = self.attention(_norm(self.attention_norm, x), rope, segment_ids, cache)
     if self.post_attention_norm is not None:
       h = self.post_attention_norm(h)
     x = x + constrain(self.layout, h)
     if isinstance(self.mlp, MoE):
-      h, stats = self.mlp(self.mlp_norm(x), segment_ids)
+      h, stats = self.mlp(_norm(self.mlp_norm, x), segment_ids)
     else:
-      h, stats = self.mlp(self.mlp_norm(x)), None
+      h, stats = self.mlp(_norm(self.mlp_norm, x)), None
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     return x + constrain(self.layout, h), new_cache, stats
 
+
+
+def _norm(norm: nnx.Module | None, x: jax.Array) -> jax.Array:
+  """`norm(x)`, or x itself where the block has no such norm."""
+  return x if norm is None else norm(x)
 
 
 def constrain(layout: Layout | None, x: jax.Array) -> jax.Array:

@@ -12,6 +12,23 @@ of one batched matmul, or the dense reference); nothing is dropped, whatever the
 token order and are summed with the router's weights, in a fixed order (no
 scatter-add), so the result does not depend on the device's atomics.
 
+A shared expert (`MoeConfig.shared_expert_dim`: Qwen2-MoE; DeepSeek-V3, Llama 4 and
+Qwen3-Next have one too) is a dense gated MLP every token runs, its output added to the
+routed experts' sum; with `shared_expert_gate`, scaled by sigmoid(x . w) first. It is an
+ordinary dense layer (`mlp.MLP`, under `shared_expert`), sharded as the dense MLPs are.
+
+GPT-OSS's experts (`MoeConfig`'s `router_bias`, `expert_bias`, `interleaved_gate_up`,
+`expert_activation="clamped_swiglu"`): a bias on the router's logits; one `gate_up_proj`
+[E, d, 2f] whose even columns are the gate and odd the up, with biases on it
+(`gate_up_proj_bias` [E, 2f], added to each row by its expert) and on `down_proj`
+(`down_proj_bias` [E, d], added once per (token, expert) pair with the router's weight,
+outside the grouped matmul, so that a split `mlp` axis does not add it once per device);
+and the clamped SwiGLU.
+
+Llama 4's router (`router_score` "sigmoid", `weight_inputs`): the top-k logits, each
+expert's weight the sigmoid of its own, scaling the rows that enter the expert (the sorted
+tokens) rather than its output, which is then summed unweighted.
+
 Beside its output a layer reports (`MoeStats`): the Switch load-balancing loss
 E * sum_e(f_e * P_e), with f_e the share of the N*k assignments expert e got
 and P_e its mean router probability (1 when balanced), the router z-loss
@@ -53,6 +70,7 @@ from flax import nnx
 from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.mlp import ACTIVATIONS, MLP
 
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.sharding import Layout
@@ -78,10 +96,12 @@ class Routing(NamedTuple):
   stats: MoeStats
 
 
-def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None = None
-          ) -> Routing:
+def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None = None,
+          score: str = "softmax") -> Routing:
   """Top-k routing of router `logits` [N, E] (any float dtype; softmax in float32).
 
+  `score` "sigmoid" (Llama 4's): the k largest logits, each weighted by its own sigmoid
+  (the statistics still use the softmax's probabilities).
   `counted` [N] (bool): the tokens the statistics and losses are over (None: all).
   Padding is routed and computed like any token, but it would pull the balance
   loss towards whichever experts padding prefers, so the caller leaves it out.
@@ -89,7 +109,11 @@ def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None 
   logits = logits.astype(jnp.float32)
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
+  if score == "sigmoid":
+    top, experts = jax.lax.top_k(logits, k)
+    weights = jax.nn.sigmoid(top)
+  else:
+    weights, experts = jax.lax.top_k(probs, k)
   if normalize:
     weights = weights / weights.sum(axis=-1, keepdims=True)
   sizes = jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(1)
@@ -106,40 +130,61 @@ def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None 
   return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share))
 
 
-ACTIVATIONS = {"silu": nnx.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-"""The gate's activation of a gated MLP (`DecoderConfig.mlp_activation`), dense or expert."""
-
-
 class MoE(nnx.Module):
   """A dropless mixture of `config.moe.num_experts` gated MLPs (see the module)."""
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, layout: Layout | None = None,
-               platform: str | None = None):
-    """`platform`: the one the grouped matmul is chosen for (the devices the model is
-    compiled for, as its attention plan's backend says); None: JAX's default backend."""
+               platform: str | None = None, device_kind: str | None = None):
+    """`platform` and `device_kind`: the devices the grouped matmul is chosen for (those the
+    model is compiled for, as its attention plan's backend says: a v4 takes no Mosaic
+    kernel); None: JAX's default backend."""
     with eager_sharding_scope():  # Built alone (tests, notebooks): no mesh needed.
-      self._build(config, rngs, platform)
+      self._build(config, rngs, platform, device_kind)
     self.layout = layout
 
-  def _build(self, config: DecoderConfig, rngs: nnx.Rngs, platform: str | None) -> None:
+  def _build(self, config: DecoderConfig, rngs: nnx.Rngs, platform: str | None,
+             device_kind: str | None) -> None:
     moe = config.moe
     d, f, e = config.d_model, config.expert_mlp_dim, moe.num_experts
     dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
-    self.router = nnx.Linear(d, e, use_bias=False, rngs=rngs, **dtypes, kernel_init=(
-        nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None))))
+    self.router = nnx.Linear(d, e, use_bias=moe.router_bias, rngs=rngs, **dtypes, kernel_init=(
+        nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None))),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros, (None,)))
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
     param_dtype = jnp.dtype(config.param_dtype)
 
     def weights(shape, names):
       return nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=names)
 
-    self.gate_proj = weights((e, d, f), ("experts", "embed", "mlp"))
-    self.up_proj = weights((e, d, f), ("experts", "embed", "mlp"))
+    self.in_names = ("gate_up_proj",) if moe.interleaved_gate_up else ("gate_proj", "up_proj")
+    width = 2 * f if moe.interleaved_gate_up else f
+    self.score, self.weight_inputs = moe.router_score, moe.weight_inputs
+    for name in self.in_names:
+      setattr(self, name, weights((e, d, width), ("experts", "embed", "mlp")))
     self.down_proj = weights((e, f, d), ("experts", "mlp", "embed"))
+    self.bias_names = ()
+    if moe.expert_bias:
+      self.bias_names = (*(name + "_bias" for name in self.in_names), "down_proj_bias")
+      for name in self.in_names:
+        setattr(self, name + "_bias", nnx.Param(jnp.zeros((e, width), param_dtype),
+                                                out_sharding=("experts", "mlp")))
+      self.down_proj_bias = nnx.Param(jnp.zeros((e, d), param_dtype),
+                                      out_sharding=("experts", "embed"))
+    self.expert_activation = moe.expert_activation
+    self.swiglu = (moe.swiglu_alpha, moe.swiglu_limit)
+    if moe.shared_expert_dim is not None:
+
+      self.shared_expert = MLP(config, rngs=rngs, hidden=moe.shared_expert_dim)
+    else:
+      self.shared_expert = None
+    self.shared_expert_gate = nnx.Linear(
+        d, 1, use_bias=False, rngs=rngs, **dtypes, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), ("embed", None))) if moe.shared_expert_gate else None
     self.k, self.normalize = moe.num_experts_per_tok, moe.norm_topk_prob
     self.activation = config.mlp_activation
     self.dtype = jnp.dtype(config.dtype)
-    self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul, platform)[0]
+    self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul, platform,
+                                                        device_kind)[0]
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, MoeStats]:
@@ -147,37 +192,80 @@ class MoE(nnx.Module):
     the statistics leave out padding (segment id 0)."""
     tokens = x.reshape(-1, x.shape[-1])
     counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
-    routing = route(self.router(tokens), self.k, self.normalize, counted)
-    params = tuple(w[...].astype(self.dtype)
-                   for w in (self.gate_proj, self.up_proj, self.down_proj))
+    routing = route(self.router(tokens), self.k, self.normalize, counted, self.score)
+    params = {name: getattr(self, name)[...].astype(self.dtype)
+              for name in (*self.in_names, "down_proj", *self.bias_names)}
+    down_bias = params.pop("down_proj_bias", None)
     if self.layout is not None:
       y = self._on_mesh(x, routing, params)
     else:
       y = self._experts(tokens, routing.experts, routing.weights, routing.sizes, params)
-    return y.astype(x.dtype).reshape(x.shape), routing.stats
+    y = y.reshape(x.shape)
+    if down_bias is not None:  # Each pair's bias, weighted: once, whatever the mesh. A
+      # matmul with each token's weight per expert, not a gather of the [E, D] table, which
+      # GSPMD replicates when its D is split (fsdp) and the tokens are not.
+      per_expert = jnp.einsum("nk,nke->ne", routing.weights,
+                              jax.nn.one_hot(routing.experts, down_bias.shape[0]))
+      y = y + (per_expert @ down_bias.astype(jnp.float32)).reshape(x.shape)
+    y = y.astype(x.dtype)
+    if self.shared_expert is not None:
+      shared = self.shared_expert(x)
+      if self.shared_expert_gate is not None:
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
+      y = y + shared
+    return y, routing.stats
+
+  def _activate(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' hidden units from their gate and up projections."""
+    if self.expert_activation == "clamped_swiglu":
+      alpha, limit = self.swiglu
+      gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+      return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+    return ACTIVATIONS[self.activation](gate) * up
 
   def _experts(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array,
-               sizes: jax.Array, params: tuple[jax.Array, ...],
+               sizes: jax.Array, params: dict[str, jax.Array],
                first: jax.Array | int = 0) -> jax.Array:
-    """[N, D] float32: each token's weighted sum over its experts among `params`' (gate,
-    up, down, stacked [E_local, ...]: experts `first` ... `first + E_local - 1`, whose
-    assignment counts are `sizes`); experts elsewhere add nothing."""
-    gate, up, down = params
+    """[N, D] float32: each token's weighted sum over its experts among `params`' (the
+    input projections of `in_names` and their biases, and down_proj, stacked [E_local, ...]:
+    experts `first` ... `first + E_local - 1`, whose assignment counts are `sizes`); experts
+    elsewhere add nothing."""
+    down = params["down_proj"]
+    local = down.shape[0]
     flat = experts.reshape(-1)  # [N * k]: token i's picks at i * k ... i * k + k - 1.
     order = jnp.argsort(flat, stable=True)
     if not isinstance(first, int) or first != 0:  # Expert parallelism: its rows first.
       order = jnp.roll(order, -jnp.sum(flat < first))
-    rows = tokens[order // self.k].astype(self.dtype)
+    rows = tokens[order // self.k]
+    if self.weight_inputs:  # Llama 4's: each expert's input scaled by its weight.
+      rows = rows.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+      weights = jnp.ones_like(weights)
+    rows = rows.astype(self.dtype)
 
     def matmul(lhs, stacked):
       return kernels.grouped_matmul(lhs, stacked, sizes, implementation=self.implementation)
 
-    hidden = ACTIVATIONS[self.activation](matmul(rows, gate)) * matmul(rows, up)
+    row_expert = flat[order] - first  # Rows past these experts' groups: outside 0 .. local.
+    mine = (row_expert >= 0) & (row_expert < local)
+
+    def project(name):
+      y = matmul(rows, params[name])
+      if name + "_bias" in params:
+        bias = params[name + "_bias"][jnp.clip(row_expert, 0, local - 1)]
+        y = y + jnp.where(mine[:, None], bias, 0).astype(y.dtype)
+      return y
+
+    if len(self.in_names) == 1:  # Interleaved: gate in the even columns, up in the odd.
+      gate_up = project(self.in_names[0])
+      gate, up = gate_up[:, ::2], gate_up[:, 1::2]
+    else:
+      gate, up = (project(name) for name in self.in_names)
+    hidden = self._activate(gate, up)
     out = matmul(hidden, down)  # Rows past these experts' groups: zeros.
     out = out[jnp.argsort(order)].reshape(*experts.shape, -1)  # [N, k, D], token order.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights)
 
-  def _on_mesh(self, x: jax.Array, routing: Routing, params: tuple[jax.Array, ...]
+  def _on_mesh(self, x: jax.Array, routing: Routing, params: dict[str, jax.Array]
                ) -> jax.Array:
     """The layer's output on the layout's mesh, with the experts split over its expert
     axes if any (see the module): one `jax.shard_map` over the whole mesh. Without
@@ -191,10 +279,11 @@ class MoE(nnx.Module):
                      if a not in (*rules.get("batch", ()), *expert_axes))
     gather = tuple(a for a in token_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes if a not in gather) + mlp_axes
-    local_experts = params[0].shape[0] // math.prod(layout.mesh.shape[a] for a in expert_axes)
+    local_experts = params["down_proj"].shape[0] // math.prod(
+        layout.mesh.shape[a] for a in expert_axes)
     k = self.k
 
-    def shard(x, experts, weights, gate, up, down):
+    def shard(x, experts, weights, params):
       tokens, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (x, experts, weights))
       if gather:
         tokens, experts, weights = (jax.lax.all_gather(a, gather, axis=0, tiled=True)
@@ -203,7 +292,7 @@ class MoE(nnx.Module):
       mine = experts.reshape(-1) - first
       sizes = jnp.zeros(local_experts, jnp.int32).at[
           jnp.where((mine >= 0) & (mine < local_experts), mine, local_experts)].add(1, mode="drop")
-      y = self._experts(tokens, experts, weights, sizes, (gate, up, down), first)
+      y = self._experts(tokens, experts, weights, sizes, params, first)
       if reduce:
         y = jax.lax.psum(y, reduce)
       if gather:
@@ -212,15 +301,17 @@ class MoE(nnx.Module):
 
     spec = jax.sharding.PartitionSpec
     per_token = spec(token_spec[0], None, None)
-    in_proj, out_proj = (spec(expert_axes or None, None, mlp_axes or None),
-                         spec(expert_axes or None, mlp_axes or None, None))
+    experts_, mlp_ = expert_axes or None, mlp_axes or None
+    specs = {name: spec(experts_, mlp_) if name.endswith("_bias") else
+             spec(experts_, mlp_, None) if name == "down_proj" else spec(experts_, None, mlp_)
+             for name in params}
     # check_vma=False: the grouped matmul may be an opaque kernel (tokamax's custom VJP).
     return jax.shard_map(
         shard, mesh=layout.mesh, check_vma=False,
-        in_specs=(per_token, per_token, per_token, in_proj, in_proj, out_proj),
+        in_specs=(per_token, per_token, per_token, specs),
         out_specs=per_token,
     )(x, routing.experts.reshape(batch, length, k), routing.weights.reshape(batch, length, k),
-      *params)
+      params)
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -116,14 +116,16 @@ class Rollouts:
     chosen = (kept + dropped)[:wanted]  # Short of groups with a signal: some without.
     samples = [s for group_samples, *_ in chosen for s in group_samples]
     scores, overlong, groups = (np.stack([group[i] for group in chosen]) for i in (1, 2, 3))
-    scores = scores.reshape(-1, len(self.rewards))
+    scores = scores.reshape(len(samples), len(self.rewards))
     advantage = grpo.advantages(groups, self.rl.advantage).reshape(-1)
-    metrics = {"reward": float(groups.mean()), "reward_std": float(groups.std(axis=1).mean()),
-               **{f"reward_{r.short_name}": float(scores[:, i].mean())
-                  for i, r in enumerate(self.rewards)},
-               "completion_tokens": float(np.mean([len(s.tokens) for s in samples])),
-               "completions_cut": float(np.mean([s.finish_reason == "length" for s in samples])),
-               "groups_without_signal": float(np.mean(np.ptp(groups, axis=1) == 0))}
+    metrics = {"completion_tokens": float(np.mean([len(s.tokens) for s in samples])),
+               "completions_cut": float(np.mean([s.finish_reason == "length" for s in samples]))}
+    if self.rewards:  # (On-policy distillation may score none.)
+      metrics.update({"reward": float(groups.mean()),
+                      "reward_std": float(groups.std(axis=1).mean()),
+                      **{f"reward_{r.short_name}": float(scores[:, i].mean())
+                         for i, r in enumerate(self.rewards)},
+                      "groups_without_signal": float(np.mean(np.ptp(groups, axis=1) == 0))})
     if self.rl.overlong_buffer:
       metrics["reward_overlong"] = float(overlong.mean())
     if self.rl.dynamic_sampling:
@@ -168,12 +170,16 @@ class Rollouts:
       best = self.sample(model, "validation", indices, 1, 0.0, EVAL_STEP)
       greedy.append(self._score("validation", indices, 1, best))
       lengths += [len(s.tokens) for s in best]
+      if not self.rewards:  # Nothing to score a sampled group by.
+        continue
       group = self.rl.num_generations
       drawn = self.sample(model, "validation", indices, group, self.rl.temperature, EVAL_STEP)
       sampled.append(self._score("validation", indices, group, drawn))
     if not greedy:
       raise DataError("data: the validation split has no full batch of prompts: lower "
                       "data.batch_size or raise data.validation_fraction")
+    if not self.rewards:
+      return mean_over_processes({"eval_completion_tokens": float(np.mean(lengths))})
     greedy_scores, sampled_scores = np.concatenate(greedy), np.concatenate(sampled)
     return mean_over_processes({"eval_reward": float((greedy_scores @ self.weights).mean()),
             **{f"eval_reward_{r.short_name}": float(greedy_scores[:, i].mean())
@@ -199,7 +205,8 @@ class Rollouts:
             tuple(int(t) for t in ids), min(self.rl.max_completion_tokens, room),
             temperature=temperature, top_k=self.rl.top_k, top_p=self.rl.top_p, seed=seed,
             stop_ids=stops or (self.tokenizer.eos_id,)))
-    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS))
+    # Slots as long as a rollout can be (not the model's whole context): one program a run.
+    engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS), max_len=self.limit)
     samples = []
     for request, done in zip(requests, engine.run(requests)):
       kept = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens

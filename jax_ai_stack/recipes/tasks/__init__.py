@@ -23,8 +23,8 @@ from jax_ai_stack.recipes.tasks.registry import REGISTRY, RegisteredTask, regist
 if TYPE_CHECKING:
   from jax_ai_stack.recipes.tasks.base import Task
 
-_SUBMODULES = ("base", "choice", "classification", "custom", "grpo", "lm", "objectives",
-               "registry")
+_SUBMODULES = ("base", "choice", "classification", "custom", "distillation", "grpo", "lm",
+               "objectives", "registry")
 _EXPORTS = {
     "Batch": "base",
     "LossFn": "base",

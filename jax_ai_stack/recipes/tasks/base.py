@@ -169,15 +169,16 @@ class Task(abc.ABC):
     """The attention call one training step makes, if the model attends."""
     return None
 
-  def activation_bytes(self, ways: Mapping[str, int],
-                       attention: str | None) -> tuple[int, str] | None:
+  def activation_bytes(self, ways: Mapping[str, int], attention: str | None,
+                       platform: str = "cpu") -> tuple[int, str] | None:
     """Bytes one batch row keeps for the backward pass on one device, and how
     that was found; None: unknown, so `memory` measures the compiled step.
 
     `ways`: into how many parts the mesh splits each logical axis;
-    `attention`: the kernel's name (Tasks whose models attend).
+    `attention`: the kernel's name (Tasks whose models attend);
+    `platform`: the devices' ("cpu", "gpu", "tpu"), whose XLA keeps more or less.
     """
-    del ways, attention
+    del ways, attention, platform
     return None
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:

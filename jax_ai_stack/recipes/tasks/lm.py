@@ -26,11 +26,11 @@ from flax import nnx
 from jax_ai_stack import kernels, logs
 from jax_ai_stack.atomic import write_atomically
 from jax_ai_stack.errors import ConfigError, UsageError
-from jax_ai_stack.recipes import data, inference, sharding
+from jax_ai_stack.recipes import data, inference, progress, sharding
 from jax_ai_stack.recipes.models import adapting, decoder
 from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.models.hf import special_tokens
-from jax_ai_stack.recipes.tasks import grpo, objectives
+from jax_ai_stack.recipes.tasks import distillation, grpo, objectives
 from jax_ai_stack.recipes.tasks.base import Task
 
 SAMPLE_FILE = "sample.txt"
@@ -57,8 +57,11 @@ class LanguageModel(Task):
 
   @functools.cached_property
   def objective(self) -> objectives.Objective:
-    """What the model learns: the next token, DPO on preference data (`objectives`), or the
-    GRPO family on prompts (`grpo`)."""
+    """What the model learns: the next token, DPO on preference data, distillation from a
+    teacher (`objectives`), or the GRPO family on prompts (`grpo`); on prompts with a
+    teacher, distillation on the completions the model samples (on-policy)."""
+    if self.config.finetune.distill.teacher is not None:  # Text, chats, or sampled replies.
+      return distillation.for_config(self.config.finetune.distill)
     if self.config.data.is_prompts:
       return grpo.for_config(self.config)
     return objectives.for_config(self.config)
@@ -148,13 +151,16 @@ class LanguageModel(Task):
         logits_soft_cap=model.attn_logit_softcap,
     )
 
-  def activation_bytes(self, ways, attention) -> tuple[int, str] | None:
+  def activation_bytes(self, ways, attention, platform="cpu") -> tuple[int, str] | None:
     model = self.config.model
     if model.moe is not None:  # Rows per expert vary: the memory plan measures the step.
       return None
-    per_row = decoder.activation_bytes(model, self.config.data.seq_len, ways, attention)
+    fused = platform != "cpu"
+    per_row = decoder.activation_bytes(model, self.config.data.seq_len, ways, attention,
+                                       fused=fused)
     kept = "keeps T x T scores" if attention in decoder.MATERIALIZING_ATTENTION else "(flash)"
-    return per_row, f"analytic: remat {model.remat}, attention {attention} {kept}"
+    return per_row, (f"analytic: remat {model.remat}, attention {attention} {kept}"
+                     f"{f', as XLA:{platform.upper()} fuses' if fused else ''}")
 
   def evaluation(self, means: dict[str, float]) -> dict[str, float]:
     return self.objective.evaluation(means)
@@ -175,8 +181,11 @@ class LanguageModel(Task):
     if not train.sample_tokens:
       return []
     item = self.sample_item()
-    [done] = self.stream(model, [item], train.sample_tokens, train.sample_temperature,
-                         train.seed)
+    # Said at once, with tokens/s after: at a real model's size on a CPU it takes minutes.
+    with progress.waiting(f"sampling {train.sample_tokens} tokens", first=0,
+                          done=lambda wait: _sampled(done["tokens"], wait.elapsed_s)):
+      [done] = self.stream(model, [item], train.sample_tokens, train.sample_temperature,
+                           train.seed)
     text = done["text"]
     if "messages" in item:  # A reply: shown after the turns it answers.
       text = "".join(f"{m['role']}: {m['content']}\n" for m in item["messages"])
@@ -248,8 +257,9 @@ class LanguageModel(Task):
     {"messages": [...]} (answered as `chat`: the reply alone, cut at its end of
     turn), with an optional "stop": strings that end it (the engine stops there;
     the text ends before the first). Yields {"index", "text", "finish_reason"
-    ("stop" or "length"), "tokens" (new tokens, an end id included)} with `index`
-    the item's place in `items`.
+    ("stop" or "length"), "tokens" (new tokens, an end id included), "first_token_s"
+    (seconds from its queueing in the engine to its first token)} with `index` the
+    item's place in `items`.
     """
     tokenizer, encode = self.tokenizer(), self.prompt_encoder()
     chats = ["messages" in item for item in items]
@@ -263,6 +273,7 @@ class LanguageModel(Task):
     requests = [dataclasses.replace(r, stop=stop) for r, stop in zip(requests, stops)]
     decode = lambda ids: tokenizer.decode(np.asarray(ids, np.int32))
     engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS),
+                              max_len=inference.slot_length(requests, self.config.model.max_seq_len),
                               decode=decode if any(stops) else None)  # Text only for stops.
     for index, request in enumerate(requests):
       try:
@@ -282,7 +293,7 @@ class LanguageModel(Task):
       found = [at for at in (text.find(stop, start) for stop in stops[index]) if at >= 0]
       text = text[:min(found)] if found else text
       yield {"index": index, "text": text, "finish_reason": completion.finish_reason,
-             "tokens": int(new.size)}
+             "tokens": int(new.size), "first_token_s": completion.first_token_s}
 
   def prompt_encoder(self) -> Callable[[dict], tuple[np.ndarray, tuple[int, ...]]]:
     """A function from an item to its prompt's ids and the ids that end its reply.
@@ -344,3 +355,13 @@ class LanguageModel(Task):
                                         temperature=temperature, top_k=top_k, top_p=top_p,
                                         seed=seed, stop_ids=stops))
     return requests, lengths
+
+
+def _sampled(tokens: int, seconds: float) -> str:
+  """The end-of-run sample's closing line.
+
+  Example:
+    >>> _sampled(120, 40.0)
+    'sampled 120 tokens in 40.0 s (3.0 tokens/s)'
+  """
+  return f"sampled {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"

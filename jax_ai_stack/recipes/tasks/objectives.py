@@ -110,6 +110,16 @@ def token_spec(rows: int, length: int, prefix: str = "") -> dict[str, jax.ShapeD
   return {**spec, f"{prefix}loss_mask": jax.ShapeDtypeStruct((rows, length), jnp.float32)}
 
 
+def token_mask(batch: Batch, like: jax.Array) -> jax.Array:
+  """float32 [B, T]: the tokens a loss counts, the batch's `loss_mask` (a chat: the
+  assistant's); without one, all but padding (segment id 0); without segments, all."""
+  if "loss_mask" in batch:
+    return batch["loss_mask"].astype(jnp.float32)
+  if "segment_ids" in batch:
+    return (batch["segment_ids"] != 0).astype(jnp.float32)
+  return jnp.ones(like.shape, jnp.float32)
+
+
 # ---- a model's router losses, added once for every objective ------------------------
 
 ROUTER_LOSSES = "router_losses"
@@ -204,12 +214,7 @@ class NextToken(Objective):
                                  segment_ids=batch.get("segment_ids"),
                                  positions=batch.get("positions"), with_router=True)
     losses = -logps
-    if "loss_mask" in batch:
-      mask = batch["loss_mask"].astype(jnp.float32)
-    elif "segment_ids" in batch:
-      mask = (batch["segment_ids"] != 0).astype(jnp.float32)
-    else:
-      mask = jnp.ones_like(losses)
+    mask = token_mask(batch, losses)
     tokens = jnp.maximum(mask.sum(), 1.0)
     return (losses * mask).sum() / tokens, {"tokens": mask.sum(), ROUTER_LOSSES: router}
 

@@ -19,8 +19,9 @@ The layouts differ in three ways, all handled by `TENSORS`:
   features (i, i + H/2) with inv_freq = 1 / theta^(2i / H), which is exactly
   `decoder.apply_rope`. tests/test_hf.py checks it against a NumPy forward pass
   written from Hugging Face's code, and that the permuted (interleaved) layout
-  fails that check. Llama 3.1 / 3.2's `rope_scaling` ("llama3") maps onto
-  `DecoderConfig.rope_scaling`; the other RoPE types are refused.
+  fails that check. Llama 3.1 / 3.2's `rope_scaling` ("llama3"), Gemma 3's
+  ("linear") and Phi-3's ("longrope") map onto `DecoderConfig.rope_scaling`; the
+  other RoPE types (YaRN, dynamic) are refused.
 
 Loading is lazy: one tensor at a time is read from disk (`safe_open`), cast to
 the parameter dtype and placed straight onto its sharding, so no full host

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -119,6 +120,10 @@ def _shared_fields(hf: Mapping[str, Any], source: str, family) -> dict[str, Any]
     raise ModelFileError(f"{source}: missing {', '.join(missing)}")
   heads = hf["num_attention_heads"]
   head_dim = hf.get("head_dim")
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial != 1.0 and "rotary_dim" not in family.free:
+    raise refuse(source, "partial_rotary_factor", partial, f"{family.architecture} turns every "
+                 "feature of a head by RoPE")
   return dict(
       kind=family.kind,
       vocab_size=hf["vocab_size"],
@@ -127,6 +132,8 @@ def _shared_fields(hf: Mapping[str, Any], source: str, family) -> dict[str, Any]
       num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=None if head_dim in (None, hf["hidden_size"] // heads) else head_dim,
+      **({} if partial == 1.0 else  # transformers' int(): the first rotary_dim features turn.
+         {"rotary_dim": int((head_dim or hf["hidden_size"] // heads) * partial)}),
       mlp_dim=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
       rope_scaling=_rope_scaling(hf, rope_field, rope, source),
@@ -142,7 +149,9 @@ llama_fields = decoder_fields
 """`decoder_fields` under its first name, from when Llama was the one architecture."""
 
 
-_ROPE_TYPES = ("default", "llama3", "linear")
+_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+_YARN_UNREAD = ("mscale", "mscale_all_dim", "partial_rotary_factor")
+"""YaRN keys of other families (DeepSeek-V3's mscale) that are refused where set."""
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -181,6 +190,10 @@ def _rope_scaling(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
   kind = rope.get("rope_type", rope.get("type", "default"))
   if kind == "default":
     return None
+  if kind == "longrope":
+    return _longrope(hf, field, rope, source)
+  if kind == "yarn":
+    return _yarn(hf, field, rope, source)
   if kind == "linear":
     if rope.get("factor") is None:
       raise ModelFileError(f"{source}: {field} of rope_type 'linear' has no factor")
@@ -190,6 +203,42 @@ def _rope_scaling(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
     raise ModelFileError(f"{source}: {field} of rope_type 'llama3' has no {', '.join(missing)}")
   original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
   return dict(kind="llama3", **{name: rope[name] for name in _LLAMA3_FIELDS},
+              original_max_position_embeddings=original)
+
+
+def _longrope(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
+              source: str) -> dict[str, Any]:
+  """`DecoderConfig.rope_scaling` of a "longrope" rope, as transformers 5.24.0 reads it:
+  Phi-3's top-level original_max_position_embeddings first; without `factor`, the ratio of
+  max_position_embeddings to it; without `attention_factor`, sqrt(1 + ln factor / ln it)."""
+  missing = [name for name in ("short_factor", "long_factor") if not rope.get(name)]
+  if missing:
+    raise ModelFileError(f"{source}: {field} of rope_type 'longrope' has no {', '.join(missing)}")
+  longest = hf.get("max_position_embeddings", 2048)
+  original = (hf.get("original_max_position_embeddings")
+              or rope.get("original_max_position_embeddings") or longest)
+  factor = rope.get("factor") or longest / original
+  attention = rope.get("attention_factor")
+  if attention is None:
+    attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+  return dict(kind="longrope", factor=float(factor), original_max_position_embeddings=original,
+              short_factor=tuple(float(x) for x in rope["short_factor"]),
+              long_factor=tuple(float(x) for x in rope["long_factor"]),
+              attention_factor=float(attention))
+def _yarn(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
+          source: str) -> dict[str, Any]:
+  """YaRN's `RopeScaling`, with transformers' defaults (beta_fast 32, beta_slow 1, truncate)."""
+  for key in _YARN_UNREAD:
+    value = rope.get(key)
+    if value and not (key == "partial_rotary_factor" and value == 1.0):
+      raise refuse(source, f"{field}.{key}", value, "YaRN is implemented without it")
+  if rope.get("factor") is None:
+    raise ModelFileError(f"{source}: {field} of rope_type 'yarn' has no factor")
+  original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings",
+                                                                     2048)
+  return dict(kind="yarn", factor=rope["factor"], beta_fast=rope.get("beta_fast") or 32.0,
+              beta_slow=rope.get("beta_slow") or 1.0, truncate=bool(rope.get("truncate", True)),
+              attention_factor=rope.get("attention_factor"),
               original_max_position_embeddings=original)
 
 
@@ -231,7 +280,7 @@ def hf_config(config: DecoderConfig, **token_ids: int) -> dict[str, Any]:
       "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta,
-      "rope_scaling": _hf_rope_scaling(config),
+      "rope_scaling": hf_rope_scaling(config),
       "attention_dropout": 0.0,
       **family.write(config),
       "tie_word_embeddings": config.tie_embeddings,
@@ -242,13 +291,25 @@ def hf_config(config: DecoderConfig, **token_ids: int) -> dict[str, Any]:
   }
 
 
-def _hf_rope_scaling(config: DecoderConfig) -> dict[str, Any] | None:
+def hf_rope_scaling(config: DecoderConfig) -> dict[str, Any] | None:
   """config.json's `rope_scaling`, as Meta's Llama 3.1 / 3.2 (or Gemma 3's) files write it."""
   scaling = config.rope_scaling
   if scaling is None:
     return None
   if scaling.kind == "linear":
     return {"rope_type": "linear", "factor": scaling.factor}
+  if scaling.kind == "longrope":
+    return {"rope_type": "longrope", "short_factor": list(scaling.short_factor),
+            "long_factor": list(scaling.long_factor), "factor": scaling.factor,
+            "attention_factor": scaling.attention_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+  if scaling.kind == "yarn":
+    yarn = {"rope_type": "yarn", "factor": scaling.factor, "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    if scaling.attention_factor is not None:
+      yarn["attention_factor"] = scaling.attention_factor
+    return yarn
   return {
       "rope_type": scaling.kind,
       "factor": scaling.factor,

@@ -76,6 +76,33 @@ class Tensor:
   expert: int | None = None
   """The expert whose slice [expert] of a parameter stacked [E, ...] this tensor holds
   (the shapes below are then the slice's); None: the whole parameter."""
+  rope_pairs: bool = False
+  """q_proj's or k_proj's kernel [D, N, H] of a model whose RoPE pairs features (2i, 2i + 1)
+  (`HFFamily.interleaved_rope`): each head's out rows are Hugging Face's even ones, then its
+  odd ones, so that our RoPE's pairs (i, i + H/2) are theirs."""
+  parts: tuple[Tensor, ...] = ()
+  """A fused tensor's pieces (`HFFamily.fused`): Hugging Face's tensor is theirs, concatenated
+  along its first (out) axis, or `fuse_axis`; `path` is then () and `split`/`fuse` convert."""
+  fuse_axis: int = 0
+  """The axis of Hugging Face's tensor its `parts` are concatenated along (`Experts.fused`'s
+  stacked experts: the last)."""
+
+  def stored_shape(self, shapes: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
+    """Hugging Face's shape of this tensor, from each parameter path's shape (`shapes`)."""
+    if not self.parts:
+      return self.hf_shape(self.piece(shapes[self.path]))
+    pieces = [list(part.stored_shape(shapes)) for part in self.parts]
+    pieces[0][self.fuse_axis] = sum(piece[self.fuse_axis] for piece in pieces)
+    return tuple(pieces[0])
+
+  def split(self, array: np.ndarray, shapes: dict[tuple, tuple[int, ...]]) -> list[np.ndarray]:
+    """A fused tensor as its parts' Hugging Face tensors."""
+    sizes = [part.stored_shape(shapes)[self.fuse_axis] for part in self.parts]
+    return np.split(array, np.cumsum(sizes)[:-1], axis=self.fuse_axis)
+
+  def leaves(self) -> tuple[Tensor, ...]:
+    """The tensors that map onto one parameter each: itself, or a fused tensor's parts."""
+    return self.parts or (self,)
 
   def piece(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of what this tensor holds of a parameter of `shape`."""
@@ -93,6 +120,8 @@ class Tensor:
       array = array.reshape(unpadded) if self.flat else array
     else:
       array = array.T.reshape(unpadded)
+    if self.rope_pairs:
+      array = array[..., _pairs(array.shape[-1])]
     if unpadded == tuple(shape):
       return array
     # Zero rows: no token reads them, no logit is kept.
@@ -102,6 +131,8 @@ class Tensor:
     if self.vocab is not None:
       axis, size = self.vocab
       array = array[(slice(None),) * axis + (slice(0, size),)]
+    if self.rope_pairs:
+      array = array[..., np.argsort(_pairs(array.shape[-1]))]
     if not self.in_axes:
       return np.ascontiguousarray(array.reshape(-1) if self.flat else array)
     return np.ascontiguousarray(array.reshape(math.prod(array.shape[:self.in_axes]), -1).T)
@@ -113,6 +144,11 @@ class Tensor:
       return shape
     axis, size = self.vocab
     return (*shape[:axis], size, *shape[axis + 1:])
+
+
+def _pairs(head_dim: int) -> np.ndarray:
+  """Our feature order of a head in torch's interleaved one: the even features, then the odd."""
+  return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
 
 
 TEXT_PREFIX = "model."
@@ -138,43 +174,95 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   layer_stack.refuse_scanned(config, "Hugging Face weight import into a model state",
                              "import with model.scan_layers=false, or load with "
                              "hf.load_model(directory, scan_layers=True)")
-  norms = families.for_kind(config.kind).norms
+  family = families.for_kind(config.kind)
   out = [Tensor(prefix + "embed_tokens.weight", ("embed", "embedding"),
                 vocab=(0, config.vocab_size))]
   for i in range(config.num_layers):
     hf, ours = f"{prefix}layers.{i}.", ("layers", i)
     attention = (*ours, "attention")
-    out += [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1)
-            for x in "qkv"]
+    block = [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1,
+                    rope_pairs=family.interleaved_rope and x != "v") for x in "qkv"]
     if config.qkv_bias:
-      out += [Tensor(hf + f"self_attn.{x}_proj.bias", (*attention, f"{x}_proj", "bias"), flat=True)
-              for x in "qkv"]
-    out.append(Tensor(hf + "self_attn.o_proj.weight", (*attention, "o_proj", "kernel"), 2))
+      block += [Tensor(hf + f"self_attn.{x}_proj.bias", (*attention, f"{x}_proj", "bias"),
+                       flat=True) for x in "qkv"]
+    block.append(Tensor(hf + "self_attn.o_proj.weight", (*attention, "o_proj", "kernel"), 2))
+    if config.o_proj_bias:
+      block.append(Tensor(hf + "self_attn.o_proj.bias", (*attention, "o_proj", "bias")))
+    if config.attention_sinks:
+      block.append(Tensor(hf + "self_attn.sinks", (*attention, "sinks")))
     if config.qk_norm:
-      out += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
-              for x in "qk"]
-    out += _mlp_tensors(config, i, hf, ours)
-    out += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
-            for norm, theirs in norms.items()]
+      block += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
+                for x in "qk"]
+    block += _mlp_tensors(config, i, hf, ours)
+    block += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
+              for norm, theirs in family.norms.items()]
+    out += _fuse(block, hf, family.fused)
   out.append(Tensor(prefix + "norm.weight", ("final_norm", "scale")))
   if not config.tie_embeddings:
     out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1, vocab=(1, config.vocab_size)))
   return out
 
 
+def _fuse(block: list[Tensor], hf: str, fused) -> list[Tensor]:
+  """A layer's tensors with each of `fused`'s groups (`HFFamily.fused`) as one tensor, where
+  its first part was."""
+  for name, parts in fused.items():
+    names = [f"{hf}{part}.weight" for part in parts]
+    pieces = [t for t in block if t.name in names]
+    pieces.sort(key=lambda t: names.index(t.name))
+    first = min(block.index(t) for t in pieces)
+    block = [t for t in block if t not in pieces]
+    block.insert(first, Tensor(f"{hf}{name}.weight", (), parts=tuple(pieces)))
+  return block
+
+
 def _mlp_tensors(config: DecoderConfig, layer: int, hf: str, ours: tuple) -> list[Tensor]:
   """Layer `layer`'s feed-forward: a dense MLP, or a router and each expert's weights."""
   from jax_ai_stack.recipes.models.hf import families
 
+  family = families.for_kind(config.kind)
   if not config.moe_layers[layer]:
-    return [Tensor(hf + f"mlp.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"), 1)
-            for x in ("gate", "up", "down")]
-  experts = families.for_kind(config.kind).experts
+    return [Tensor(hf + f"{family.mlp}.{x}_proj.weight", (*ours, "mlp", f"{x}_proj", "kernel"),
+                   1) for x in ("gate", "up", "down")]
+  experts = family.experts
+  if (config.moe.shared_expert_dim is not None) != (experts.shared_expert is not None) or (
+      config.moe.shared_expert_gate != (experts.shared_expert_gate is not None)):
+    from jax_ai_stack.errors import ConfigError
+
+    raise ConfigError(
+        f"kind={config.kind!r}'s layout has " + (
+            f"a shared expert{' with' if experts.shared_expert_gate else ' without'} its gate"
+            if experts.shared_expert else "no shared expert")
+        + f": moe.shared_expert_dim={config.moe.shared_expert_dim}, moe.shared_expert_gate="
+        f"{config.moe.shared_expert_gate} cannot be written as it")
+  fixed = {**families.MOE_LAYOUT, **experts.moe}
+  if wrong := [name for name, value in fixed.items() if getattr(config.moe, name) != value]:
+    from jax_ai_stack.errors import ConfigError
+
+    raise ConfigError(f"kind={config.kind!r}'s layout has moe.{wrong[0]}={fixed[wrong[0]]!r}: "
+                      f"this model's {getattr(config.moe, wrong[0])!r} cannot be written as it")
   block = hf + experts.block + "."
   out = [Tensor(block + f"{experts.router}.weight", (*ours, "mlp", "router", "kernel"), 1)]
-  for j in range(config.moe.num_experts):
-    out += [Tensor(block + f"experts.{j}.{theirs}.weight", (*ours, "mlp", weight), 1, expert=j)
-            for weight, theirs in experts.weights.items()]
+  if config.moe.router_bias:
+    out.append(Tensor(block + f"{experts.router}.bias", (*ours, "mlp", "router", "bias")))
+  if experts.stacked:
+    stacked = {weight: Tensor(block + f"experts.{theirs}", (*ours, "mlp", weight))
+               for weight, theirs in experts.weights.items()}
+    for name, parts in experts.fused.items():  # One tensor of several, first.
+      stacked = {name: Tensor(block + f"experts.{name}", (), fuse_axis=-1, parts=tuple(
+          stacked.pop(part) for part in parts)), **stacked}
+    out += list(stacked.values())
+  else:
+    for j in range(config.moe.num_experts):
+      out += [Tensor(block + f"experts.{j}.{theirs}.weight", (*ours, "mlp", weight), 1, expert=j)
+              for weight, theirs in experts.weights.items()]
+  if config.moe.shared_expert_dim is not None:
+    shared = block + experts.shared_expert + "."
+    out += [Tensor(shared + f"{x}_proj.weight", (*ours, "mlp", "shared_expert", f"{x}_proj",
+                                                 "kernel"), 1) for x in ("gate", "up", "down")]
+  if config.moe.shared_expert_gate:
+    out.append(Tensor(block + f"{experts.shared_expert_gate}.weight",
+                      (*ours, "mlp", "shared_expert_gate", "kernel"), 1))
   return out
 
 
@@ -184,8 +272,8 @@ def head_name(prefix: str = TEXT_PREFIX) -> str:
 
 
 def text_prefix(names) -> str:
-  """Where the decoder's tensors sit among `names`: `model.`, or a Gemma 3 text +
-  vision checkpoint's `language_model.model.` (as saved) / `model.language_model.`."""
+  """Where the decoder's tensors sit among `names`: `model.`, or a Gemma 3 (or Llama 4) text
+  + vision checkpoint's `language_model.model.` (as saved) / `model.language_model.`."""
   for prefix in ("language_model.model.", "model.language_model."):
     if any(name.startswith(prefix) for name in names):
       return prefix
@@ -193,7 +281,7 @@ def text_prefix(names) -> str:
 
 
 OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                "model.multi_modal_projector.")
+                "model.multi_modal_projector.", "vision_model.")
 """Tensors of a text + vision checkpoint that are not the decoder's (not read)."""
 
 

@@ -111,7 +111,7 @@ def check_weights(directory: str | os.PathLike, config: DecoderConfig) -> dict[s
   for tensor in needed:
     if tensor.name not in stored:
       raise ModelFileError(f"{directory}: tensor {tensor.name!r} is missing")
-    found, expected = stored[tensor.name], tensor.hf_shape(tensor.piece(shapes[tensor.path]))
+    found, expected = stored[tensor.name], tensor.stored_shape(shapes)
     if found.shape != expected:
       raise ModelFileError(f"{found.file}: tensor {tensor.name!r} has shape {found.shape}, "
                            f"expected {expected} from the model config")
@@ -146,7 +146,8 @@ def load_params(directory: str | os.PathLike, config: DecoderConfig,
   stored = check_weights(directory, config)
   leaves = traverse_util.flatten_dict(nnx.to_pure_dict(target))
   needed = tensors(config, text_prefix(stored))
-  if set(leaves) != {t.path for t in needed}:
+  shapes = {path: tuple(leaf.shape) for path, leaf in leaves.items()}
+  if set(leaves) != {part.path for t in needed for part in t.leaves()}:
     raise ValueError(f"target is not the parameter state of Decoder(config): {sorted(leaves)}")
   total = sum(math.prod(stored[t.name].shape) * _itemsize(stored[t.name].dtype) for t in needed)
   values: dict[tuple, jax.Array] = {}
@@ -156,21 +157,25 @@ def load_params(directory: str | os.PathLike, config: DecoderConfig,
       "load", unit="B", total=total, tenths=True, unit_scale=True,
       disable=total < PROGRESS_MIN_BYTES) as progress:
     for tensor in needed:
-      entry, leaf = stored[tensor.name], leaves[tensor.path]
+      entry = stored[tensor.name]
       if entry.file not in handles:
         handles[entry.file] = files.enter_context(st.safe_open(str(entry.file), framework="numpy"))
       try:
         array = handles[entry.file].get_tensor(tensor.name)
       except Exception as e:  # noqa: BLE001 - SafetensorError: truncated data, say.
         raise ModelFileError(f"{entry.file}: tensor {tensor.name!r} is not readable: {e}") from None
-      array = tensor.to_model(array, tensor.piece(leaf.shape)).astype(leaf.dtype, copy=False)
-      if tensor.expert is not None:  # One expert's slice: placed when all are read.
-        experts.setdefault(tensor.path, []).append(array)
-        if len(experts[tensor.path]) < leaf.shape[0]:
-          continue
-        array = np.stack(experts.pop(tensor.path))
-      values[tensor.path] = _place(array, getattr(leaf, "sharding", None))
-      del array  # One tensor (or one stacked parameter) on the host at a time.
+      pieces = tensor.split(array, shapes) if tensor.parts else [array]
+      del array
+      for part, piece in zip(tensor.leaves(), pieces):
+        leaf = leaves[part.path]
+        piece = part.to_model(piece, part.piece(leaf.shape)).astype(leaf.dtype, copy=False)
+        if part.expert is not None:  # One expert's slice: placed when all are read.
+          experts.setdefault(part.path, []).append(piece)
+          if len(experts[part.path]) < leaf.shape[0]:
+            continue
+          piece = np.stack(experts.pop(part.path))
+        values[part.path] = _place(piece, getattr(leaf, "sharding", None))
+      del pieces, piece  # One tensor (or one stacked parameter) on the host at a time.
       progress.update(math.prod(entry.shape) * _itemsize(entry.dtype))
   filled = jax.tree.map(lambda x: x, target)
   nnx.replace_by_pure_dict(filled, traverse_util.unflatten_dict(values))

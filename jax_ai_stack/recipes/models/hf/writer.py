@@ -80,8 +80,7 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
     for i, shard in enumerate(shards):
       file = (WEIGHTS_FILE if len(shards) == 1
               else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-      host = {t.name: t.to_hf(np.asarray(jax.device_get(_piece(params[t.path], t))))
-              for t in shard}
+      host = {t.name: _to_hf(t, params) for t in shard}
       st.numpy.save_file(host, str(staging / file), metadata={"format": "pt"})
       weight_map.update({name: file for name in host})
       total += sum(array.nbytes for array in host.values())
@@ -109,6 +108,13 @@ def save(model: nnx.Module, out: str | os.PathLike, *,
   return sorted(p.name for p in out.iterdir())
 
 
+def _to_hf(tensor: Tensor, params: Mapping[tuple, jax.Array]) -> np.ndarray:
+  """`tensor` as Hugging Face stores it: a fused tensor's parts concatenated."""
+  pieces = [part.to_hf(np.asarray(jax.device_get(_piece(params[part.path], part))))
+            for part in tensor.leaves()]
+  return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.fuse_axis)
+
+
 def _piece(array: jax.Array, tensor: Tensor) -> jax.Array:
   """What `tensor` holds of the parameter `array`: one expert's slice, or all of it."""
   return array if tensor.expert is None else array[tensor.expert]
@@ -120,7 +126,7 @@ def _plan_shards(needed: list[Tensor], params: Mapping[tuple, jax.Array],
   shards: list[list[Tensor]] = [[]]
   size = 0
   for tensor in needed:
-    nbytes = _piece(params[tensor.path], tensor).nbytes
+    nbytes = sum(_piece(params[part.path], part).nbytes for part in tensor.leaves())
     if shards[-1] and size + nbytes > max_bytes:
       shards.append([])
       size = 0

@@ -48,6 +48,26 @@ class Experts:
   """The router's attribute in the block (`<block>.<router>.weight`, [E, d_model])."""
   weights: Mapping[str, str]
   """Our expert weights -> their names (`<block>.experts.{j}.<name>.weight`)."""
+  shared_expert: str | None = None
+  """A shared expert's attribute in the block (a dense MLP: `<block>.<name>.gate_proj...`,
+  Qwen2-MoE's `shared_expert`); None: no shared expert."""
+  shared_expert_gate: str | None = None
+  """Its gate's attribute (`<block>.<name>.weight`, [1, d_model]); None: ungated."""
+  stacked: bool = False
+  """Each of `weights` is one tensor `<block>.experts.<name>` of every expert, [E, ...] in
+  our layout (GPT-OSS's), not one `<block>.experts.{j}.<name>.weight` per expert."""
+  fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  """Stacked (`stacked`) weights it stores as one tensor, `<block>.experts.<name>` -> ours,
+  concatenated along the last axis (Llama 4's `gate_up_proj` [E, d, 2f]: the gate, then the
+  up): split on import, so that the model's experts are the plain gated ones."""
+  moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  """The `MoeConfig` fields of its layout (`MOE_LAYOUT`) that are not their defaults; a
+  model.moe with others cannot be written as this family."""
+
+
+MOE_LAYOUT = {"router_bias": False, "expert_bias": False, "interleaved_gate_up": False,
+              "expert_activation": "gated", "router_score": "softmax", "weight_inputs": False}
+"""The `MoeConfig` fields a family's tensor layout fixes, and their defaults."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +103,28 @@ class HFFamily:
   `switches`), since its Hugging Face layout cannot express them."""
   ties_embeddings: bool = False
   """Whether a config.json without `tie_word_embeddings` ties the head to the embedding."""
+  fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  """Weights it stores as one tensor -> Llama's tensors it is made of, names within a layer
+  (`self_attn.qkv_proj` -> q_proj, k_proj, v_proj: Phi-3's), concatenated along torch's out
+  dimension: split on import, fused again on export (`layout.tensors`)."""
+  mlp: str = "mlp"
+  """The dense MLP's attribute in a layer (`layers.{i}.<mlp>.gate_proj...`; Llama 4's
+  `feed_forward`)."""
+  interleaved_rope: bool = False
+  """Its RoPE turns features (2i, 2i + 1) of each head together (complex pairs: Llama 4's),
+  not ours (i, i + H/2): q_proj's and k_proj's rows are reordered on import, and back on
+  export (`layout.Tensor.rope_pairs`), which changes no logit."""
 
 
 _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
             "Gemma3ForConditionalGeneration": "gemma3", "MixtralForCausalLM": "mixtral",
-            "Qwen3MoeForCausalLM": "qwen3_moe"}
+            "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2",
+            "Olmo3ForCausalLM": "olmo3", "SmolLM3ForCausalLM": "smollm3",
+            "Phi3ForCausalLM": "phi3", "Qwen2MoeForCausalLM": "qwen2_moe",
+            "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4",
+            "Llama4ForConditionalGeneration": "llama4"}
 """Architecture name -> the module (in this package) of its family: the one list of them."""
 
 ARCHITECTURES = tuple(_MODULES)
@@ -138,6 +173,19 @@ def read_layer_types(hf: Mapping[str, Any], source: str,
   if "sliding" not in types:
     return dict(layer_types=None, sliding_window=None)
   return dict(layer_types=types, sliding_window=window)
+
+
+def read_rope_flags(hf: Mapping[str, Any], source: str, *, one_per_layer: bool) -> list[int]:
+  """`no_rope_layers` of config.json: a 1 (RoPE) or 0 (NoPE) per layer; without it every
+  `no_rope_layer_interval`-th layer (default 4) is NoPE, as SmolLM3 and Llama 4 have it.
+  `one_per_layer`: exactly one flag per layer (else at least one)."""
+  layers = hf.get("num_hidden_layers", 0)
+  interval = hf.get("no_rope_layer_interval", 4)
+  flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+  short = len(flags) != layers if one_per_layer else len(flags) < layers
+  if short or any(flag not in (0, 1) for flag in flags):
+    raise refuse(source, "no_rope_layers", flags, "expected a 1 (RoPE) or 0 (NoPE) per layer")
+  return flags
 
 
 def write_layer_types(config: Any) -> list[str]:
