@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.optim", "recipes.step", "recipes.metrics", "recipes.progress", "recipes.profile",
          "recipes.checkpoint",
          "recipes.checkpoint.*", "recipes.distributed", "recipes.memory", "recipes.host_memory",
-         "recipes.measured_activations",
+         "recipes.measured_activations", "recipes.sample_memory",
          "recipes.aot",
          "recipes.transforms", "recipes.stop_signal", "recipes.finetune.lora",
          "recipes.finetune.adapters", "recipes.finetune.base_run", "recipes.finetune.quant",

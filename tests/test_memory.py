@@ -317,3 +317,30 @@ def test_on_a_cpu_the_plan_counts_xla_s_float32_copies_of_bfloat16_weights(tmp_p
   assert 0.9 < step / held < 1.3, (plan.describe(), held)
   without = step - plan.float32_copies
   assert without / held < 0.85  # Without them the plan is short of XLA by more than that.
+
+
+@pytest.mark.cpu_backend
+def test_on_a_cpu_the_plan_counts_the_end_of_run_sample_and_states_the_runtime():
+  # Qwen3-0.6B's LoRA run peaked in its end-of-run sample: a merged copy of the weights and
+  # XLA:CPU's float32 copies of them (4.55 GiB) beside the state, above the step's 4.70 GiB.
+  import jax
+
+  from jax_ai_stack.recipes import sharding
+
+  overrides = ["model.param_dtype=bfloat16", "model.dtype=bfloat16", "model.num_layers=2",
+               "model.d_model=128", "model.mlp_dim=512", "data.seq_len=32",
+               "data.batch_size=1", "finetune.base=/nowhere", "finetune.lora.rank=4"]
+  recipe = config.load("lm-tiny", overrides=overrides)
+  mesh = sharding.build_mesh(recipe.mesh, jax.devices()[:1])
+  plan = memory.estimate_memory(recipe, mesh, attention="xla")
+  assert plan.sampling > 0 and plan.runtime == memory.RUNTIME_ALLOWANCE
+  assert plan.while_sampling == plan.parameters + plan.optimizer + plan.sampling
+  assert plan.peak == plan.while_sampling > plan.total
+  text = plan.describe(plan.total)  # Room for the step, not for the sample.
+  assert "sampling" in text and "runtime" in text and "does NOT fit" in text
+  assert "this batch fits" in plan.describe(plan.peak)
+  silent = config.load("lm-tiny", overrides=[*overrides, "train.sample_tokens=0"])
+  assert memory.estimate_memory(silent, mesh, attention="xla").sampling == 0
+  simulated = memory.estimate_memory(recipe, 1, attention="xla")  # An accelerator's plan.
+  assert simulated.sampling == simulated.runtime == 0
+  assert "sampling" not in simulated.describe() and "runtime" not in simulated.describe()

@@ -17,7 +17,8 @@ _SUBMODULES = (
     "configlib", "data", "distributed", "evaluation", "finetune", "generate_cli", "held_out",
     "hf_cli", "host_memory", "inference", "measured_activations", "memory",
     "mesh_axes", "metrics", "models", "opening", "optim", "optim_config", "phases", "preflight",
-    "profile", "progress", "record", "rl", "run", "serve", "sharding", "sharding_config", "step",
+    "profile", "progress", "record", "rl", "run", "sample_memory", "serve", "sharding",
+    "sharding_config", "step",
     "stop_signal", "tasks", "train", "trainer", "transforms", "workdir",
 )
 # Top-level modules until fine-tuning became a package (0.1.x): notebooks written

@@ -76,9 +76,15 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jax_ai_stack import kernels, topology
 from jax_ai_stack.errors import UsageError
-from jax_ai_stack.recipes import measured_activations, optim, sharding, tasks
+from jax_ai_stack.recipes import measured_activations, optim, sample_memory, sharding, tasks
 from jax_ai_stack.recipes.byte_sizes import format_bytes, parse_bytes  # noqa: F401
 from jax_ai_stack.recipes.transforms import Frozen
+
+RUNTIME_ALLOWANCE = parse_bytes("1.5GiB")
+"""On a CPU, the process's own memory beside the plan's arrays (Python, jax, XLA's runtime and
+compiled programs), which the plan states but does not count: a lm-tiny run peaks at about
+0.8 GiB, with nothing of its arrays in it to speak of."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -119,6 +125,13 @@ class MemoryPlan:
   code: int = 0
   """The compiled program's code, which XLA keeps on every device (4-20 MiB on a TPU):
   known once the step is compiled for the chip (`aot`), else 0, and left out."""
+  runtime: int = 0
+  """On this host's CPU: `RUNTIME_ALLOWANCE`, the process's own memory beside the arrays (not
+  in `total`); 0 elsewhere, where the process is in the host's memory, not a device's."""
+  sampling: int = 0
+  """On this host's CPU, a run that samples at its end: what its decoding call holds beside
+  the train state (`sample_memory.decoding_bytes`: a LoRA run's merged copy, XLA:CPU's float32
+  copies, the pages); 0 elsewhere."""
 
   @property
   def rows_per_device(self) -> int:
@@ -137,6 +150,19 @@ class MemoryPlan:
   @property
   def total(self) -> int:
     return self.fixed + self.activations
+
+  @property
+  def while_sampling(self) -> int:
+    """The end-of-run sample's bytes with the train state it decodes beside (the gradients
+    and activations are gone by then); 0 where the plan does not count a sample."""
+    if not self.sampling:
+      return 0
+    return self.parameters + self.reference + self.optimizer + self.sampling
+
+  @property
+  def peak(self) -> int:
+    """The larger of a step's bytes and the end-of-run sample's: what must fit."""
+    return max(self.total, self.while_sampling)
 
   def max_batch_size(self, device_memory: int) -> int:
     """The largest global batch whose estimate fits `device_memory` bytes per device.
@@ -174,13 +200,18 @@ class MemoryPlan:
         *([f"  code         {format_bytes(self.code):>11}  (XLA's, of the compiled step)"]
           if self.code else []),
         f"  total        {format_bytes(self.total):>11}",
+        *([f"  sampling     {format_bytes(self.while_sampling):>11}  (the end-of-run sample: "
+           f"its decoding call's {format_bytes(self.sampling)} beside the train state)"]
+          if self.sampling else []),
+        *([f"  runtime   <= {format_bytes(self.runtime):>11}  (not in the total: the process "
+           "itself, Python, jax and XLA's compiled programs)"] if self.runtime else []),
     ]
     if device_memory is None:
       lines.append("device memory unknown (this backend reports none): pass --device-memory, "
                    "e.g. 16GiB, for the largest batch that fits")
     else:
       largest = self.max_batch_size(device_memory)
-      fits = "fits" if self.total <= device_memory else "does NOT fit"
+      fits = "fits" if self.peak <= device_memory else "does NOT fit"
       lines.append(f"device memory {format_bytes(device_memory)}: this batch {fits}; largest "
                    f"global batch {largest:,} ({_rows(largest // self.batch_ways)} per device)")
     return "\n".join(lines)
@@ -242,6 +273,10 @@ def estimate_memory(config: Any,
                                         wrt=transforms.wrt)
 
   model, optimizer = nnx.eval_shape(create)
+  host_cpu = isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
+  sampling = 0
+  if host_cpu and config.train.sample_tokens and task.artefacts():  # It samples at its end.
+    sampling = sample_memory.of_run(task, transforms, model, plan)
   micro = config.train.microbatch_size
   batch_size = max(size if micro is None else min(size, micro)
                    for _, size in config.data.batch_sizes())
@@ -268,7 +303,6 @@ def estimate_memory(config: Any,
     blocks = sum(n for path, n in gathered.items() if "/layers/" in f"/{path}")
     gathered = {"blocks": blocks // layers,
                 **{path: n for path, n in gathered.items() if "/layers/" not in f"/{path}"}}
-  host_cpu = isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
   return MemoryPlan(
       mesh=dict(mesh.shape), rules=config.mesh.rules, batch_size=batch_size,
       batch_ways=batch_ways,
@@ -284,6 +318,7 @@ def estimate_memory(config: Any,
                                     rules) if host_cpu else 0),
       activations_per_row=per_row, activations_from=source,
       device_memory=target.chip.hbm_bytes if isinstance(target, topology.Topology) else None,
+      runtime=RUNTIME_ALLOWANCE if host_cpu else 0, sampling=sampling,
   )
 
 

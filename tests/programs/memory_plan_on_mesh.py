@@ -42,7 +42,8 @@ for name, mesh in meshes.items():
       "plan": [plan.parameters, plan.optimizer, plan.gradients],
       # A device count plans for an accelerator: without the lines of this host's CPU.
       "same_from_count": memory.estimate_memory(config, 8) == dataclasses.replace(
-          plan, checkpoint_copy=0, float32_copies=0) and plan.checkpoint_copy > 0,
+          plan, checkpoint_copy=0, float32_copies=0, runtime=0, sampling=0)
+      and plan.checkpoint_copy > 0,
       "temp": analysis.temp_size_in_bytes,
       "estimate": plan.activations + plan.gradients + plan.gathered,
       "gathered": plan.gathered,
