@@ -254,3 +254,8 @@ def test_the_tpu_kernel_s_block_sizes_are_its_own_table_s_for_the_chip_compiled_
                                "TPU v5 lite") == (min(32, pages), min(32, queries))
   assert paged.tpu_block_sizes((8, 8, 128), (65, 16, 4, 128), 8, jnp.bfloat16,
                                "TPU v4") == (8, 8)  # v4: (32, 32) untuned, capped.
+  # 2048 positions a row: the untuned block of 128 pages would take 16 MiB of scoped VMEM
+  # double-buffered (a v5e has 16 MiB in all); the pages are halved until they fit.
+  pages, _ = paged.tpu_block_sizes((32, 32, 128), (4097, 16, 16, 128), 128, jnp.bfloat16,
+                                   "TPU v5 lite")
+  assert 2 * pages * 16 * 16 * 128 * 2 <= paged.KV_BLOCK_VMEM and pages == 64

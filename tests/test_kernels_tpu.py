@@ -200,8 +200,18 @@ def test_paged_attention_is_the_ragged_kernel_at_8b_shapes_and_copies_the_table_
 
 
 @pytest.mark.slow
-def test_paged_attention_the_compiler_refuses_falls_back_to_xla_with_its_reason(chip):
-  rows, width = 32, 128  # 2048 positions a row: a block of 128 pages overflows scoped VMEM.
+def test_paged_attention_at_long_rows_is_the_kernel_in_blocks_that_fit_its_vmem(chip):
+  for width in (128, 512):  # 2048 and 8192 positions a row.
+    q, pool = eight_b_shapes(8, width)
+    lowered = lowering.paged_attention_that_compiles("auto", chip, q, pool, width)
+    assert lowered == lowering.Lowered("pallas_tpu", lowered.why), (width, lowered)
+
+
+@pytest.mark.slow
+def test_paged_attention_the_compiler_refuses_falls_back_to_xla_with_its_reason(chip,
+                                                                                monkeypatch):
+  monkeypatch.setattr(paged, "KV_BLOCK_VMEM", 1 << 30)  # The untuned block of 128 pages.
+  rows, width = 32, 128  # 2048 positions a row: that block overflows scoped VMEM.
   q, pool = eight_b_shapes(rows, width)
   lowered = lowering.paged_attention_that_compiles("auto", chip, q, pool, width)
   assert lowered.name == "xla"

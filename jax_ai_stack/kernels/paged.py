@@ -67,8 +67,8 @@ import jax.numpy as jnp
 from jax_ai_stack.kernels import names, rules
 from jax_ai_stack.kernels.request import Backend, current_backend
 
-__all__ = ["GROUP_FLOATS", "PAGED_ATTENTIONS", "choose_paged_attention", "paged_attention",
-           "pallas_tpu", "target_device_kind", "tpu_block_sizes", "tpu_kernel_fits"]
+__all__ = ["GROUP_FLOATS", "KV_BLOCK_VMEM", "PAGED_ATTENTIONS", "choose_paged_attention",
+           "paged_attention", "pallas_tpu", "target_device_kind", "tpu_block_sizes", "tpu_kernel_fits"]
 
 GROUP_FLOATS = 32768
 """The xla loop's rows go in groups (halving while each still reads at least this many
@@ -76,6 +76,12 @@ floats of keys a page: kv_heads x page_size x head_dim a row). XLA:CPU pays a fi
 for each step of a loop, which smaller groups pay more often than their short rows save:
 the benchmark's tiny model (2 x 64 x 16 a row) keeps its 16 rows together; its 25M one
 (2 x 64 x 64) decodes in groups of 4 rows, its attention 1.6x as fast."""
+
+KV_BLOCK_VMEM = 8 << 20
+"""The most scoped VMEM the TPU kernel's double-buffered block of key/value pages may take:
+half of a v5e's default 16 MiB, the rest for its queries' blocks and the compiler. Its
+untuned block of 128 pages of Llama-3-8B's 8 key/value heads x 128 (2048 positions a row)
+takes 16 MiB, and with the queries' 17.5 MiB: the compiler refuses it."""
 
 PAGED_ATTENTIONS = ("pallas_gpu", "pallas_tpu", "xla")
 _WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
@@ -166,7 +172,8 @@ def tpu_block_sizes(q_shape, kv_pages_shape, width: int, dtype, device_kind: str
                     ) -> tuple[int, int]:
   """(pages, queries) per block of JAX's ragged paged-attention kernel on `device_kind`:
   its own tuned table's entry, looked up for the chip compiled for (the kernel looks up
-  this machine's first device, which has no entry off a TPU)."""
+  this machine's first device, which has no entry off a TPU), with the pages' double buffer
+  kept within `KV_BLOCK_VMEM` (a power of two of pages)."""
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
 
   tokens, heads, head_dim = q_shape
@@ -179,7 +186,9 @@ def tpu_block_sizes(q_shape, kv_pages_shape, width: int, dtype, device_kind: str
   name = f"TPU v{generation}"
   pages, queries = (32, 32) if generation == 4 else (128, 32)
   pages, queries = tuned_block_sizes.TUNED_BLOCK_SIZES.get(name, {}).get(key, (pages, queries))
-  return min(width, pages), min(tokens, queries)
+  page_bytes = 2 * page_size * combined_per_block * head_dim * jnp.dtype(dtype).itemsize
+  fitting = max(KV_BLOCK_VMEM // page_bytes, 1)
+  return min(width, pages, 1 << (fitting.bit_length() - 1)), min(tokens, queries)
 
 
 def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_soft_cap=None,
