@@ -82,8 +82,8 @@ from jax_ai_stack.recipes.transforms import Frozen
 
 RUNTIME_ALLOWANCE = parse_bytes("1.5GiB")
 """On a CPU, the process's own memory beside the plan's arrays (Python, jax, XLA's runtime and
-compiled programs), which the plan states but does not count: a lm-tiny run peaks at about
-0.8 GiB, with nothing of its arrays in it to speak of."""
+compiled programs), which the plan states but does not count: each step of
+`benchmarks/real_size.py --quick`, whose arrays are a few MiB, peaks at 330-480 MiB."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +275,7 @@ def estimate_memory(config: Any,
   model, optimizer = nnx.eval_shape(create)
   host_cpu = isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
   sampling = 0
-  if host_cpu and config.train.sample_tokens and task.artefacts():  # It samples at its end.
+  if host_cpu and tasks.lm.SAMPLE_FILE in task.artefacts():  # It samples at its end.
     sampling = sample_memory.of_run(task, transforms, model, plan)
   micro = config.train.microbatch_size
   batch_size = max(size if micro is None else min(size, micro)
