@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
          "recipes.rl.config",
          "recipes.models.configs", "recipes.models.cnn_config", "recipes.models.custom_config",
          "recipes.models.moe_config", "recipes.models.rope_config",
+         "recipes.models.latent_config",
          "recipes.models.hf.families",
          "recipes.models.hf.families.*",
          "recipes.tasks", "recipes.tasks.registry", "recipes.phases")),
