@@ -5,7 +5,8 @@ the family has (biases, q/k norms, soft caps, a sliding window shorter than the
 sequence, local and global layers, an explicit head_dim, linear RoPE scaling,
 experts with and without renormalised router weights, a dense layer among sparse ones,
 a gated shared expert, attention sinks, YaRN with a ramp inside the head, a SwiGLU clamp
-the activations reach, chunks shorter than the sequence, a NoPE layer's temperature),
+the activations reach, chunks shorter than the sequence, a NoPE layer's temperature,
+latent attention with a queries' latent and interleaved RoPE),
 saved as transformers saves it, plus its float32 logits on fixed tokens and its
 greedy continuation of a prompt:
 
@@ -101,6 +102,11 @@ CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 16}, **_TOKEN_IDS)),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=2,
+        num_nextn_predict_layers=0, rope_interleave=True, rope_theta=10_000.0,
+        tie_word_embeddings=False, **_TOKEN_IDS)),  # Dense layers: its MoE is not read yet.
     "olmo3-yarn": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(  # Long context.
         num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False,
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0,
@@ -112,7 +118,7 @@ CONFIGS = {
 
 SEEDS = {"qwen2": 0, "qwen3": 1, "mistral": 2, "gemma2": 3, "gemma3": 4, "gemma3-conditional": 5,
          "mixtral": 6, "qwen3_moe": 7, "olmo2": 8, "olmo3": 9, "smollm3": 10, "phi3": 11,
-         "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15}
+         "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15, "deepseek_v3": 16}
 """Every reference and its seed, fixed once written (two families added side by side took
 the same next seeds; a seed need not be unique, only kept)."""
 ORDER = list(SEEDS)

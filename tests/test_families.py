@@ -31,7 +31,7 @@ from multidevice import run_on_devices
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
             "qwen3_moe", "olmo2", "olmo3", "smollm3", "phi3", "qwen2_moe", "gpt_oss", "olmo3-yarn",
-            "llama4"]
+            "llama4", "deepseek_v3"]
 CAUSAL = [name for name in FAMILIES if name != "gemma3-conditional"]
 ATOL = 1e-4
 """float32 logits of about 5 in magnitude, summed in another order than torch's."""
@@ -310,9 +310,18 @@ def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> path
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("qwen3", {"architectures": ["DeepseekV3ForCausalLM"]},
-     r"architectures=\['DeepseekV3ForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
+    ("qwen3", {"architectures": ["Qwen3NextForCausalLM"]},
+     r"architectures=\['Qwen3NextForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
      r"Qwen2ForCausalLM"),
+    ("deepseek_v3", {"first_k_dense_replace": 1}, "first_k_dense_replace=1 is not supported: "
+     "layers 1 and up of 2 are mixtures of experts with DeepSeek's sigmoid routing"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=False is not supported"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias=True is not supported"),
+    ("deepseek_v3", {"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1 is not "
+     "supported: multi-token prediction layers are not read"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0}},
+     "mscale=1.0 is not supported: YaRN is implemented without it"),
     ("mixtral", {"router_jitter_noise": 0.1},
      "router_jitter_noise=0.1 is not supported: the router here adds no noise"),
     ("qwen3_moe", {"num_experts_per_tok": 5}, "moe.num_experts_per_tok=5 is above moe.num_experts=4"),
@@ -436,6 +445,10 @@ PRESET_SIZE = ["model.num_layers=2", "model.layer_types=[sliding,full]", "model.
 PRESET_LAYERS = {
     "olmo2-tiny": ["model.layer_types=null", "model.sliding_window=null"],
     "smollm3-tiny": ["model.nope_layers=[0]"],
+    "deepseek_v3-tiny": ["model.layer_types=null", "model.sliding_window=null",
+                         "model.num_kv_heads=2", "model.latent_attention={kv_lora_rank: 16, "
+                         "q_lora_rank: 12, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                         "v_head_dim: 8}"],
     "phi3-tiny": ["model.layer_types=null", *(
         f"model.rope_scaling.{name}_factor=[{', '.join(['1.5'] * 8)}]"
         for name in ("short", "long")),
@@ -448,7 +461,7 @@ for head_dim 16 (the long ones in training's 32-token rows)."""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen2-tiny", "gemma3-tiny", "olmo2-tiny", "olmo3-tiny",
-                                    "smollm3-tiny", "phi3-tiny"])
+                                    "smollm3-tiny", "phi3-tiny", "deepseek_v3-tiny"])
 def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
   """The whole journey, training from scratch, PTQ, QAT, then LoRA on a QLoRA (w8) base, each
   evaluated and sampled (KV cache) with finite numbers, on the families with the most switches:
@@ -458,7 +471,8 @@ def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
   - olmo2: norms after the sublayers only, q/k norms over the whole projection;
   - olmo3: olmo2's block with sliding layers of their own RoPE base;
   - smollm3: a NoPE layer (the sliding one);
-  - phi3: LongRoPE (the long factors in training's rows, the short ones sampling).
+  - phi3: LongRoPE (the long factors in training's rows, the short ones sampling);
+  - deepseek_v3: latent attention (its cache the latents alone).
   """
   import math
 
@@ -513,6 +527,7 @@ def test_each_kind_is_declared_by_its_family_file_alone():
     assert configs.KIND_FREE[family.kind] == family.free
     assert configs.KIND_DEFAULTS.get(family.kind, {}) == dict(family.switches)
     assert (family.kind in configs.MOE_KINDS) == (family.experts is not None)
+    assert (family.kind in configs.LATENT_KINDS) == family.latent_attention
   package = pathlib.Path(configs.__file__).parents[3] / "jax_ai_stack"
   named = set()
   for path in package.rglob("*.py"):
@@ -528,7 +543,8 @@ def test_each_kind_is_declared_by_its_family_file_alone():
   assert named == {("recipes/models/configs.py", "llama"), ("recipes/models/__init__.py", "llama")}
 
 
-@pytest.mark.parametrize("preset", ["olmo2-tiny", "olmo3-tiny", "smollm3-tiny", "phi3-tiny"])
+@pytest.mark.parametrize("preset", ["olmo2-tiny", "olmo3-tiny", "smollm3-tiny", "phi3-tiny",
+                                    "deepseek_v3-tiny"])
 def test_the_memory_plan_counts_each_family_s_parameters(preset):
   """The plan's parameter bytes are the built model's (OLMo's post-norms and projection-wide
   q/k norms included), and `num_params` counts them from the config alone."""
@@ -569,3 +585,18 @@ def test_gpt_oss_20b_s_config_is_refused_naming_the_route_and_its_dequantized_sa
   assert round(config.num_params() / 1e9, 1) == 20.9 and config.attention_sinks
   assert config.layer_types[:2] == ("sliding", "full") and config.rope_scaling.factor == 32
   assert config.moe.num_experts == 32 and config.moe.num_experts_per_tok == 4
+
+
+def test_the_engine_decodes_latent_attention_from_its_cache_of_latents_as_transformers():
+  """DeepSeek-V3's decoding through the engine's pages, which hold each token's latent and
+  RoPE key alone (kv_b absorbed into the queries), gives transformers' greedy tokens."""
+  from jax_ai_stack.recipes import inference
+
+  ref = _reference("deepseek_v3")
+  model = hf.load_model(REFERENCES / "deepseek_v3")
+  assert all(set(spec) == {"latent"} for spec in model.cache_specs())
+  engine = inference.Engine(model, max_slots=2, max_len=32)
+  prompt = tuple(int(t) for t in ref["prompt"][0])
+  [done] = engine.run([inference.Request(prompt, max_tokens=ref["greedy"].shape[1] - len(prompt),
+                                         temperature=0.0)])
+  assert list(done.tokens) == ref["greedy"][0, len(prompt):].tolist()

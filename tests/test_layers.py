@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jax_ai_stack import kernels
+from jax_ai_stack.recipes.models import block as block_lib
 from jax_ai_stack.recipes.models import eager_sharding_scope, layers, rope
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 
@@ -37,7 +38,7 @@ def test_an_offset_norm_starts_as_the_plain_norm():
 def test_a_block_adds_to_its_input_and_keeps_its_shape():
   plan = kernels.resolve_plan(CONFIG.attention_impl, origin="test", environ={})
   with eager_sharding_scope():
-    block = layers.Block(CONFIG, plan, rngs=nnx.Rngs(0))
+    block = block_lib.Block(CONFIG, plan, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(3), (2, 8, 32))
   tables = rope.rope_tables(jnp.arange(8)[None], CONFIG.resolved_head_dim, CONFIG.rope_theta)
   out, cache, stats = block(x, tables)
@@ -127,7 +128,7 @@ def test_a_block_without_pre_norms_norms_only_its_sublayers_outputs():
   config = DecoderConfig(kind="olmo2", **SIZES)
   plan = kernels.resolve_plan("xla", origin="test", environ={})
   with eager_sharding_scope():
-    block = layers.Block(config, plan, rngs=nnx.Rngs(0))
+    block = block_lib.Block(config, plan, rngs=nnx.Rngs(0))
   assert block.attention_norm is None and block.mlp_norm is None
   for norm in (block.post_attention_norm, block.post_mlp_norm):
     norm.scale[...] = jax.random.uniform(jax.random.key(8), norm.scale.shape, minval=0.5,

@@ -2,9 +2,9 @@
 
 The model classes and configs are re-exported here and load on first use, e.g.
 `models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
-in `configs`, which imports no jax; `layers` holds the decoder's blocks, `cache` what a
-layer caches for decoding (its spec, laid out for the engine), `rope` the
-rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
+in `configs`, which imports no jax; `layers` holds the decoder's layers, `block` a block
+of them, `cache` what a layer caches for decoding (its spec, laid out for the engine),
+`rope` the rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
 feed-forward layers (Mixtral, Qwen3-MoE), `latent_attention` DeepSeek's multi-head latent
 attention (its shapes in `latent_config`), `activation_memory` what a
 decoder keeps for the backward pass; `hf` reads and writes Hugging Face
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("decoder", "activation_memory", "adapting", "cache", "cnn", "cnn_config",
+_SUBMODULES = ("decoder", "activation_memory", "adapting", "block", "cache", "cnn", "cnn_config",
                "configs", "custom_config", "decoding", "head", "hf", "latent_attention",
                "latent_config", "layer_stack", "layers", "llama", "mlp", "moe", "moe_config",
                "rope", "rope_config")

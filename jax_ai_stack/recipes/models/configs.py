@@ -22,6 +22,7 @@ from jax_ai_stack.kernels import names
 from jax_ai_stack.recipes.configlib import config_dataclass
 from jax_ai_stack.recipes.models.custom_config import CustomModelConfig  # noqa: F401 - was here
 from jax_ai_stack.recipes.models.hf import families as hf_families
+from jax_ai_stack.recipes.models.latent_config import LatentAttentionConfig
 from jax_ai_stack.recipes.models.moe_config import GroupedMatmul, MoeConfig  # noqa: F401
 from jax_ai_stack.recipes.models.rope_config import RopeScaling  # noqa: F401 - was here
 
@@ -36,6 +37,8 @@ _FAMILIES = hf_families.every_family()  # One small module each, no jax.
 DecoderKind = Literal[hf_families.KINDS]  # type: ignore[valid-type]
 MOE_KINDS = tuple(family.kind for family in _FAMILIES if family.experts is not None)
 """The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
+LATENT_KINDS = tuple(family.kind for family in _FAMILIES if family.latent_attention)
+"""The kinds whose attention is multi-head latent attention (`DecoderConfig.latent_attention`)."""
 LayerType = Literal["full", "sliding", "chunked"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -92,6 +95,10 @@ class DecoderConfig:
   moe: MoeConfig | None = None
   """Mixture-of-experts feed-forward layers (the MoE kinds, `MOE_KINDS`: mixtral, qwen3_moe,
   qwen2_moe, gpt_oss, which need it); None: every layer's MLP is dense."""
+  latent_attention: LatentAttentionConfig | None = None
+  """Multi-head latent attention's shapes (the latent kinds, `LATENT_KINDS`: deepseek_v3,
+  which need it); None: grouped-query attention of `num_kv_heads` x `head_dim`. With it
+  `head_dim` is a query's and key's features (qk_nope_head_dim + qk_rope_head_dim)."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
   rope_scaling: RopeScaling | None = None
@@ -214,7 +221,7 @@ class DecoderConfig:
           f"num_heads={self.num_heads} must divide d_model={self.d_model} "
           "when head_dim is not set"
       )
-    rotary = self.rotary_dim or self.resolved_head_dim
+    rotary = self.rotary_features
     if self.resolved_head_dim % 2 or rotary % 2 or rotary > self.resolved_head_dim:
       raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE, and "
                        f"rotary_dim={rotary} even and at most head_dim")
@@ -255,6 +262,17 @@ class DecoderConfig:
       if self.scan_layers and len(set(self.moe_layers)) > 1:
         raise ValueError("scan_layers needs identical blocks; moe.dense_layers / moe.sparse_step "
                          "mix dense and MoE layers (set model.scan_layers=false)")
+    if (self.kind in LATENT_KINDS) != (self.latent_attention is not None):
+      raise ValueError(f"kind={self.kind!r} " + (
+          "has latent attention: set model.latent_attention" if self.latent_attention is None
+          else f"has grouped-query attention: model.latent_attention needs kind "
+               f"{' or '.join(LATENT_KINDS)}"))
+    latent = self.latent_attention
+    if latent is not None and (self.resolved_head_dim, self.num_kv_heads) != (
+        latent.qk_head_dim, self.num_heads):
+      raise ValueError(f"latent attention's heads are num_heads={self.num_heads} of head_dim="
+                       f"{latent.qk_head_dim} (qk_nope_head_dim + qk_rope_head_dim); got "
+                       f"num_kv_heads={self.num_kv_heads}, head_dim={self.resolved_head_dim}")
     if wrong := [i for i in self.nope_layers if i >= self.num_layers]:
       raise ValueError(f"nope_layers names layer {wrong[0]}; the layers are 0.."
                        f"{self.num_layers - 1}")
@@ -313,6 +331,14 @@ class DecoderConfig:
     return float(self.query_pre_attn_scalar) ** -0.5
 
   @property
+  def rotary_features(self) -> int:
+    """The features of a head RoPE turns: latent attention's `qk_rope_head_dim`, else
+    `rotary_dim`, else all `head_dim`."""
+    if self.latent_attention is not None:
+      return self.latent_attention.qk_rope_head_dim
+    return self.rotary_dim or self.resolved_head_dim
+
+  @property
   def padded_vocab_size(self) -> int:
     """Rows of the embedding and the output head: vocab_size up to a `vocab_multiple`."""
     return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
@@ -329,6 +355,8 @@ class DecoderConfig:
     qk_norms = 2 * h if self.qk_norm_scope == "head" else (self.num_heads + self.num_kv_heads) * h
     norms = (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + (
         qk_norms if self.qk_norm else 0)
+    if (latent := self.latent_attention) is not None:  # Its latents' norms.
+      norms += (latent.q_lora_rank or 0) + latent.kv_lora_rank
     biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
     biases += self.d_model * self.o_proj_bias + self.num_heads * self.attention_sinks
     blocks = sum(self._block_matmul_params(layer, active=False) + norms + biases
@@ -355,6 +383,12 @@ class DecoderConfig:
     """Matmul weights of `layer`: all of them, or (`active`) those one token uses."""
     d, h = self.d_model, self.resolved_head_dim
     attention = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if (latent := self.latent_attention) is not None:
+      r, q_rank, n = latent.kv_lora_rank, latent.q_lora_rank, self.num_heads
+      queries = d * n * h if q_rank is None else q_rank * (d + n * h)
+      attention = (queries + d * (r + latent.qk_rope_head_dim)
+                   + r * n * (latent.qk_nope_head_dim + latent.v_head_dim)
+                   + n * latent.v_head_dim * d)
     if not self.moe_layers[layer]:
       return attention + 3 * d * self.mlp_dim
     experts = self.moe.num_experts_per_tok if active else self.moe.num_experts

@@ -79,8 +79,9 @@ from jax_ai_stack.recipes.models.configs import (  # noqa: F401
 from jax_ai_stack.recipes.models.head import (LOGPS_CHUNK_TOKENS, LinearHead,
                                                linear_target_logps, target_logps)
 # The layers live in `layers`; re-exported, since they were defined here first.
+from jax_ai_stack.recipes.models.block import Block
 from jax_ai_stack.recipes.models.layers import (  # noqa: F401
-    HIDDEN_AXES, MLP, Attention, Block, KVCache, OffsetRMSNorm, constrain, on_tokens, rms_norm)
+    HIDDEN_AXES, MLP, Attention, KVCache, OffsetRMSNorm, constrain, on_tokens, rms_norm)
 from jax_ai_stack.recipes.models.moe import MoeStats
 from jax_ai_stack.recipes.models.rope import (  # noqa: F401
     RopeTables, apply_rope, rope_inv_freq, rope_tables, rotate)
@@ -360,7 +361,7 @@ class Decoder(nnx.Module):
     for layer in range(config.num_layers):
       key = config.rope(layer)
       if key not in tables:
-        rotary = config.rotary_dim or config.resolved_head_dim
+        rotary = config.rotary_features
         tables[key] = rope_tables(positions, rotary, *key, longest=longest)
       out.append(tables[key])
     return out

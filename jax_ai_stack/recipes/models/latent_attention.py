@@ -68,13 +68,14 @@ class LatentAttention(nnx.Module):
                         kernel_init=nnx.with_partitioning(
                             nnx.initializers.lecun_normal(), ("embed", None)))
 
-    def up(rank: int, features: int, axes=(None, "heads", "head_dim")) -> nnx.Einsum:
+    def up(rank: int, features: int) -> nnx.Einsum:  # To each head: split like q_proj.
       return nnx.Einsum("btr,rnh->btnh", (rank, n, features), rngs=rngs, **dtypes,
                         kernel_init=nnx.with_partitioning(
-                            _fan_in_init(in_axis=0, out_axis=(1, 2)), axes))
+                            _fan_in_init(in_axis=0, out_axis=(1, 2)),
+                            ("embed", "heads", "head_dim")))
 
     if shapes.q_lora_rank is None:
-      self.q_proj = up(d, shapes.qk_head_dim, ("embed", "heads", "head_dim"))
+      self.q_proj = up(d, shapes.qk_head_dim)
       self.q_a_proj = self.q_norm = self.q_b_proj = None
     else:
       self.q_proj = None

@@ -1,9 +1,9 @@
-"""The decoder's layers: attention with its KV cache, the SwiGLU MLP, the norms, a block.
+"""The decoder's layers: attention with its KV cache, the SwiGLU MLP, the norms.
 
-`decoder.Decoder` stacks `Block`s between the embedding and the head; each block
-is [norm -> grouped-query attention with RoPE -> residual; norm -> MLP (or a
-mixture of experts, `moe`) -> residual], with the optional norms after each
-sublayer that Gemma adds. The parameters' logical axis names are the decoder's
+`decoder.Decoder` stacks blocks (`block.Block`) between the embedding and the head; each
+block is [norm -> grouped-query attention with RoPE (or `latent_attention`) -> residual;
+norm -> MLP (or a mixture of experts, `moe`) -> residual], with the optional norms after
+each sublayer that Gemma adds. The parameters' logical axis names are the decoder's
 (`decoder.LOGICAL_AXES`); the hidden states [B, T, D] are pinned to
 `HIDDEN_AXES` under a mesh (`constrain`).
 
@@ -34,7 +34,6 @@ from jax_ai_stack.recipes.models.cache import (HEADS, LENGTH, PAGE_SIZE, PAGES, 
                                                 CacheArray, KVCache, Spec, replicated)
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.mlp import MLP, on_tokens  # noqa: F401 - re-exported
-from jax_ai_stack.recipes.models.moe import MoE
 from jax_ai_stack.recipes.models.rope import RopeTables, rotate
 
 if TYPE_CHECKING:
@@ -324,52 +323,6 @@ def rms_norm(config: DecoderConfig, rngs: nnx.Rngs, features: int | None = None)
   start = nnx.initializers.constant(1.0 - config.norm_offset)
   return OffsetRMSNorm(features, offset=config.norm_offset, **kwargs,
                        scale_init=nnx.with_partitioning(start, ("norm",)))
-
-
-class Block(nnx.Module):
-  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
-
-  With `post_norms` (Gemma 2/3) each branch's output is normed before its add; without
-  `pre_norms` (OLMo 2/3) each branch reads x itself.
-  The MLP is a mixture of experts (`moe.MoE`) in the layers `config.moe_layers`
-  names; the block then also returns the layer's `moe.MoeStats` (else None).
-  """
-
-  def __init__(self, config: DecoderConfig, attention: kernels.AttentionPlan, *, rngs: nnx.Rngs,
-               layout: Layout | None = None, layer: int = 0):
-    self.attention_norm = rms_norm(config, rngs) if config.pre_norms else None
-    self.attention = Attention(config, attention, rngs=rngs, layer=layer,
-                               sharding=layout.attention() if layout else None)
-    self.mlp_norm = rms_norm(config, rngs) if config.pre_norms else None
-    backend = attention.backend if attention else None
-    self.mlp = (MoE(config, rngs=rngs, layout=layout, platform=backend and backend.platform,
-                    device_kind=backend and backend.device_kind)
-                if config.moe_layers[layer] else MLP(config, rngs=rngs))
-    if config.post_norms:
-      self.post_attention_norm = rms_norm(config, rngs)
-      self.post_mlp_norm = rms_norm(config, rngs)
-    else:
-      self.post_attention_norm = self.post_mlp_norm = None
-    self.layout = layout
-
-  def __call__(self, x, rope: RopeTables, segment_ids=None, cache=None):
-    h, new_cache = self.attention(_norm(self.attention_norm, x), rope, segment_ids, cache)
-    if self.post_attention_norm is not None:
-      h = self.post_attention_norm(h)
-    x = x + constrain(self.layout, h)
-    if isinstance(self.mlp, MoE):
-      h, stats = self.mlp(_norm(self.mlp_norm, x), segment_ids)
-    else:
-      h, stats = self.mlp(_norm(self.mlp_norm, x)), None
-    if self.post_mlp_norm is not None:
-      h = self.post_mlp_norm(h)
-    return x + constrain(self.layout, h), new_cache, stats
-
-
-
-def _norm(norm: nnx.Module | None, x: jax.Array) -> jax.Array:
-  """`norm(x)`, or x itself where the block has no such norm."""
-  return x if norm is None else norm(x)
 
 
 def constrain(layout: Layout | None, x: jax.Array) -> jax.Array:

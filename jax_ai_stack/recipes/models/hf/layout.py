@@ -80,6 +80,9 @@ class Tensor:
   """q_proj's or k_proj's kernel [D, N, H] of a model whose RoPE pairs features (2i, 2i + 1)
   (`HFFamily.interleaved_rope`): each head's out rows are Hugging Face's even ones, then its
   odd ones, so that our RoPE's pairs (i, i + H/2) are theirs."""
+  rope_from: int = 0
+  """With `rope_pairs`: the out features before it are not turned by RoPE and keep their
+  order (latent attention's q_b_proj and kv_a_proj, whose RoPE features come last)."""
   parts: tuple[Tensor, ...] = ()
   """A fused tensor's pieces (`HFFamily.fused`): Hugging Face's tensor is theirs, concatenated
   along its first (out) axis, or `fuse_axis`; `path` is then () and `split`/`fuse` convert."""
@@ -121,7 +124,7 @@ class Tensor:
     else:
       array = array.T.reshape(unpadded)
     if self.rope_pairs:
-      array = array[..., _pairs(array.shape[-1])]
+      array = array[..., _pairs(array.shape[-1], self.rope_from)]
     if unpadded == tuple(shape):
       return array
     # Zero rows: no token reads them, no logit is kept.
@@ -132,7 +135,7 @@ class Tensor:
       axis, size = self.vocab
       array = array[(slice(None),) * axis + (slice(0, size),)]
     if self.rope_pairs:
-      array = array[..., np.argsort(_pairs(array.shape[-1]))]
+      array = array[..., np.argsort(_pairs(array.shape[-1], self.rope_from))]
     if not self.in_axes:
       return np.ascontiguousarray(array.reshape(-1) if self.flat else array)
     return np.ascontiguousarray(array.reshape(math.prod(array.shape[:self.in_axes]), -1).T)
@@ -146,9 +149,11 @@ class Tensor:
     return (*shape[:axis], size, *shape[axis + 1:])
 
 
-def _pairs(head_dim: int) -> np.ndarray:
-  """Our feature order of a head in torch's interleaved one: the even features, then the odd."""
-  return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+def _pairs(features: int, start: int = 0) -> np.ndarray:
+  """Our feature order in torch's interleaved one: the first `start` as they are, then of the
+  rest the even ones, then the odd."""
+  return np.concatenate([np.arange(start), np.arange(start, features, 2),
+                         np.arange(start + 1, features, 2)])
 
 
 TEXT_PREFIX = "model."
@@ -180,6 +185,11 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   for i in range(config.num_layers):
     hf, ours = f"{prefix}layers.{i}.", ("layers", i)
     attention = (*ours, "attention")
+    if config.latent_attention is not None:
+      out += _latent_tensors(config, hf, attention) + _mlp_tensors(config, i, hf, ours) + [
+          Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
+          for norm, theirs in family.norms.items()]
+      continue
     block = [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1,
                     rope_pairs=family.interleaved_rope and x != "v") for x in "qkv"]
     if config.qkv_bias:
@@ -201,6 +211,27 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   if not config.tie_embeddings:
     out.append(Tensor(head_name(prefix), ("lm_head", "kernel"), 1, vocab=(1, config.vocab_size)))
   return out
+
+
+def _latent_tensors(config: DecoderConfig, hf: str, attention: tuple) -> list[Tensor]:
+  """A layer's multi-head latent attention (DeepSeek-V3's names), its RoPE features' pairs
+  reordered as `HFFamily.interleaved_rope` says (the shared key's and the queries' last)."""
+  latent = config.latent_attention
+  ours = lambda name, *rest: (*attention, name, *rest)
+  theirs = lambda name: f"{hf}self_attn.{name}.weight"
+  pairs = dict(rope_pairs=True, rope_from=latent.qk_nope_head_dim)
+  if latent.q_lora_rank is None:
+    queries = [Tensor(theirs("q_proj"), ours("q_proj", "kernel"), 1, **pairs)]
+  else:
+    queries = [Tensor(theirs("q_a_proj"), ours("q_a_proj", "kernel"), 1),
+               Tensor(theirs("q_a_layernorm"), ours("q_norm", "scale")),
+               Tensor(theirs("q_b_proj"), ours("q_b_proj", "kernel"), 1, **pairs)]
+  return [*queries,
+          Tensor(theirs("kv_a_proj_with_mqa"), ours("kv_a_proj", "kernel"), 1, rope_pairs=True,
+                 rope_from=latent.kv_lora_rank),
+          Tensor(theirs("kv_a_layernorm"), ours("kv_norm", "scale")),
+          Tensor(theirs("kv_b_proj"), ours("kv_b_proj", "kernel"), 1),
+          Tensor(theirs("o_proj"), ours("o_proj", "kernel"), 2)]
 
 
 def _fuse(block: list[Tensor], hf: str, fused) -> list[Tensor]:

@@ -110,6 +110,9 @@ class HFFamily:
   mlp: str = "mlp"
   """The dense MLP's attribute in a layer (`layers.{i}.<mlp>.gate_proj...`; Llama 4's
   `feed_forward`)."""
+  latent_attention: bool = False
+  """Its attention is multi-head latent attention (`DecoderConfig.latent_attention`, which
+  its kind then needs): DeepSeek-V3's tensors (`layout.tensors`)."""
   interleaved_rope: bool = False
   """Its RoPE turns features (2i, 2i + 1) of each head together (complex pairs: Llama 4's),
   not ours (i, i + H/2): q_proj's and k_proj's rows are reordered on import, and back on
@@ -124,7 +127,7 @@ _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Olmo3ForCausalLM": "olmo3", "SmolLM3ForCausalLM": "smollm3",
             "Phi3ForCausalLM": "phi3", "Qwen2MoeForCausalLM": "qwen2_moe",
             "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4",
-            "Llama4ForConditionalGeneration": "llama4"}
+            "Llama4ForConditionalGeneration": "llama4", "DeepseekV3ForCausalLM": "deepseek_v3"}
 """Architecture name -> the module (in this package) of its family: the one list of them."""
 
 ARCHITECTURES = tuple(_MODULES)
