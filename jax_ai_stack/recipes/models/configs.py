@@ -26,8 +26,10 @@ from jax_ai_stack.recipes.models.latent_config import LatentAttentionConfig
 from jax_ai_stack.recipes.models.moe_config import GroupedMatmul, MoeConfig  # noqa: F401
 from jax_ai_stack.recipes.models.rope_config import RopeScaling  # noqa: F401 - was here
 
-DECODER_PROJECTIONS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
-"""The decoder's attention and MLP projections: the layers LoRA adapts by default."""
+DECODER_PROJECTIONS = ("q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj|kv_b_proj|"
+                       "gate_proj|up_proj|down_proj")
+"""The decoder's attention and MLP projections (latent attention's among them): the layers
+LoRA adapts by default."""
 
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "save_dots"]
