@@ -40,10 +40,9 @@ choose at trace time: its `AttentionPlan.paged_attention()` chooses for the plan
 The pools' layout is the GPU kernel's: [kv_heads, pages, page_size, head_dim]. The TPU
 kernel reads one pool, [pages, page_size, 2 * kv_heads, head_dim] with each head's keys
 and values side by side: its adapter gathers the pages the table names into that layout
-(what the kernel reads anyway, not the whole pool) and renumbers the table. That copy costs
-a temporary as large as those pages and about 11x their bytes of HBM traffic in every layer
-at every step (docs/kernels.md measures it for a v5e); the kernel's block sizes are its own
-table's for the chip compiled for (`tpu_block_sizes`).
+(what the kernel reads anyway) and renumbers the table: a temporary as large as those pages
+and about 11x their bytes of HBM traffic in every layer at every step (docs/kernels.md). Its
+block sizes are its own table's for the chip compiled for (`tpu_block_sizes`).
 
 Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pages 1, 2).
   >>> import jax.numpy as jnp
@@ -68,20 +67,17 @@ from jax_ai_stack.kernels import names, rules
 from jax_ai_stack.kernels.request import Backend, current_backend
 
 __all__ = ["GROUP_FLOATS", "KV_BLOCK_VMEM", "PAGED_ATTENTIONS", "choose_paged_attention",
-           "paged_attention", "pallas_tpu", "target_device_kind", "tpu_block_sizes", "tpu_kernel_fits"]
+           "paged_attention", "pallas_tpu", "target_device_kind", "tpu_block_sizes",
+           "tpu_kernel_fits"]
 
 GROUP_FLOATS = 32768
-"""The xla loop's rows go in groups (halving while each still reads at least this many
-floats of keys a page: kv_heads x page_size x head_dim a row). XLA:CPU pays a fixed time
-for each step of a loop, which smaller groups pay more often than their short rows save:
-the benchmark's tiny model (2 x 64 x 16 a row) keeps its 16 rows together; its 25M one
-(2 x 64 x 64) decodes in groups of 4 rows, its attention 1.6x as fast."""
+"""The xla loop's rows go in groups, halved while each reads at least this many floats of keys
+a page (XLA:CPU pays a fixed time a loop step): the benchmark's 25M model (2 x 64 x 64 a row)
+decodes in groups of 4 rows, its attention 1.6x as fast; its tiny one keeps its 16 rows."""
 
 KV_BLOCK_VMEM = 8 << 20
-"""The most scoped VMEM the TPU kernel's double-buffered block of key/value pages may take:
-half of a v5e's default 16 MiB, the rest for its queries' blocks and the compiler. Its
-untuned block of 128 pages of Llama-3-8B's 8 key/value heads x 128 (2048 positions a row)
-takes 16 MiB, and with the queries' 17.5 MiB: the compiler refuses it."""
+"""The most scoped VMEM (half a v5e's 16 MiB) the TPU kernel's double-buffered block of pages
+may take: its untuned 128 pages of 8B widths took 17.5 MiB with the queries', refused."""
 
 PAGED_ATTENTIONS = ("pallas_gpu", "pallas_tpu", "xla")
 _WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
@@ -161,25 +157,22 @@ def tpu_kernel_fits(q: jax.Array, k_pages: jax.Array) -> bool:
 
 
 def target_device_kind() -> str:
-  """The device kind a kernel traced now is compiled for: the abstract mesh's (how a
-  program for a chip this machine lacks names it, as Pallas' own TPU kernels read it),
-  else this machine's first device."""
+  """The device kind a kernel traced now is compiled for: the abstract mesh's (a chip this
+  machine lacks, as Pallas' TPU kernels read it), else this machine's first device's."""
   device = jax.sharding.get_abstract_mesh().abstract_device
   return device.device_kind if device is not None else jax.devices()[0].device_kind
 
 
 def tpu_block_sizes(q_shape, kv_pages_shape, width: int, dtype, device_kind: str
                     ) -> tuple[int, int]:
-  """(pages, queries) per block of JAX's ragged paged-attention kernel on `device_kind`:
-  its own tuned table's entry, looked up for the chip compiled for (the kernel looks up
-  this machine's first device, which has no entry off a TPU), with the pages' double buffer
-  kept within `KV_BLOCK_VMEM` (a power of two of pages)."""
+  """(pages, queries) per block of JAX's ragged paged-attention kernel: its tuned table's for
+  `device_kind` (the kernel looks up this machine's device, which has none off a TPU), the
+  pages' double buffer within `KV_BLOCK_VMEM` (a power of two of pages)."""
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
 
   tokens, heads, head_dim = q_shape
   page_size, combined = kv_pages_shape[1], kv_pages_shape[2]
-  heads_per_block, combined_per_block = kernel.get_min_heads_per_blk(heads, combined, dtype,
-                                                                     dtype)
+  heads_per_block, combined_per_block = kernel.get_min_heads_per_blk(heads, combined, dtype, dtype)
   key = tuned_block_sizes.simplify_key((dtype, dtype, heads_per_block, combined_per_block // 2,
                                         head_dim, page_size, tokens, width))
   generation = rules.tpu_generation(Backend("tpu", device_kind)) or 0
@@ -197,9 +190,8 @@ def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_sof
   another function of its signature, as the tests give its reference on CPU).
 
   Each row's queries are its last positions[b, -1] + 1 - T ones (a chunk of a prompt, or
-  one token): the kernel's ragged layout, T queries per row. The pages the table names are
-  gathered into the kernel's pool layout and the table renumbered to them: a copy of
-  every page the table names, in each call (docs/kernels.md gives its bytes).
+  one token): the kernel's ragged layout. The pages the table names are copied into the
+  kernel's pool layout in each call, the table renumbered to them (docs/kernels.md).
   """
   b, t, n, h = q.shape
   k, page_size = k_pages.shape[0], k_pages.shape[2]
@@ -263,8 +255,7 @@ def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, lo
 
 
 def _group_rows(rows: int, row_floats: int) -> int:
-  """Rows per group of the xla loop: `rows` halved while a group reads at least
-  `GROUP_FLOATS` floats of keys a page (`row_floats` a row)."""
+  """Rows per group of the xla loop (`GROUP_FLOATS`; `row_floats` a row)."""
   size = rows
   while size % 2 == 0 and size // 2 * row_floats >= GROUP_FLOATS:
     size //= 2
