@@ -39,7 +39,7 @@ from flax import nnx
 from jax_ai_stack import kernels, topology
 from jax_ai_stack.kernels import lowering
 from jax_ai_stack.errors import UsageError
-from jax_ai_stack.recipes import memory, optim, sharding, step, tasks
+from jax_ai_stack.recipes import memory, optim, sample_memory, sharding, step, tasks
 
 __all__ = ["Compiled", "Program", "compile_recipe", "dry_run"]
 
@@ -265,7 +265,7 @@ def compile_recipe(config: Any, target: topology.Topology, *,
     try:
       programs = (_compiled("train step", mesh, lambda: train_step.lower(state, batch)),
                   _compiled("eval step", mesh, lambda: eval_step.lower(state, batch)),
-                  *_engine_programs(task, config, target, placement, create))
+                  *_engine_programs(task, config, target, placement, model, plan))
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
@@ -290,14 +290,16 @@ def compile_recipe(config: Any, target: topology.Topology, *,
 
 
 def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
-                     placement: sharding.Placement, create) -> tuple[Program, ...]:
+                     placement: sharding.Placement, model: nnx.Module,
+                     plan: kernels.AttentionPlan | None) -> tuple[Program, ...]:
   """The generation engine's prefill and decoding programs, compiled as the run would build
   its engine on `target`: RL's rollouts (a slot per completion of a process's prompts, up to
   `rollout.MAX_SLOTS`) and an in-training evaluation's generations (`in_training.BATCH_SIZE`
   slots); a rollout's slot holds `data.seq_len + 1` positions, an evaluation's the model's whole
   context (lm-eval's `max_length`). On one host the engine
-  decodes with the run's model, placed on the mesh; on several, each process with a whole
-  copy on its first device (`sharding.on_this_process`)."""
+  decodes with the run's model (abstract `model`, built with attention `plan`; a LoRA run's
+  merged), placed on the mesh; on several, each process with a whole copy on its first
+  device (`sharding.on_this_process`)."""
   from jax_ai_stack.recipes import inference  # pylint: disable=g-import-not-at-top
 
   processes = len({device.process_index for device in target.devices})
@@ -311,16 +313,9 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
     slots, what, max_len = in_training.BATCH_SIZE, "evaluation", None
   else:
     return ()
-  own = []  # Whether the engine decodes with the run's own parameters (not a merged copy).
-
-  def inference_model():
-    model, _ = create()
-    plain = lambda: task.build_model(config.train.seed, None, None)
-    decoding = task.model_transforms().inference_model(model, plain)
-    own.append(decoding is model)
-    return decoding
-
-  graphdef, params = nnx.split(nnx.eval_shape(inference_model))
+  # The run's model as it decodes (a LoRA run's merged), and whether it is the run's own weights.
+  decoding, own = sample_memory.decoding_model(task, task.model_transforms(), model, plan)
+  graphdef, params = nnx.split(decoding)
   if processes > 1:
     placed = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(target.devices[0]), params)
   else:
@@ -330,7 +325,7 @@ def _engine_programs(task: tasks.Task, config: Any, target: topology.Topology,
   model = nnx.merge(graphdef, params)
   if processes > 1:  # As `sharding.on_one_device` makes it.
     model = sharding.without_mesh(model)
-  shared = _device_bytes(params) if own[0] and processes == 1 else 0
+  shared = _device_bytes(params) if own and processes == 1 else 0
   engine = inference.Engine(model, max_slots=slots, max_len=max_len)
   where = jax.sharding.Mesh(target.devices[:1], ("one",)) if processes > 1 else placement.mesh
   return tuple(_compiled(f"{ENGINE} {what} {name}", where,

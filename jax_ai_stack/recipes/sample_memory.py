@@ -28,22 +28,29 @@ from jax_ai_stack.recipes import inference, tasks
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 
-def of_run(task: tasks.Task, transforms: ModelTransform, model: nnx.Module,
-           plan: Any = None) -> int:
-  """`decoding_bytes` of the model the run samples with: `transforms.inference_model` of the
-  run's abstract `model`, sharing its weights unless that is a copy (LoRA's merge). `plan` is
-  the run's attention plan, for the untransformed model a merge is built into."""
+def decoding_model(task: tasks.Task, transforms: ModelTransform, model: nnx.Module,
+                   plan: Any = None) -> tuple[nnx.Module, bool]:
+  """The abstract model a run decodes with, `transforms.inference_model` of its abstract
+  `model` (a LoRA run's merge), and whether it holds the run's own weights rather than a copy
+  (a full run's; also one without its frozen copy, which shares the arrays). `plan` is the
+  run's attention plan, for the untransformed model a merge is built into."""
   shared = []
 
-  def decoding_model(model: nnx.Module) -> nnx.Module:
-    decoding = transforms.inference_model(
+  def decoding(model: nnx.Module) -> nnx.Module:
+    decoded = transforms.inference_model(
         model, lambda: task.build_model(task.config.train.seed, plan))
     own = {id(leaf) for leaf in jax.tree.leaves(nnx.state(model))}
-    shared.append(all(id(leaf) in own for leaf in jax.tree.leaves(nnx.state(decoding))))
-    return decoding
+    shared.append(all(id(leaf) in own for leaf in jax.tree.leaves(nnx.state(decoded))))
+    return decoded
 
-  decoding = nnx.eval_shape(decoding_model, model)
-  return decoding_bytes(task, decoding, shared=shared[0])
+  return nnx.eval_shape(decoding, model), shared[0]
+
+
+def of_run(task: tasks.Task, transforms: ModelTransform, model: nnx.Module,
+           plan: Any = None) -> int:
+  """`decoding_bytes` of the model the run samples with (`decoding_model`)."""
+  decoding, shared = decoding_model(task, transforms, model, plan)
+  return decoding_bytes(task, decoding, shared=shared)
 
 
 def decoding_bytes(task: tasks.Task, model: nnx.Module, *, shared: bool) -> int:

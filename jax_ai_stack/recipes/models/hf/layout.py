@@ -185,24 +185,8 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   for i in range(config.num_layers):
     hf, ours = f"{prefix}layers.{i}.", ("layers", i)
     attention = (*ours, "attention")
-    if config.latent_attention is not None:
-      out += _latent_tensors(config, hf, attention) + _mlp_tensors(config, i, hf, ours) + [
-          Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
-          for norm, theirs in family.norms.items()]
-      continue
-    block = [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1,
-                    rope_pairs=family.interleaved_rope and x != "v") for x in "qkv"]
-    if config.qkv_bias:
-      block += [Tensor(hf + f"self_attn.{x}_proj.bias", (*attention, f"{x}_proj", "bias"),
-                       flat=True) for x in "qkv"]
-    block.append(Tensor(hf + "self_attn.o_proj.weight", (*attention, "o_proj", "kernel"), 2))
-    if config.o_proj_bias:
-      block.append(Tensor(hf + "self_attn.o_proj.bias", (*attention, "o_proj", "bias")))
-    if config.attention_sinks:
-      block.append(Tensor(hf + "self_attn.sinks", (*attention, "sinks")))
-    if config.qk_norm:
-      block += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
-                for x in "qk"]
+    block = (_latent_tensors(config, family, hf, attention) if config.latent_attention is not None
+             else _attention_tensors(config, family, hf, attention))
     block += _mlp_tensors(config, i, hf, ours)
     block += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
               for norm, theirs in family.norms.items()]
@@ -213,13 +197,32 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   return out
 
 
-def _latent_tensors(config: DecoderConfig, hf: str, attention: tuple) -> list[Tensor]:
+def _attention_tensors(config: DecoderConfig, family, hf: str, attention: tuple) -> list[Tensor]:
+  """A layer's grouped-query attention: q/k/v/o, and their biases, sinks and q/k norms where
+  the config has them."""
+  block = [Tensor(hf + f"self_attn.{x}_proj.weight", (*attention, f"{x}_proj", "kernel"), 1,
+                  rope_pairs=family.interleaved_rope and x != "v") for x in "qkv"]
+  if config.qkv_bias:
+    block += [Tensor(hf + f"self_attn.{x}_proj.bias", (*attention, f"{x}_proj", "bias"),
+                     flat=True) for x in "qkv"]
+  block.append(Tensor(hf + "self_attn.o_proj.weight", (*attention, "o_proj", "kernel"), 2))
+  if config.o_proj_bias:
+    block.append(Tensor(hf + "self_attn.o_proj.bias", (*attention, "o_proj", "bias")))
+  if config.attention_sinks:
+    block.append(Tensor(hf + "self_attn.sinks", (*attention, "sinks")))
+  if config.qk_norm:
+    block += [Tensor(hf + f"self_attn.{x}_norm.weight", (*attention, f"{x}_norm", "scale"))
+              for x in "qk"]
+  return block
+
+
+def _latent_tensors(config: DecoderConfig, family, hf: str, attention: tuple) -> list[Tensor]:
   """A layer's multi-head latent attention (DeepSeek-V3's names), its RoPE features' pairs
   reordered as `HFFamily.interleaved_rope` says (the shared key's and the queries' last)."""
   latent = config.latent_attention
   ours = lambda name, *rest: (*attention, name, *rest)
   theirs = lambda name: f"{hf}self_attn.{name}.weight"
-  pairs = dict(rope_pairs=True, rope_from=latent.qk_nope_head_dim)
+  pairs = dict(rope_pairs=family.interleaved_rope, rope_from=latent.qk_nope_head_dim)
   if latent.q_lora_rank is None:
     queries = [Tensor(theirs("q_proj"), ours("q_proj", "kernel"), 1, **pairs)]
   else:
@@ -227,8 +230,8 @@ def _latent_tensors(config: DecoderConfig, hf: str, attention: tuple) -> list[Te
                Tensor(theirs("q_a_layernorm"), ours("q_norm", "scale")),
                Tensor(theirs("q_b_proj"), ours("q_b_proj", "kernel"), 1, **pairs)]
   return [*queries,
-          Tensor(theirs("kv_a_proj_with_mqa"), ours("kv_a_proj", "kernel"), 1, rope_pairs=True,
-                 rope_from=latent.kv_lora_rank),
+          Tensor(theirs("kv_a_proj_with_mqa"), ours("kv_a_proj", "kernel"), 1,
+                 rope_pairs=family.interleaved_rope, rope_from=latent.kv_lora_rank),
           Tensor(theirs("kv_a_layernorm"), ours("kv_norm", "scale")),
           Tensor(theirs("kv_b_proj"), ours("kv_b_proj", "kernel"), 1),
           Tensor(theirs("o_proj"), ours("o_proj", "kernel"), 2)]
