@@ -90,7 +90,7 @@ def test_bad_overrides_name_the_field(overrides, message):
 
 
 def test_unknown_preset_lists_the_presets():
-  with pytest.raises(configlib.ConfigError, match="unknown preset 'nope'; presets: digits-cnn"):
+  with pytest.raises(configlib.ConfigError, match="unknown preset 'nope'; presets: deepseek_v3-tiny, digits-cnn"):
     config.load("nope")
 
 
