@@ -6,7 +6,8 @@ sequence, local and global layers, an explicit head_dim, linear RoPE scaling,
 experts with and without renormalised router weights, a dense layer among sparse ones,
 a gated shared expert, attention sinks, YaRN with a ramp inside the head, a SwiGLU clamp
 the activations reach, chunks shorter than the sequence, a NoPE layer's temperature,
-latent attention with a queries' latent and interleaved RoPE),
+latent attention with a queries' latent and interleaved RoPE, group-limited sigmoid routing
+with a correction bias, YaRN's mscale),
 saved as transformers saves it, plus its float32 logits on fixed tokens and its
 greedy continuation of a prompt:
 
@@ -16,8 +17,13 @@ greedy continuation of a prompt:
 Needs torch and transformers, which CI does not install: CI compares against
 the committed files. Run it again after changing a config here:
 
-  python -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch==2.13.0 transformers safetensors
-  /tmp/refenv/bin/python scripts/make_hf_references.py
+  python -m venv /tmp/refenv && /tmp/refenv/bin/pip install transformers==5.24.0 safetensors \
+      torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+  /tmp/refenv/bin/python scripts/make_hf_references.py [NAME ...]
+
+Not in a venv with this package's dev extras: they pin lm-eval's transformers 5.12.1, which
+computes GPT-OSS (no swiglu_limit) and OLMo 3 (one RoPE for every layer) otherwise; the script
+refuses any transformers but the one `TRANSFORMERS` names.
 
 Written with transformers 5.24.0 and torch 2.13.0 (CPU).
 """
@@ -33,6 +39,8 @@ import numpy as np
 import torch
 import transformers
 
+TRANSFORMERS = "5.24.0"
+"""The transformers every reference is written with (versions.json says so)."""
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "references" / "hf"
 SEQ_LEN = 24
 """Longer than every sliding window below, so the windows change the logits."""
@@ -106,7 +114,16 @@ CONFIGS = {
         num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=2,
         num_nextn_predict_layers=0, rope_interleave=True, rope_theta=10_000.0,
-        tie_word_embeddings=False, **_TOKEN_IDS)),  # Dense layers: its MoE is not read yet.
+        tie_word_embeddings=False, **_TOKEN_IDS)),  # Dense layers (written before its MoE).
+    "deepseek_v3-moe": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=2, routed_scaling_factor=2.5,
+        max_position_embeddings=32, num_nextn_predict_layers=0, rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                         "mscale": 0.7, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 8}, **_TOKEN_IDS)),
     "olmo3-yarn": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(  # Long context.
         num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False,
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0,
@@ -118,7 +135,8 @@ CONFIGS = {
 
 SEEDS = {"qwen2": 0, "qwen3": 1, "mistral": 2, "gemma2": 3, "gemma3": 4, "gemma3-conditional": 5,
          "mixtral": 6, "qwen3_moe": 7, "olmo2": 8, "olmo3": 9, "smollm3": 10, "phi3": 11,
-         "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15, "deepseek_v3": 16}
+         "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15, "deepseek_v3": 16,
+         "deepseek_v3-moe": 17}
 """Every reference and its seed, fixed once written (two families added side by side took
 the same next seeds; a seed need not be unique, only kept)."""
 ORDER = list(SEEDS)
@@ -131,6 +149,9 @@ def _perturbed(model: torch.nn.Module, seed: int) -> None:
   with torch.no_grad():
     for _, param in sorted(model.named_parameters()):
       param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    for name, buffer in sorted(model.named_buffers()):  # DeepSeek's choice-only router bias.
+      if name.endswith("e_score_correction_bias"):
+        buffer.add_(0.2 * torch.randn(buffer.shape, generator=generator))
 
 
 def _gemma3_conditional(text_config: dict):
@@ -170,6 +191,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("names", nargs="*", help="families to write (default: all)")
   args = parser.parse_args()
+  if transformers.__version__ != TRANSFORMERS:
+    raise SystemExit(f"transformers {transformers.__version__} is installed; the references are "
+                     f"written with {TRANSFORMERS} (see the module's docstring)")
   wanted = args.names or ORDER
   for name, seed in SEEDS.items():
     if name not in wanted:
