@@ -194,3 +194,23 @@ def test_a_partial_rotation_turns_the_first_rotary_dim_features_only():
   np.testing.assert_allclose(rope.rotate(x, tables), expected, atol=1e-5)
   with pytest.raises(ValueError, match="rotary_dim=10 even and at most head_dim"):
     DecoderConfig(kind="phi3", rotary_dim=10, **SIZES)
+
+
+def test_yarn_s_mscale_sets_the_sine_factor_and_latent_attention_s_softmax_factor():
+  """DeepSeek-V3's YaRN (transformers' `_compute_yarn_parameters` and `yarn_apply_mscale`):
+  sin and cos times mscale(mscale) / mscale(mscale_all_dim), the softmax scale of latent
+  attention times mscale(mscale_all_dim)^2, mscale(m) = 0.1 m ln(factor) + 1; either alone
+  leaves the plain YaRN factor."""
+  import math
+
+  from jax_ai_stack.recipes.models.configs import RopeScaling
+
+  attention_factor = rope.attention_factor
+  both = RopeScaling(kind="yarn", factor=40.0, mscale=0.707, mscale_all_dim=1.0)
+  mscale = lambda m: 0.1 * m * math.log(40.0) + 1  # noqa: E731
+  assert attention_factor(both) == pytest.approx(mscale(0.707) / mscale(1.0))
+  assert both.softmax_factor == pytest.approx(mscale(1.0) ** 2)
+  alone = RopeScaling(kind="yarn", factor=40.0, mscale=0.707)
+  assert attention_factor(alone) == pytest.approx(mscale(1.0)) and alone.softmax_factor == 1.0
+  short = RopeScaling(kind="yarn", factor=1.0, mscale=1.0, mscale_all_dim=1.0)
+  assert attention_factor(short) == 1.0 and short.softmax_factor == 1.0

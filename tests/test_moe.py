@@ -29,7 +29,7 @@ RNG = np.random.default_rng(0)
 
 
 def _config(**moe_fields) -> DecoderConfig:
-  fields = dict(num_experts=4, num_experts_per_tok=2, **moe_fields)
+  fields = dict(num_experts=4, num_experts_per_tok=2) | moe_fields
   return DecoderConfig(kind="mixtral", num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
                        mlp_dim=24, max_seq_len=32, moe=MoeConfig(**fields))
 
@@ -42,6 +42,68 @@ def test_routing_takes_the_top_k_and_a_tie_goes_to_the_lower_index():
   raw = moe.route(logits, 2, normalize=False).weights
   probs = jax.nn.softmax(logits)
   np.testing.assert_allclose(raw[1], [probs[1, 0], probs[1, 1]], rtol=1e-6)
+
+
+def _numpy_deepseek_routing(logits, correction, k, groups, keep, scale):
+  """DeepSeek-V3's router as transformers writes it, one token at a time in NumPy."""
+  experts_out, weights_out = [], []
+  for row in logits.astype(np.float64):
+    scores = 1 / (1 + np.exp(-row))
+    choice = scores + correction
+    grouped = choice.reshape(groups, -1)
+    group_scores = np.sort(grouped, axis=-1)[:, -2:].sum(-1)
+    best = np.argsort(-group_scores, kind="stable")[:keep]
+    allowed = np.full_like(grouped, -np.inf)
+    allowed[best] = grouped[best]
+    top = np.argsort(-allowed.reshape(-1), kind="stable")[:k]
+    weights = scores[top] / scores[top].sum()
+    experts_out.append(top)
+    weights_out.append(weights * scale)
+  return np.array(experts_out), np.array(weights_out)
+
+
+def test_deepseek_s_grouped_sigmoid_routing_equals_numpy():
+  """Corrected sigmoid scores choose within each token's best groups (a group scored by its
+  two best), the uncorrected scores weight, renormalised, times the routed scale."""
+  logits = RNG.normal(size=(64, 8)).astype(np.float32)
+  correction = (0.3 * RNG.normal(size=8)).astype(np.float32)
+  routing = moe.route(jnp.asarray(logits), 2, True, score="sigmoid",
+                      correction=jnp.asarray(correction), groups=4, topk_groups=2, scale=2.5)
+  experts, weights = _numpy_deepseek_routing(logits, correction, 2, 4, 2, 2.5)
+  np.testing.assert_array_equal(np.sort(routing.experts, -1), np.sort(experts, -1))
+  order = np.argsort(routing.experts, -1)
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(routing.weights), order, -1),
+                             np.take_along_axis(weights, np.argsort(experts, -1), -1), rtol=1e-5)
+  ungrouped = moe.route(jnp.asarray(logits), 2, True, score="sigmoid",
+                        correction=jnp.asarray(correction), groups=4, topk_groups=4)
+  assert (np.asarray(ungrouped.experts) != np.asarray(routing.experts)).any()  # Groups matter.
+
+
+def test_deepseek_s_correction_bias_gets_no_gradient_and_no_decay():
+  """The choice-only bias moves which experts are chosen, never a weight: its gradient is
+  zero, and its name keeps it out of weight decay (optim.no_decay's "bias")."""
+  config = _config(num_experts=8, router_score="sigmoid", score_correction=True,
+                   router_groups=4, router_topk_groups=2, routed_scale=2.5)
+  layer = moe.MoE(config, rngs=nnx.Rngs(0))
+  layer.correction_bias[...] = jnp.asarray(RNG.normal(size=8), jnp.float32)
+  x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
+  grads = nnx.grad(lambda m: m(x)[0].sum())(layer)
+  assert float(jnp.abs(grads["correction_bias"][...]).max()) == 0.0
+  assert float(jnp.abs(grads["router"]["kernel"][...]).max()) > 0.0
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(score_correction=True), "set moe.router_score=sigmoid"),
+    (dict(router_score="sigmoid", router_groups=3), "moe.router_groups=3 must split "
+     "moe.num_experts=4 into equal groups of at least 2"),
+    (dict(router_score="sigmoid", router_groups=2, router_topk_groups=3),
+     "moe.router_topk_groups=3 be at most that many"),
+    (dict(router_score="sigmoid", num_experts=8, num_experts_per_tok=3, router_groups=4),
+     "moe.router_topk_groups=1 groups of 2 experts hold fewer than moe.num_experts_per_tok=3"),
+])
+def test_a_routing_the_groups_cannot_give_is_refused(fields, message):
+  with pytest.raises(ValueError, match=message):
+    MoeConfig(**{"num_experts": 4, **fields})
 
 
 def test_the_balance_loss_and_shares_equal_numpy():
@@ -246,7 +308,8 @@ def test_the_memory_plan_of_a_moe_model_is_measured():
   assert plan.activations_from.startswith("measured") and plan.activations_per_row > 0
 
 
-@pytest.mark.parametrize("preset", ["qwen2_moe-tiny", "gpt_oss-tiny", "llama4-tiny"])
+@pytest.mark.parametrize("preset", ["qwen2_moe-tiny", "gpt_oss-tiny", "llama4-tiny",
+                                    "deepseek_v3-tiny"])
 def test_the_memory_plan_counts_a_family_s_expert_weights(preset):
   """Shared experts and their gates (and every other weight a family adds) are counted: the
   plan's parameter bytes are the config's count, which equals the built model's."""
@@ -313,7 +376,8 @@ def test_the_memory_plan_keeps_experts_split_over_the_expert_axis():
     pytest.param("mixtral", marks=pytest.mark.every_row),
     pytest.param("qwen3_moe", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", marks=pytest.mark.slow),
-    pytest.param("gpt_oss", marks=pytest.mark.slow)])
+    pytest.param("gpt_oss", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3-moe", marks=pytest.mark.slow)])
 def test_experts_split_over_the_expert_axis_compute_what_one_device_does(name):
   """The Mixtral and Qwen3-MoE reference checkpoints on 8 simulated devices with their
   experts split over `expert` (alone with `data`; with fsdp and tensor under fsdp_tp):
@@ -359,7 +423,13 @@ FAMILY_PRESETS = {"qwen2_moe-tiny": ["model.moe.dense_layers=[]", "model.moe.exp
                   "llama4-tiny": ["model.layer_types=[chunked,full]", "model.nope_layers=[1]",
                                   "model.attention_chunk_size=8", "model.moe.dense_layers=[0]",
                                   "model.moe.expert_mlp_dim=16", "model.moe.shared_expert_dim=16",
-                                  "model.nope_temperature=[4.0,0.5]"]}
+                                  "model.nope_temperature=[4.0,0.5]"],
+                  "deepseek_v3-tiny": ["model.num_kv_heads=2", "model.moe.dense_layers=[0]",
+                                       "model.moe.expert_mlp_dim=16",
+                                       "model.moe.shared_expert_dim=32",
+                                       "model.moe.router_groups=2", "model.moe.router_topk_groups=1",
+                                       "model.latent_attention={kv_lora_rank: 16, q_lora_rank: 12, "
+                                       "qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}"]}
 
 
 @pytest.mark.slow

@@ -124,9 +124,12 @@ def import_hf(directory: str | os.PathLike, workdir: str | os.PathLike, *,
   padding = _check_tokenizer(tokenizers.HuggingFaceTokenizer(str(tokenizer)) if copied
                              else tokenizers.build_tokenizer(config.data),
                              config.model.vocab_size, tokenizer if copied else None, source)
-  hf.check_weights(source, config.model)  # Names, shapes, headers: before W exists.
+  stored = hf.check_weights(source, config.model)  # Names, shapes, headers: before W exists.
   if padding:  # Said once every check passed: a refusal stays its one line.
     logs.note(padding)
+  if unread := hf.unread_layers(stored, config.model):
+    logs.note(f"{source}: {len(unread)} tensors of multi-token prediction layers (from "
+              f"{unread[0]!r}) are not read: the model predicts the next token only")
   created = not workdir.exists()
   try:
     workdir.mkdir(parents=True, exist_ok=True)

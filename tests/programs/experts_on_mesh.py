@@ -18,6 +18,11 @@ from multidevice import (grads_difference, load_on_mesh, logits_and_grads,  # no
                          next_token_loss)
 
 
+def sparse(model):
+  """The first MoE layer (DeepSeek's first layers are dense)."""
+  return next(layer for layer, moe in zip(model.layers, model.config.moe_layers) if moe)
+
+
 def differences(model, tokens, one):
   logits, grads = logits_and_grads(model, tokens)
   return {"logits": float(jnp.abs(logits - one[0]).max()),
@@ -39,6 +44,6 @@ for mesh_name, mesh_config in meshes.items():
   out[mesh_name] = {
       "batch": differences(model, tokens, expected[len(tokens)]),
       "one row": differences(model, tokens[:1], expected[1]),
-      "experts": str(model.layers[0].mlp.down_proj.get_value().sharding.spec[0]),
+      "experts": str(sparse(model).mlp.down_proj.get_value().sharding.spec[0]),
       "exchange": all(p in program for p in ("shard_map", "all_gather", "reduce_scatter"))}
 print(json.dumps(out))

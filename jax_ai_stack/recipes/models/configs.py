@@ -398,11 +398,12 @@ class DecoderConfig:
     return attention + d * self.moe.num_experts + experts * 3 * d * self.expert_mlp_dim + shared
 
   def _block_bias_params(self, layer: int) -> int:
-    """A MoE layer's router and expert biases (none in a dense one)."""
+    """A MoE layer's router, correction and expert biases (none in a dense one)."""
     if not self.moe_layers[layer]:
       return 0
     moe, f = self.moe, self.expert_mlp_dim
-    return moe.num_experts * (moe.router_bias + moe.expert_bias * (2 * f + self.d_model))
+    return moe.num_experts * (moe.router_bias + moe.score_correction
+                              + moe.expert_bias * (2 * f + self.d_model))
 
   @classmethod
   def tiny(cls, **overrides) -> DecoderConfig:

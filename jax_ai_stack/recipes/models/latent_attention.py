@@ -94,6 +94,8 @@ class LatentAttention(nnx.Module):
     self.attention_sharding = sharding
     self.scale = (config.attention_scale if config.attention_scale is not None
                   else shapes.qk_head_dim ** -0.5)
+    if config.rope_scaling is not None:  # YaRN's mscale_all_dim (DeepSeek-V3's long context).
+      self.scale *= config.rope_scaling.softmax_factor
     self.cache_dtype = config.dtype
 
   def cache_spec(self, paged: bool = True) -> Spec:

@@ -29,6 +29,12 @@ Llama 4's router (`router_score` "sigmoid", `weight_inputs`): the top-k logits, 
 expert's weight the sigmoid of its own, scaling the rows that enter the expert (the sorted
 tokens) rather than its output, which is then summed unweighted.
 
+DeepSeek-V3's router (`router_score` "sigmoid", `score_correction`, `router_groups`,
+`routed_scale`): the experts are chosen by their sigmoid scores plus a per-expert bias
+(`correction_bias`, which moves the choice only), among the experts of each token's best
+groups, and weighted by their uncorrected scores, renormalised, times a constant. Its shared
+experts are one ungated shared expert as wide as all of them.
+
 Beside its output a layer reports (`MoeStats`): the Switch load-balancing loss
 E * sum_e(f_e * P_e), with f_e the share of the N*k assignments expert e got
 and P_e its mean router probability (1 when balanced), the router z-loss
@@ -97,11 +103,15 @@ class Routing(NamedTuple):
 
 
 def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None = None,
-          score: str = "softmax") -> Routing:
+          score: str = "softmax", *, correction: jax.Array | None = None, groups: int = 1,
+          topk_groups: int = 1, scale: float = 1.0) -> Routing:
   """Top-k routing of router `logits` [N, E] (any float dtype; softmax in float32).
 
-  `score` "sigmoid" (Llama 4's): the k largest logits, each weighted by its own sigmoid
-  (the statistics still use the softmax's probabilities).
+  `score` "sigmoid" (Llama 4's, DeepSeek-V3's): the k largest sigmoids of the logits, each
+  weighted by its own (the statistics still use the softmax's probabilities); `correction`
+  [E] is added to them for the choice only, and with `groups` > 1 only the experts of the
+  `topk_groups` groups whose two best scores sum highest are chosen (`MoeConfig`).
+  `scale` multiplies the weights last (`MoeConfig.routed_scale`).
   `counted` [N] (bool): the tokens the statistics and losses are over (None: all).
   Padding is routed and computed like any token, but it would pull the balance
   loss towards whichever experts padding prefers, so the caller leaves it out.
@@ -110,12 +120,19 @@ def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None 
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)
   if score == "sigmoid":
-    top, experts = jax.lax.top_k(logits, k)
-    weights = jax.nn.sigmoid(top)
+    scores = jax.nn.sigmoid(logits)
+    if correction is None and groups == 1:  # The order of the sigmoids is the logits'.
+      _, experts = jax.lax.top_k(logits, k)
+    else:
+      choice = scores if correction is None else scores + correction.astype(jnp.float32)
+      _, experts = jax.lax.top_k(_within_best_groups(choice, groups, topk_groups), k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
   else:
     weights, experts = jax.lax.top_k(probs, k)
   if normalize:
     weights = weights / weights.sum(axis=-1, keepdims=True)
+  if scale != 1.0:
+    weights = weights * scale
   sizes = jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(1)
   z = jax.nn.logsumexp(logits, axis=-1) ** 2
   if counted is None:
@@ -128,6 +145,18 @@ def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None 
     z_loss = (z * weight).sum() / tokens
   balance = num_experts * jnp.sum(share * mean_probs)
   return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share))
+
+
+def _within_best_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
+  """`choice` [N, E] with the experts outside each token's `keep` best of `groups` equal groups
+  at -inf; a group's score is the sum of its two best (DeepSeek-V3's group-limited routing)."""
+  if groups == 1 or keep == groups:
+    return choice
+  tokens, experts = choice.shape
+  grouped = choice.reshape(tokens, groups, experts // groups)
+  _, best = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), keep)
+  chosen = jnp.zeros((tokens, groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
+  return jnp.where(chosen[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
 
 
 class MoE(nnx.Module):
@@ -150,6 +179,11 @@ class MoE(nnx.Module):
     self.router = nnx.Linear(d, e, use_bias=moe.router_bias, rngs=rngs, **dtypes, kernel_init=(
         nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None))),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros, (None,)))
+    # DeepSeek-V3's choice-only bias: a float32 Param whose gradient is zero (see MoeConfig).
+    self.correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,)) \
+        if moe.score_correction else None
+    self.groups = (moe.router_groups, moe.router_topk_groups)
+    self.routed_scale = moe.routed_scale
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
     param_dtype = jnp.dtype(config.param_dtype)
 
@@ -192,7 +226,10 @@ class MoE(nnx.Module):
     the statistics leave out padding (segment id 0)."""
     tokens = x.reshape(-1, x.shape[-1])
     counted = None if segment_ids is None else segment_ids.reshape(-1) != 0
-    routing = route(self.router(tokens), self.k, self.normalize, counted, self.score)
+    correction = None if self.correction_bias is None else self.correction_bias[...]
+    routing = route(self.router(tokens), self.k, self.normalize, counted, self.score,
+                    correction=correction, groups=self.groups[0], topk_groups=self.groups[1],
+                    scale=self.routed_scale)
     params = {name: getattr(self, name)[...].astype(self.dtype)
               for name in (*self.in_names, "down_proj", *self.bias_names)}
     down_bias = params.pop("down_proj_bias", None)

@@ -21,7 +21,7 @@ GroupedMatmul = Literal["auto", "tokamax", "xla", "blocked", "dense"]
 @config_dataclass
 class MoeConfig:
   """Mixture-of-experts feed-forward layers (`model.moe`; Mixtral, Qwen3-MoE, Qwen2-MoE,
-  GPT-OSS, Llama 4).
+  GPT-OSS, Llama 4, DeepSeek-V3).
 
   A router scores each token against every expert (softmax in float32) and its
   `num_experts_per_tok` best experts (ties: the lower index) each run their own
@@ -64,7 +64,21 @@ class MoeConfig:
   the gate in the even columns and the up in the odd (GPT-OSS's layout, kept as it is)."""
   router_score: Literal["softmax", "sigmoid"] = "softmax"
   """The chosen experts' weights: their probabilities of the softmax over every logit, or
-  ("sigmoid", Llama 4's) the sigmoid of each chosen logit alone, top-k of the logits."""
+  ("sigmoid", Llama 4's and DeepSeek-V3's) the sigmoid of each chosen logit alone, top-k of
+  the sigmoids (plus `score_correction`'s bias, within `router_groups`)."""
+  score_correction: bool = False
+  """A per-expert bias added to the sigmoid scores to choose the experts, not to weight them
+  (DeepSeek-V3's `e_score_correction_bias`, its auxiliary-loss-free balancing). Its gradient is
+  zero (it moves only the top-k's choice), so training leaves it as imported."""
+  router_groups: PositiveInt = 1
+  """The experts split into this many equal groups, each scored by the sum of its two best
+  (corrected) scores; a token chooses only among the experts of its `router_topk_groups` best
+  groups (DeepSeek-V3's `n_group`, `topk_group`: group-limited routing)."""
+  router_topk_groups: PositiveInt = 1
+  """The groups a token's experts come from (all of them: `router_groups`)."""
+  routed_scale: PositiveFloat = 1.0
+  """Multiplies the routed experts' weights, after any renormalisation (DeepSeek-V3's
+  `routed_scaling_factor`)."""
   weight_inputs: bool = False
   """The router's weight scales the token going into each chosen expert, expert(w * x),
   instead of what comes out, w * expert(x) (Llama 4's; the same for a linear expert only)."""
@@ -90,3 +104,16 @@ class MoeConfig:
       raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is above "
                        f"moe.num_experts={self.num_experts}: a token cannot pick more experts "
                        "than there are")
+    if (self.score_correction or self.router_groups > 1) and self.router_score != "sigmoid":
+      raise ValueError("moe.score_correction and moe.router_groups are DeepSeek's sigmoid "
+                       "routing: set moe.router_score=sigmoid")
+    groups, chosen = self.router_groups, self.router_topk_groups
+    if self.num_experts % groups or chosen > groups or (
+        groups > 1 and self.num_experts // groups < 2):
+      raise ValueError(f"moe.router_groups={groups} must split moe.num_experts="
+                       f"{self.num_experts} into equal groups of at least 2, and "
+                       f"moe.router_topk_groups={chosen} be at most that many")
+    if groups > 1 and chosen * (self.num_experts // groups) < self.num_experts_per_tok:
+      raise ValueError(f"moe.router_topk_groups={chosen} groups of {self.num_experts // groups} "
+                       f"experts hold fewer than moe.num_experts_per_tok="
+                       f"{self.num_experts_per_tok}")

@@ -88,7 +88,7 @@ def _yarn_inv_freq(inv_freq: jax.Array, head_dim: int, theta: float,
 
 def attention_factor(scaling: RopeScaling | None) -> float:
   """What YaRN and LongRoPE multiply sin and cos by (`RopeScaling.attention_factor`; by
-  default YaRN's 0.1 ln(factor) + 1 and LongRoPE's sqrt(1 + ln(factor) / ln(original
+  default YaRN's 0.1 ln(factor) + 1 (or its `mscale` ratio) and LongRoPE's sqrt(1 + ln(factor) / ln(original
   context)), 1 for factor <= 1); 1 for the other scalings."""
   if scaling is None or scaling.kind not in ("yarn", "longrope"):
     return 1.0
@@ -97,7 +97,9 @@ def attention_factor(scaling: RopeScaling | None) -> float:
   if scaling.factor <= 1:
     return 1.0
   if scaling.kind == "yarn":
-    return 0.1 * math.log(scaling.factor) + 1.0
+    if scaling.mscale and scaling.mscale_all_dim:  # DeepSeek-V3's.
+      return scaling.yarn_mscale(scaling.mscale) / scaling.yarn_mscale(scaling.mscale_all_dim)
+    return scaling.yarn_mscale(1.0)
   return math.sqrt(1 + math.log(scaling.factor)
                    / math.log(scaling.original_max_position_embeddings))
 

@@ -8,9 +8,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 
 from jax_ai_stack.recipes.configlib import config_dataclass
 
@@ -34,7 +35,8 @@ class RopeScaling:
   1/theta^(2i/H) blended with it divided by `factor` by a ramp over i from the dimension
   that turns `beta_fast` times in `original_max_position_embeddings` to the one that turns
   `beta_slow` times (those bounds floored and ceiled with `truncate`), and sin and cos are
-  multiplied by `attention_factor` (default 0.1 ln(factor) + 1).
+  multiplied by `attention_factor` (default 0.1 ln(factor) + 1; DeepSeek's `mscale` and
+  `mscale_all_dim` change it, and latent attention's softmax scale).
   """
 
   kind: Literal["llama3", "linear", "longrope", "yarn"] = "llama3"
@@ -64,6 +66,24 @@ class RopeScaling:
   """"longrope" and "yarn": the factor on sin and cos (so on the logits, squared); None: the
   kind's default, YaRN's 0.1 ln(factor) + 1, LongRoPE's sqrt(1 + ln(factor) /
   ln(original_max_position_embeddings)) (1 where factor <= 1; import-hf writes it)."""
+  mscale: NonNegativeFloat | None = None
+  """YaRN (DeepSeek-V3's): with `mscale_all_dim`, the default `attention_factor` is
+  mscale(mscale) / mscale(mscale_all_dim), where mscale(m) = 0.1 m ln(factor) + 1."""
+  mscale_all_dim: NonNegativeFloat | None = None
+  """YaRN (DeepSeek-V3's): latent attention's softmax scale is multiplied by
+  mscale(mscale_all_dim)^2 (`softmax_factor`), as transformers' DeepSeek-V3 attention does."""
+
+  def yarn_mscale(self, m: float) -> float:
+    """YaRN's 0.1 m ln(factor) + 1 (1 where factor <= 1)."""
+    return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+  @property
+  def softmax_factor(self) -> float:
+    """What latent attention multiplies its softmax scale by: mscale(mscale_all_dim)^2 of a
+    YaRN scaling that sets it, else 1."""
+    if self.kind != "yarn" or not self.mscale_all_dim:
+      return 1.0
+    return self.yarn_mscale(self.mscale_all_dim) ** 2
 
   def __post_init__(self):
     if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:

@@ -56,6 +56,7 @@ _EXPORTS = {
     "WEIGHTS_FILE": "layout", "Tensor": "layout", "tensors": "layout",
     "PROGRESS_MIN_BYTES": "reader", "Stored": "reader", "check_weights": "reader",
     "load_model": "reader", "load_params": "reader", "read_index": "reader",
+    "unread_layers": "reader",
     "DEFAULT_MAX_SHARD_BYTES": "writer", "save": "writer", "writes": "writer",
 }
 __all__ = [*_SUBMODULES, *_EXPORTS]

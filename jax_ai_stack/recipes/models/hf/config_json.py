@@ -150,8 +150,8 @@ llama_fields = decoder_fields
 
 
 _ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
-_YARN_UNREAD = ("mscale", "mscale_all_dim", "partial_rotary_factor")
-"""YaRN keys of other families (DeepSeek-V3's mscale) that are refused where set."""
+_YARN_UNREAD = ("partial_rotary_factor",)
+"""YaRN keys that are refused where set."""
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -225,6 +225,8 @@ def _longrope(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
               short_factor=tuple(float(x) for x in rope["short_factor"]),
               long_factor=tuple(float(x) for x in rope["long_factor"]),
               attention_factor=float(attention))
+
+
 def _yarn(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
           source: str) -> dict[str, Any]:
   """YaRN's `RopeScaling`, with transformers' defaults (beta_fast 32, beta_slow 1, truncate)."""
@@ -239,6 +241,7 @@ def _yarn(hf: Mapping[str, Any], field: str, rope: Mapping[str, Any],
   return dict(kind="yarn", factor=rope["factor"], beta_fast=rope.get("beta_fast") or 32.0,
               beta_slow=rope.get("beta_slow") or 1.0, truncate=bool(rope.get("truncate", True)),
               attention_factor=rope.get("attention_factor"),
+              mscale=rope.get("mscale") or None, mscale_all_dim=rope.get("mscale_all_dim") or None,
               original_max_position_embeddings=original)
 
 
@@ -309,6 +312,9 @@ def hf_rope_scaling(config: DecoderConfig) -> dict[str, Any] | None:
             "original_max_position_embeddings": scaling.original_max_position_embeddings}
     if scaling.attention_factor is not None:
       yarn["attention_factor"] = scaling.attention_factor
+    for key in ("mscale", "mscale_all_dim"):
+      if getattr(scaling, key) is not None:
+        yarn[key] = getattr(scaling, key)
     return yarn
   return {
       "rope_type": scaling.kind,

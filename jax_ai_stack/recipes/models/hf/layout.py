@@ -269,7 +269,8 @@ def _mlp_tensors(config: DecoderConfig, layer: int, hf: str, ours: tuple) -> lis
             if experts.shared_expert else "no shared expert")
         + f": moe.shared_expert_dim={config.moe.shared_expert_dim}, moe.shared_expert_gate="
         f"{config.moe.shared_expert_gate} cannot be written as it")
-  fixed = {**families.MOE_LAYOUT, **experts.moe}
+  fixed = {name: value for name, value in {**families.MOE_LAYOUT, **experts.moe}.items()
+           if name not in experts.routing}
   if wrong := [name for name, value in fixed.items() if getattr(config.moe, name) != value]:
     from jax_ai_stack.errors import ConfigError
 
@@ -279,6 +280,9 @@ def _mlp_tensors(config: DecoderConfig, layer: int, hf: str, ours: tuple) -> lis
   out = [Tensor(block + f"{experts.router}.weight", (*ours, "mlp", "router", "kernel"), 1)]
   if config.moe.router_bias:
     out.append(Tensor(block + f"{experts.router}.bias", (*ours, "mlp", "router", "bias")))
+  if config.moe.score_correction:
+    out.append(Tensor(block + f"{experts.router}.{experts.correction_bias}",
+                      (*ours, "mlp", "correction_bias")))
   if experts.stacked:
     stacked = {weight: Tensor(block + f"experts.{theirs}", (*ours, "mlp", weight))
                for weight, theirs in experts.weights.items()}

@@ -122,14 +122,29 @@ def check_weights(directory: str | os.PathLike, config: DecoderConfig) -> dict[s
   if config.tie_embeddings:
     known.add(head_name(prefix))  # Some tied checkpoints store the copy; it is the embedding.
   others = OTHER_TOWERS if prefix != TEXT_PREFIX else ()
+  unread = set(unread_layers(stored, config))
   extra = sorted(name for name in stored if name not in known and not name.endswith(_IGNORED)
-                 and not name.startswith(others))
+                 and not name.startswith(others) and name not in unread)
   if extra:
     shown = ", ".join(repr(n) for n in extra[:5])
     shown += f" and {len(extra) - 5} more" if len(extra) > 5 else ""
     raise ModelFileError(f"{directory}: unexpected tensor(s) {shown}: the config.json does not "
                          "describe these weights")
   return stored
+
+
+def unread_layers(names, config: DecoderConfig) -> list[str]:
+  """The tensors among `names` of layers past the decoder's (`layers.{i}.` with i >=
+  num_layers) where its family's checkpoints hold multi-token prediction layers there
+  (`HFFamily.prediction_layers`, DeepSeek-V3's): not read. Empty for other families."""
+  from jax_ai_stack.recipes.models.hf import families
+
+  if not families.for_kind(config.kind).prediction_layers:
+    return []
+  prefix = f"{text_prefix(names)}layers."
+  return sorted(name for name in names if name.startswith(prefix)
+                and name[len(prefix):].split(".", 1)[0].isdigit()
+                and int(name[len(prefix):].split(".", 1)[0]) >= config.num_layers)
 
 
 def load_params(directory: str | os.PathLike, config: DecoderConfig,

@@ -63,11 +63,20 @@ class Experts:
   moe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   """The `MoeConfig` fields of its layout (`MOE_LAYOUT`) that are not their defaults; a
   model.moe with others cannot be written as this family."""
+  correction_bias: str | None = None
+  """The router's choice-only bias (`MoeConfig.score_correction`), `<block>.<router>.<name>`
+  [E] (DeepSeek-V3's `e_score_correction_bias`)."""
+  routing: tuple[str, ...] = ()
+  """`MOE_LAYOUT` fields its config.json states, so that any value of them can be written
+  (DeepSeek-V3's group-limited routing)."""
 
 
 MOE_LAYOUT = {"router_bias": False, "expert_bias": False, "interleaved_gate_up": False,
-              "expert_activation": "gated", "router_score": "softmax", "weight_inputs": False}
-"""The `MoeConfig` fields a family's tensor layout fixes, and their defaults."""
+              "expert_activation": "gated", "router_score": "softmax", "weight_inputs": False,
+              "score_correction": False, "router_groups": 1, "router_topk_groups": 1,
+              "routed_scale": 1.0}
+"""The `MoeConfig` fields a family's layout fixes (its tensors, or what its config.json cannot
+state), and their defaults."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +122,9 @@ class HFFamily:
   latent_attention: bool = False
   """Its attention is multi-head latent attention (`DecoderConfig.latent_attention`, which
   its kind then needs): DeepSeek-V3's tensors (`layout.tensors`)."""
+  prediction_layers: bool = False
+  """Its checkpoints may hold multi-token prediction layers after the decoder's
+  (`layers.{num_hidden_layers}.*`, DeepSeek-V3's), which are not read (`reader.unread_layers`)."""
   interleaved_rope: bool = False
   """Its RoPE turns features (2i, 2i + 1) of each head together (complex pairs: Llama 4's),
   not ours (i, i + H/2): q_proj's and k_proj's rows are reordered on import, and back on
