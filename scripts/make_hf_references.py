@@ -7,7 +7,7 @@ experts with and without renormalised router weights, a dense layer among sparse
 a gated shared expert, attention sinks, YaRN with a ramp inside the head, a SwiGLU clamp
 the activations reach, chunks shorter than the sequence, a NoPE layer's temperature,
 latent attention with a queries' latent and interleaved RoPE, group-limited sigmoid routing
-with a correction bias, YaRN's mscale),
+with a correction bias, YaRN's mscale, gated DeltaNet layers between gated attention),
 saved as transformers saves it, plus its float32 logits on fixed tokens and its
 greedy continuation of a prompt:
 
@@ -124,6 +124,13 @@ CONFIGS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                          "mscale": 0.7, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 8}, **_TOKEN_IDS)),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, mlp_only_layers=[2], norm_topk_prob=True,
+        tie_word_embeddings=False, **_TOKEN_IDS)),
     "olmo3-yarn": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(  # Long context.
         num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False,
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 8.0,
@@ -136,7 +143,7 @@ CONFIGS = {
 SEEDS = {"qwen2": 0, "qwen3": 1, "mistral": 2, "gemma2": 3, "gemma3": 4, "gemma3-conditional": 5,
          "mixtral": 6, "qwen3_moe": 7, "olmo2": 8, "olmo3": 9, "smollm3": 10, "phi3": 11,
          "qwen2_moe": 8, "gpt_oss": 9, "olmo3-yarn": 14, "llama4": 15, "deepseek_v3": 16,
-         "deepseek_v3-moe": 17}
+         "deepseek_v3-moe": 17, "qwen3_next": 18}
 """Every reference and its seed, fixed once written (two families added side by side took
 the same next seeds; a seed need not be unique, only kept)."""
 ORDER = list(SEEDS)

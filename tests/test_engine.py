@@ -38,7 +38,7 @@ def tiny():
     pytest.param(name, marks=pytest.mark.slow)
     for name in ("gemma2", "mixtral", "qwen3", "mistral", "gemma3", "qwen3_moe",
                  "olmo2", "olmo3", "smollm3", "phi3", "qwen2_moe", "gpt_oss", "llama4",
-                 "deepseek_v3-moe"))])
+                 "deepseek_v3-moe", "qwen3_next"))])
 def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
   """Two slots for three prompts: the third is admitted mid-way, into a freed slot."""
   if name == "llama-scanned":

@@ -31,7 +31,7 @@ from multidevice import run_on_devices
 REFERENCES = pathlib.Path(__file__).parent / "references" / "hf"
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-conditional", "mixtral",
             "qwen3_moe", "olmo2", "olmo3", "smollm3", "phi3", "qwen2_moe", "gpt_oss", "olmo3-yarn",
-            "llama4", "deepseek_v3", "deepseek_v3-moe"]
+            "llama4", "deepseek_v3", "deepseek_v3-moe", "qwen3_next"]
 CAUSAL = [name for name in FAMILIES if name != "gemma3-conditional"]
 ATOL = 1e-4
 """float32 logits of about 5 in magnitude, summed in another order than torch's."""
@@ -108,6 +108,12 @@ def test_each_reference_exercises_its_family_s_switches():
   assert moe.router_score == "sigmoid" and moe.weight_inputs
   assert moe.num_experts_per_tok == 1 and moe.shared_expert_dim == llama4.expert_mlp_dim
   assert llama4.expert_mlp_dim != llama4.mlp_dim
+  qwen3_next = configs["qwen3_next"]
+  assert qwen3_next.layer_types == ("linear", "full", "linear")
+  assert qwen3_next.attention_output_gate and qwen3_next.norm_offset == 1.0
+  assert qwen3_next.rotary_dim == qwen3_next.resolved_head_dim // 4
+  assert qwen3_next.moe_layers == (True, True, False) and qwen3_next.moe.shared_expert_gate
+  assert qwen3_next.linear_attention.num_value_heads > qwen3_next.linear_attention.num_key_heads
 
 
 def _with(config: DecoderConfig, **changes) -> DecoderConfig:
@@ -138,6 +144,8 @@ def _with(config: DecoderConfig, **changes) -> DecoderConfig:
     ("llama4", dict(qk_l2_norm=False)),
     ("llama4", dict(nope_temperature=None)),
     ("llama4", dict(rope_scaling=None)),
+    ("qwen3_next", dict(rotary_dim=None)),
+    ("qwen3_next", dict(norm_offset=0.0)),
 ])
 def test_turning_a_switch_off_moves_the_logits_far_past_the_tolerance(name, changes):
   model = hf.load_model(REFERENCES / name)
@@ -378,8 +386,8 @@ def _copy_reference(name: str, tmp_path: pathlib.Path, **config_changes) -> path
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("qwen3", {"architectures": ["Qwen3NextForCausalLM"]},
-     r"architectures=\['Qwen3NextForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
+    ("qwen3", {"architectures": ["MambaForCausalLM"]},
+     r"architectures=\['MambaForCausalLM'\] is not supported: supported: LlamaForCausalLM, "
      r"Qwen2ForCausalLM"),
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=False is not supported"),
     ("deepseek_v3", {"attention_bias": True}, "attention_bias=True is not supported"),

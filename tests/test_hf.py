@@ -250,7 +250,7 @@ def test_bfloat16_tensors_are_cast_to_the_parameter_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("architectures", ["Qwen3NextForCausalLM"]),
+    ("architectures", ["MambaForCausalLM"]),
     ("model_type", "mistral"),
     ("hidden_act", "gelu"),
     ("rope_scaling", {"rope_type": "ntk", "factor": 8.0}),

@@ -309,7 +309,7 @@ def test_the_memory_plan_of_a_moe_model_is_measured():
 
 
 @pytest.mark.parametrize("preset", ["qwen2_moe-tiny", "gpt_oss-tiny", "llama4-tiny",
-                                    "deepseek_v3-tiny"])
+                                    "deepseek_v3-tiny", "qwen3_next-tiny"])
 def test_the_memory_plan_counts_a_family_s_expert_weights(preset):
   """Shared experts and their gates (and every other weight a family adds) are counted: the
   plan's parameter bytes are the config's count, which equals the built model's."""
@@ -429,7 +429,12 @@ FAMILY_PRESETS = {"qwen2_moe-tiny": ["model.moe.dense_layers=[]", "model.moe.exp
                                        "model.moe.shared_expert_dim=32",
                                        "model.moe.router_groups=2", "model.moe.router_topk_groups=1",
                                        "model.latent_attention={kv_lora_rank: 16, q_lora_rank: 12, "
-                                       "qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}"]}
+                                       "qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}"],
+                  "qwen3_next-tiny": ["model.layer_types=[linear,full]", "model.rotary_dim=4",
+                                      "model.moe.expert_mlp_dim=16",
+                                      "model.moe.shared_expert_dim=24",
+                                      "model.linear_attention={num_key_heads: 1, "
+                                      "num_value_heads: 2, key_head_dim: 8, value_head_dim: 8}"]}
 
 
 @pytest.mark.slow
@@ -451,7 +456,11 @@ def test_a_moe_family_preset_trains_lora_adapts_and_exports(preset, tmp_path):
   tokens = jnp.arange(16, dtype=jnp.int32)[None]
   try:
     assert run.config.model.kind == preset.removesuffix("-tiny")
-    assert adapters.adapter_pairs(run.model)
+    adapted = adapters.adapter_pairs(run.model)
+    assert adapted
+    if preset == "qwen3_next-tiny":  # The gated DeltaNet's projections too.
+      assert {"layers/0/attention/in_proj_qkvz/kernel",
+              "layers/0/attention/out_proj/kernel"} <= set(adapted)
     logits = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, tokens))
   finally:
     run.close()

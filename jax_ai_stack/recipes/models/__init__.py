@@ -6,7 +6,9 @@ in `configs`, which imports no jax; `layers` holds the decoder's layers, `block`
 of them, `cache` what a layer caches for decoding (its spec, laid out for the engine),
 `rope` the rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
 feed-forward layers (Mixtral, Qwen3-MoE), `latent_attention` DeepSeek's multi-head latent
-attention (its shapes in `latent_config`), `activation_memory` what a
+attention (its shapes in `latent_config`), `linear_attention` Qwen3-Next's gated DeltaNet
+(its shapes in `linear_config`), `param_count` a config's parameters and FLOPs,
+`activation_memory` what a
 decoder keeps for the backward pass; `hf` reads and writes Hugging Face
 directories (config.json + safetensors); `layer_stack` converts a decoder between
 the unrolled and the scanned (`scan_layers`) layouts. `Llama` and `LlamaConfig`, the
@@ -25,8 +27,8 @@ from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("decoder", "activation_memory", "adapting", "block", "cache", "cnn", "cnn_config",
                "configs", "custom_config", "decoding", "head", "hf", "latent_attention",
-               "latent_config", "layer_stack", "layers", "llama", "mlp", "moe", "moe_config",
-               "rope", "rope_config")
+               "latent_config", "layer_stack", "layers", "linear_attention", "linear_config",
+               "llama", "mlp", "moe", "moe_config", "param_count", "rope", "rope_config")
 _EXPORTS = {
     "Decoder": "decoder",
     "DecoderConfig": "configs",

@@ -1,5 +1,6 @@
-"""One decoder block: its attention (grouped-query, or multi-head latent) and its MLP (dense,
-or a mixture of experts), each between its norms and a residual add.
+"""One decoder block: its attention (grouped-query, multi-head latent, or a gated DeltaNet's
+linear attention) and its MLP (dense, or a mixture of experts), each between its norms and a
+residual add.
 
 Example:
   >>> import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jax_ai_stack import kernels
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.latent_attention import LatentAttention
 from jax_ai_stack.recipes.models.layers import MLP, Attention, constrain, rms_norm
+from jax_ai_stack.recipes.models.linear_attention import GatedDeltaNet
 from jax_ai_stack.recipes.models.moe import MoE
 from jax_ai_stack.recipes.models.rope import RopeTables
 
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 class Block(nnx.Module):
   """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
 
-  The attention is grouped-query (`Attention`), or multi-head latent attention
-  (`latent_attention.LatentAttention`) with `config.latent_attention`.
+  The attention is grouped-query (`Attention`), multi-head latent attention
+  (`latent_attention.LatentAttention`) with `config.latent_attention`, or in a "linear"
+  layer a gated DeltaNet (`linear_attention.GatedDeltaNet`).
 
   With `post_norms` (Gemma 2/3) each branch's output is normed before its add; without
   `pre_norms` (OLMo 2/3) each branch reads x itself.
@@ -48,7 +51,9 @@ class Block(nnx.Module):
                layout: Layout | None = None, layer: int = 0):
     self.attention_norm = rms_norm(config, rngs) if config.pre_norms else None
     sharding = layout.attention() if layout else None
-    if config.latent_attention is not None:
+    if config.resolved_layer_types[layer] == "linear":
+      self.attention = GatedDeltaNet(config, config.linear_attention, rngs=rngs)
+    elif config.latent_attention is not None:
       self.attention = LatentAttention(config, config.latent_attention, attention, rngs=rngs,
                                        sharding=sharding, layer=layer)
     else:

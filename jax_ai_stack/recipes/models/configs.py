@@ -23,13 +23,14 @@ from jax_ai_stack.recipes.configlib import config_dataclass
 from jax_ai_stack.recipes.models.custom_config import CustomModelConfig  # noqa: F401 - was here
 from jax_ai_stack.recipes.models.hf import families as hf_families
 from jax_ai_stack.recipes.models.latent_config import LatentAttentionConfig
+from jax_ai_stack.recipes.models.linear_config import LinearAttentionConfig
 from jax_ai_stack.recipes.models.moe_config import GroupedMatmul, MoeConfig  # noqa: F401
 from jax_ai_stack.recipes.models.rope_config import RopeScaling  # noqa: F401 - was here
 
 DECODER_PROJECTIONS = ("q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj|kv_b_proj|"
-                       "gate_proj|up_proj|down_proj")
-"""The decoder's attention and MLP projections (latent attention's among them): the layers
-LoRA adapts by default."""
+                       "in_proj_qkvz|in_proj_ba|out_proj|gate_proj|up_proj|down_proj")
+"""The decoder's attention and MLP projections (latent attention's and the gated DeltaNet's
+among them): the layers LoRA adapts by default."""
 
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "save_dots"]
@@ -41,7 +42,9 @@ MOE_KINDS = tuple(family.kind for family in _FAMILIES if family.experts is not N
 """The kinds whose feed-forward layers are mixtures of experts (`DecoderConfig.moe`)."""
 LATENT_KINDS = tuple(family.kind for family in _FAMILIES if family.latent_attention)
 """The kinds whose attention is multi-head latent attention (`DecoderConfig.latent_attention`)."""
-LayerType = Literal["full", "sliding", "chunked"]
+LINEAR_KINDS = tuple(family.kind for family in _FAMILIES if family.linear_attention)
+"""The kinds with gated DeltaNet layers ("linear" in `layer_types`)."""
+LayerType = Literal["full", "sliding", "chunked", "linear"]
 
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     family.kind: dict(family.switches) for family in _FAMILIES if family.switches}
@@ -56,7 +59,7 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_norm_scope", "norm_offset", "pre_norms", 
             "embed_scale", "mlp_activation", "attn_logit_softcap", "final_logit_softcap",
             "query_pre_attn_scalar", "layer_types", "sliding_window", "local_rope_theta",
             "nope_layers", "rotary_dim", "o_proj_bias", "attention_sinks", "attention_chunk_size",
-            "qk_l2_norm", "nope_temperature")
+            "qk_l2_norm", "nope_temperature", "attention_output_gate")
 """The architectural switches of `DecoderConfig`, in the order its docstring lists them."""
 
 
@@ -101,6 +104,9 @@ class DecoderConfig:
   """Multi-head latent attention's shapes (the latent kinds, `LATENT_KINDS`: deepseek_v3,
   which need it); None: grouped-query attention of `num_kv_heads` x `head_dim`. With it
   `head_dim` is a query's and key's features (qk_nope_head_dim + qk_rope_head_dim)."""
+  linear_attention: LinearAttentionConfig | None = None
+  """The shapes of the "linear" layers of `layer_types` (gated DeltaNet: the kinds of
+  `LINEAR_KINDS`, qwen3_next), which need it."""
   rope_theta: PositiveFloat = 10_000.0
   """RoPE base frequency; larger values suit longer contexts (Llama 3: 500000)."""
   rope_scaling: RopeScaling | None = None
@@ -146,9 +152,9 @@ class DecoderConfig:
   """Attention logits are scaled by query_pre_attn_scalar ** -0.5 (Gemma's);
   None: head_dim ** -0.5."""
   layer_types: tuple[LayerType, ...] | None = None
-  """Each layer's attention, "full", "sliding" or "chunked" (`attention_chunk_size`) (one
-  entry per layer); None: every layer "sliding" when `sliding_window` is set (Mistral), else
-  "full"."""
+  """Each layer's attention, "full", "sliding", "chunked" (`attention_chunk_size`) or
+  "linear" (gated DeltaNet, `linear_attention`) (one entry per layer); None: every layer
+  "sliding" when `sliding_window` is set (Mistral), else "full"."""
   sliding_window: PositiveInt | None = None
   """Keys a query of a "sliding" layer sees, itself included (Hugging Face's
   `sliding_window`: key j is seen from query i when i - window < j <= i)."""
@@ -175,6 +181,9 @@ class DecoderConfig:
   nope_temperature: tuple[PositiveFloat, PositiveFloat] | None = None
   """(floor_scale, attn_scale): the NoPE layers' queries at position p are multiplied by
   1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) (Llama 4's attention temperature)."""
+  attention_output_gate: bool = False
+  """q_proj also makes a gate per query feature, [q, gate] per head; the attention's output
+  is multiplied by its sigmoid before o_proj (Qwen3-Next's gated attention)."""
   dtype: DType = "float32"
   """Compute dtype of activations and matmuls; logits are always float32. bfloat16
   pays on GPU and TPU; on CPU, XLA gives its matmuls float32 results plus converts,
@@ -251,6 +260,12 @@ class DecoderConfig:
       raise ValueError("layer_types names 'sliding' layers but sliding_window is not set")
     if "chunked" in self.resolved_layer_types and self.attention_chunk_size is None:
       raise ValueError("layer_types names 'chunked' layers but attention_chunk_size is not set")
+    linear = "linear" in self.resolved_layer_types
+    if linear != (self.linear_attention is not None) or (linear and self.kind not in
+                                                         LINEAR_KINDS):
+      raise ValueError(f"'linear' layers (layer_types) need model.linear_attention and kind "
+                       f"{' or '.join(LINEAR_KINDS)}; got kind={self.kind!r}, "
+                       f"linear_attention={self.linear_attention}")
     if (self.kind in MOE_KINDS) != (self.moe is not None):
       raise ValueError(f"kind={self.kind!r} " + (
           "is a mixture of experts: set model.moe (e.g. model.moe.num_experts=8)"
@@ -351,59 +366,17 @@ class DecoderConfig:
     return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
   def num_params(self) -> int:
-    """Parameter count, from the shapes alone (no arrays are built)."""
-    embed = self.padded_vocab_size * self.d_model
-    h = self.resolved_head_dim
-    qk_norms = 2 * h if self.qk_norm_scope == "head" else (self.num_heads + self.num_kv_heads) * h
-    norms = (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + (
-        qk_norms if self.qk_norm else 0)
-    if (latent := self.latent_attention) is not None:  # Its latents' norms.
-      norms += (latent.q_lora_rank or 0) + latent.kv_lora_rank
-    biases = (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
-    biases += self.d_model * self.o_proj_bias + self.num_heads * self.attention_sinks
-    blocks = sum(self._block_matmul_params(layer, active=False) + norms + biases
-                 + self._block_bias_params(layer) for layer in range(self.num_layers))
-    head = 0 if self.tie_embeddings else embed
-    return embed + blocks + self.d_model + head  # + the final norm
+    """Parameter count, from the shapes alone (no arrays are built: `param_count`)."""
+    from jax_ai_stack.recipes.models import param_count
+
+    return param_count.num_params(self)
 
   def flops_per_token(self, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward), as PaLM counts them for MFU.
+    """Training FLOPs per token (forward + backward), as PaLM counts them for MFU
+    (`param_count.flops_per_token`)."""
+    from jax_ai_stack.recipes.models import param_count
 
-    6 per weight of every matmul a token goes through (the output head is one, tied
-    or not, with its padded rows, which it computes; the embedding lookup is not;
-    of a MoE layer the router and the `num_experts_per_tok` experts it picks) plus
-    12 * layers * heads * head_dim * seq_len for the attention scores and their
-    weighted sum, not halved for the causal mask.
-    """
-    matmul_weights = (sum(self._block_matmul_params(layer, active=True)
-                          for layer in range(self.num_layers))
-                      + self.padded_vocab_size * self.d_model)
-    attention = 12 * self.num_layers * self.num_heads * self.resolved_head_dim * seq_len
-    return 6 * matmul_weights + attention
-
-  def _block_matmul_params(self, layer: int, *, active: bool) -> int:
-    """Matmul weights of `layer`: all of them, or (`active`) those one token uses."""
-    d, h = self.d_model, self.resolved_head_dim
-    attention = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-    if (latent := self.latent_attention) is not None:
-      r, q_rank, n = latent.kv_lora_rank, latent.q_lora_rank, self.num_heads
-      queries = d * n * h if q_rank is None else q_rank * (d + n * h)
-      attention = (queries + d * (r + latent.qk_rope_head_dim)
-                   + r * n * (latent.qk_nope_head_dim + latent.v_head_dim)
-                   + n * latent.v_head_dim * d)
-    if not self.moe_layers[layer]:
-      return attention + 3 * d * self.mlp_dim
-    experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
-    shared = 3 * d * (self.moe.shared_expert_dim or 0) + d * self.moe.shared_expert_gate
-    return attention + d * self.moe.num_experts + experts * 3 * d * self.expert_mlp_dim + shared
-
-  def _block_bias_params(self, layer: int) -> int:
-    """A MoE layer's router, correction and expert biases (none in a dense one)."""
-    if not self.moe_layers[layer]:
-      return 0
-    moe, f = self.moe, self.expert_mlp_dim
-    return moe.num_experts * (moe.router_bias + moe.score_correction
-                              + moe.expert_bias * (2 * f + self.d_model))
+    return param_count.flops_per_token(self, seq_len)
 
   @classmethod
   def tiny(cls, **overrides) -> DecoderConfig:

@@ -72,15 +72,16 @@ class Attention(nnx.Module):
     dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
     in_init = _fan_in_init(in_axis=0, out_axis=(1, 2))
 
-    def projection(heads: int, axis: str) -> nnx.Einsum:
-      bias = dict(bias_shape=(heads, h), bias_init=nnx.with_partitioning(
+    def projection(heads: int, axis: str, width: int = h) -> nnx.Einsum:
+      bias = dict(bias_shape=(heads, width), bias_init=nnx.with_partitioning(
           nnx.initializers.zeros, (axis, "head_dim"))) if config.qkv_bias else {}
       return nnx.Einsum(
-          "btd,dnh->btnh", (d, heads, h), rngs=rngs, **dtypes, **bias,
+          "btd,dnh->btnh", (d, heads, width), rngs=rngs, **dtypes, **bias,
           kernel_init=nnx.with_partitioning(in_init, ("embed", axis, "head_dim")),
       )
 
-    self.q_proj = projection(n, "heads")
+    self.output_gate = config.attention_output_gate  # q_proj's heads: [q, gate] each.
+    self.q_proj = projection(n, "heads", 2 * h if self.output_gate else h)
     self.k_proj = projection(k, "kv_heads")
     self.v_proj = projection(k, "kv_heads")
     out_bias = dict(bias_shape=(d,), bias_init=nnx.with_partitioning(
@@ -174,6 +175,9 @@ class Attention(nnx.Module):
     the row's positions before.
     """
     q, k = self.q_proj(x), self.k_proj(x)
+    gate = None
+    if self.output_gate:
+      q, gate = jnp.split(q, 2, axis=-1)
     if self.q_norm is not None:
       q, k = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k)
     if self.use_rope:
@@ -183,9 +187,10 @@ class Attention(nnx.Module):
     window = self.local_window
     if cache is None:
       out = self._attend(q, k, v, causal=True, segment_ids=segment_ids, local_window=window)
-      return self.o_proj(out), None
+      return self._output(out, gate), None
     if cache.block_table is not None:
-      return self._decode_pages(q, k, v, cache)
+      out, state = self._decode_pages(q, k, v, cache)
+      return self._output(out, gate), state
     keys, values, length = cache.state["keys"], cache.state["values"], cache.length
     keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), length, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(
@@ -201,7 +206,14 @@ class Attention(nnx.Module):
     else:
       seen = jnp.full((x.shape[0],), length + 1, dtype=jnp.int32)
       out = self._attend(q, keys, values, causal=False, kv_seq_lengths=seen)
-    return self.o_proj(out), {"keys": keys, "values": values}
+    return self._output(out, gate), {"keys": keys, "values": values}
+
+  def _output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """o_proj of the heads' outputs [B, T, N, H], gated by sigmoid(gate) first where q_proj
+    makes one (`attention_output_gate`)."""
+    if gate is not None:
+      out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+    return self.o_proj(out)
 
   def _paged_attention(self) -> str:
     """The paged attention the plan chooses for its backend (the devices compiled for)."""
@@ -212,7 +224,7 @@ class Attention(nnx.Module):
 
   def _decode_pages(self, q, k, v, cache: KVCache):
     """T tokens per row at positions length[i] ... over pools of pages (one per replica:
-    `per_replica`), then the output projection; (out, the updated pools)."""
+    `per_replica`); (the heads' outputs, the updated pools)."""
     scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
     attend = functools.partial(_write_and_attend, scale=scale,
                                logits_soft_cap=self.logits_soft_cap,
@@ -225,7 +237,7 @@ class Attention(nnx.Module):
       out, state = per_replica(attend, self.attention_sharding, spec, rows, cache.state)
     else:
       out, state = attend(rows, cache.state)
-    return self.o_proj(out), state
+    return out, state
 
 
 def _write_and_attend(rows, state, **options):

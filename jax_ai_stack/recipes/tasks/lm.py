@@ -153,8 +153,8 @@ class LanguageModel(Task):
 
   def activation_bytes(self, ways, attention, platform="cpu") -> tuple[int, str] | None:
     model = self.config.model
-    if model.moe is not None or model.latent_attention is not None:  # Rows per expert vary;
-      return None  # latent attention keeps latents the estimate does not know: measured.
+    if model.moe is not None or model.latent_attention or model.linear_attention:  # Rows per
+      return None  # expert vary; latents and DeltaNet states are not in the estimate: measured.
     fused = platform != "cpu"
     per_row = decoder.activation_bytes(model, self.config.data.seq_len, ways, attention,
                                        fused=fused)

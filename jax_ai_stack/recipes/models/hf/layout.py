@@ -185,8 +185,12 @@ def tensors(config: DecoderConfig, prefix: str = TEXT_PREFIX) -> list[Tensor]:
   for i in range(config.num_layers):
     hf, ours = f"{prefix}layers.{i}.", ("layers", i)
     attention = (*ours, "attention")
-    block = (_latent_tensors(config, family, hf, attention) if config.latent_attention is not None
-             else _attention_tensors(config, family, hf, attention))
+    if config.resolved_layer_types[i] == "linear":
+      block = _linear_tensors(hf, attention)
+    elif config.latent_attention is not None:
+      block = _latent_tensors(config, family, hf, attention)
+    else:
+      block = _attention_tensors(config, family, hf, attention)
     block += _mlp_tensors(config, i, hf, ours)
     block += [Tensor(hf + f"{theirs}.weight", (*ours, norm, "scale"))
               for norm, theirs in family.norms.items()]
@@ -235,6 +239,19 @@ def _latent_tensors(config: DecoderConfig, family, hf: str, attention: tuple) ->
           Tensor(theirs("kv_a_layernorm"), ours("kv_norm", "scale")),
           Tensor(theirs("kv_b_proj"), ours("kv_b_proj", "kernel"), 1),
           Tensor(theirs("o_proj"), ours("o_proj", "kernel"), 2)]
+
+
+def _linear_tensors(hf: str, attention: tuple) -> list[Tensor]:
+  """A gated DeltaNet layer (Qwen3-Next's `linear_attn.*`), its projections laid out by
+  key-head group as transformers stores them; the rest as they are."""
+  theirs = f"{hf}linear_attn."
+  return [Tensor(theirs + "in_proj_qkvz.weight", (*attention, "in_proj_qkvz", "kernel"), 1),
+          Tensor(theirs + "in_proj_ba.weight", (*attention, "in_proj_ba", "kernel"), 1),
+          Tensor(theirs + "conv1d.weight", (*attention, "conv1d")),
+          Tensor(theirs + "dt_bias", (*attention, "dt_bias")),
+          Tensor(theirs + "A_log", (*attention, "A_log")),
+          Tensor(theirs + "norm.weight", (*attention, "norm")),
+          Tensor(theirs + "out_proj.weight", (*attention, "out_proj", "kernel"), 2)]
 
 
 def _fuse(block: list[Tensor], hf: str, fused) -> list[Tensor]:

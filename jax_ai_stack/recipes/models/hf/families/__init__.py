@@ -119,6 +119,9 @@ class HFFamily:
   mlp: str = "mlp"
   """The dense MLP's attribute in a layer (`layers.{i}.<mlp>.gate_proj...`; Llama 4's
   `feed_forward`)."""
+  linear_attention: bool = False
+  """Its layers may be gated DeltaNet ("linear" in `DecoderConfig.layer_types`, which then
+  needs `linear_attention`): Qwen3-Next's tensors (`layout.tensors`)."""
   latent_attention: bool = False
   """Its attention is multi-head latent attention (`DecoderConfig.latent_attention`, which
   its kind then needs): DeepSeek-V3's tensors (`layout.tensors`)."""
@@ -139,7 +142,8 @@ _MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Olmo3ForCausalLM": "olmo3", "SmolLM3ForCausalLM": "smollm3",
             "Phi3ForCausalLM": "phi3", "Qwen2MoeForCausalLM": "qwen2_moe",
             "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4",
-            "Llama4ForConditionalGeneration": "llama4", "DeepseekV3ForCausalLM": "deepseek_v3"}
+            "Llama4ForConditionalGeneration": "llama4", "DeepseekV3ForCausalLM": "deepseek_v3",
+            "Qwen3NextForCausalLM": "qwen3_next"}
 """Architecture name -> the module (in this package) of its family: the one list of them."""
 
 ARCHITECTURES = tuple(_MODULES)

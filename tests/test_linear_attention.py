@@ -1,0 +1,128 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) against a NumPy reference of the layer written
+token by token, and its decoding from a per-slot state: token by token, in chunks with
+padding (the engine's `valid`), and a packed row's segments each from a fresh state.
+(Its family against transformers: tests/test_families.py, test_engine.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ai_stack.recipes.models.cache import KVCache, lay_out
+from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.linear_attention import GatedDeltaNet
+from jax_ai_stack.recipes.models.linear_config import LinearAttentionConfig
+
+CONFIG = DecoderConfig.tiny(d_model=32)
+SHAPES = LinearAttentionConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8,
+                               value_head_dim=6, conv_kernel=4)
+RNG = np.random.default_rng(0)
+
+
+def build() -> GatedDeltaNet:
+  layer = GatedDeltaNet(CONFIG, SHAPES, rngs=nnx.Rngs(0))
+  for name in ("dt_bias", "norm"):  # Off their inits of ones, so that each shows.
+    param = getattr(layer, name)
+    param[...] = param[...] + jnp.asarray(RNG.normal(size=param.shape) * 0.3, jnp.float32)
+  return layer
+
+
+def silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def reference(layer: GatedDeltaNet, x: np.ndarray) -> np.ndarray:
+  """The layer as Qwen3-Next writes it (`torch_recurrent_gated_delta_rule`), token by token."""
+  s, f64 = SHAPES, lambda a: np.asarray(a[...], np.float64)
+  hk, hv, dk, dv, r = (s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+                       s.num_value_heads // s.num_key_heads)
+  b, t, _ = x.shape
+  qkvz = np.einsum("btd,dng->btng", x, f64(layer.in_proj_qkvz.kernel))
+  ba = np.einsum("btd,dng->btng", x, f64(layer.in_proj_ba.kernel))
+  q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+  beta = 1 / (1 + np.exp(-ba[..., :r].reshape(b, t, hv)))
+  a = ba[..., r:].reshape(b, t, hv)
+  g = -np.exp(f64(layer.A_log)) * np.log1p(np.exp(a + f64(layer.dt_bias)))
+  mixed = np.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], -1)
+  weight = f64(layer.conv1d)[:, 0]  # [C, K]: output t reads tokens t - K + 1 ... t.
+  padded = np.pad(mixed, ((0, 0), (s.conv_kernel - 1, 0), (0, 0)))
+  mixed = silu(sum(padded[:, j:j + t] * weight[:, j] for j in range(s.conv_kernel)))
+  q, k, v = np.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+  norm = lambda u: u / np.sqrt((u * u).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+  q = np.repeat(norm(q.reshape(b, t, hk, dk)), r, axis=2) / np.sqrt(dk)
+  k = np.repeat(norm(k.reshape(b, t, hk, dk)), r, axis=2)
+  v = v.reshape(b, t, hv, dv)
+  state, out = np.zeros((b, hv, dk, dv)), np.zeros((b, t, hv, dv))
+  for i in range(t):
+    state = state * np.exp(g[:, i])[..., None, None]
+    delta = (v[:, i] - np.einsum("bhkv,bhk->bhv", state, k[:, i])) * beta[:, i, :, None]
+    state = state + np.einsum("bhk,bhv->bhkv", k[:, i], delta)
+    out[:, i] = np.einsum("bhkv,bhk->bhv", state, q[:, i])
+  out = out / np.sqrt((out * out).mean(-1, keepdims=True) + CONFIG.norm_eps) * f64(layer.norm)
+  out = out * silu(z.reshape(b, t, hv, dv))
+  return np.einsum("btnh,nhd->btd", out, f64(layer.out_proj.kernel))
+
+
+def test_the_full_pass_is_qwen3_next_s_gated_delta_rule():
+  layer = build()
+  x = RNG.normal(size=(2, 9, 32))
+  out, state = layer(jnp.asarray(x, jnp.float32))
+  assert state is None
+  np.testing.assert_allclose(np.asarray(out), reference(layer, x), atol=2e-5, rtol=1e-4)
+
+
+def _cache(layer, rows):
+  return lay_out([layer.cache_spec()], {"slots": rows}, stacked=False)[0]
+
+
+def test_decoding_from_the_state_equals_the_full_pass():
+  """Token by token, and in chunks of 3 whose last is padded (only `valid` tokens taken in):
+  each output is the full pass's, the state carried between calls."""
+  layer = build()
+  x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
+  full, _ = layer(x)
+  state, outs = _cache(layer, 2), []
+  for i in range(8):
+    out, state = layer(x[:, i:i + 1], cache=KVCache(state, jnp.int32(i)))
+    outs.append(out)
+  np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
+  state, outs = _cache(layer, 2), []
+  padded = jnp.concatenate([x, jnp.full((2, 1, 32), 7.0)], axis=1)  # 9 = 3 chunks of 3.
+  for start in range(0, 9, 3):
+    valid = jnp.full((2,), min(3, 8 - start), jnp.int32)
+    out, state = layer(padded[:, start:start + 3],
+                       cache=KVCache(state, jnp.full((2,), start), valid=valid))
+    outs.append(out)
+  np.testing.assert_allclose(np.concatenate(outs, 1)[:, :8], full, atol=1e-5)
+  _, end = layer(x[:, :8], cache=KVCache(_cache(layer, 2), jnp.int32(0)))
+  for name in ("conv", "recurrent"):  # The padding took nothing in.
+    np.testing.assert_allclose(state[name], end[name], atol=1e-5)
+
+
+def test_a_packed_row_restarts_at_each_segment_and_its_gradient_is_finite():
+  layer = build()
+  x = jnp.asarray(RNG.normal(size=(1, 10, 32)), jnp.float32)
+  segment_ids = jnp.asarray([[1] * 6 + [2] * 4])
+  packed, _ = layer(x, segment_ids=segment_ids)
+  first, _ = layer(x[:, :6])
+  second, _ = layer(x[:, 6:])
+  np.testing.assert_allclose(packed, jnp.concatenate([first, second], 1), atol=1e-5)
+  grads = nnx.grad(lambda m: m(x, segment_ids=segment_ids)[0].sum())(layer)
+  leaves = jax.tree.leaves(nnx.state(grads))
+  assert all(bool(jnp.isfinite(g).all()) for g in leaves)
+  assert float(jnp.abs(grads.A_log[...]).max()) > 0
+
+
+def test_the_state_a_slot_keeps_does_not_grow_with_the_sequence():
+  spec = build().cache_spec()
+  assert {name: array.shape for name, array in spec.items()} == {
+      "conv": ("slots", 3, SHAPES.conv_dim), "recurrent": ("slots", 4, 8, 6)}
+  assert all(array.per_slot for array in spec.values())
+
+
+def test_value_heads_must_share_key_heads_evenly():
+  with pytest.raises(ValueError, match="num_value_heads=5 must be a multiple of num_key_heads=2"):
+    LinearAttentionConfig(num_key_heads=2, num_value_heads=5)
