@@ -604,3 +604,15 @@ def test_distill_quick_reports_both_students_held_out_loss_and_the_teacher_s(tmp
   assert results["distilled"]["eval_loss"] != results["distilled"]["eval_lm_loss"]  # Half KL.
   assert results["distilled_minus_plain"] == pytest.approx(
       results["distilled"]["eval_lm_loss"] - results["plain"]["eval_lm_loss"])
+
+
+def test_mechanisms_quick_times_each_attention_and_counts_what_decoding_keeps(tmp_path):
+  results = _run_quick("mechanisms", tmp_path)
+  assert set(results["step_ms"]) == {"plain", "sinks", "latent", "linear"}
+  assert all(ms > 0 for ms in results["step_ms"].values()) and results["step_vs_plain"]["plain"] == 1
+  cache = results["cache_bytes_per_layer"]  # d_model 64: 4 heads of 16, 2 KV heads, float32.
+  assert cache["plain"] == {"per_token": 2 * 2 * 16 * 4, "per_sequence": 0}
+  assert cache["latent"] == {"per_token": (2 * 16 + 16 // 4) * 4, "per_sequence": 0}
+  state, conv = 4 * 16 * 16 * 4, 3 * (2 * 2 * 16 + 4 * 16) * 4  # 4 value heads; 3 past inputs.
+  assert cache["linear"]["per_token"] == 0 and cache["linear"]["per_sequence"] == state + conv
+  assert set(results["delta_rule_ms"]) == {"token_scan", "chunked"}

@@ -300,8 +300,11 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(family):
   for i in range(4, tokens.shape[1]):
     logits, cache = model.decode(tokens[:, i:i + 1], cache)
     steps.append(logits)
+  # A gated DeltaNet's full pass runs in chunks (a triangular solve), its decoding token by
+  # token: the same sums in another order, each layer's output then RMS-normed.
+  atol = ATOL if "linear" in model.config.resolved_layer_types else 1e-5
   np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(model(tokens)),
-                             atol=1e-5, rtol=0, err_msg=name)
+                             atol=atol, rtol=0, err_msg=name)
 
 
 def test_the_safetensors_round_trip_is_exact(family, tmp_path):

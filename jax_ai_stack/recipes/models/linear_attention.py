@@ -10,9 +10,10 @@ Each value head's state S [key_head_dim, value_head_dim] then, per token,
   S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  out = S^T q
 
 with beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias); the output is RMS-normed
-per head, times its weight and SiLU(z), then `out_proj`. The sequence runs as a scan over
-its tokens (`gated_delta_rule`): exact, and fine at the sizes CPUs train; a chunked kernel
-is the accelerators' next step.
+per head, times its weight and SiLU(z), then `out_proj`. A sequence runs in chunks of 64
+tokens (`chunked_gated_delta_rule`: matmuls and a triangular inverse within a chunk, a scan
+across chunks); one decoded token runs the token-by-token rule (`gated_delta_rule`, also the
+reference the chunks are tested against).
 
 What a sequence keeps while decoding (`cache_spec`) is per slot, not per token: the state
 (float32) and the convolution's last K - 1 inputs. A packed row restarts both at each new
@@ -42,23 +43,109 @@ from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.linear_config import LinearAttentionConfig
 
 
+CHUNK = 64
+"""Tokens per chunk of `chunked_gated_delta_rule` (transformers' and FLA's default)."""
+
+
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                     state: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The delta rule over T tokens, one at a time: q, k [B, T, H, dk], v [B, T, H, dv], g and
-  beta [B, T, H] (float32), the state [B, H, dk, dv] before them -> (out [B, T, H, dv], the
-  state after). A token with g = -inf restarts the state; one with g = 0 and beta = 0 leaves
-  it as it is."""
+                     state: jax.Array, restart: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+  """The delta rule over T tokens, one at a time (the reference, and one token's decoding):
+  q, k [B, T, H, dk], v [B, T, H, dv], g and beta [B, T, H] (float32), the state
+  [B, H, dk, dv] before them -> (out [B, T, H, dv], the state after). `restart` [B, T]
+  (bool): the state is zeroed before those tokens. A token with g = 0 and beta = 0 leaves the
+  state as it is."""
+  if restart is None:
+    restart = jnp.zeros(g.shape[:2], bool)
+
   def step(s, token):
-    q_t, k_t, v_t, g_t, beta_t = token
-    s = jnp.where(jnp.isneginf(g_t)[..., None, None], 0.0, s * jnp.exp(g_t)[..., None, None])
+    q_t, k_t, v_t, g_t, beta_t, restart_t = token
+    s = jnp.where(restart_t[:, None, None, None], 0.0, s * jnp.exp(g_t)[..., None, None])
     delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
     s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
     return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
   time_first = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731
   state, out = jax.lax.scan(step, state.astype(jnp.float32),
-                            tuple(time_first(x) for x in (q, k, v, g, beta)))
+                            (*(time_first(x) for x in (q, k, v, g, beta)),
+                             jnp.moveaxis(restart, 1, 0)))
   return jnp.moveaxis(out, 0, 1), state
+
+
+def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                             beta: jax.Array, state: jax.Array, restart: jax.Array | None = None,
+                             chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+  """`gated_delta_rule` in chunks of `chunk` tokens: within a chunk its updates are one
+  unit lower-triangular inverse and a few matmuls (the UT transform of DeltaNet, as transformers'
+  `torch_chunk_gated_delta_rule`), across chunks a scan. A restart splits a chunk into
+  segments that neither read nor write each other's state."""
+  batch, length, heads = g.shape
+  if restart is None:
+    restart = jnp.zeros((batch, length), bool)
+  pad = -length % chunk
+  f32 = lambda x: jnp.pad(x.astype(jnp.float32),  # noqa: E731 - [B, H, N, C, ...]
+                          [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  q, k, v, g, beta = (jnp.moveaxis(f32(x), 2, 1) for x in (q, k, v, g, beta))
+  q, k, v = (x.reshape(batch, heads, -1, chunk, x.shape[-1]) for x in (q, k, v))
+  g, beta = (x.reshape(batch, heads, -1, chunk) for x in (g, beta))
+  segment = jnp.cumsum(jnp.pad(restart, ((0, 0), (0, pad))), axis=1).reshape(batch, 1, -1, chunk)
+  before = jnp.concatenate([jnp.zeros_like(segment[:, :, :1, :1]), segment[:, :, :-1, -1:]], 2)
+  carried = (segment == before).astype(jnp.float32)  # [B, 1, N, C]: reads the state carried in.
+  cum = jnp.cumsum(g, axis=-1)
+  together = (segment[..., :, None] == segment[..., None, :]) & jnp.tril(
+      jnp.ones((chunk, chunk), bool))
+  decay = jnp.exp(jnp.where(together, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+  k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+  inverse = _unit_lower_inverse(jnp.tril(jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * decay,
+                                         -1))
+  new_values = inverse @ v_beta
+  k_carried = inverse @ (k_beta * (jnp.exp(cum) * carried)[..., None])
+  within = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay
+  q_carried = q * (jnp.exp(cum) * carried)[..., None]
+  last = segment[..., -1:] == segment  # [B, 1, N, C]: in the chunk's last segment.
+  k_out = k * jnp.where(last, jnp.exp(cum[..., -1:] - cum), 0.0)[..., None]
+  keeps = jnp.exp(cum[..., -1]) * carried[..., -1]  # [B, H, N]: how much of the state stays.
+
+  def step(s, c):
+    values, k_c, q_c, within_c, k_out_c, keep = c
+    fresh = values - jnp.einsum("bhik,bhkv->bhiv", k_c, s)
+    out = jnp.einsum("bhik,bhkv->bhiv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", within_c, fresh)
+    s = s * keep[..., None, None] + jnp.einsum("bhjk,bhjv->bhkv", k_out_c, fresh)
+    return s, out
+
+  chunks = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731
+  state, out = jax.lax.scan(step, state.astype(jnp.float32), tuple(chunks(x) for x in (
+      new_values, k_carried, q_carried, within, k_out, keeps)))
+  out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+  return jnp.moveaxis(out, 1, 2), state
+
+
+@jax.custom_vjp
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+  """(I + lower)^-1 of strictly lower-triangular matrices [..., C, C], row by row (forward
+  substitution: XLA:CPU's batched triangular solve is a hundred times slower)."""
+  size = lower.shape[-1]
+
+  def row(i, x):
+    new = (jnp.arange(size) == i).astype(x.dtype) - jnp.einsum("...j,...jk->...k",
+                                                                 lower[..., i, :], x)
+    return jax.lax.dynamic_update_index_in_dim(x, new, i, axis=-2)
+
+  return jax.lax.fori_loop(1, size, row, jnp.broadcast_to(jnp.eye(size, dtype=lower.dtype),
+                                                          lower.shape))
+
+
+def _inverse_forward(lower):
+  inverse = _unit_lower_inverse(lower)
+  return inverse, inverse
+
+
+def _inverse_backward(inverse, grad):
+  """d(M^-1) = -M^-1 dM M^-1: the gradient of M (its strictly lower part) is -X^T G X^T."""
+  return (jnp.tril(-jnp.einsum("...ji,...jk,...lk->...il", inverse, grad, inverse), -1),)
+
+
+_unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
 
 
 def _l2_norm(x: jax.Array) -> jax.Array:
@@ -138,9 +225,9 @@ class GatedDeltaNet(nnx.Module):
     g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
         a.reshape(batch, length, hv).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
     beta, g = beta * taken[..., None], g * taken[..., None]  # Padding: no write, no decay.
-    if segment_ids is not None:
-      g = jnp.where(_starts(segment_ids)[..., None], -jnp.inf, g)
-    out, state = gated_delta_rule(q, k, v.reshape(batch, length, hv, dv), g, beta, state)
+    restart = None if segment_ids is None else _starts(segment_ids)
+    rule = gated_delta_rule if length == 1 else chunked_gated_delta_rule
+    out, state = rule(q, k, v.reshape(batch, length, hv, dv), g, beta, state, restart)
     out = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
     gate = jax.nn.silu(z.reshape(batch, length, hv, dv).astype(jnp.float32))
     out = (self.norm[...] * out.astype(self.dtype)).astype(jnp.float32) * gate
