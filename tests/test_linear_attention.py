@@ -154,3 +154,19 @@ def test_the_state_a_slot_keeps_does_not_grow_with_the_sequence():
 def test_value_heads_must_share_key_heads_evenly():
   with pytest.raises(ValueError, match="num_value_heads=5 must be a multiple of num_key_heads=2"):
     LinearAttentionConfig(num_key_heads=2, num_value_heads=5)
+
+
+def test_a_cache_of_two_replicas_keeps_each_replica_s_slots_apart():
+  """Rows 0-1 read and write replica 0's slots, rows 2-3 replica 1's (`layers.per_replica`), as
+  the data-parallel engine lays them out; an idle row (slot past the last) writes nothing."""
+  layer = build()
+  x = jnp.asarray(RNG.normal(size=(4, 3, 32)), jnp.float32)
+  state = lay_out([layer.cache_spec()], {"slots": 2}, replicas=2, stacked=False)[0]
+  slots = jnp.asarray([1, 2, 0, 1], jnp.int32)  # Row 1 idle.
+  out, state = layer(x, cache=KVCache(state, jnp.zeros(4, jnp.int32), slots=slots))
+  np.testing.assert_allclose(out, layer(x)[0], atol=1e-5)  # Every slot started empty.
+  for row, (replica, slot) in {0: (0, 1), 2: (1, 0), 3: (1, 1)}.items():
+    _, alone = layer(x[row:row + 1], cache=KVCache(_cache(layer, 1), jnp.int32(0)))
+    np.testing.assert_allclose(state["recurrent"][replica, slot], alone["recurrent"][0],
+                               atol=1e-5)
+  assert not np.asarray(state["recurrent"][0, 0]).any()  # The idle row's slot past the last.

@@ -38,8 +38,9 @@ from flax import nnx
 
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.cache import SLOTS, CacheArray, KVCache, Spec
-from jax_ai_stack.recipes.models.cache import put_slot_rows, slot_rows
+from jax_ai_stack.recipes.models.cache import put_slot_rows, replicated, slot_rows
 from jax_ai_stack.recipes.models.configs import DecoderConfig
+from jax_ai_stack.recipes.models.layers import per_replica
 from jax_ai_stack.recipes.models.linear_config import LinearAttentionConfig
 
 
@@ -197,61 +198,78 @@ class GatedDeltaNet(nnx.Module):
                cache: KVCache | None = None) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """x [B, T, D] -> ([B, T, D], this layer's updated cache state, or None). `rope` is not
     used (no positions); `segment_ids` [B, T] restart the state at each new segment; with
-    `cache`, each row continues its slot's state (`KVCache.slots`) with its first
-    `KVCache.valid` tokens."""
+    `cache`, each row continues its slot's state (`KVCache.slots`, of its replica where the
+    cache has several: `layers.per_replica`) with its first `KVCache.valid` tokens."""
     del rope
     s = self.shapes
-    hk, hv, dk, dv = s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim
+    hv, dk, dv, r = s.num_value_heads, s.key_head_dim, s.value_head_dim, s.num_value_heads // (
+        s.num_key_heads)
     batch, length = x.shape[:2]
-    r = hv // hk
     q, k, v, z = jnp.split(self.in_proj_qkvz(x), [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
     b, a = jnp.split(self.in_proj_ba(x), 2, axis=-1)
     mixed = jnp.concatenate([t.reshape(batch, length, -1) for t in (q, k, v)], axis=-1)
     valid = (jnp.full((batch,), length, jnp.int32) if cache is None or cache.valid is None
              else cache.valid)
-    taken = jnp.arange(length)[None, :] < valid[:, None]  # [B, T]: this row's own tokens.
-    if cache is None:
-      conv_state = jnp.zeros((batch, s.conv_kernel - 1, s.conv_dim), mixed.dtype)
-      state = jnp.zeros((batch, hv, dk, dv), jnp.float32)
-    else:
-      conv_state = slot_rows(cache.state["conv"], cache.slots).astype(mixed.dtype)
-      state = slot_rows(cache.state["recurrent"], cache.slots)
-    mixed, window = self._convolve(mixed, conv_state, segment_ids, valid)
-    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
-    q = _l2_norm(q.reshape(batch, length, hk, dk).astype(jnp.float32)) * dk ** -0.5
-    k = _l2_norm(k.reshape(batch, length, hk, dk).astype(jnp.float32))
-    q, k = (jnp.repeat(t, r, axis=2) for t in (q, k))  # Value head h reads key head h // r.
-    beta = jax.nn.sigmoid(b.reshape(batch, length, hv).astype(jnp.float32))
+    taken = (jnp.arange(length)[None, :] < valid[:, None])[..., None]  # This row's own tokens.
+    beta = jax.nn.sigmoid(b.reshape(batch, length, hv).astype(jnp.float32)) * taken
     g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
         a.reshape(batch, length, hv).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-    beta, g = beta * taken[..., None], g * taken[..., None]  # Padding: no write, no decay.
-    restart = None if segment_ids is None else _starts(segment_ids)
-    rule = gated_delta_rule if length == 1 else chunked_gated_delta_rule
-    out, state = rule(q, k, v.reshape(batch, length, hv, dv), g, beta, state, restart)
+    rows = (mixed, beta, g * taken, valid,  # Padding: no write, no decay.
+            None if segment_ids is None else _starts(segment_ids),
+            None if cache is None else cache.slots)
+    if cache is None:
+      out, state = self._recur(rows, None)
+    elif replicated(self.cache_spec(), cache.state):
+      out, state = per_replica(self._recur, None, self.cache_spec(), rows, cache.state)
+    else:
+      out, state = self._recur(rows, cache.state)
     out = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
     gate = jax.nn.silu(z.reshape(batch, length, hv, dv).astype(jnp.float32))
     out = (self.norm[...] * out.astype(self.dtype)).astype(jnp.float32) * gate
-    out = self.out_proj(out.astype(self.dtype))
-    if cache is None:
-      return out, None
-    return out, {"conv": put_slot_rows(cache.state["conv"], cache.slots, window),
-                 "recurrent": put_slot_rows(cache.state["recurrent"], cache.slots, state)}
+    return self.out_proj(out.astype(self.dtype)), state
 
-  def _convolve(self, mixed: jax.Array, conv_state: jax.Array, segment_ids, valid):
+  def _recur(self, rows, state):
+    """(the value heads' outputs [B, T, Hv, dv], the updated per-slot `state`) of `rows`
+    (the convolution's inputs, beta, g, valid, restarts, slots) from `state` (one replica's
+    arrays; None: zeros, and None back)."""
+    mixed, beta, g, valid, restart, slots = rows
+    s = self.shapes
+    hk, hv, dk, dv = s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim
+    batch, length = mixed.shape[:2]
+    if state is None:
+      conv_state = jnp.zeros((batch, s.conv_kernel - 1, s.conv_dim), mixed.dtype)
+      recurrent = jnp.zeros((batch, hv, dk, dv), jnp.float32)
+    else:
+      conv_state = slot_rows(state["conv"], slots).astype(mixed.dtype)
+      recurrent = slot_rows(state["recurrent"], slots)
+    mixed, window = self._convolve(mixed, conv_state, restart, valid)
+    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+    q = _l2_norm(q.reshape(batch, length, hk, dk).astype(jnp.float32)) * dk ** -0.5
+    k = _l2_norm(k.reshape(batch, length, hk, dk).astype(jnp.float32))
+    q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))  # Value head h: key head h // r.
+    rule = gated_delta_rule if length == 1 else chunked_gated_delta_rule
+    out, recurrent = rule(q, k, v.reshape(batch, length, hv, dv), g, beta, recurrent, restart)
+    if state is None:
+      return out, None
+    return out, {"conv": put_slot_rows(state["conv"], slots, window),
+                 "recurrent": put_slot_rows(state["recurrent"], slots, recurrent)}
+
+  def _convolve(self, mixed: jax.Array, conv_state: jax.Array, restart, valid):
     """The causal depthwise convolution of `mixed` [B, T, C] after `conv_state` [B, K-1, C]
     (the inputs before it), then SiLU; and the last K - 1 inputs of each row's `valid` ones
-    (the next call's state). A tap reaching into an earlier segment reads zero."""
+    (the next call's state). A tap reaching back past a restart reads zero."""
     taps = self.shapes.conv_kernel
     weight = self.conv1d[...][:, 0, :].astype(jnp.float32)  # [C, K]
     inputs = jnp.concatenate([conv_state, mixed], axis=1).astype(jnp.float32)  # [B, K-1+T, C]
     length = mixed.shape[1]
+    segment = None if restart is None else jnp.cumsum(restart, axis=1)
     out = jnp.zeros(mixed.shape, jnp.float32)
     for j in range(taps):  # Output t reads inputs t + j, i.e. token t - (K - 1) + j.
       tap = inputs[:, j:j + length]
-      if segment_ids is not None:
+      if segment is not None:
         back = taps - 1 - j
-        source = jnp.pad(segment_ids, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
-        tap = jnp.where((source == segment_ids)[..., None], tap, 0.0)
+        source = jnp.pad(segment, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
+        tap = jnp.where((source == segment)[..., None], tap, 0.0)
       out = out + tap * weight[:, j]
     kept = valid[:, None] + jnp.arange(taps - 1)[None, :]  # [B, K-1] into `inputs`.
     window = jnp.take_along_axis(inputs, kept[..., None], axis=1)
