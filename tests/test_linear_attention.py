@@ -31,6 +31,12 @@ def build() -> GatedDeltaNet:
   return layer
 
 
+@nnx.jit
+def run(layer, x, segment_ids=None, cache=None):
+  """The layer's call, compiled (eagerly, each of its small ops would dispatch on its own)."""
+  return layer(x, segment_ids=segment_ids, cache=cache)
+
+
 def silu(x):
   return x / (1 + np.exp(-x))
 
@@ -70,7 +76,7 @@ def reference(layer: GatedDeltaNet, x: np.ndarray) -> np.ndarray:
 def test_the_full_pass_is_qwen3_next_s_gated_delta_rule():
   layer = build()
   x = RNG.normal(size=(2, 9, 32))
-  out, state = layer(jnp.asarray(x, jnp.float32))
+  out, state = run(layer, jnp.asarray(x, jnp.float32))
   assert state is None
   np.testing.assert_allclose(np.asarray(out), reference(layer, x), atol=2e-5, rtol=1e-4)
 
@@ -95,8 +101,8 @@ def test_the_chunked_rule_equals_the_token_by_token_one(chunk):
     for ours, theirs in zip(got, expected):
       np.testing.assert_allclose(ours, theirs, atol=2e-6)
   weights = jnp.asarray(RNG.normal(size=(b, t, h, dv)), jnp.float32)  # Its gradients too.
-  grads = [jax.grad(lambda *x, rule=rule: (rule(*x, state, restart)[0] * weights).sum(),
-                    argnums=range(5))(q, k, v, g, beta)
+  grads = [jax.jit(jax.grad(lambda *x, rule=rule: (rule(*x, state, restart)[0] * weights).sum(),
+                            argnums=range(5)))(q, k, v, g, beta)
            for rule in (gated_delta_rule, lambda *x: chunked_gated_delta_rule(*x, chunk=chunk))]
   for ours, theirs in zip(*grads):
     np.testing.assert_allclose(ours, theirs, atol=5e-5)
@@ -111,21 +117,21 @@ def test_decoding_from_the_state_equals_the_full_pass():
   each output is the full pass's, the state carried between calls."""
   layer = build()
   x = jnp.asarray(RNG.normal(size=(2, 8, 32)), jnp.float32)
-  full, _ = layer(x)
+  full, _ = run(layer, x)
   state, outs = _cache(layer, 2), []
   for i in range(8):
-    out, state = layer(x[:, i:i + 1], cache=KVCache(state, jnp.int32(i)))
+    out, state = run(layer, x[:, i:i + 1], cache=KVCache(state, jnp.int32(i)))
     outs.append(out)
   np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
   state, outs = _cache(layer, 2), []
   padded = jnp.concatenate([x, jnp.full((2, 1, 32), 7.0)], axis=1)  # 9 = 3 chunks of 3.
   for start in range(0, 9, 3):
     valid = jnp.full((2,), min(3, 8 - start), jnp.int32)
-    out, state = layer(padded[:, start:start + 3],
-                       cache=KVCache(state, jnp.full((2,), start), valid=valid))
+    out, state = run(layer, padded[:, start:start + 3],
+                     cache=KVCache(state, jnp.full((2,), start), valid=valid))
     outs.append(out)
   np.testing.assert_allclose(np.concatenate(outs, 1)[:, :8], full, atol=1e-5)
-  _, end = layer(x[:, :8], cache=KVCache(_cache(layer, 2), jnp.int32(0)))
+  _, end = run(layer, x[:, :8], cache=KVCache(_cache(layer, 2), jnp.int32(0)))
   for name in ("conv", "recurrent"):  # The padding took nothing in.
     np.testing.assert_allclose(state[name], end[name], atol=1e-5)
 
@@ -134,11 +140,11 @@ def test_a_packed_row_restarts_at_each_segment_and_its_gradient_is_finite():
   layer = build()
   x = jnp.asarray(RNG.normal(size=(1, 10, 32)), jnp.float32)
   segment_ids = jnp.asarray([[1] * 6 + [2] * 4])
-  packed, _ = layer(x, segment_ids=segment_ids)
-  first, _ = layer(x[:, :6])
-  second, _ = layer(x[:, 6:])
+  packed, _ = run(layer, x, segment_ids)
+  first, _ = run(layer, x[:, :6])
+  second, _ = run(layer, x[:, 6:])
   np.testing.assert_allclose(packed, jnp.concatenate([first, second], 1), atol=1e-5)
-  grads = nnx.grad(lambda m: m(x, segment_ids=segment_ids)[0].sum())(layer)
+  grads = nnx.jit(nnx.grad(lambda m: m(x, segment_ids=segment_ids)[0].sum()))(layer)
   leaves = jax.tree.leaves(nnx.state(grads))
   assert all(bool(jnp.isfinite(g).all()) for g in leaves)
   assert float(jnp.abs(grads.A_log[...]).max()) > 0
@@ -163,10 +169,10 @@ def test_a_cache_of_two_replicas_keeps_each_replica_s_slots_apart():
   x = jnp.asarray(RNG.normal(size=(4, 3, 32)), jnp.float32)
   state = lay_out([layer.cache_spec()], {"slots": 2}, replicas=2, stacked=False)[0]
   slots = jnp.asarray([1, 2, 0, 1], jnp.int32)  # Row 1 idle.
-  out, state = layer(x, cache=KVCache(state, jnp.zeros(4, jnp.int32), slots=slots))
-  np.testing.assert_allclose(out, layer(x)[0], atol=1e-5)  # Every slot started empty.
+  out, state = run(layer, x, cache=KVCache(state, jnp.zeros(4, jnp.int32), slots=slots))
+  np.testing.assert_allclose(out, run(layer, x)[0], atol=1e-5)  # Every slot started empty.
   for row, (replica, slot) in {0: (0, 1), 2: (1, 0), 3: (1, 1)}.items():
-    _, alone = layer(x[row:row + 1], cache=KVCache(_cache(layer, 1), jnp.int32(0)))
+    _, alone = run(layer, x[row:row + 1], cache=KVCache(_cache(layer, 1), jnp.int32(0)))
     np.testing.assert_allclose(state["recurrent"][replica, slot], alone["recurrent"][0],
                                atol=1e-5)
   assert not np.asarray(state["recurrent"][0, 0]).any()  # The idle row's slot past the last.
