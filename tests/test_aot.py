@@ -144,6 +144,19 @@ def test_experts_over_the_expert_axis_compile_within_the_plan(capsys, tmp_path):
 
 @needs_libtpu
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["deepseek_v3-tiny", "qwen3_next-tiny"])
+def test_the_2026_families_compile_for_a_tpu_within_the_plan(preset, capsys, tmp_path):
+  """DeepSeek-V3's latent attention and grouped sigmoid routing, Qwen3-Next's gated DeltaNet
+  (its chunked rule: a triangular inverse by forward substitution) beside splash attention."""
+  code, out, _ = dry_run(capsys, preset, "--topology", "v5e:2x2",
+                         "--workdir", str(tmp_path / "run"))
+  assert code == 0 and "train step: compiled in" in out and "eval step: compiled in" in out
+  assert "grouped matmul (MoE experts): tokamax" in out
+  assert 0.75 <= plan_ratio(out) <= 1.15, out
+
+
+@needs_libtpu
+@pytest.mark.slow
 def test_a_kernel_the_chip_s_compiler_refuses_falls_back_with_its_reason(capsys, tmp_path):
   """lm-tiny-grpo's 64-token rows: the Mosaic kernels' 128-row blocks do not divide them,
   and XLA:TPU refuses tokamax's XLA attention in float32 (its dot algorithm F32_F32_F32):
