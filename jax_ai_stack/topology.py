@@ -145,6 +145,20 @@ def parse(text: str) -> Name:
   return Name(text, platform, chip, shape, slices)
 
 
+def host_cpu_only() -> None:
+  """For a command whose programs are all for --topology's chips: this host's own devices run
+  none of them, so JAX starts its CPU backend alone where JAX_PLATFORMS is unset (an installed
+  CUDA plugin without CUDA's libraries would log a traceback at start-up; the topology's
+  devices come from libtpu and the plugin all the same). Not for a library call: a notebook's
+  own backend is left as it is."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+
+  if "JAX_PLATFORMS" not in os.environ and not xla_bridge.backends_are_initialized():
+    import jax  # pylint: disable=g-import-not-at-top
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def load(text: str) -> Topology:
   """The compile-only devices of topology `text` (see the module).
 

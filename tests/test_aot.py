@@ -281,3 +281,23 @@ def test_cudnn_attention_compiles_for_an_h100_where_its_wheels_are_installed(cap
     assert "attention: cudnn\n" in out, out
   else:
     assert "attention: xla (over cudnn: RuntimeError when traced: cuDNN not found.)" in out, out
+
+
+@needs_libtpu
+@needs_cuda_plugin
+def test_a_topology_command_starts_only_the_host_s_cpu_backend(tmp_path):
+  """With the CUDA plugin installed and no CUDA libraries (this row's venv), JAX's start-up
+  logs a traceback unless JAX_PLATFORMS names the CPU: a --topology command starts the CPU
+  backend alone, the user having set nothing."""
+  import os
+  import subprocess
+  import sys
+
+  env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+  result = subprocess.run(
+      [sys.executable, "-c", "import sys; from jax_ai_stack import cli; sys.exit(cli.main("
+       f"['train', 'lm-tiny', '--dry-run', '--topology', 'v5e:2x2', '--workdir', "
+       f"'{tmp_path / 'run'}', 'model.num_layers=1']))"],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0 and "TPU v5 lite" in result.stdout, result.stderr
+  assert "Traceback" not in result.stderr, result.stderr

@@ -128,6 +128,7 @@ def _backend(args: argparse.Namespace):
                        "--compute-capability")
     from jax_ai_stack import topology  # pylint: disable=g-import-not-at-top
 
+    topology.host_cpu_only()
     target = topology.load(args.topology)
     if not args.json:
       print(target.describe())

@@ -211,7 +211,10 @@ def run_train(args: argparse.Namespace) -> int:
   import_s = time.perf_counter() - import_started
 
   if args.topology:  # Programs for chips not here: no cache, no processes, no GPU flags.
+    from jax_ai_stack import topology
     from jax_ai_stack.recipes import aot, preflight
+
+    topology.host_cpu_only()
 
     preflight.check_references(config)
     return aot.dry_run(config, args.topology, dry_run=args.dry_run, environ=os.environ)
