@@ -251,6 +251,7 @@ ALLOWED: dict[str, str] = {
     "benchmarks/harness.py": "the harness adapter on a decoder: shared contexts, packed, one per row",
     "benchmarks/lora.py": "LoRA and QLoRA steps of a Llama against its full fine-tuning",
     "benchmarks/moe.py": "the decoder's MoE layer against its dense MLP of the same active size",
+    "benchmarks/mechanisms.py": "each 2026 family's attention in the decoder against the plain one",
     "benchmarks/quant.py": "a Llama's QAT/PTQ step times; refuses a run of another kind",
     "benchmarks/train_step.py": "the Llama step against a hand-written JAX/PyTorch Llama",
     "benchmarks/real_size.py": "writes a decoder of Qwen3-0.6B's shapes with hf.save",
