@@ -74,6 +74,25 @@ def test_attention_with_sinks_equals_numpy(masks):
   np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("masks", [dict(), dict(local_window=3)])
+def test_the_blocked_kernel_s_sinks_and_gradients_equal_xla_s(masks):
+  """xla_blocked (CPU's first kernel) takes the sinks: its output and the gradients of q, k,
+  v and the sinks equal the plain XLA softmax's, whose sinks the NumPy test above checks."""
+  q, k, v, sinks = map(jnp.asarray, _qkv(t=13))
+  weights = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
+
+  def loss(implementation):
+    return lambda *x: (kernels.attention(*x[:3], sinks=x[3], implementation=implementation,
+                                         **masks) * weights).sum()
+
+  for ours, theirs in zip(*(jax.grad(loss(name), argnums=range(4))(q, k, v, sinks)
+                            for name in ("xla_blocked", "xla"))):
+    np.testing.assert_allclose(ours, theirs, atol=2e-5)
+  np.testing.assert_allclose(
+      kernels.attention(q, k, v, sinks=sinks, implementation="xla_blocked", **masks),
+      kernels.attention(q, k, v, sinks=sinks, implementation="xla", **masks), atol=2e-6)
+
+
 def test_sinks_have_gradients_and_large_negative_sinks_are_plain_attention():
   q, k, v, sinks = map(jnp.asarray, _qkv())
   grad = jax.grad(lambda s: kernels.attention(q, k, v, sinks=s).sum())(sinks)
@@ -86,11 +105,13 @@ def test_sinks_have_gradients_and_large_negative_sinks_are_plain_attention():
 def test_kernels_without_sinks_are_refused_with_the_reason():
   q, k, v, sinks = map(jnp.asarray, _qkv())
   with pytest.raises(kernels.NoImplementationError, match="attention sinks not supported"):
-    kernels.attention(q, k, v, sinks=sinks, implementation="xla_blocked")
-  plan = kernels.resolve_plan("auto", environ={})  # xla_blocked first on CPU: passed over.
+    kernels.attention(q, k, v, sinks=sinks, implementation="tokamax_xla")
+  plan = kernels.resolve_plan("auto", environ={})  # tokamax_xla before xla: passed over.
   request = kernels.Request.from_shapes(q.shape, k.shape, q.dtype, sinks=True)
   choice = plan.select(request)
   assert choice.name == "xla" and "sinks" in request.describe()
+  long = kernels.Request.from_shapes((1, 512, N, H), (1, 512, K, H), q.dtype, sinks=True)
+  assert plan.select(long).name == "xla_blocked"  # From T 256, CPU's first, and it takes them.
   assert kernels.Request.from_dict(request.to_dict()) == request
   with pytest.raises(ValueError, match=r"sinks \(3,\) must be \[N\] = \(4,\)"):
     kernels.attention(q, k, v, sinks=sinks[:3])

@@ -95,19 +95,26 @@ def _logits(q, k, ids, block, mask, cap=None):
   return (s if allowed is None else jnp.where(allowed[None], s, -jnp.inf)), slope
 
 
-def _slice_forward(q, k, v, ids, blocks, masks, cap):
-  """One (batch row, K/V head): (out [G, T, H], logsumexp [G, T] float32)."""
+def _slice_forward(q, k, v, ids, sinks, blocks, masks, cap):
+  """One (batch row, K/V head): (out [G, T, H], logsumexp [G, T] float32); `sinks` [G] (or
+  None): a logit per query head in each softmax's denominator, with no value."""
   outs, lses = [], []
+  sink = None if sinks is None else sinks.astype(jnp.float32)[:, None, None]
   for block, mask in zip(blocks, masks):
     start, stop, lo, hi = block
     if lo >= hi:  # Sees no key (a window past the end of a shorter k).
       outs.append(jnp.zeros((q.shape[0], stop - start, v.shape[-1]), v.dtype))
-      lses.append(jnp.full((q.shape[0], stop - start), -jnp.inf, jnp.float32))
+      lses.append(jnp.full((q.shape[0], stop - start), -jnp.inf, jnp.float32)
+                  if sink is None else jnp.broadcast_to(sink[..., 0], (q.shape[0], stop - start)))
       continue
     s, _ = _logits(q, k, ids, block, mask, cap)
     row_max = _finite(jnp.max(s, axis=-1, keepdims=True))
+    if sink is not None:
+      row_max = jnp.maximum(row_max, sink)
     e = jnp.exp(s - row_max)  # One exp per logit; normalised after the matmul.
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+      total = total + jnp.exp(sink - row_max)
     out = jnp.einsum("gts,sh->gth", e.astype(v.dtype), v[lo:hi],
                      preferred_element_type=jnp.float32)
     outs.append(jnp.where(total > 0, out / total, 0.0).astype(v.dtype))
@@ -120,10 +127,13 @@ def _finite(lse):
   return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
-def _slice_backward(q, k, v, ids, out, lse, d_out, blocks, masks, cap):
-  """One slice's (dq, dk, dv), float32, block by block over the same staircase."""
+def _slice_backward(q, k, v, ids, sinks, out, lse, d_out, blocks, masks, cap):
+  """One slice's (dq, dk, dv, d sinks [G] or None), float32, block by block over the same
+  staircase."""
   delta = jnp.einsum("gth,gth->gt", d_out.astype(jnp.float32), out.astype(jnp.float32))
   lse = _finite(lse)
+  d_sinks = None if sinks is None else -jnp.sum(  # The sink's p times (0 - delta).
+      jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
   dq = []
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
@@ -143,31 +153,34 @@ def _slice_backward(q, k, v, ids, out, lse, d_out, blocks, masks, cap):
     dq.append(jnp.einsum("gts,sh->gth", ds, k[lo:hi], preferred_element_type=jnp.float32))
     dk = dk.at[lo:hi].add(jnp.einsum("gts,gth->sh", ds, q[:, start:stop],
                                      preferred_element_type=jnp.float32))
-  return jnp.concatenate(dq, axis=1), dk, dv
+  return jnp.concatenate(dq, axis=1), dk, dv, d_sinks
 
 
 def _masks(blocks, causal, window):
   return tuple(_position_mask(block, causal, window) for block in blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, ids, blocks, causal, window, cap):
-  """q [R, G, T, H] (pre-scaled), k/v [R, S, H], ids [R, T] or None -> [R, G, T, H]."""
-  return _attention_fwd(q, k, v, ids, blocks, causal, window, cap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, ids, sinks, blocks, causal, window, cap):
+  """q [R, G, T, H] (pre-scaled), k/v [R, S, H], ids [R, T] or None, sinks [R, G] or None
+  -> [R, G, T, H]."""
+  return _attention_fwd(q, k, v, ids, sinks, blocks, causal, window, cap)[0]
 
 
-def _attention_fwd(q, k, v, ids, blocks, causal, window, cap):
+def _attention_fwd(q, k, v, ids, sinks, blocks, causal, window, cap):
   masks = _masks(blocks, causal, window)
-  out, lse = jax.lax.map(lambda x: _slice_forward(*x, blocks, masks, cap), (q, k, v, ids))
-  return out, (q, k, v, ids, out, lse)
+  out, lse = jax.lax.map(lambda x: _slice_forward(*x, blocks, masks, cap),
+                         (q, k, v, ids, sinks))
+  return out, (q, k, v, ids, sinks, out, lse)
 
 
 def _attention_bwd(blocks, causal, window, cap, residuals, d_out):
   masks = _masks(blocks, causal, window)
-  dq, dk, dv = jax.lax.map(lambda x: _slice_backward(*x, blocks, masks, cap),
-                           (*residuals, d_out))
-  q, k, v = residuals[:3]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  dq, dk, dv, d_sinks = jax.lax.map(lambda x: _slice_backward(*x, blocks, masks, cap),
+                                    (*residuals, d_out))
+  q, k, v, _, sinks = residuals[:5]
+  d_sinks = None if sinks is None else d_sinks.astype(sinks.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -184,6 +197,7 @@ def blocked_attention(
     local_window: int | None = None,
     logits_soft_cap: float | None = None,
     block_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Attention over each query block's visible keys. q [B, T, N, H], k/v [B, S, K, H].
 
@@ -198,6 +212,7 @@ def blocked_attention(
     logits_soft_cap: c: each scaled logit x becomes c * tanh(x / c); None: uncapped.
     block_size: query rows per block; default `default_block_size(T)`. Any
       T works: the last block is shorter.
+    sinks: [N], a logit per query head in each softmax's denominator (GPT-OSS's sinks).
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -214,6 +229,8 @@ def blocked_attention(
   ids = None if segment_ids is None else jnp.repeat(segment_ids, num_kv_heads, axis=0)
   blocks = _blocks(q_len, kv_len, block_size, causal, local_window)
   cap = None if logits_soft_cap is None else float(logits_soft_cap)
-  out = _attention(q, k, v, ids, blocks, causal, local_window, cap)
+  rows_sinks = None if sinks is None else jnp.tile(sinks.reshape(num_kv_heads, group),
+                                                   (batch, 1))  # [R, G]: row b * K + k.
+  out = _attention(q, k, v, ids, rows_sinks, blocks, causal, local_window, cap)
   out = out.reshape(batch, num_kv_heads, group, q_len, head_dim).transpose(0, 3, 1, 2, 4)
   return out.reshape(batch, q_len, num_heads, head_dim)

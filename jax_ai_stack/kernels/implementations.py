@@ -225,7 +225,7 @@ def tokamax_attention(q, k, v, *, causal, segment_ids, scale, local_window,
 
 
 def xla_blocked(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_lengths,
-                interpret, logits_soft_cap=None):
+                interpret, logits_soft_cap=None, sinks=None):
   """`blocked.blocked_attention`: skips the keys a causal or windowed mask hides."""
   del interpret
   if kv_seq_lengths is not None:  # The table says so too; this guards direct calls.
@@ -234,4 +234,4 @@ def xla_blocked(q, k, v, *, causal, segment_ids, scale, local_window, kv_seq_len
 
   return blocked.blocked_attention(
       q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, local_window=local_window,
-      logits_soft_cap=logits_soft_cap)
+      logits_soft_cap=logits_soft_cap, sinks=sinks)

@@ -166,7 +166,8 @@ _IMPLEMENTATIONS = (
     Implementation(
         "xla_blocked", "jax_ai_stack.kernels.blocked (causal blocks skip masked keys)",
         impls.xla_blocked, platforms=("cpu", "gpu", "tpu"), dtypes=ALL_FLOATS,
-        kv_seq_lengths=False, logits_soft_cap=True, auto_check=rules.blocked_auto_check,
+        kv_seq_lengths=False, logits_soft_cap=True, sinks=True,
+        auto_check=rules.blocked_auto_check,
         # Plain XLA, but its loop over (batch, head) slices is not something
         # the SPMD partitioner splits: under a mesh it runs per shard.
     ),
