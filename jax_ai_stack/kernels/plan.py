@@ -122,7 +122,7 @@ class AttentionPlan:
   def paged_attention(self, *, sinks: bool = False, chunked: bool = False) -> tuple[str, str]:
     """(implementation, why) of the engine's paged attention on the plan's backend (else
     the current one): what a model built with this plan decodes with (`sinks`, `chunked`: a
-    model with attention sinks or chunked attention, which only xla takes)."""
+    model with attention sinks or chunked attention, which only the paged xla loop takes)."""
     backend = self.backend or request_lib.current_backend()
     return paged.choose_paged_attention(self.paged, backend.platform, backend.device_kind,
                                         sinks=sinks, chunked=chunked)
