@@ -219,8 +219,8 @@ class GatedDeltaNet(nnx.Module):
             None if cache is None else cache.slots)
     if cache is None:
       out, state = self._recur(rows, None)
-    elif replicated(self.cache_spec(), cache.state):
-      out, state = per_replica(self._recur, None, self.cache_spec(), rows, cache.state)
+    elif replicated(spec := self.cache_spec(), cache.state):
+      out, state = per_replica(self._recur, None, spec, rows, cache.state)
     else:
       out, state = self._recur(rows, cache.state)
     out = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)

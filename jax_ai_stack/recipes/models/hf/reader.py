@@ -24,6 +24,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -141,10 +142,9 @@ def unread_layers(names, config: DecoderConfig) -> list[str]:
 
   if not families.for_kind(config.kind).prediction_layers:
     return []
-  prefix = f"{text_prefix(names)}layers."
-  return sorted(name for name in names if name.startswith(prefix)
-                and name[len(prefix):].split(".", 1)[0].isdigit()
-                and int(name[len(prefix):].split(".", 1)[0]) >= config.num_layers)
+  layer = re.compile(rf"{re.escape(text_prefix(names))}layers\.(\d+)\.")
+  return sorted(name for name in names
+                if (found := layer.match(name)) and int(found[1]) >= config.num_layers)
 
 
 def load_params(directory: str | os.PathLike, config: DecoderConfig,
