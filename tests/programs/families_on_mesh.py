@@ -18,7 +18,16 @@ from multidevice import grads_difference, load_on_mesh, logits_and_grads  # noqa
 names, references = json.loads(sys.argv[1]), sys.argv[2]
 meshes = {"fsdp": MeshConfig(rules="fsdp", data=2, fsdp=4),
           "fsdp_tp": MeshConfig(rules="fsdp_tp", data=2, fsdp=2, tensor=2)}
-queries = lambda attention: attention.q_proj or attention.q_b_proj  # Latent: q_b_proj.
+
+
+def queries(model):
+  """The first attention layer's query projection (latent attention's q_b_proj; Qwen3-Next's
+  first layers are gated DeltaNet, which has none)."""
+  return next(p for layer in model.layers for p in (getattr(layer.attention, "q_proj", None),
+                                                     getattr(layer.attention, "q_b_proj", None))
+              if p is not None)
+
+
 out = {}
 for index, name in enumerate(names):
   directory = references + "/" + name
@@ -31,6 +40,6 @@ for index, name in enumerate(names):
     out[name + " " + mesh_name] = {
         "logits": float(jnp.abs(logits - one_logits).max()),
         "grads": grads_difference(grads, one_grads),
-        "q_proj": list(queries(model.layers[0].attention).kernel.get_value().sharding.spec),
+        "q_proj": list(queries(model).kernel.get_value().sharding.spec),
         "devices": len(logits.sharding.device_set)}
 print(json.dumps(out))
