@@ -348,15 +348,14 @@ def test_every_family_on_8_devices_under_fsdp_tp_equals_one_device():
   embedding's rows under data x fsdp x tensor (looked up in a table split along
   d_model) and with a MoE layer's tokens (sorted by expert across the devices).
   """
-  # Qwen3-Next is not in it yet: its gated DeltaNet on a mesh fails this test (issue 61's
-  # note: its projections are not split, and the failure is not yet read).
-  on_mesh = [name for name in CAUSAL if name != "qwen3_next"]
-  results, stderr = run_on_devices("families_on_mesh", on_mesh, REFERENCES, with_stderr=True)
+  results, stderr = run_on_devices("families_on_mesh", CAUSAL, REFERENCES, with_stderr=True)
   assert "Involuntary full rematerialization" not in stderr, stderr
-  assert len(results) == len(on_mesh) + 1
+  assert len(results) == len(CAUSAL) + 1
   for name, result in results.items():
     assert result["devices"] == 8, name
-    assert result["logits"] < 1e-5, (name, result)
+    # Qwen3-Next's DeltaNet carries a state over the 96 tokens, so the last bits of a sharded
+    # matmul travel on in it: 2.3e-5 here (its one-device logits are transformers' to 2e-5).
+    assert result["logits"] < (5e-5 if name.startswith("qwen3_next") else 1e-5), (name, result)
     assert result["grads"] < 1e-4, (name, result)
     expected = ["fsdp", "tensor"] if name.endswith("fsdp_tp") else ["fsdp"]
     spec = result["q_proj"]
