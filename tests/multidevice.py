@@ -76,10 +76,10 @@ def grads_difference(grads, expected) -> float:
              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)))
 
 
-def load_on_mesh(directory: str, mesh_config):
+def load_on_mesh(directory: str, mesh_config, attention=None):
   """The Hugging Face checkpoint in `directory` read straight onto the mesh of
   `mesh_config` (a `MeshConfig`), each tensor placed by its rule set, as a fine-tuning
-  run's import does; the model holds the mesh's layout."""
+  run's import does; the model holds the mesh's layout (and `attention`, a plan)."""
   from jax_ai_stack.recipes import sharding
   from jax_ai_stack.recipes.models import hf
   from jax_ai_stack.recipes.models.configs import DecoderConfig
@@ -87,7 +87,7 @@ def load_on_mesh(directory: str, mesh_config):
 
   config = DecoderConfig(**hf.read_config(directory))
   mesh, rules = sharding.build_mesh(mesh_config), sharding.logical_rules(mesh_config)
-  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0),
+  model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), attention=attention,
                                        layout=sharding.Layout.of(mesh, rules)))
   params = nnx.state(model)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -196,15 +196,18 @@ def test_a_run_s_transforms_compile_for_a_tpu_slice(capsys, tmp_path, recipe):
 
 
 @needs_libtpu
-def test_a_run_that_evaluates_on_tasks_compiles_the_engine_its_harness_generates_with():
+@pytest.mark.parametrize("tensor", [1, 2], ids=["data 4", "data 2 x tensor 2"])
+def test_a_run_that_evaluates_on_tasks_compiles_the_engine_its_harness_generates_with(tensor):
   """Heads of 128 in bfloat16: the TPU's ragged paged-attention kernel decodes, in each data
-  replica's own pool (a `shard_map` it needs: Mosaic kernels are not partitioned)."""
+  replica's own pool, with the heads split over `tensor` (a `shard_map` over every axis: a
+  Mosaic kernel is not partitioned, and before it a split of the heads failed to compile)."""
   from jax_ai_stack.recipes import config
   from jax_ai_stack.recipes.evaluation import in_training
 
   run = config.load("lm-tiny", overrides=[
       "model.num_layers=1", "model.d_model=256", "model.num_heads=2", "model.num_kv_heads=2",
-      "model.dtype=bfloat16", "train.eval_every=10", "train.eval_tasks=[hellaswag]"])
+      "model.dtype=bfloat16", "train.eval_every=10", "train.eval_tasks=[hellaswag]",
+      f"mesh.tensor={tensor}", "mesh.rules=fsdp_tp"])
   compiled = aot.compile_recipe(run, topology.load("v5e:2x2"), environ={})
   names = [p.name for p in compiled.programs]
   assert names == ["train step", "eval step", "engine evaluation prefill",
@@ -213,10 +216,11 @@ def test_a_run_that_evaluates_on_tasks_compiles_the_engine_its_harness_generates
   prefill, decode = compiled.programs[2:]
   assert prefill.kernels == decode.kernels == ("ragged_paged_attention_kernel",)
   assert any(k.startswith("splash") for k in compiled.programs[0].kernels)
-  c = run.model  # Every slot's whole context in pages (and page 0), split over 4 replicas.
-  pool = 2 * c.num_layers * c.num_kv_heads * (in_training.BATCH_SIZE * c.max_seq_len + 4 * 64) * (
-      c.resolved_head_dim * 2) // 4
-  assert decode.aliased == prefill.aliased == pool  # Donated, and split over the replicas.
+  c, replicas = run.model, 4 // tensor  # Every slot's whole context in pages (and a page 0
+  # per replica), over the replicas and the key/value heads over `tensor`.
+  pool = 2 * c.num_layers * c.num_kv_heads * (
+      in_training.BATCH_SIZE * c.max_seq_len + replicas * 64) * (c.resolved_head_dim * 2) // 4
+  assert decode.aliased == prefill.aliased == pool  # Donated, and split over the devices.
 
 
 @needs_libtpu

@@ -59,6 +59,43 @@ def test_greedy_tokens_equal_the_loop_s_for_mixed_prompt_lengths(name):
     assert [c.tokens for c in done] == ref["greedy"][:, ref["prompt"].shape[1]:].tolist()
 
 
+def test_a_pool_in_the_tpu_kernel_s_layout_decodes_the_xla_loop_s_tokens(monkeypatch):
+  """Where the plan decodes with the TPU's ragged kernel, the pool is the kernel's own layout
+  (no copy of a row's pages in each layer at each step): new keys and values written side by
+  side, each head's pair, and the kernel reads the engine's own block table. Greedy tokens
+  and log-probs equal the xla loop's over split pools. On this CPU the kernel's stand-in
+  reads the pool as JAX's reference of it does (keys at even, values at odd heads; the
+  reference itself loops in Python, not under jit: tests/test_kernels_paged.py runs it)."""
+  import functools
+
+  from jax_ai_stack import kernels
+  from jax_ai_stack.kernels import paged, paged_tpu
+  from jax_ai_stack.recipes.models import layers
+
+  def kernel(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+             soft_cap, sliding_window):
+    rows = page_indices.shape[0]
+    q = queries.reshape(rows, -1, *queries.shape[1:])
+    positions = kv_lens[:, None] - q.shape[1] + jnp.arange(q.shape[1])
+    k_pages, v_pages = (jnp.moveaxis(kv_pages[:, :, i::2], 2, 0) for i in (0, 1))
+    out = paged.paged_attention(q, k_pages, v_pages, page_indices, positions, scale=sm_scale,
+                                logits_soft_cap=soft_cap, implementation="xla")
+    return out.reshape(queries.shape)
+
+  monkeypatch.setattr(layers, "pallas_tpu", functools.partial(paged_tpu.pallas_tpu, kernel=kernel))
+  config = DecoderConfig.tiny(num_heads=4, num_kv_heads=2, head_dim=128)
+  plans = {name: kernels.AttentionPlan(("xla",), "a test", paged=name)
+           for name in ("xla", "pallas_tpu")}
+  models = {name: Decoder(config, rngs=nnx.Rngs(0), attention=plan) for name, plan in plans.items()}
+  fused = models["pallas_tpu"].init_pages(5, 16)[0]
+  assert list(fused) == ["kv"] and fused["kv"].shape == (5, 16, 4, 128)
+  requests = [Request(p, 6, temperature=0, top_logprobs=1)
+              for p in _prompts(config.vocab_size, [3, 17, 30])]
+  loop, kernel = (Engine(models[name], max_slots=2).run(requests) for name in ("xla", "pallas_tpu"))
+  assert [c.tokens for c in kernel] == [c.tokens for c in loop]
+  np.testing.assert_allclose([c.logprobs for c in kernel], [c.logprobs for c in loop], atol=1e-5)
+
+
 def test_a_seeded_request_is_the_same_alone_among_31_others_and_admitted_mid_way(tiny):
   mine = Request(_prompts(256, [7])[0], 12, temperature=0.9, top_k=50, top_p=0.95, seed=7)
   alone = Engine(tiny, max_slots=8).run([mine])[0]
@@ -275,16 +312,17 @@ def test_on_a_data_parallel_mesh_the_engine_asks_for_pages_each_replica_can_hold
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, mesh, replicas", [
-    ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}, "('data', 'fsdp')"),
+@pytest.mark.parametrize("name, mesh, replicas, paged", [
+    ("qwen3", {"rules": "fsdp_tp", "data": 2, "fsdp": 2, "tensor": 2}, "('data', 'fsdp')",
+     "pallas_gpu"),
     ("mixtral", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2},
-     "('data', 'expert')"),
+     "('data', 'expert')", "xla"),
     pytest.param("gpt_oss", {"rules": "fsdp_tp", "data": 2, "expert": 2, "tensor": 2},
-                 "('data', 'expert')", marks=pytest.mark.slow),  # Sinks in each replica's call.
-], ids=["qwen3 on data x fsdp x tensor", "mixtral on data x expert x tensor",
+                 "('data', 'expert')", "xla", marks=pytest.mark.slow),  # Sinks per replica.
+], ids=["qwen3 on data x fsdp x tensor, a Pallas kernel", "mixtral on data x expert x tensor",
         "gpt_oss on data x expert x tensor"])
 def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel_replica(
-    name, mesh, replicas):
+    name, mesh, replicas, paged):
   """Weights split over `tensor` (and a MoE's experts over `expert`); eight slots in four
   data-parallel replicas (the batch axes), each with a pool of its own, the pools' key/value
   heads over `tensor`. Greedy and seeded sampled tokens equal one device's, nine requests
@@ -292,10 +330,14 @@ def test_on_a_mesh_the_engine_gives_one_device_s_tokens_a_pool_per_data_parallel
   matmul sums in another order). A device holds its replica's pages alone, and no
   collective of the decoding step moves pages (one pool split by pages, read with global
   page numbers, all-reduces every page read). The replicas prefill their slots side by
-  side, in calls of a row each."""
+  side, in calls of a row each.
+
+  Qwen3 decodes with JAX's Pallas GPU kernel (interpret mode here): a kernel XLA cannot
+  partition runs manual over every mesh axis, its heads split over `tensor`
+  (`layers.per_replica`; test_aot compiles the TPU's kernel so)."""
   from multidevice import run_on_devices
 
-  result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh)
+  result = run_on_devices("engine_on_mesh", REFERENCES / name, mesh, paged)
   assert result["tokens"] == result["expected"]
   assert result["logprobs"] < 1e-5
   # [kv_heads, replicas, pages + page 0, page_size, head_dim]

@@ -23,8 +23,9 @@ from jax_ai_stack.kernels import paged
 from jax_ai_stack.recipes.models import layers
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.decoder import Decoder
-from jax_ai_stack.kernels.paged import (choose_paged_attention, paged_attention, pallas_tpu,
-                                        tpu_kernel_fits)
+from jax_ai_stack.kernels import paged_tpu
+from jax_ai_stack.kernels.paged import choose_paged_attention, paged_attention
+from jax_ai_stack.kernels.paged_tpu import fuse_pages, pallas_tpu, tpu_kernel_fits
 
 RNG = np.random.default_rng(0)
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
@@ -176,7 +177,9 @@ def test_the_pallas_tpu_adapter_equals_the_xla_loop_with_the_kernel_s_reference(
   args = (jnp.asarray(RNG.normal(size=(*positions.shape, HEADS, DIM)).astype(np.float32)),
           jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(tables),
           jnp.asarray(positions))
-  adapted = pallas_tpu(*args, scale=0.3, logits_soft_cap=cap, local_window=window,
+  q, k_pages, v_pages, table, at = args
+  adapted = pallas_tpu(q, *fuse_pages(k_pages, v_pages, table), at, scale=0.3,
+                       logits_soft_cap=cap, local_window=window,
                        kernel=ragged.ref_ragged_paged_attention)
   xla = paged_attention(*args, scale=0.3, logits_soft_cap=cap, local_window=window,
                         implementation="xla")
@@ -209,8 +212,8 @@ def test_the_tpu_kernel_is_refused_off_tpus_where_interpret_mode_cannot_run_it()
                              num_queries_per_block=2)  # Off TPUs it has no tuned sizes.
   failed = (AttributeError, jax.errors.JaxRuntimeError)  # Raised inside a callback, or not.
   with pltpu.force_tpu_interpret_mode(), pytest.raises(failed, match="ReshapeTransform"):
-    jax.block_until_ready(pallas_tpu(q, *pools, jnp.asarray(tables), jnp.asarray(positions),
-                                     scale=0.3, kernel=kernel))
+    jax.block_until_ready(pallas_tpu(q, *fuse_pages(*pools, jnp.asarray(tables)),
+                                     jnp.asarray(positions), scale=0.3, kernel=kernel))
 
 
 def test_auto_picks_the_pallas_kernels_on_gpu_and_tpu_and_an_unknown_name_is_named():
@@ -250,12 +253,12 @@ def test_the_tpu_kernel_s_block_sizes_are_its_own_table_s_for_the_chip_compiled_
   them up for the target's: (pages, queries) a block, capped by the table width."""
   key = ("bfloat16", "bfloat16", 32, 8, 128, 16, 32, 512)
   pages, queries = tuned_block_sizes.TUNED_BLOCK_SIZES["TPU v5"].get(key, (128, 32))
-  assert paged.tpu_block_sizes((32, 32, 128), (1025, 16, 16, 128), 32, jnp.bfloat16,
+  assert paged_tpu.tpu_block_sizes((32, 32, 128), (1025, 16, 16, 128), 32, jnp.bfloat16,
                                "TPU v5 lite") == (min(32, pages), min(32, queries))
-  assert paged.tpu_block_sizes((8, 8, 128), (65, 16, 4, 128), 8, jnp.bfloat16,
+  assert paged_tpu.tpu_block_sizes((8, 8, 128), (65, 16, 4, 128), 8, jnp.bfloat16,
                                "TPU v4") == (8, 8)  # v4: (32, 32) untuned, capped.
   # 2048 positions a row: the untuned block of 128 pages would take 16 MiB of scoped VMEM
   # double-buffered (a v5e has 16 MiB in all); the pages are halved until they fit.
-  pages, _ = paged.tpu_block_sizes((32, 32, 128), (4097, 16, 16, 128), 128, jnp.bfloat16,
+  pages, _ = paged_tpu.tpu_block_sizes((32, 32, 128), (4097, 16, 16, 128), 128, jnp.bfloat16,
                                    "TPU v5 lite")
-  assert 2 * pages * 16 * 16 * 128 * 2 <= paged.KV_BLOCK_VMEM and pages == 64
+  assert 2 * pages * 16 * 16 * 128 * 2 <= paged_tpu.KV_BLOCK_VMEM and pages == 64

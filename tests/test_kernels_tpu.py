@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from jax_ai_stack import kernels, topology
-from jax_ai_stack.kernels import lowering, paged
+from jax_ai_stack.kernels import lowering, paged, paged_tpu
 from jax_ai_stack.recipes import config as config_lib
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -123,6 +123,19 @@ def test_the_grouped_matmul_is_tokamax_s_mosaic_kernel_at_moe_tiny_s_shape(chip)
   assert kernels.choose_grouped_matmul("tokamax", "tpu")[0] == "tokamax_mosaic_tpu"
 
 
+def test_a_kernel_traced_for_a_chip_this_host_lacks_is_chosen_for_that_chip(chip):
+  """"auto" at trace time reads the devices compiled for (the abstract mesh's), not this
+  host's CPU: the grouped matmul and paged attention a TPU program calls are the TPU's."""
+  from jax_ai_stack.kernels import request
+
+  mesh = jax.sharding.Mesh([chip], ("one",))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    assert request.target_backend().device_kind == chip.device_kind
+    assert paged.choose_paged_attention("auto")[0] == "pallas_tpu"
+  assert request.target_backend().platform == "cpu"
+  assert paged.choose_paged_attention("auto")[0] == "xla"
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_backend
 def test_the_mosaic_grouped_matmul_equals_the_dense_reference_in_interpret_mode(chip,
@@ -197,6 +210,17 @@ def test_paged_attention_is_the_ragged_kernel_at_8b_shapes_and_copies_the_table_
                                     for a in args]).compile()
   pages = 2 * rows * width * EIGHT_B["page_size"] * EIGHT_B["kv_heads"] * EIGHT_B["head_dim"] * 2
   assert compiled.memory_analysis().temp_size_in_bytes >= pages  # 64 MiB.
+  # Over a pool in the kernel's own layout (what a model decoding with it lays out,
+  # `layers.Attention._fused_pool`), no copy: the kernel reads the pages where they are.
+  q_shape, (heads, count, page_size, head_dim) = eight_b_shapes(rows, width)
+  fused = (jax.ShapeDtypeStruct(q_shape, jnp.bfloat16, sharding=placed),
+           jax.ShapeDtypeStruct((count, page_size, 2 * heads, head_dim), jnp.bfloat16,
+                                sharding=placed), *[
+               jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in args[3:]])
+  with (kernels.compiling_for("tpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+    compiled = jax.jit(lambda q, kv, table, at: paged_tpu.pallas_tpu(q, kv, table, at, scale=0.1)
+                       ).lower(*fused).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < pages // 16
 
 
 @pytest.mark.slow
@@ -210,7 +234,7 @@ def test_paged_attention_at_long_rows_is_the_kernel_in_blocks_that_fit_its_vmem(
 @pytest.mark.slow
 def test_paged_attention_the_compiler_refuses_falls_back_to_xla_with_its_reason(chip,
                                                                                 monkeypatch):
-  monkeypatch.setattr(paged, "KV_BLOCK_VMEM", 1 << 30)  # The untuned block of 128 pages.
+  monkeypatch.setattr(paged_tpu, "KV_BLOCK_VMEM", 1 << 30)  # The untuned block of 128 pages.
   rows, width = 32, 128  # 2048 positions a row: that block overflows scoped VMEM.
   q, pool = eight_b_shapes(rows, width)
   lowered = lowering.paged_attention_that_compiles("auto", chip, q, pool, width)

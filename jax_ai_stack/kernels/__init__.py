@@ -31,6 +31,7 @@ Modules, one job each:
   experts          MoE experts' grouped matmul: tokamax, XLA or the dense reference
   paged            attention over a paged KV cache (the generation engine's): XLA, or
                    JAX's Pallas kernels on GPU and TPU; a plan's `paged` chooses it
+  paged_tpu        the TPU's ragged paged-attention kernel: its pool layout, block sizes
   lowering         the kernel a chip's compiler takes (compile-only devices), and the
                    fallback where it refuses one
 
@@ -89,7 +90,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "autotune_file", "autotuning", "blocked", "choice", "cli", "experts",
     "implementations", "lowering", "names",
-    "paged", "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
+    "paged", "paged_tpu", "pallas", "plan", "request", "resolve", "rules", "selection", "sharded", "table",
 )  # And `attention`, whose name the function takes.
 __all__ = list(_EXPORTS)
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ai_stack.kernels import names, rules
-from jax_ai_stack.kernels.request import Backend
+from jax_ai_stack.kernels.request import Backend, target_backend
 
 __all__ = ["GROUPED_MATMULS", "choose_grouped_matmul", "grouped_matmul"]
 
@@ -106,8 +106,11 @@ def mosaic_tpu_refusal(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str = "auto",
                    preferred_element_type=None) -> jax.Array:
-  """[M, N]: row block g of `lhs` [M, K] times `rhs[g]` [K, N] (`jax.lax.ragged_dot`)."""
-  name, _ = choose_grouped_matmul(implementation, shapes=(lhs.shape, rhs.shape))
+  """[M, N]: row block g of `lhs` [M, K] times `rhs[g]` [K, N] (`jax.lax.ragged_dot`),
+  chosen for the devices it is compiled for (a chip this machine lacks, too)."""
+  target = target_backend()
+  name, _ = choose_grouped_matmul(implementation, target.platform, target.device_kind,
+                                  shapes=(lhs.shape, rhs.shape))
   if name == "tokamax" and _compiling_for_a_gpu_elsewhere():
     # tokamax's GPU kernels read this host's device (Mosaic GPU: "Unsupported GPU
     # architecture"; Triton needs jax_triton), so a compile-only GPU gets XLA's ragged_dot.

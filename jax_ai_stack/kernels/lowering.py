@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ai_stack.kernels import experts, implementations, paged
+from jax_ai_stack.kernels import experts, implementations, paged, paged_tpu
 from jax_ai_stack.kernels.attention import attention
 from jax_ai_stack.kernels.plan import AttentionPlan
 from jax_ai_stack.kernels.selection import NoImplementationError
@@ -140,7 +140,7 @@ def paged_attention_that_compiles(requested: str, device: Any, q_shape: tuple[in
   the shapes or the compiler refuses it."""
   name, why = paged.choose_paged_attention(requested, device.platform, device.device_kind)
   q, pool = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(pool_shape, dtype)
-  if name == "pallas_tpu" and not paged.tpu_kernel_fits(q, pool):
+  if name == "pallas_tpu" and not paged_tpu.tpu_kernel_fits(q, pool):
     name, why = "xla", (f"{why}; it does not take head_dim {q_shape[-1]} and {pool_shape[0]} "
                         f"key/value heads of {jnp.dtype(dtype).name}: the xla loop")
   if name == "pallas_gpu" and (q_shape[1] != 1 or options.get("local_window") is not None):

@@ -38,11 +38,9 @@ choose at trace time: its `AttentionPlan.paged_attention()` chooses for the plan
   xla         the loop over pages above, everywhere; the one that takes attention sinks and chunks
 
 The pools' layout is the GPU kernel's: [kv_heads, pages, page_size, head_dim]. The TPU
-kernel reads one pool, [pages, page_size, 2 * kv_heads, head_dim] with each head's keys
-and values side by side: its adapter gathers the pages the table names into that layout
-(what the kernel reads anyway) and renumbers the table: a temporary as large as those pages
-and about 11x their bytes of HBM traffic in every layer at every step (docs/kernels.md). Its
-block sizes are its own table's for the chip compiled for (`tpu_block_sizes`).
+kernel reads its own (`paged_tpu`: a model decoding with it lays its pool out so; pools of
+this layout are copied into it in every call). On a mesh a Pallas kernel runs in a
+`shard_map` over every axis (`OPAQUE`), the heads split over `tensor`.
 
 Example: one query at position 2 (it sees 3 keys) over pages of 2 positions (pages 1, 2).
   >>> import jax.numpy as jnp
@@ -64,22 +62,21 @@ import jax
 import jax.numpy as jnp
 
 from jax_ai_stack.kernels import names, rules
-from jax_ai_stack.kernels.request import Backend, current_backend
+from jax_ai_stack.kernels.paged_tpu import fuse_pages, pallas_tpu, tpu_kernel_fits
+from jax_ai_stack.kernels.request import Backend, target_backend
 
-__all__ = ["GROUP_FLOATS", "KV_BLOCK_VMEM", "PAGED_ATTENTIONS", "choose_paged_attention",
-           "paged_attention", "pallas_tpu", "target_device_kind", "tpu_block_sizes",
-           "tpu_kernel_fits"]
+__all__ = ["GROUP_FLOATS", "OPAQUE", "PAGED_ATTENTIONS", "choose_paged_attention",
+           "paged_attention"]
 
 GROUP_FLOATS = 32768
 """The xla loop's rows go in groups, halved while each reads at least this many floats of keys
 a page (XLA:CPU pays a fixed time a loop step): the benchmark's 25M model (2 x 64 x 64 a row)
 decodes in groups of 4 rows, its attention 1.6x as fast; its tiny one keeps its 16 rows."""
 
-KV_BLOCK_VMEM = 8 << 20
-"""The most scoped VMEM (half a v5e's 16 MiB) the TPU kernel's double-buffered block of pages
-may take: its untuned 128 pages of 8B widths took 17.5 MiB with the queries', refused."""
-
 PAGED_ATTENTIONS = ("pallas_gpu", "pallas_tpu", "xla")
+OPAQUE = ("pallas_gpu", "pallas_tpu")
+"""Kernels XLA cannot partition (Pallas calls): on a mesh a model runs them inside a
+`shard_map` over every axis (`layers.per_replica`)."""
 _WHY = {"pallas_gpu": "JAX's Pallas paged-attention kernel (one query per row, no sliding "
                       "window; other calls fall back to xla)",
         "pallas_tpu": "JAX's Pallas ragged paged-attention kernel (head_dim a multiple of "
@@ -92,7 +89,7 @@ def choose_paged_attention(requested: str = "auto", platform: str | None = None,
                            device_kind: str | None = None, *, sinks: bool = False,
                            chunked: bool = False) -> tuple[str, str]:
   """(implementation, why) for `requested` ("auto" or one of `PAGED_ATTENTIONS`) on
-  `platform` and `device_kind` (None: JAX's default backend and its first device), for a
+  `platform` and `device_kind` (None: the devices traced for, `request.target_backend`), for a
   model with sinks or chunks (xla: the kernels take neither). ValueError names the choices."""
   refused = "attention sinks" if sinks else "chunked attention (chunk_size)" if chunked else ""
   if refused and (chosen := choose_paged_attention(requested, platform, device_kind))[0] != "xla":
@@ -101,7 +98,7 @@ def choose_paged_attention(requested: str = "auto", platform: str | None = None,
   if chosen is not None:
     return chosen
   if platform is None:
-    backend = current_backend()
+    backend = target_backend()
     platform, device_kind = backend.platform, backend.device_kind
   name = _AUTO.get(platform, "xla")
   generation = rules.tpu_generation(Backend(platform, device_kind or ""))
@@ -129,7 +126,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if name == "pallas_gpu" and q.shape[1] == 1 and local_window is None:
     return _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap)
   if name == "pallas_tpu" and tpu_kernel_fits(q, k_pages):
-    return pallas_tpu(q, k_pages, v_pages, block_table, positions, scale=scale,
+    return pallas_tpu(q, *fuse_pages(k_pages, v_pages, block_table), positions, scale=scale,
                       logits_soft_cap=logits_soft_cap, local_window=local_window)
   return _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap,
               local_window, sinks, chunk_size)
@@ -146,79 +143,6 @@ def _pallas_gpu(q, k_pages, v_pages, block_table, positions, scale, logits_soft_
       k_splits=splits, pages_per_compute_block=math.gcd(8, width // splits),
       attn_logits_soft_cap=logits_soft_cap, interpret=jax.default_backend() != "gpu")
   return out[:, None]
-
-
-def tpu_kernel_fits(q: jax.Array, k_pages: jax.Array) -> bool:
-  """Whether JAX's TPU kernel takes these shapes: head_dim a multiple of 128 (its lanes) and
-  2 * kv_heads that its dtype's tiling divides (1, 2, 4, 8 or a multiple of 8 words)."""
-  packing = 4 // jnp.dtype(k_pages.dtype).itemsize
-  words, rest = divmod(2 * k_pages.shape[0], packing)
-  return q.shape[-1] % 128 == 0 and not rest and (words in (1, 2, 4, 8) or words % 8 == 0)
-
-
-def target_device_kind() -> str:
-  """The device kind a kernel traced now is compiled for: the abstract mesh's (a chip this
-  machine lacks, as Pallas' TPU kernels read it), else this machine's first device's."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.device_kind if device is not None else jax.devices()[0].device_kind
-
-
-def tpu_block_sizes(q_shape, kv_pages_shape, width: int, dtype, device_kind: str
-                    ) -> tuple[int, int]:
-  """(pages, queries) per block of JAX's ragged paged-attention kernel: its tuned table's for
-  `device_kind` (the kernel looks up this machine's device, which has none off a TPU), the
-  pages' double buffer within `KV_BLOCK_VMEM` (a power of two of pages)."""
-  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
-
-  tokens, heads, head_dim = q_shape
-  page_size, combined = kv_pages_shape[1], kv_pages_shape[2]
-  heads_per_block, combined_per_block = kernel.get_min_heads_per_blk(heads, combined, dtype, dtype)
-  key = tuned_block_sizes.simplify_key((dtype, dtype, heads_per_block, combined_per_block // 2,
-                                        head_dim, page_size, tokens, width))
-  generation = rules.tpu_generation(Backend("tpu", device_kind)) or 0
-  name = f"TPU v{generation}"
-  pages, queries = (32, 32) if generation == 4 else (128, 32)
-  pages, queries = tuned_block_sizes.TUNED_BLOCK_SIZES.get(name, {}).get(key, (pages, queries))
-  page_bytes = 2 * page_size * combined_per_block * head_dim * jnp.dtype(dtype).itemsize
-  fitting = max(KV_BLOCK_VMEM // page_bytes, 1)
-  return min(width, pages, 1 << (fitting.bit_length() - 1)), min(tokens, queries)
-
-
-def pallas_tpu(q, k_pages, v_pages, block_table, positions, *, scale, logits_soft_cap=None,
-               local_window=None, kernel=None):
-  """`paged_attention` through JAX's ragged paged-attention kernel for TPUs (`kernel`:
-  another function of its signature, as the tests give its reference on CPU).
-
-  Each row's queries are its last positions[b, -1] + 1 - T ones (a chunk of a prompt, or
-  one token): the kernel's ragged layout. The pages the table names are copied into the
-  kernel's pool layout in each call, the table renumbered to them (docs/kernels.md).
-  """
-  b, t, n, h = q.shape
-  k, page_size = k_pages.shape[0], k_pages.shape[2]
-  width = block_table.shape[1]
-  tuning = {}
-  if kernel is None:
-    kind = target_device_kind()
-    if rules.tpu_generation(Backend("tpu", kind)) is None:
-      raise ValueError(f"paged attention 'pallas_tpu' runs on TPUs only, not {kind}: JAX "
-                       f"{jax.__version__}'s TPU interpret mode cannot run its ragged "
-                       "paged-attention kernel; choose xla (or, compiling for a TPU from "
-                       "this machine, trace inside `jax.sharding.use_abstract_mesh` of the "
-                       "TPU devices' mesh, whose chip Pallas compiles for)")
-    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged
-
-    kernel = ragged.ragged_paged_attention
-    tuning = dict(zip(("num_kv_pages_per_block", "num_queries_per_block"), tpu_block_sizes(
-        (b * t, n, h), (b * width, page_size, 2 * k, h), width, k_pages.dtype, kind)))
-  pages = block_table.reshape(-1)
-  both = jnp.stack([k_pages[:, pages], v_pages[:, pages]], axis=1)  # [K, 2, B * W, P, H]
-  kv_pages = jnp.transpose(both, (2, 3, 0, 1, 4)).reshape(b * width, page_size, 2 * k, h)
-  out = kernel(q.reshape(b * t, n, h), kv_pages, (positions[:, -1] + 1).astype(jnp.int32),
-               jnp.arange(b * width, dtype=jnp.int32).reshape(b, width),
-               jnp.arange(0, (b + 1) * t, t, dtype=jnp.int32), jnp.asarray([b], jnp.int32),
-               sm_scale=scale, soft_cap=logits_soft_cap,
-               sliding_window=None if local_window is None else local_window + 1, **tuning)
-  return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def _xla(q, k_pages, v_pages, block_table, positions, scale, logits_soft_cap, local_window,

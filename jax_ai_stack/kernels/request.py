@@ -59,6 +59,13 @@ def current_backend() -> Backend:
   return backend_of(jax.devices()[0])
 
 
+def target_backend() -> Backend:
+  """The backend a kernel traced now is compiled for: the abstract mesh's device (a
+  compile-only chip this machine lacks, `jax_ai_stack.topology`), else `current_backend()`."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return backend_of(device) if device is not None else current_backend()
+
+
 def normalize_dtype(dtype: Any) -> str:
   """"bf16" / jnp.bfloat16 / np.dtype -> "bfloat16"; ValueError if not a float."""
   name = _DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype

@@ -1,7 +1,9 @@
 """On 8 devices (JAX fixes the count at start): the generation engine with a reference
 checkpoint read onto a mesh, against the same engine on one device.
 
-argv: the reference checkpoint's folder, then the mesh as MeshConfig's fields (JSON)."""
+argv: the reference checkpoint's folder, the mesh as MeshConfig's fields (JSON), and
+optionally the paged attention the mesh's engine decodes with (default: the plan's, xla
+here; pallas_gpu runs JAX's GPU kernel in interpret mode, a kernel XLA cannot partition)."""
 
 import json
 import pathlib
@@ -10,6 +12,7 @@ import sys
 
 import numpy as np
 
+from jax_ai_stack import kernels
 from jax_ai_stack.recipes.inference import Engine, Request
 from jax_ai_stack.recipes.inference import engine as engine_module
 from jax_ai_stack.recipes.models import hf
@@ -19,7 +22,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from multidevice import load_on_mesh  # noqa: E402
 
 directory, mesh_fields = sys.argv[1], json.loads(sys.argv[2])
-one, model = hf.load_model(directory), load_on_mesh(directory, MeshConfig(**mesh_fields))
+paged = sys.argv[3] if len(sys.argv) > 3 else "auto"
+one = hf.load_model(directory)
+model = load_on_mesh(directory, MeshConfig(**mesh_fields),
+                     attention=kernels.AttentionPlan(("auto",), "the test", paged=paged))
 rng = np.random.default_rng(0)
 vocab = one.config.vocab_size
 requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, n)), 6,

@@ -284,7 +284,8 @@ class Decoder(nnx.Module):
     `pages` pages of `page_size` positions and `slots` slots of per-slot state, per replica
     (more than one: a replica axis, `cache.lay_out`, placed on the mesh by
     `page_sharding`). The plain decoder's: keys and values [K, pages, page_size, H] per
-    layer ([K, replicas, pages, ...] with replicas; stacked: [num_layers, ...])."""
+    layer ([K, replicas, pages, ...] with replicas; stacked: [num_layers, ...]), or for the
+    TPU's kernel one pool in its layout, [pages, page_size, 2K, H] (`Attention.cache_spec`)."""
     sizes = {cache_lib.PAGES: pages, cache_lib.PAGE_SIZE: page_size, cache_lib.SLOTS: slots}
     specs, stacked = self.cache_specs(), self.config.scan_layers
     placed = self.page_sharding(replicas)

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ai_stack import kernels
-from jax_ai_stack.kernels.paged import paged_attention
+from jax_ai_stack.kernels.paged import OPAQUE, paged_attention
 from jax_ai_stack.recipes.models.cache import (LENGTH, PAGE_SIZE, PAGES, SLOTS, CacheArray,
-                                                KVCache, Spec, replicated)
+                                                KVCache, Spec)
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.latent_config import LatentAttentionConfig
 from jax_ai_stack.recipes.models.layers import _fan_in_init, per_replica, rms_norm
@@ -191,11 +191,9 @@ class LatentAttention(nnx.Module):
     attend = functools.partial(_write_and_attend, scale=self.scale,
                                implementation=self._paged_attention())
     rows = (queries, cached, cache.length, cache.block_table)
-    spec = self.cache_spec()
-    if replicated(spec, cache.state):
-      out, state = per_replica(attend, self.attention_sharding, spec, rows, cache.state)
-    else:
-      out, state = attend(rows, cache.state)
+    heads = (2, 2, None, None) if self._paged_attention() in OPAQUE else None
+    out, state = per_replica(attend, self.attention_sharding, self.cache_spec(), rows,
+                             cache.state, heads=heads)
     return self._output(out), state
 
   def _paged_attention(self) -> str:

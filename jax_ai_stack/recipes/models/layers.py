@@ -29,7 +29,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_ai_stack import kernels
-from jax_ai_stack.kernels.paged import paged_attention
+from jax_ai_stack.kernels.paged import OPAQUE, paged_attention
+from jax_ai_stack.kernels.paged_tpu import fused_pool, pallas_tpu, tpu_kernel_takes
 from jax_ai_stack.recipes.models.cache import (HEADS, LENGTH, PAGE_SIZE, PAGES, SLOTS,
                                                 CacheArray, KVCache, Spec, replicated)
 from jax_ai_stack.recipes.models.configs import DecoderConfig
@@ -142,15 +143,32 @@ class Attention(nnx.Module):
 
   def cache_spec(self, paged: bool = True) -> Spec:
     """What this layer caches for decoding: its keys and values, paged (the engine's pools
-    [K, pages, page_size, H], the layout of every paged kernel, `kernels.paged`) or one
-    contiguous row per sequence [B, S, K, H] (`Decoder.init_cache`). The decoder lays them
-    out (`cache.lay_out`); nobody else reads the names."""
+    [K, pages, page_size, H], `kernels.paged`; for the TPU's kernel one pool in its own
+    layout, `_fused_pool`) or one contiguous row per sequence [B, S, K, H]
+    (`Decoder.init_cache`). The decoder lays them out (`cache.lay_out`); nobody else reads
+    the names."""
     heads, head_dim, dtype = self.cache_shape
+    if paged and self._fused_pool():
+      return {"kv": CacheArray((PAGES, PAGE_SIZE, 2 * heads, head_dim), dtype,
+                               (None, None, HEADS, None))}
     dims = ((heads, PAGES, PAGE_SIZE, head_dim) if paged else
             (SLOTS, LENGTH, heads, head_dim))
     axes = (HEADS, None, None, None) if paged else (None, None, HEADS, None)
     array = CacheArray(dims, dtype, axes)
     return {"keys": array, "values": array}
+
+  def _fused_pool(self) -> bool:
+    """Whether the engine's pool is the TPU kernel's own layout, [pages, page_size, 2 * K, H]
+    with each head's keys and values side by side: where the plan decodes with pallas_tpu
+    and the kernel takes each device's heads (split whole over `tensor`, so a device holds
+    pairs). Otherwise the kernel's adapter would copy every page a row reads into that
+    layout in each layer at each step (`kernels.paged_tpu.fuse_pages`, docs/kernels.md)."""
+    if self._paged_attention() != "pallas_tpu":
+      return False
+    heads, head_dim, dtype = self.cache_shape
+    sharding = self.attention_sharding
+    ways = 1 if sharding is None else sharding.size(sharding.heads)
+    return heads % ways == 0 and tpu_kernel_takes(head_dim, heads // ways, dtype)
 
   def _sinks(self) -> jax.Array | None:
     return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
@@ -233,21 +251,28 @@ class Attention(nnx.Module):
                                implementation=self._paged_attention())
     rows = (q, k, v, cache.length, cache.block_table)
     spec = {name: array for name, array in self.cache_spec().items() if name in cache.state}
-    if replicated(spec, cache.state):
-      out, state = per_replica(attend, self.attention_sharding, spec, rows, cache.state)
-    else:
-      out, state = attend(rows, cache.state)
-    return out, state
+    heads = (2, 2, 2, None, None) if self._paged_attention() in OPAQUE else None
+    return per_replica(attend, self.attention_sharding, spec, rows, cache.state, heads=heads)
 
 
 def _write_and_attend(rows, state, **options):
   """Each row's new keys and values k, v [B, T, K, H] written into the page that holds their
   position (a position past the row's table goes to page 0, which the engine never hands
-  out), then `kernels.paged.paged_attention` (`options`) of q: (out, the updated state)."""
+  out), then `kernels.paged.paged_attention` (`options`) of q, or over a pool in the TPU
+  kernel's layout (`Attention._fused_pool`) that kernel itself: (out, the updated state)."""
   q, k, v, length, block_table = rows
+  positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
+  if "kv" in state:  # The TPU kernel's own layout [pages, page_size, 2K, H].
+    pool = state["kv"]
+    page = jnp.take_along_axis(block_table, positions // pool.shape[1], axis=1, mode="fill",
+                               fill_value=0)
+    pool = pool.at[page, positions % pool.shape[1]].set(fused_pool(k, v).astype(pool.dtype))
+    out = pallas_tpu(q, pool, block_table, positions, scale=options["scale"],
+                     logits_soft_cap=options["logits_soft_cap"],
+                     local_window=options["local_window"])
+    return out, {"kv": pool}
   keys, values = state["keys"], state["values"]
   page_size = keys.shape[2]  # Pools [K, pages, page_size, H].
-  positions = length[:, None] + jnp.arange(q.shape[1])  # [B, T]
   page = jnp.take_along_axis(block_table, positions // page_size, axis=1, mode="fill",
                              fill_value=0)
   put = lambda pool, new: pool.at[:, page, positions % page_size].set(
@@ -258,25 +283,34 @@ def _write_and_attend(rows, state, **options):
 
 
 def per_replica(attend: Callable, sharding: kernels.AttentionSharding | None, spec: Spec,
-                rows: tuple[jax.Array, ...], state: dict[str, jax.Array]):
-  """`attend(rows, state) -> (out, state)` (as `_write_and_attend`) over a layer's cache of
-  several replicas (`spec`'s arrays with a replica axis, `cache.lay_out`): `rows` (arrays
-  whose first axis is the batch's) in R equal groups, each over its replica's part.
+                rows: tuple[jax.Array, ...], state: dict[str, jax.Array], *,
+                heads: tuple[int | None, ...] | None = None):
+  """`attend(rows, state) -> (out, state)` (as `_write_and_attend`) over a layer's cache
+  (`spec`'s arrays, with a replica axis where it has several replicas, `cache.lay_out`):
+  `rows` (arrays whose first axis is the batch's) in R equal groups, each over its
+  replica's part; the plain call for one.
 
   On a mesh whose batch axes split the rows into R groups (a data-parallel engine), each
   group runs where its rows and its pool live, in a `shard_map` over those axes: no page
   crosses devices, whatever the kernel (GSPMD cannot split a Pallas kernel's call, and
   given one pool split by pages, read with global page numbers, it all-reduces every page
-  read across the replicas). Elsewhere the groups run side by side (`vmap`; one group is
-  the plain call).
+  read across the replicas). Elsewhere the groups run side by side (`vmap`).
+
+  `heads` (per row, the dimension of its heads, or None) says `attend` calls a kernel XLA
+  cannot partition over any axis (a Pallas kernel: `kernels.paged.OPAQUE`): on a mesh it
+  then runs manual over every axis, the rows' and pools' heads split over the heads axes
+  (tensor) where the pools' key/value heads divide, else whole on every device.
   """
   axes = {name: array.replica_axis() for name, array in spec.items()}
   name = next(iter(axes))
-  replicas, count = state[name].shape[axes[name]], rows[0].shape[0]
+  several = replicated(spec, state)
+  replicas, count = state[name].shape[axes[name]] if several else 1, rows[0].shape[0]
   if count % replicas:
     raise ValueError(f"{count} rows do not split into the pools' {replicas} replicas")
 
   def groups(rows, state):
+    if not several:
+      return attend(rows, state)
     groups = state[name].shape[axes[name]]
     if groups == 1:
       out, state = attend(rows, {n: jnp.squeeze(a, axes[n]) for n, a in state.items()})
@@ -286,17 +320,37 @@ def per_replica(attend: Callable, sharding: kernels.AttentionSharding | None, sp
         jax.tree.map(split, rows), state)
     return out.reshape(-1, *out.shape[2:]), state
 
-  if sharding is None or replicas == 1 or sharding.size(sharding.batch) != replicas:
+  opaque = heads is not None and sharding is not None and sharding.mesh.size > 1
+  by_replica = sharding is not None and replicas > 1 and sharding.size(sharding.batch) == replicas
+  if not (opaque or by_replica):
     return groups(rows, state)
-  by_rows = P(sharding.batch)
-  by_pools = {n: P(*(None,) * axis, sharding.batch) for n, axis in axes.items()}
+  batch = sharding.batch if by_replica else None
+  ways = sharding.size(sharding.heads)
+  split = opaque and ways > 1 and all(
+      size % ways == 0 for array in spec.values()
+      for size, axis in zip(array.shape, array.axes) if axis == HEADS)
+  split_heads = sharding.heads if split else None
+
+  def row_spec(row, head_dim):
+    return P(batch, *(split_heads if d == head_dim else None for d in range(1, row.ndim)))
+
+  def pool_spec(array: CacheArray):
+    dims = [split_heads if axis == HEADS else None for axis in array.axes]
+    if several:
+      dims.insert(array.replica_axis(), batch)
+    return P(*dims)
+
+  by_rows = tuple(row_spec(row, (heads or (None,) * len(rows))[i]) for i, row in enumerate(rows))
+  by_pools = {n: pool_spec(array) for n, array in spec.items()}
   # Manual over the mesh's axes of one device too: a Mosaic kernel (the TPU's ragged paged
   # attention) refuses to be partitioned automatically, even over an axis of size 1. And
   # check_vma=False: that opaque call declares outputs with no varying axes.
-  manual = set(sharding.batch) | {a for a, n in sharding.mesh.shape.items() if n == 1}
+  manual = (set(sharding.mesh.axis_names) if opaque else
+            set(sharding.batch) | {a for a, n in sharding.mesh.shape.items() if n == 1})
   return jax.shard_map(groups, mesh=sharding.mesh, axis_names=manual,
-                       in_specs=(tuple(by_rows for _ in rows), by_pools),
-                       out_specs=(by_rows, by_pools), check_vma=False)(rows, state)
+                       in_specs=(by_rows, by_pools),
+                       out_specs=(by_rows[0] if opaque else P(batch), by_pools),
+                       check_vma=False)(rows, state)
 
 
 def l2_norm(x: jax.Array, eps: float) -> jax.Array:

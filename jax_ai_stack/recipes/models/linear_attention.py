@@ -38,7 +38,7 @@ from flax import nnx
 
 from jax_ai_stack.recipes.models import eager_sharding_scope
 from jax_ai_stack.recipes.models.cache import SLOTS, CacheArray, KVCache, Spec
-from jax_ai_stack.recipes.models.cache import put_slot_rows, replicated, slot_rows
+from jax_ai_stack.recipes.models.cache import put_slot_rows, slot_rows
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.layers import per_replica
 from jax_ai_stack.recipes.models.linear_config import LinearAttentionConfig
@@ -219,10 +219,8 @@ class GatedDeltaNet(nnx.Module):
             None if cache is None else cache.slots)
     if cache is None:
       out, state = self._recur(rows, None)
-    elif replicated(spec := self.cache_spec(), cache.state):
-      out, state = per_replica(self._recur, None, spec, rows, cache.state)
     else:
-      out, state = self._recur(rows, cache.state)
+      out, state = per_replica(self._recur, None, self.cache_spec(), rows, cache.state)
     out = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
     gate = jax.nn.silu(z.reshape(batch, length, hv, dv).astype(jnp.float32))
     out = (self.norm[...] * out.astype(self.dtype)).astype(jnp.float32) * gate
