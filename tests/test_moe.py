@@ -92,6 +92,58 @@ def test_deepseek_s_correction_bias_gets_no_gradient_and_no_decay():
   assert float(jnp.abs(grads["router"]["kernel"][...]).max()) > 0.0
 
 
+def test_the_balancing_pull_is_the_load_above_balance_and_nothing_else():
+  """With `pull`, the stats' `balancing` is zero, and its gradient for the choice bias is
+  each expert's share of the assignments less 1/E; the weights' gradients are untouched."""
+  logits = jnp.asarray(RNG.normal(size=(12, 4)), jnp.float32)
+  bias = jnp.asarray([1.0, 0.0, 0.0, -1.0], jnp.float32)  # Expert 0 overloaded.
+
+  def balancing(correction, logits):
+    routing = moe.route(logits, 2, True, score="sigmoid", correction=correction, pull=True)
+    return routing.stats.balancing + 0.0 * routing.weights.sum(), routing.stats.share
+
+  (value, share), (pull, logit_grads) = jax.value_and_grad(
+      balancing, argnums=(0, 1), has_aux=True)(bias, logits)
+  assert float(value) == 0.0 and float(jnp.abs(logit_grads).max()) == 0.0
+  np.testing.assert_allclose(pull, share - 0.25, atol=1e-7)
+  assert float(pull[0]) > 0 > float(pull[3])
+
+
+def test_the_bias_update_moves_each_expert_s_bias_toward_balance_and_nothing_else():
+  """One AdamW update of a DeepSeek-style MoE: with moe.correction_update=0.01 each layer's
+  choice bias moves by 0.01 against its expert's load above balance in that layer
+  (DeepSeek-V3's update), and every other parameter is bitwise what it is without."""
+  from jax_ai_stack.recipes import optim
+  from jax_ai_stack.recipes.optim_config import OptimConfig
+
+  tokens = jnp.asarray(RNG.integers(0, 259, (2, 16)), jnp.int32)
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
+  after = {}
+  for speed in (0.0, 0.01):
+    config = _config(router_score="sigmoid", score_correction=True, correction_update=speed)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    optimizer = optim.build_optimizer(OptimConfig(warmup_steps=0), model, train_steps=10)
+    grads = nnx.grad(lambda model: lm_loss(model, batch)[0])(model)
+    optimizer.update(model, grads)
+    after[speed] = (nnx.state(model, nnx.Param), grads)
+  moved, grads = after[0.01]
+  for path, value in nnx.to_flat_state(moved):
+    before = nnx.to_flat_state(after[0.0][0])
+    still = dict(before)[path][...]
+    if path[-1] == "correction_bias":
+      pull = dict(nnx.to_flat_state(grads))[path][...]
+      np.testing.assert_array_equal(value[...], -0.01 * np.sign(pull))
+      assert np.count_nonzero(pull) > 0 and float(jnp.abs(still).max()) == 0.0
+    else:
+      np.testing.assert_array_equal(value[...], still, err_msg=str(path))
+
+
+def test_a_bias_update_without_the_bias_is_refused():
+  with pytest.raises(ValueError, match="moe.correction_update=0.001 moves the choice's bias: "
+                                       "it needs moe.score_correction=true"):
+    MoeConfig(num_experts=4, router_score="sigmoid", correction_update=0.001)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(score_correction=True), "set moe.router_score=sigmoid"),
     (dict(router_score="sigmoid", router_groups=3), "moe.router_groups=3 must split "
@@ -461,6 +513,10 @@ def test_a_moe_family_preset_trains_lora_adapts_and_exports(preset, tmp_path):
     if preset == "qwen3_next-tiny":  # The gated DeltaNet's projections too.
       assert {"layers/0/attention/in_proj_qkvz/kernel",
               "layers/0/attention/out_proj/kernel"} <= set(adapted)
+    if preset == "deepseek_v3-tiny":  # The base's choice bias moved, 0.001 an update.
+      bias = np.abs(np.asarray(run.model.layers[1].mlp.correction_bias[...]))
+      steps = bias / 1e-3  # 0, 1 or 2 steps of 0.001 (2 updates).
+      assert 0 < steps.max() and np.allclose(steps, np.clip(np.round(steps), 0, 2), atol=1e-3)
     logits = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, tokens))
   finally:
     run.close()

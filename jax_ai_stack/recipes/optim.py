@@ -3,7 +3,9 @@
 `build` returns a plain `optax.GradientTransformation`;
 `build_optimizer` wraps it for a model as an `nnx.Optimizer` over its parameters:
 clip by global norm -> optimizer (with masked weight decay) -> optional gradient
-accumulation (`optax.MultiSteps`). The learning rate follows `build_schedule`,
+accumulation (`optax.MultiSteps`). A mixture of experts' choice bias, where the model moves
+it (`MoeConfig.correction_update`), takes its own sign step instead (`BALANCED`). The
+learning rate follows `build_schedule`,
 which the trainer also calls to log the rate of each step: a pure function of
 the step is simpler to log than digging it out of the optimizer state.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -80,8 +83,15 @@ def decay_mask(config: OptimConfig):
   return mask
 
 
-def build(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-  """The optimizer chain; `total_steps` counts optimizer updates (for the schedule)."""
+BALANCED = re.compile(r"correction_bias")
+"""The parameters a balancing update moves (DeepSeek-V3's choice bias, `models.moe`): by
+`correction_update` against the sign of their gradient, the load above balance."""
+
+
+def build(config: OptimConfig, total_steps: int, *, correction_update: float = 0.0
+          ) -> optax.GradientTransformation:
+  """The optimizer chain; `total_steps` counts optimizer updates (for the schedule);
+  `correction_update` > 0: the `BALANCED` parameters' sign step, at each update."""
   lr = build_schedule(config, total_steps)
   mask = decay_mask(config)
   wd = config.weight_decay
@@ -105,9 +115,32 @@ def build(config: OptimConfig, total_steps: int) -> optax.GradientTransformation
   if config.grad_clip_norm is not None:
     parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
   tx = optax.chain(*parts) if len(parts) > 1 else optimizer
+  if correction_update:  # Before accumulation: once an update, on the summed gradients.
+    tx = _with_balancing(tx, correction_update)
   if config.accumulate_steps > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps).gradient_transformation()
   return tx
+
+
+def _with_balancing(tx: optax.GradientTransformation, speed: float
+                    ) -> optax.GradientTransformation:
+  """`tx` whose `BALANCED` parameters step by -speed * sign(gradient) instead (`tx` sees
+  their gradients as zeros, so its state keeps the parameters' tree: no optax.MaskedNode
+  for the sharding and checkpoint code to place)."""
+
+  def balanced(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(BALANCED.search(jax.tree_util.keystr(path))), tree)
+
+  def update(grads, state, params=None):
+    which = balanced(grads)
+    rest = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, which)
+    updates, state = tx.update(rest, state, params)
+    updates = jax.tree.map(lambda u, g, b: (-speed * jnp.sign(g)).astype(u.dtype) if b else u,
+                           updates, grads, which)
+    return updates, state
+
+  return optax.GradientTransformation(tx.init, update)
 
 
 def optimizer_updates(config: OptimConfig, train_steps: int) -> int:
@@ -120,6 +153,9 @@ def optimizer_updates(config: OptimConfig, train_steps: int) -> int:
 
 def build_optimizer(config: OptimConfig, model: nnx.Module, *, train_steps: int,
                     wrt=nnx.Param) -> nnx.Optimizer:
-  """`build(config)` over `model`'s `wrt` variables (e.g. `nnx.LoRAParam`), for `train_steps` steps."""
-  tx = build(config, total_steps=optimizer_updates(config, train_steps))
+  """`build(config)` over `model`'s `wrt` variables (e.g. `nnx.LoRAParam`), for `train_steps`
+  steps, with the balancing update a mixture of experts asks for (`correction_update`)."""
+  moe = getattr(getattr(model, "config", None), "moe", None)
+  tx = build(config, total_steps=optimizer_updates(config, train_steps),
+             correction_update=getattr(moe, "correction_update", 0.0))
   return nnx.Optimizer(model, tx, wrt=wrt)

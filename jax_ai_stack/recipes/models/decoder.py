@@ -405,15 +405,15 @@ class Decoder(nnx.Module):
 
 
 def moe_losses(config: DecoderConfig, stats: list[MoeStats]) -> dict[str, jax.Array]:
-  """The MoE layers' stats as a loss and metrics: `moe_loss` (what training adds:
-  router_aux_loss_coef * balance + router_z_loss_coef * z), the balance and z losses
+  """The MoE layers' stats as a loss and metrics: `moe_loss` (what training adds: aux coef
+  * balance + z coef * z + `MoeStats.balancing`, zero), the balance and z losses
   (mean over the MoE layers) and each expert's mean token share, `expert_share_<e>`."""
   if not stats:
     return {}
   mean = jax.tree.map(lambda *s: sum(s) / len(s), *stats)
   moe = config.moe
   out = {"moe_loss": moe.router_aux_loss_coef * mean.balance_loss
-                     + moe.router_z_loss_coef * mean.z_loss,
+                     + moe.router_z_loss_coef * mean.z_loss + mean.balancing,
          "router_aux_loss": mean.balance_loss, "router_z_loss": mean.z_loss}
   return {**out, **{f"expert_share_{e}": mean.share[e] for e in range(moe.num_experts)}}
 

@@ -33,7 +33,9 @@ DeepSeek-V3's router (`router_score` "sigmoid", `score_correction`, `router_grou
 `routed_scale`): the experts are chosen by their sigmoid scores plus a per-expert bias
 (`correction_bias`, which moves the choice only), among the experts of each token's best
 groups, and weighted by their uncorrected scores, renormalised, times a constant. Its shared
-experts are one ungated shared expert as wide as all of them.
+experts are one ungated shared expert as wide as all of them. Training moves the bias toward
+balance where `correction_update` asks: a sign step against each expert's load above its share
+(`balancing_pull` gives it as the bias's gradient; `optim` steps it).
 
 Beside its output a layer reports (`MoeStats`): the Switch load-balancing loss
 E * sum_e(f_e * P_e), with f_e the share of the N*k assignments expert e got
@@ -90,6 +92,9 @@ class MoeStats(NamedTuple):
   balance_loss: jax.Array
   z_loss: jax.Array
   share: jax.Array
+  balancing: jax.Array | float = 0.0
+  """Zero; its gradient is the choice bias's pull toward balance (`balancing_pull`), which
+  a training loss adds it for (`decoder.moe_losses`)."""
 
 
 class Routing(NamedTuple):
@@ -104,14 +109,15 @@ class Routing(NamedTuple):
 
 def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None = None,
           score: str = "softmax", *, correction: jax.Array | None = None, groups: int = 1,
-          topk_groups: int = 1, scale: float = 1.0) -> Routing:
+          topk_groups: int = 1, scale: float = 1.0, pull: bool = False) -> Routing:
   """Top-k routing of router `logits` [N, E] (any float dtype; softmax in float32).
 
   `score` "sigmoid" (Llama 4's, DeepSeek-V3's): the k largest sigmoids of the logits, each
   weighted by its own (the statistics still use the softmax's probabilities); `correction`
   [E] is added to them for the choice only, and with `groups` > 1 only the experts of the
   `topk_groups` groups whose two best scores sum highest are chosen (`MoeConfig`).
-  `scale` multiplies the weights last (`MoeConfig.routed_scale`).
+  `scale` multiplies the weights last (`MoeConfig.routed_scale`). `pull`: the stats'
+  `balancing` gives `correction` the gradient share - 1/E (`balancing_pull`).
   `counted` [N] (bool): the tokens the statistics and losses are over (None: all).
   Padding is routed and computed like any token, but it would pull the balance
   loss towards whichever experts padding prefers, so the caller leaves it out.
@@ -144,7 +150,31 @@ def route(logits: jax.Array, k: int, normalize: bool, counted: jax.Array | None 
     share, mean_probs = picks / (tokens * k), (probs * weight[:, None]).sum(0) / tokens
     z_loss = (z * weight).sum() / tokens
   balance = num_experts * jnp.sum(share * mean_probs)
-  return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share))
+  balancing = balancing_pull(correction, share) if pull and correction is not None else 0.0
+  return Routing(experts, weights, sizes, MoeStats(balance, z_loss, share, balancing))
+
+
+@jax.custom_vjp
+def balancing_pull(correction: jax.Array, share: jax.Array) -> jax.Array:
+  """Zero, whose gradient for `correction` [E] is `share` [E] (each expert's part of the
+  assignments) less its mean 1/E: added to the loss, the choice bias's gradient says which
+  experts took too much, and a sign descent of it (`optim`, `MoeConfig.correction_update`)
+  is DeepSeek-V3's bias update, riding the gradients' accumulation, averaging over devices
+  and checkpoints."""
+  del correction, share
+  return jnp.zeros((), jnp.float32)
+
+
+def _pull_forward(correction, share):
+  return balancing_pull(correction, share), (share, correction)
+
+
+def _pull_backward(residuals, cotangent):
+  share, correction = residuals
+  return ((share - share.mean()) * cotangent).astype(correction.dtype), jnp.zeros_like(share)
+
+
+balancing_pull.defvjp(_pull_forward, _pull_backward)
 
 
 def _within_best_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
@@ -184,6 +214,7 @@ class MoE(nnx.Module):
         if moe.score_correction else None
     self.groups = (moe.router_groups, moe.router_topk_groups)
     self.routed_scale = moe.routed_scale
+    self.pull = moe.correction_update > 0
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
     param_dtype = jnp.dtype(config.param_dtype)
 
@@ -229,7 +260,7 @@ class MoE(nnx.Module):
     correction = None if self.correction_bias is None else self.correction_bias[...]
     routing = route(self.router(tokens), self.k, self.normalize, counted, self.score,
                     correction=correction, groups=self.groups[0], topk_groups=self.groups[1],
-                    scale=self.routed_scale)
+                    scale=self.routed_scale, pull=self.pull)
     params = {name: getattr(self, name)[...].astype(self.dtype)
               for name in (*self.in_names, "down_proj", *self.bias_names)}
     down_bias = params.pop("down_proj_bias", None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import pydantic
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 
 from jax_ai_stack.recipes.configlib import config_dataclass
 
@@ -68,8 +68,14 @@ class MoeConfig:
   the sigmoids (plus `score_correction`'s bias, within `router_groups`)."""
   score_correction: bool = False
   """A per-expert bias added to the sigmoid scores to choose the experts, not to weight them
-  (DeepSeek-V3's `e_score_correction_bias`, its auxiliary-loss-free balancing). Its gradient is
-  zero (it moves only the top-k's choice), so training leaves it as imported."""
+  (DeepSeek-V3's `e_score_correction_bias`, its auxiliary-loss-free balancing). It has no
+  gradient (it moves only the top-k's choice): training leaves it as imported, or moves it
+  by `correction_update`."""
+  correction_update: NonNegativeFloat = 0.0
+  """DeepSeek-V3's auxiliary-loss-free balancing: at each optimizer update each expert's
+  `correction_bias` moves by this much, up where the expert took less than its share of the
+  update's tokens (1 / num_experts), down where more, so the choice balances without a loss
+  (the paper's bias update speed, 0.001). 0: the bias is left as it is."""
   router_groups: PositiveInt = 1
   """The experts split into this many equal groups, each scored by the sum of its two best
   (corrected) scores; a token chooses only among the experts of its `router_topk_groups` best
@@ -104,6 +110,9 @@ class MoeConfig:
       raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is above "
                        f"moe.num_experts={self.num_experts}: a token cannot pick more experts "
                        "than there are")
+    if self.correction_update and not self.score_correction:
+      raise ValueError(f"moe.correction_update={self.correction_update} moves the choice's "
+                       "bias: it needs moe.score_correction=true")
     if (self.score_correction or self.router_groups > 1) and self.router_score != "sigmoid":
       raise ValueError("moe.score_correction and moe.router_groups are DeepSeek's sigmoid "
                        "routing: set moe.router_score=sigmoid")
