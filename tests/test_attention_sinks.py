@@ -93,6 +93,27 @@ def test_the_blocked_kernel_s_sinks_and_gradients_equal_xla_s(masks):
       kernels.attention(q, k, v, sinks=sinks, implementation="xla", **masks), atol=2e-6)
 
 
+@pytest.mark.parametrize("masks", [dict(), dict(local_window=31)])
+def test_the_tpu_splash_kernel_s_sinks_and_gradients_equal_xla_s(masks):
+  """JAX's TPU splash kernel takes the sinks (interpreted on this CPU; its tiles need 128
+  positions): GPT-OSS on a TPU runs it, not a fallback. Output and the gradients of q, k, v
+  and the sinks equal the plain XLA softmax's."""
+  q, k, v, sinks = map(jnp.asarray, _qkv(t=128))
+  weights = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
+
+  def loss(implementation):
+    return lambda *x: (kernels.attention(*x[:3], sinks=x[3], implementation=implementation,
+                                         **masks) * weights).sum()
+
+  for ours, theirs in zip(*(jax.grad(loss(name), argnums=range(4))(q, k, v, sinks)
+                            for name in ("pallas_tpu_splash", "xla"))):
+    np.testing.assert_allclose(ours, theirs, atol=5e-5)
+  plan = kernels.resolve_plan("pallas_tpu_splash", environ={})
+  request = kernels.Request.from_shapes(q.shape, k.shape, q.dtype, sinks=True)
+  assert plan.select(request, backend=kernels.Backend("tpu", "TPU v5 lite")).name == (
+      "pallas_tpu_splash")
+
+
 def test_sinks_have_gradients_and_large_negative_sinks_are_plain_attention():
   q, k, v, sinks = map(jnp.asarray, _qkv())
   grad = jax.grad(lambda s: kernels.attention(q, k, v, sinks=s).sum())(sinks)

@@ -37,9 +37,11 @@ def test_sharded_attention_equals_one_device_and_opaque_kernels_run_per_shard():
   assert pallas["pallas_q_shapes"] and all(s[:3] == [1, 32, 2] for s in pallas["pallas_q_shapes"]), (
       pallas["pallas_q_shapes"])
   assert pallas["out_spec"] == [["data", "fsdp"], None, "tensor", None]
-  # The blocked kernel's loop over (row, head) slices is not XLA-partitionable: per shard too.
-  assert results["xla_blocked"]["shard_map"]
-  assert results["xla_blocked"]["out_spec"] == [["data", "fsdp"], None, "tensor", None]
+  # The blocked kernel's loop over (row, head) slices is not XLA-partitionable: per shard too,
+  # with attention sinks split as the heads are (each device's 2 heads, their 2 sinks).
+  for name in ("xla_blocked", "xla_blocked+sinks"):
+    assert results[name]["shard_map"]
+    assert results[name]["out_spec"] == [["data", "fsdp"], None, "tensor", None]
 
 
 def _inputs(num_kv_heads=2):

@@ -63,17 +63,17 @@ def _plan(plan: AttentionPlan | None, implementation: str | Sequence[str] | None
 
 def _run(choice: Choice, q, k, v, segment_ids, kv_seq_lengths,
          sharding: sharded.AttentionSharding | None, sinks=None) -> jax.Array:
-  """The chosen kernel, or the next eligible one where a kernel refuses. (Only
-  partitionable kernels take `sinks`, so the per-shard wrapper never sees them.)"""
+  """The chosen kernel, or the next eligible one where a kernel refuses (an opaque one on
+  each device's shard, `sinks` split with the heads)."""
   refusals = []
   for name, interpret in choice.fallbacks:
     implementation = table.IMPLEMENTATIONS[name]
     run = functools.partial(implementations.call, implementation.run, choice.request,
-                            interpret=interpret, sinks=sinks)
+                            interpret=interpret)
     if not implementation.partitionable:
       run = sharded.per_shard(run, sharding, choice.request, name=name)
     try:
-      return run(q, k, v, segment_ids, kv_seq_lengths)
+      return run(q, k, v, segment_ids, kv_seq_lengths, sinks=sinks)
     except NotImplementedError as e:
       refusals.append(f"{name}: {e}")
   raise selection.NoImplementationError(

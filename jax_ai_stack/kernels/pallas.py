@@ -181,8 +181,9 @@ def _splash_kernel(q_len, kv_len, num_heads, causal, local_window, interpret,
 
 
 def pallas_tpu_splash(q, k, v, *, causal, segment_ids, scale, local_window,
-                      kv_seq_lengths, interpret, logits_soft_cap=None):
-  """JAX's Pallas TPU splash attention (GQA, local windows and soft caps natively)."""
+                      kv_seq_lengths, interpret, logits_soft_cap=None, sinks=None):
+  """JAX's Pallas TPU splash attention (GQA, local windows, soft caps and attention sinks
+  natively: a sink is a logit on the scaled scale, as the queries are scaled here)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
   batch, q_len, num_heads, _ = q.shape
@@ -195,7 +196,7 @@ def pallas_tpu_splash(q, k, v, *, causal, segment_ids, scale, local_window,
 
   def one_example(q, k, v, ids):
     segments = None if ids is None else splash.SegmentIds(q=ids[0], kv=ids[1])
-    return kernel(q, k, v, segment_ids=segments)
+    return kernel(q, k, v, segment_ids=segments, sinks=sinks)
 
   out = jax.vmap(one_example)(q, heads_major(k), heads_major(v), ids)
   return heads_major(out)

@@ -79,7 +79,8 @@ class AttentionSharding:
 
 def per_shard(fn: Callable[..., jax.Array], sharding: AttentionSharding | None,
               request: Request, *, name: str) -> Callable[..., jax.Array]:
-  """`fn(q, k, v, segment_ids, kv_seq_lengths)` run on local shards (`jax.shard_map`).
+  """`fn(q, k, v, segment_ids, kv_seq_lengths, sinks=None)` run on local shards
+  (`jax.shard_map`), `sinks` [N] split with the heads.
 
   `fn` itself when there is no sharding or the mesh has one device, so a
   single-device program is exactly what it was. `name` is the kernel's, for
@@ -102,7 +103,10 @@ def per_shard(fn: Callable[..., jax.Array], sharding: AttentionSharding | None,
   rows = PartitionSpec(qkv[0])
   # check_vma=False: opaque kernels (pallas_call, tokamax's custom VJPs) have
   # no replication rules; every output dimension is split as its spec says.
-  return jax.shard_map(
-      fn, mesh=sharding.mesh, in_specs=(qkv, qkv, qkv, PartitionSpec(qkv[0], None), rows),
+  local = jax.shard_map(
+      lambda q, k, v, ids, lengths, sinks: fn(q, k, v, ids, lengths, sinks=sinks),
+      mesh=sharding.mesh,
+      in_specs=(qkv, qkv, qkv, PartitionSpec(qkv[0], None), rows, PartitionSpec(qkv[2])),
       out_specs=qkv, check_vma=False,
   )
+  return lambda q, k, v, ids, lengths, sinks=None: local(q, k, v, ids, lengths, sinks)

@@ -201,7 +201,7 @@ _IMPLEMENTATIONS = (
     Implementation(
         "pallas_tpu_splash", "jax.experimental.pallas.ops.tpu.splash_attention",
         pallas.pallas_tpu_splash, platforms=("tpu",), interpret_platforms=("cpu",),
-        dtypes=("float32", "bfloat16"), seq_multiple=128, logits_soft_cap=True,
+        dtypes=("float32", "bfloat16"), seq_multiple=128, logits_soft_cap=True, sinks=True,
     ),
 )
 

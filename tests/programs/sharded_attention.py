@@ -19,11 +19,16 @@ cotangent = jax.random.normal(keys[3], q.shape)
 segment_ids = jnp.asarray(np.repeat([[0, 1, 2, 2]], 4, 0).repeat(8, 1), jnp.int32)
 
 
+sinks = 2.0 * jax.random.normal(jax.random.key(1), (4,))  # GPT-OSS's: split with the heads.
+
+
 def forward_and_grads(name, sharding):
+  name, with_sinks = name.removesuffix("+sinks"), name.endswith("+sinks")
+
   def run(q, k, v, segment_ids):
     def f(q, k, v):
       return kernels.attention(q, k, v, segment_ids=segment_ids, implementation=name,
-                               sharding=sharding)
+                               sharding=sharding, sinks=sinks if with_sinks else None)
     out, vjp = jax.vjp(f, q, k, v)
     return (out, *vjp(cotangent))
   return jax.jit(run)
@@ -51,7 +56,7 @@ spec = attention_sharding.qkv_spec(batch=4)
 placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
 ids = jax.device_put(segment_ids, NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0])))
 out = {}
-for name in ("xla", "tokamax_xla", "pallas_gpu", "xla_blocked"):
+for name in ("xla", "tokamax_xla", "pallas_gpu", "xla_blocked", "xla_blocked+sinks"):
   single = forward_and_grads(name, None)(q, k, v, segment_ids)
   sharded = forward_and_grads(name, attention_sharding)(*placed, ids)
   jaxpr = jax.make_jaxpr(forward_and_grads(name, attention_sharding))(*placed, ids).jaxpr
