@@ -173,12 +173,29 @@ def _in_process(argv: list[str], cwd: pathlib.Path, env: dict[str, str]):
 
 def ok(result: tuple[int, str, str]) -> str:
   """The output of a command that succeeded without a warning (a documented command
-  used as documented has nothing to warn about)."""
+  used as documented has nothing to warn about), but for how busy the machine was
+  (`_busy_only`)."""
   code, out, err = result
   assert code == 0, f"exit {code}\n{out}\n{err}"
-  warnings = [line for line in (out + err).splitlines() if "warning" in line.lower()]
+  warnings = [line for line in (out + err).splitlines()
+              if "warning" in line.lower() and not _busy_only(line)]
   assert not warnings, f"a documented command warned:\n{out}\n{err}"
   return out + err
+
+
+BUSY = "Waiting for previous save to complete took"
+"""Orbax's warning when a checkpoint's save waits for the previous one's background write:
+on a loaded 2-core machine steps outrun the writes (CI once saw it, 1.6 s)."""
+
+
+def _busy_only(line: str) -> bool:
+  """Whether `line` is the note of library warnings kept off the console and each warning in
+  its log is orbax's wait for the previous save (`BUSY`)."""
+  found = re.search(r"warnings? .*kept off the console, in (\S+);", line)
+  if not found:
+    return False
+  logged = [text for text in pathlib.Path(found[1]).read_text().splitlines() if " WARNING " in text]
+  return bool(logged) and all(BUSY in text for text in logged)
 
 
 def write_text_corpus(path: pathlib.Path, kilobytes: float, seed: int = 0) -> pathlib.Path:
