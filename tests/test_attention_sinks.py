@@ -74,20 +74,27 @@ def test_attention_with_sinks_equals_numpy(masks):
   np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, rtol=0)
 
 
+def _gradients_equal_xla_s(implementation, t, masks, *, atol):
+  """Asserts `implementation`'s gradients of q, k, v and the sinks (a weighted sum of its
+  output, length `t`) equal the plain XLA softmax's; returns the inputs."""
+  q, k, v, sinks = map(jnp.asarray, _qkv(t=t))
+  weights = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
+
+  def loss(name):
+    return lambda *x: (kernels.attention(*x[:3], sinks=x[3], implementation=name,
+                                         **masks) * weights).sum()
+
+  for ours, theirs in zip(*(jax.grad(loss(name), argnums=range(4))(q, k, v, sinks)
+                            for name in (implementation, "xla"))):
+    np.testing.assert_allclose(ours, theirs, atol=atol)
+  return q, k, v, sinks
+
+
 @pytest.mark.parametrize("masks", [dict(), dict(local_window=3)])
 def test_the_blocked_kernel_s_sinks_and_gradients_equal_xla_s(masks):
   """xla_blocked (CPU's first kernel) takes the sinks: its output and the gradients of q, k,
   v and the sinks equal the plain XLA softmax's, whose sinks the NumPy test above checks."""
-  q, k, v, sinks = map(jnp.asarray, _qkv(t=13))
-  weights = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
-
-  def loss(implementation):
-    return lambda *x: (kernels.attention(*x[:3], sinks=x[3], implementation=implementation,
-                                         **masks) * weights).sum()
-
-  for ours, theirs in zip(*(jax.grad(loss(name), argnums=range(4))(q, k, v, sinks)
-                            for name in ("xla_blocked", "xla"))):
-    np.testing.assert_allclose(ours, theirs, atol=2e-5)
+  q, k, v, sinks = _gradients_equal_xla_s("xla_blocked", 13, masks, atol=2e-5)
   np.testing.assert_allclose(
       kernels.attention(q, k, v, sinks=sinks, implementation="xla_blocked", **masks),
       kernels.attention(q, k, v, sinks=sinks, implementation="xla", **masks), atol=2e-6)
@@ -98,16 +105,7 @@ def test_the_tpu_splash_kernel_s_sinks_and_gradients_equal_xla_s(masks):
   """JAX's TPU splash kernel takes the sinks (interpreted on this CPU; its tiles need 128
   positions): GPT-OSS on a TPU runs it, not a fallback. Output and the gradients of q, k, v
   and the sinks equal the plain XLA softmax's."""
-  q, k, v, sinks = map(jnp.asarray, _qkv(t=128))
-  weights = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
-
-  def loss(implementation):
-    return lambda *x: (kernels.attention(*x[:3], sinks=x[3], implementation=implementation,
-                                         **masks) * weights).sum()
-
-  for ours, theirs in zip(*(jax.grad(loss(name), argnums=range(4))(q, k, v, sinks)
-                            for name in ("pallas_tpu_splash", "xla"))):
-    np.testing.assert_allclose(ours, theirs, atol=5e-5)
+  q, k, _, _ = _gradients_equal_xla_s("pallas_tpu_splash", 128, masks, atol=5e-5)
   plan = kernels.resolve_plan("pallas_tpu_splash", environ={})
   request = kernels.Request.from_shapes(q.shape, k.shape, q.dtype, sinks=True)
   assert plan.select(request, backend=kernels.Backend("tpu", "TPU v5 lite")).name == (
