@@ -11,12 +11,13 @@ from jax_ai_stack.recipes.models.configs import MOE_KINDS, CustomModelConfig, De
 from jax_ai_stack.recipes.models.decoder import KVCache
 
 
-def test_every_dense_decoder_kind_is_quantized_as_the_decoder_and_no_mixture_of_experts():
+def test_every_decoder_kind_is_quantized_a_mixture_of_experts_with_its_experts():
   kinds = adapting.quantized_kinds()
-  assert {"llama", "qwen3", "gemma3", "cnn"} <= set(kinds) and not set(MOE_KINDS) & set(kinds)
+  assert {"llama", "qwen3", "gemma3", "cnn", *MOE_KINDS} <= set(kinds)
   assert all(adapting.quant_layers(k) == adapting.QUANT_LAYERS[DecoderConfig]
-             for k in kinds if k != "cnn")
-  assert adapting.quant_layers("mixtral") is None and adapting.quant_layers("custom") is None
+             for k in kinds if k != "cnn" and k not in MOE_KINDS)
+  assert all(adapting.quant_layers(k).experts for k in MOE_KINDS)
+  assert not adapting.quant_layers("llama").experts and adapting.quant_layers("custom") is None
 
 
 def test_example_inputs_fit_each_method_and_a_model_of_one_s_own_has_none():

@@ -560,7 +560,7 @@ def test_a_family_preset_trains_quantizes_and_fine_tunes(preset, tmp_path):
   - smollm3: a NoPE layer (the sliding one);
   - phi3: LongRoPE (the long factors in training's rows, the short ones sampling).
 
-  (DeepSeek-V3's, a mixture of experts, is test_moe's: quantization refuses experts.)
+  (The mixtures of experts' quantization is test_moe's.)
   """
   import math
 

@@ -82,8 +82,9 @@ def test_rules_quantize_the_matmuls_and_leave_embedding_norms_and_weight_only_co
 def test_unknown_scheme_or_kind_is_a_named_error_listing_the_choices():
   with pytest.raises(quant.SchemeError, match="schemes: w8 .*, w8a8 .*, w4 "):
     quant.rules("int3", "llama")
-  with pytest.raises(ConfigError, match="kinds: llama, qwen2, qwen3, mistral, gemma2, gemma3, olmo2, olmo3, smollm3, "
-                     "phi3, cnn"):
+  with pytest.raises(ConfigError, match="kinds: llama, qwen2, qwen3, mistral, gemma2, gemma3, "
+                     "mixtral, qwen3_moe, olmo2, olmo3, smollm3, phi3, qwen2_moe, gpt_oss, "
+                     "llama4, deepseek_v3, qwen3_next, cnn"):
     quant.rules("w8", "resnet")
   with pytest.raises(ConfigError, match="quant.*unknown quantization scheme 'int3'"):
     tiny_config("quant.qat=int3")

@@ -64,7 +64,7 @@ def choose_grouped_matmul(requested: str = "auto", platform: str | None = None,
   `platform` (None: JAX's default backend) and `device_kind`. "auto": `blocked` on CPU,
   else tokamax where installed, else xla; tokamax on TPU is `tokamax_mosaic_tpu`, which
   gives way to xla for TPUs before v5 and for `shapes` (lhs [M, K], rhs [G, K, N]) it
-  does not take.
+  does not take, and to the platform's "auto" off a TPU.
 
   Raises ValueError naming the implementations for an unknown name.
   """
@@ -85,6 +85,9 @@ def choose_grouped_matmul(requested: str = "auto", platform: str | None = None,
     name, why = "tokamax_mosaic_tpu", f"{why}; on tpu: {_WHY['tokamax_mosaic_tpu']}"
   if name != "tokamax_mosaic_tpu":
     return name, why
+  if platform != "tpu":  # A TPU model's step compiled on this host (the memory plan's).
+    fallback, because = choose_grouped_matmul("auto", platform, device_kind, shapes=shapes)
+    return fallback, f"{why}; it runs on TPUs only, not {platform}: {because}"
   generation = rules.tpu_generation(Backend(platform, device_kind or ""))
   if platform == "tpu" and generation is not None and generation < 5:
     return "xla", (f"{why}; it needs TPU v5 or newer (device: {device_kind}): "

@@ -28,7 +28,7 @@ from jax_ai_stack.recipes.checkpoint_config import CheckpointConfig
 from jax_ai_stack.recipes.compile_cache import Setting as CompileCacheSetting
 from jax_ai_stack.recipes.configlib import ConfigError, config_dataclass
 from jax_ai_stack.recipes.data.config import DataConfig
-from jax_ai_stack.recipes.finetune.config import FinetuneConfig, QuantConfig
+from jax_ai_stack.recipes.finetune.config import FinetuneConfig, QuantConfig, experts_refuse
 from jax_ai_stack.recipes.optim_config import OptimConfig
 from jax_ai_stack.recipes.rl.config import RlConfig
 from jax_ai_stack.recipes.sharding_config import MeshConfig
@@ -173,6 +173,9 @@ class RecipeConfig:
 
   def __post_init__(self):
     registry.registered(self.model).check(self)
+    refused = self.quant.qat and experts_refuse(self.quant.qat, getattr(self.model, "kind", ""))
+    if refused:
+      raise ConfigError(f"quant.qat: {refused}")
     distills = self.finetune.distill.teacher is not None
     if self.data.is_prompts and not self.rl.rewards and not distills:
       raise ConfigError(f"rl.rewards is empty: a run on prompts (data.source="

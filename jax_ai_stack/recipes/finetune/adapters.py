@@ -65,6 +65,10 @@ def add_adapters(model: nnx.Module, config: LoraConfig, model_config: Any,
   provider = qwix.LoraProvider(lora_rules(config, model_config.kind))
   model = qwix.apply_lora_to_model(model, provider, *adapting.example_inputs(model_config),
                                    rngs=nnx.Rngs(seed))
+  if config.quantize_base is not None:  # A MoE's experts: quantized by the layer itself.
+    from jax_ai_stack.recipes.finetune import quant
+
+    quant.quantize_experts(model, config.quantize_base)
   pairs = adapter_pairs(model)
   if not pairs:
     raise ConfigError(f"finetune.lora.modules={config.modules!r} matches no layer of the model")

@@ -70,6 +70,18 @@ class QuantConfig:
 
 
 WEIGHT_ONLY = ("w8", "w4")
+
+
+def experts_refuse(scheme: str, kind: str) -> str | None:
+  """Why a mixture-of-experts model of `kind` cannot take `scheme`, or None: its experts
+  (`models.expert_quant`) quantize weights, not activations."""
+  from jax_ai_stack.recipes.models.configs import MOE_KINDS
+
+  if kind not in MOE_KINDS or scheme in WEIGHT_ONLY:
+    return None
+  return (f"quantization scheme {scheme!r} quantizes activations, which the experts of a "
+          f"mixture-of-experts model (model.kind={kind!r}) do not take: their weights are "
+          f"quantized alone; use {' or '.join(WEIGHT_ONLY)}")
 """The schemes of `finetune.quant` that quantize weights only: what a QLoRA base may use."""
 
 DEFAULT_MODULES: str = DECODER_PROJECTIONS

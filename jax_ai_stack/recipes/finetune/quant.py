@@ -18,7 +18,12 @@ w8a8 quantizes: Qwix's PTQ convolution needs quantized activations too,
   would quantize the table when `Embed.attend` uses it. An untied `lm_head`
   stays float too, so both layouts quantize alike;
 - norms and biases (no matmul);
-- convolutions in the weight-only schemes.
+- convolutions in the weight-only schemes;
+- a mixture of experts' router.
+
+A mixture of experts' experts are the stacked weights of one grouped matmul, which Qwix
+does not intercept: the MoE layer quantizes them itself, in Qwix's form and with the
+feed-forward weights' type (`models.expert_quant`), weights only: w8a8 is refused there.
 
 Activations (w8a8) are quantized per token at run time (dynamic range), so
 no calibration data is needed and nothing is added to the model state: a QAT
@@ -43,14 +48,13 @@ from flax import nnx
 
 from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.finetune.config import (
-    SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes)
-from jax_ai_stack.recipes.models import adapting
-from jax_ai_stack.recipes.models.configs import MOE_KINDS
+    SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes, experts_refuse)
+from jax_ai_stack.recipes.models import adapting, expert_quant
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = [
     "SCHEMES", "Qat", "QuantConfig", "SchemeError", "check_scheme", "describe_schemes",
-    "param_bytes", "ptq", "qat", "rules",
+    "param_bytes", "ptq", "qat", "quantize_experts", "rules",
 ]
 
 
@@ -79,14 +83,13 @@ def rules(scheme: str, model_kind: str) -> list[qwix.QuantizationRule]:
     ConfigError: the family of `model_kind` names no layers to quantize.
   """
   spec = _SCHEMES[check_scheme(scheme)]
-  if model_kind in MOE_KINDS:
-    raise ConfigError(f"quantization does not support mixture-of-experts models yet "
-                      f"(model.kind={model_kind!r}): Qwix quantizes layers, and the experts are "
-                      "the stacked weights of one grouped matmul")
   layers = adapting.quant_layers(model_kind)
   if layers is None:
     raise ConfigError(f"quantization has no rules for model.kind={model_kind!r}; "
                       f"kinds: {', '.join(adapting.quantized_kinds())}")
+  refused = experts_refuse(scheme, model_kind)
+  if refused:
+    raise ConfigError(refused)
   out = [
       qwix.QuantizationRule(module_path=layers.mlp, weight_qtype=spec.mlp_weights,
                             act_qtype=spec.activations),
@@ -110,8 +113,11 @@ def qat(model: nnx.Module, config: Any) -> nnx.Module:
   if scheme is None:
     return model
   _refuse_scanned(config.model, "quant.qat")
-  return _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
-                   adapting.example_inputs(config.model))
+  quantized = _quantize(model, qwix.QtProvider(rules(scheme, config.model.kind)),
+                        adapting.example_inputs(config.model), kind=config.model.kind)
+  for moe in _moe_layers(quantized):  # The experts rounded to the scheme's grid as well.
+    moe.fake_quant = _SCHEMES[scheme].mlp_weights
+  return quantized
 
 
 class Qat(ModelTransform):
@@ -151,7 +157,11 @@ def ptq(model: nnx.Module, scheme: str, model_config: Any, *,
   _refuse_scanned(model_config, "post-training quantization")
   provider = qwix.PtqProvider(rules(scheme, model_config.kind))
   inputs = adapting.example_inputs(model_config, method)
-  quantize = lambda m: _quantize(m, provider, inputs, method)  # noqa: E731
+
+  def quantize(m):
+    return quantize_experts(_quantize(m, provider, inputs, method, kind=model_config.kind),
+                            scheme)
+
   graphdef, state = nnx.split(model)
   # Traced once for the structure, then once compiled for the values: eagerly,
   # each small op of the model would compile on its own (seconds each on a CPU).
@@ -168,9 +178,25 @@ def _refuse_scanned(model_config: Any, what: str) -> None:
                              "(layers/N/...); train with model.scan_layers=false")
 
 
-def _quantize(model, provider, inputs, method="__call__"):
+def quantize_experts(model: nnx.Module, scheme: str) -> nnx.Module:
+  """`model` with its MoE layers' experts stored in `scheme`'s feed-forward type, in place
+  (`models.expert_quant`; Qwix's PTQ leaves these stacked weights float)."""
+  for moe in _moe_layers(model):
+    expert_quant.quantize(moe, (*moe.in_names, "down_proj"), _SCHEMES[scheme].mlp_weights)
+  return model
+
+
+def _moe_layers(model: nnx.Module) -> list[Any]:
+  from jax_ai_stack.recipes.models.moe import MoE
+
+  return [module for _, module in nnx.iter_modules(model) if isinstance(module, MoE)]
+
+
+def _quantize(model, provider, inputs, method="__call__", *, kind=None):
   quantized = qwix.quantize_model(model, provider, *inputs, methods=(method,))
-  unused = provider.get_unused_rules()
+  layers = adapting.quant_layers(kind) if kind is not None else None
+  unused = [rule for rule in provider.get_unused_rules()  # A MoE model may have no dense MLP.
+            if not (layers and layers.experts and rule.module_path == layers.mlp)]
   if unused:  # The patterns no longer fit the model: a bug, not bad input.
     raise RuntimeError(f"quantization rules matched no layer of {type(model).__name__}: "
                        + ", ".join(r.module_path for r in unused))

@@ -11,8 +11,8 @@ Example:
   >>> from jax_ai_stack.recipes.models.configs import DecoderConfig
   >>> [x.shape for x in example_inputs(DecoderConfig.small())]
   [(1, 128)]
-  >>> quant_layers("cnn").other, quant_layers("mixtral")
-  ('classifier', None)
+  >>> quant_layers("cnn").other, quant_layers("mixtral").experts, quant_layers("custom")
+  ('classifier', True, None)
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class QuantLayers:
   """The other matmul weights that are quantized."""
   convs: str | None = None
   """Convolutions: quantized only with their activations (w8a8)."""
+  experts: bool = False
+  """A mixture of experts: its experts' stacked weights quantized as `mlp` by the layer itself
+  (`models.expert_quant`: not a matmul Qwix intercepts), and `mlp` may match no layer (a MoE
+  model without dense or shared MLPs)."""
 
 
 QUANT_LAYERS: dict[type, QuantLayers] = {
@@ -54,13 +58,21 @@ QUANT_LAYERS: dict[type, QuantLayers] = {
 """Where Qwix quantizes each model config's models; a config not here is not quantized."""
 
 
-_BY_KIND = {kind: layers for config, layers in QUANT_LAYERS.items()
-            for kind in configlib.kinds(config) if kind not in MOE_KINDS}
+MOE_QUANT_LAYERS = QuantLayers(
+    mlp=r"layers/\d+/mlp(/shared_expert)?/(gate|up|down)_proj",
+    other=r"layers/\d+/attention/((q|k|v|o|q_a|q_b|kv_a|kv_b)_proj|in_proj_qkvz|in_proj_ba|"
+          r"out_proj)",
+    experts=True)
+"""A mixture of experts' (`MOE_KINDS`): its dense and shared MLPs, its attention (grouped,
+latent or linear), and its experts; the router and a shared expert's gate stay float."""
+
+_BY_KIND = {kind: MOE_QUANT_LAYERS if kind in MOE_KINDS else layers
+            for config, layers in QUANT_LAYERS.items() for kind in configlib.kinds(config)}
 
 
 def quant_layers(kind: str) -> QuantLayers | None:
-  """Where Qwix quantizes a model of `kind` (`model.kind`); None: nowhere (a mixture of
-  experts, whose experts are one grouped matmul's stacked weights, or a model of one's own)."""
+  """Where Qwix quantizes a model of `kind` (`model.kind`); None: nowhere (a model of one's
+  own)."""
   return _BY_KIND.get(kind)
 
 

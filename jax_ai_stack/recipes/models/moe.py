@@ -37,6 +37,10 @@ experts are one ungated shared expert as wide as all of them. Training moves the
 balance where `correction_update` asks: a sign step against each expert's load above its share
 (`balancing_pull` gives it as the bias's gradient; `optim` steps it).
 
+Quantized (`finetune.quant`: PTQ, a QLoRA base, QAT), the experts' stacked weights are
+Qwix's int8/int4 arrays dequantized before the grouped matmul, or rounded to that grid in
+training (`expert_quant`); the router stays float.
+
 Beside its output a layer reports (`MoeStats`): the Switch load-balancing loss
 E * sum_e(f_e * P_e), with f_e the share of the N*k assignments expert e got
 and P_e its mean router probability (1 when balanced), the router z-loss
@@ -76,7 +80,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ai_stack import kernels
-from jax_ai_stack.recipes.models import eager_sharding_scope
+from jax_ai_stack.recipes.models import eager_sharding_scope, expert_quant
 from jax_ai_stack.recipes.models.configs import DecoderConfig
 from jax_ai_stack.recipes.models.mlp import ACTIVATIONS, MLP
 
@@ -250,6 +254,9 @@ class MoE(nnx.Module):
     self.dtype = jnp.dtype(config.dtype)
     self.implementation = kernels.choose_grouped_matmul(moe.grouped_matmul, platform,
                                                         device_kind)[0]
+    self.fake_quant = None
+    """QAT's weight type for the experts (`expert_quant.fake_quantize`), set by `finetune.quant`;
+    None: float. (PTQ replaces the weights themselves: `expert_quant.quantize`.)"""
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, MoeStats]:
@@ -261,8 +268,9 @@ class MoE(nnx.Module):
     routing = route(self.router(tokens), self.k, self.normalize, counted, self.score,
                     correction=correction, groups=self.groups[0], topk_groups=self.groups[1],
                     scale=self.routed_scale, pull=self.pull)
-    params = {name: getattr(self, name)[...].astype(self.dtype)
-              for name in (*self.in_names, "down_proj", *self.bias_names)}
+    params = {name: expert_quant.stored(getattr(self, name), self.dtype, self.fake_quant)
+              for name in (*self.in_names, "down_proj")}
+    params.update({name: getattr(self, name)[...].astype(self.dtype) for name in self.bias_names})
     down_bias = params.pop("down_proj_bias", None)
     if self.layout is not None:
       y = self._on_mesh(x, routing, params)
