@@ -267,9 +267,10 @@ def estimate_memory(config: Any,
   if task.attention_request() is not None:
     plan, attention = _attention(task, attention, device, environ, autotune_file)
 
-  def create():
-    model = transforms.apply(task.build_model(config.train.seed, plan))
-    return model, optim.build_optimizer(config.optim, model, train_steps=config.train.steps,
+  def create(plan=plan, run=config):  # `run`: the config, or one with fewer layers.
+    model = transforms.apply((task if run is config else tasks.for_config(run)).build_model(
+        run.train.seed, plan))
+    return model, optim.build_optimizer(run.optim, model, train_steps=run.train.steps,
                                         wrt=transforms.wrt)
 
   model, optimizer = nnx.eval_shape(create)
@@ -294,8 +295,9 @@ def estimate_memory(config: Any,
   platform = device.platform if device is not None else jax.default_backend()
   analytic = task.activation_bytes(ways, attention, platform)
   if analytic is None or _small_on(device, target, model, optimizer):
-    per_row, source = measured_activations.per_row(task, task.training_loss(transforms), model,
-                                                 optimizer, batch_size // batch_ways, device)
+    per_row, source = measured_activations.per_row(  # Here: this host's kernels.
+        task, task.training_loss(transforms), model, optimizer, batch_size // batch_ways, device,
+        rebuild=lambda run, here: nnx.eval_shape(lambda: create(None if here else plan, run)))
   else:
     per_row, source = analytic
   remat, layers = getattr(config.model, "remat", "none"), getattr(config.model, "num_layers", 1)
@@ -430,8 +432,7 @@ def _attention(task: tasks.Task, name: str | None, device: Any,
 
 def device_memory() -> int | None:
   """Bytes of memory of this process's first device, if the backend says (not CPU)."""
-  stats = jax.local_devices()[0].memory_stats()
-  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+  return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def dry_run(config: Any, *, device_memory_text: str | None = None,
