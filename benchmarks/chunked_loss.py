@@ -21,6 +21,13 @@ unchunked, loss within 1e-6 relative, gradients within 1e-5, time within 10%.
 
     python benchmarks/chunked_loss.py              # V 262144, D 1152, B 2, T 1024, chunk 256
     python benchmarks/chunked_loss.py --quick      # a tiny shape: a smoke test
+    python benchmarks/chunked_loss.py --topology v5e:2x2   # compiled for a chip, bytes only
+
+With `--topology` (libtpu or the CUDA plugin at the row's pin) each way is compiled for one
+chip of that topology, which this machine lacks, and only its bytes are reported (XLA's peak
+heap where the chip's compiler says it), with, on a TPU, tokamax's
+`linear_softmax_cross_entropy_loss` (its Mosaic kernel) beside: nothing runs, so there is no
+time and no error to compare.
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ MEMORY_RATIO = 0.25
 LOSS_RTOL, GRAD_RTOL, TIME_RATIO = 1e-6, 1e-5, 1.10
 
 
-def losses(shape: dict[str, int]):
-  """{name: loss(hidden, head, targets)} for both ways, the mean next-token cross-entropy."""
+def losses(shape: dict[str, int], dtype=jnp.float32):
+  """{name: loss(hidden, head, targets)} for each way, the mean next-token cross-entropy, the
+  head's matmul in `dtype`."""
   def logits_of(head):
     return lambda x: (x @ head).astype(jnp.float32)
 
@@ -58,7 +66,7 @@ def losses(shape: dict[str, int]):
     return -target_logps(logits_of(head), hidden, targets, shape["chunk"]).mean()
 
   def tiled(hidden, head, targets):
-    linear = LinearHead(shape["vocab"], jnp.float32)
+    linear = LinearHead(shape["vocab"], dtype)
     return -linear_target_logps(linear, hidden, head, targets, shape["chunk"],
                                 vocab_tile=shape["vocab_tile"]).mean()
 
@@ -72,8 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--rounds", type=common.positive_int, default=3, help="timed rounds")
   parser.add_argument("--quick", action="store_true", help="a tiny shape, one round")
   common.add_out_argument(parser, "chunked_loss")
+  parser.add_argument("--topology", help="compile for one chip of this topology (v5e:2x2, "
+                      "h100:1): bytes only")
   args = parser.parse_args(argv)
   shape = QUICK if args.quick else {name: getattr(args, name) for name in SHAPE}
+  if args.topology:
+    return on_chip(shape, args.topology, args.out)
   rounds = 1 if args.quick else args.rounds
 
   keys = jax.random.split(jax.random.key(0), 3)
@@ -130,6 +142,44 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{name}: {figure['value']:.3g} (target <= {figure['target']:g}: "
           f"{common.verdict(figure['value'], figure['target'])})")
   common.write(results, args.out)
+  return results
+
+
+def on_chip(shape: dict[str, int], name: str, out) -> dict:
+  """Each way's bytes compiled for one chip of topology `name` (tokamax's kernel beside on a
+  TPU), in bfloat16 as a model computes its head."""
+  from jax_ai_stack import kernels, topology  # pylint: disable=g-import-not-at-top
+
+  device = topology.load(name).devices[0]
+  placed = jax.sharding.SingleDeviceSharding(device)
+  b, t, d, v = shape["batch"], shape["tokens"], shape["d_model"], shape["vocab"]
+  spec = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=placed)
+  args = spec((b, t, d)), spec((d, v)), spec((b, t), jnp.int32)
+  ways = losses(shape, jnp.bfloat16)
+  if device.platform == "tpu":
+    tokamax = kernels.implementations.import_tokamax()
+    ways["tokamax"] = lambda hidden, head, targets: tokamax.linear_softmax_cross_entropy_loss(
+        hidden.reshape(-1, d), targets.reshape(-1), head, reduction="mean",
+        implementation="mosaic_tpu")
+  mesh = jax.sharding.Mesh([device], ("one",))
+  memory = {}
+  for way, loss in ways.items():
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    with kernels.compiling_for(device.platform), jax.sharding.use_abstract_mesh(
+        mesh.abstract_mesh):
+      analysis = step.lower(*args).compile().memory_analysis()
+    memory[way] = {"peak": getattr(analysis, "peak_memory_in_bytes", 0),
+                   "temporaries": analysis.temp_size_in_bytes,
+                   "arguments": analysis.argument_size_in_bytes,
+                   "outputs": analysis.output_size_in_bytes}
+  results = {**common.header("chunked_loss", device=False), "shape": shape,
+             "chip": device.device_kind, "bytes": memory}
+  print(f"next-token loss + gradient compiled for one {device.device_kind} (bfloat16): "
+        f"vocabulary {v:,}, d_model {d:,}, {b} x {t:,} tokens, chunks of {shape['chunk']}")
+  print(f"{'':<10}{'peak MiB':>10}{'temp MiB':>10}")
+  for way, figures in memory.items():
+    print(f"{way:<10}{figures['peak'] / 2**20:>10.0f}{figures['temporaries'] / 2**20:>10.0f}")
+  common.write(results, out)
   return results
 
 
