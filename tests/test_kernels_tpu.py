@@ -241,3 +241,27 @@ def test_paged_attention_the_compiler_refuses_falls_back_to_xla_with_its_reason(
   assert lowered.name == "xla"
   assert lowered.refused[0].startswith("pallas_tpu: RESOURCE_EXHAUSTED")
   assert "Vmem" in lowered.refused[0]
+
+
+def test_the_head_s_loss_compiles_for_a_chip_beside_tokamax_s_kernel(chip, tmp_path):
+  """benchmarks/chunked_loss.py --topology: each way of the head's loss and its gradient, and
+  tokamax's Mosaic linear_softmax_cross_entropy_loss, compiled for a v5e; the chunked ways hold
+  less than the whole logits."""
+  import importlib.util
+  import pathlib
+  import sys
+
+  benchmarks = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+  if str(benchmarks) not in sys.path:
+    sys.path.append(str(benchmarks))  # Its `import common`, as `python benchmarks/...` has.
+  spec = importlib.util.spec_from_file_location("_benchmark_chunked_loss",
+                                                benchmarks / "chunked_loss.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  shape = {"vocab": 2048, "d_model": 256, "batch": 1, "tokens": 1024, "chunk": 256,
+           "vocab_tile": 512}
+  memory = module.on_chip(shape, "v5e:2x2", tmp_path / "out.json")["bytes"]
+  assert set(memory) == {"unchunked", "chunked", "tiled", "tokamax"}
+  peaks = {way: figures["peak"] for way, figures in memory.items()}
+  assert all(peak > 0 for peak in peaks.values()), peaks
+  assert peaks["chunked"] < peaks["unchunked"], peaks
