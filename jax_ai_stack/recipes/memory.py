@@ -268,8 +268,8 @@ def estimate_memory(config: Any,
     plan, attention = _attention(task, attention, device, environ, autotune_file)
 
   def create(plan=plan, run=config):  # `run`: the config, or one with fewer layers.
-    model = transforms.apply((task if run is config else tasks.for_config(run)).build_model(
-        run.train.seed, plan))
+    built = task if run is config else tasks.for_config(run)
+    model = transforms.apply(built.build_model(run.train.seed, plan))
     return model, optim.build_optimizer(run.optim, model, train_steps=run.train.steps,
                                         wrt=transforms.wrt)
 
@@ -337,8 +337,7 @@ minutes, and it would not fit a chip)."""
 
 
 def _small_on(device: Any, target: Any, model: nnx.Module, optimizer: nnx.Optimizer) -> bool:
-  """Whether the activations are measured on `device`, a topology's chip (see
-  `MEASURED_BELOW`)."""
+  """Whether the activations are measured on `device`, a topology's chip (`MEASURED_BELOW`)."""
   if device is None or not isinstance(target, topology.Topology):
     return False
   state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state((model, optimizer))))

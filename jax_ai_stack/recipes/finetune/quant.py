@@ -50,6 +50,7 @@ from jax_ai_stack.errors import ConfigError
 from jax_ai_stack.recipes.finetune.config import (
     SCHEMES, QuantConfig, SchemeError, check_scheme, describe_schemes, experts_refuse)
 from jax_ai_stack.recipes.models import adapting, expert_quant
+from jax_ai_stack.recipes.models.moe import MoE
 from jax_ai_stack.recipes.transforms import ModelTransform
 
 __all__ = [
@@ -186,9 +187,7 @@ def quantize_experts(model: nnx.Module, scheme: str) -> nnx.Module:
   return model
 
 
-def _moe_layers(model: nnx.Module) -> list[Any]:
-  from jax_ai_stack.recipes.models.moe import MoE
-
+def _moe_layers(model: nnx.Module) -> list[MoE]:
   return [module for _, module in nnx.iter_modules(model) if isinstance(module, MoE)]
 
 
