@@ -132,3 +132,25 @@ def test_a_rollout_slot_holds_a_prompt_and_its_completion_not_the_model_s_contex
   samples = task.rollouts.sample(task.build_model(0), "train", [0, 1], 2, 1.0, step=0)
   assert len(samples) == 4
   assert engine_lengths == [task.config.data.seq_len + 1] < [1024]  # One length a run.
+
+
+def test_rows_are_as_long_as_the_longest_sequence_rounded_up_not_data_seq_len(task_and_model):
+  """The update costs what the rows hold: with data.seq_len=127 the same rollout lays its rows
+  out in 64 positions (its longest rounded up to a power of two), the first 64 columns of
+  what 127 would hold, the rest of which is padding only."""
+  task, model = task_and_model
+  long_rows = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=[
+      *SMALL, "data.seq_len=127"]))  # The model's context: 128.
+  draw = lambda: {"prompt_index": np.array([3, 1])}  # noqa: E731
+  batch, _ = task.rollouts.batch(model, draw, step=5)
+  longer, _ = long_rows.rollouts.batch(model, draw, step=5)
+  assert batch["inputs"].shape == longer["inputs"].shape == (8, 64)
+  samples = task.rollouts.sample(model, "train", [3, 1], 4, task.rollouts.rl.temperature, step=5)
+  longest = max(s.prompt_ids.size + len(s.tokens) for s in samples) - 1
+  assert 32 < longest <= 64 and rollout.row_length(longest, 127) == 64
+  for key, value in batch.items():
+    np.testing.assert_array_equal(value, longer[key], err_msg=key)
+  padded = rollout.examples.one_per_row(
+      [(np.concatenate([s.prompt_ids, s.tokens]), np.ones(s.prompt_ids.size + len(s.tokens)))
+       for s in samples], seq_len=127, pad_id=task.tokenizer().pad_id)
+  assert not padded["segment_ids"][:, 64:].any()  # What 127 positions add: padding alone.

@@ -16,7 +16,8 @@ a group whose rewards are all equal (it teaches nothing) is dropped and the
 groups of further prompt batches take its place (up to `rl.max_draws`).
 
 The batch has one row per completion: prompt and completion as
-`inputs`/`targets`/`segment_ids`/`positions` [N, data.seq_len], `loss_mask`
+`inputs`/`targets`/`segment_ids`/`positions` [N, L], L the longest's length rounded up
+to a power of two, at most data.seq_len (`row_length`), `loss_mask`
 on the completion's tokens (its stop token included), `advantages` [N],
 `sampler_logps` (the engine's log-probability of each completion token) and
 `fresh` [N] (ones: the Trainer zeroes it for the later updates on the same
@@ -230,7 +231,8 @@ class Rollouts:
     sequences = [(np.concatenate([s.prompt_ids, np.asarray(s.tokens, np.int32)]),
                   np.repeat(np.float32([0, 1]), [s.prompt_ids.size, len(s.tokens)]))
                  for s in samples]
-    arrays = examples.one_per_row(sequences, seq_len=self.config.data.seq_len,
+    longest = max_over_processes(max(len(ids) for ids, _ in sequences) - 1)
+    arrays = examples.one_per_row(sequences, seq_len=row_length(longest, self.config.data.seq_len),
                                   pad_id=self.tokenizer.pad_id)
     arrays["sampler_logps"] = np.zeros_like(arrays["loss_mask"])
     for row, sample in enumerate(samples):
@@ -238,6 +240,31 @@ class Rollouts:
       arrays["sampler_logps"][row, first:first + len(sample.tokens)] = sample.logprobs
     return {**arrays, "advantages": np.asarray(advantage, np.float32),
             "fresh": np.ones(len(samples), np.float32)}
+
+
+MIN_ROW_LENGTH = 16
+"""The shortest rows a rollout batch has (see `row_length`)."""
+
+
+def row_length(longest: int, seq_len: int) -> int:
+  """The positions of a rollout batch's rows whose longest sequence has `longest` inputs: the
+  next power of two (at least MIN_ROW_LENGTH), at most `seq_len`. The update and the
+  reference pass cost what the rows hold, not `data.seq_len` (128 rows of 64 positions
+  against 128 on lm-tiny-grpo: 668 against 1,570 ms a step, benchmarks/rl.py); powers of two
+  keep the train step's programs few (one each, compiled when first met).
+
+  Example:
+    >>> row_length(45, 128), row_length(3, 128), row_length(100, 64)
+    (64, 16, 64)
+  """
+  return min(seq_len, max(MIN_ROW_LENGTH, 1 << max(longest - 1, 0).bit_length()))
+
+
+def max_over_processes(value: int) -> int:
+  """The largest of each process's `value` (every process's rows have one length)."""
+  if jax.process_count() == 1:
+    return value
+  return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
 
 
 def mean_over_processes(metrics: dict[str, float]) -> dict[str, float]:
