@@ -133,3 +133,26 @@ def test_shardings_put_replicas_over_the_batch_axes_and_heads_where_they_divide(
   assert str(stacked["keys"].spec) == "P(None, 'tensor', 'data')"
   with pytest.raises(ValueError, match="SLOTS dimension comes first"):
     CacheArray((3, SLOTS), "float32")
+
+
+@pytest.mark.parametrize("replicas, stacked", [(1, False), (2, False), (2, True)])
+def test_copy_pages_copies_a_replica_s_pages_and_nothing_else(replicas, stacked):
+  """What the engine does for requests that share a prompt: pages 1, 2 of a pool copied to
+  pages 3, 4, in one replica's pool alone; a per-slot array is left as it is."""
+  spec = {"keys": cache_lib.CacheArray((2, cache_lib.PAGES, cache_lib.PAGE_SIZE, 3), "float32"),
+          "state": cache_lib.CacheArray((cache_lib.SLOTS, 3), "float32")}
+  sizes = {cache_lib.PAGES: 6, cache_lib.PAGE_SIZE: 4, cache_lib.SLOTS: 2}
+  state = cache_lib.lay_out([spec, spec], sizes, replicas, stacked=stacked)
+  state = jax.tree.map(lambda a: jnp.arange(a.size, dtype=a.dtype).reshape(a.shape), state)
+  copied = cache_lib.copy_pages([spec, spec], state, replicas - 1, jnp.array([1, 2]),
+                                jnp.array([3, 4]), stacked=stacked)
+  layers = [copied] if stacked else list(copied)
+  before = [state] if stacked else list(state)
+  for old, new in zip(before, layers):
+    keys, was = np.asarray(new["keys"]), np.asarray(old["keys"])
+    np.testing.assert_array_equal(new["state"], old["state"])
+    pool = (slice(None),) * stacked + (slice(None),) + ((replicas - 1,) if replicas > 1 else ())
+    np.testing.assert_array_equal(keys[pool][..., 3:5, :, :], was[pool][..., 1:3, :, :])
+    untouched = np.ones(keys.shape, bool)
+    untouched[pool + (slice(3, 5),)] = False
+    np.testing.assert_array_equal(keys[untouched], was[untouched])

@@ -387,3 +387,21 @@ def test_generating_a_few_tokens_holds_pages_for_them_not_for_the_model_s_whole_
   task = tasks.for_config(config_lib.load("lm-tiny", overrides=["model.max_seq_len=2048"]))
   text = task.generate(task.build_model(0), "def ", 6, 0.0, 0)
   assert text.startswith("def ") and engine_lengths == [64]
+
+
+def test_requests_with_one_prompt_prefill_it_once_and_each_gives_what_it_gives_alone(tiny):
+  """A GRPO group's members share their prompt's pages (copied from the first, which prefills
+  it, running or prefilling), even one admitted after its source is decoding; each request's
+  tokens and log-probabilities are bit for bit its own alone. Three prompts (5, 70 and 17
+  tokens: 70 spans pages and two prefill chunks of 64) x 4 samples on 6 slots."""
+  prompts = _prompts(256, [5, 70, 17])
+  requests = [Request(p, 8, temperature=1.0, seed=100 * i + g, top_logprobs=2)
+              for i, p in enumerate(prompts) for g in range(4)]
+  engine = Engine(tiny, max_slots=6, page_size=16, prefill_chunk=64)
+  shared = engine.run(requests)
+  assert engine.shared_prompts >= 8  # 12 requests, 3 prompts (a fourth prefill at most).
+  for request, completion in zip(requests, shared):
+    alone = Engine(tiny, max_slots=6, page_size=16, prefill_chunk=64).run([request])[0]
+    assert (alone.tokens, alone.logprobs, alone.top_logprobs) == (
+        completion.tokens, completion.logprobs, completion.top_logprobs), request.seed
+  assert len({tuple(c.tokens) for c in shared[:4]}) > 1  # Sampled, each with its seed.

@@ -38,6 +38,10 @@ only the table's first columns, as many pages as the longest running request nee
 rounded up to 1, 2, 3, 4, 6, 8, 12, ... (two compiled programs an octave), so its
 attention follows the tokens held rather than `max_len` (`kernels.paged`).
 
+Requests with the same prompt (a GRPO group, `n` completions of one prompt) prefill it once
+in each replica: the others copy its pages and sample their first token from its logits
+(`shared_prompts` counts them), bit for bit what their own prefill would have given.
+
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
 another, and a page past a row's length adds exactly nothing to its attention, however
@@ -62,31 +66,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack.recipes.inference.programs import (first_token, half_octave, padded_length,
+from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, half_octave,
+                                                     lower, padded_length, page_copy,
                                                      programs)
+from jax_ai_stack.recipes.inference import requests as requests_lib
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
+from jax_ai_stack.recipes.inference.slots import Slot
 from jax_ai_stack.recipes.inference.text import TextStream
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
-
-@dataclasses.dataclass
-class _Slot:
-  """A request being decoded: where it stands."""
-
-  index: int
-  request: Request
-  completion: Completion
-  length: int
-  """Tokens in its pages: its prompt's as chunks are prefilled, then each new token once it
-  is fed back. Until the whole prompt is in, the slot has no token and is not decoded."""
-  text: TextStream | None = None  # Its text as tokens arrive (an engine given `decode`).
-  pages: list[int] = dataclasses.field(default_factory=list)
-  """The pool's pages it holds, in the order of its positions."""
-  queued_at: float = 0.0  # perf_counter() at its queueing: its first_token_s counts from it.
-
 
 class Engine:
   """Continuous batching over `max_slots` rows of a decoder's KV cache (see the module)."""
@@ -148,34 +140,26 @@ class Engine:
     # Admission empties a slot's per-slot state (pages need none: a table names its own).
     per_slot = any(a.per_slot for spec in model.cache_specs() for a in spec.values())
     self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
+    self._copy = None if per_slot else page_copy(  # Shared prompts' pages.
+        tuple(tuple(spec.items()) for spec in model.cache_specs()), model.config.scan_layers)
+    self.shared_prompts = 0
+    """Requests whose prompt's pages were copied from another's, not prefilled."""
     self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)  # Replicas' numbers.
     # pop() hands out page 1 first.
     self._free = [list(range(self.replica_pages, 0, -1)) for _ in range(self.replicas)]
     self.peak_pages = 0  # The most pages held at once so far.
-    self._slots: list[_Slot | None] = [None] * max_slots
+    self._slots: list[Slot | None] = [None] * max_slots
     self._waiting: collections.deque[tuple[int, Request, float]] = collections.deque()
     self._added = 0
 
   def lower(self, program: str) -> jax.stages.Lowered:
-    """`program` ("prefill" or "decode") at its largest shapes, lowered: a prefill of a whole
-    `prefill_chunk` in every replica's row, or a decoding call of every slot, over a slot's
-    whole block table. An engine of an abstract model (its parameters `jax.ShapeDtypeStruct`s
-    placed on a chip's devices) lowers them for that chip: `recipes.aot` compiles a run's
-    engine for chips this machine does not have."""
-    spec = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype)
-    state = (self._params, self._cache)
-    if program == "prefill":
-      replicas = (self.replicas,)
-      chunk = padded_length(min(self.prefill_chunk, self.max_len), self.prefill_chunk)
-      return self._prefill.lower(*state, spec((self.replicas, chunk)), spec(replicas),
-                                 spec((self.replicas, self.pages_per_slot)), spec(replicas),
-                                 spec(replicas))
-    if program != "decode":
-      raise ValueError(f"program={program!r}: the engine's are 'prefill' and 'decode'")
-    rows = (self.max_slots,)
-    return self._steps.lower(*state, spec(rows), spec(rows), spec((*rows, self.pages_per_slot)),
-                             spec(rows), spec(rows, np.uint32), spec(rows),
-                             spec(rows, np.float32), spec(rows), spec(rows, np.float32))
+    """`program` ("prefill" or "decode") at its largest shapes, lowered (`programs.lower`):
+    an engine of an abstract model (parameters placed on a chip's devices) lowers them for
+    that chip, as `recipes.aot` does for chips this machine does not have."""
+    return lower(program, self._prefill, self._steps, (self._params, self._cache),
+                 self.replicas, padded_length(min(self.prefill_chunk, self.max_len),
+                                              self.prefill_chunk),
+                 self.max_slots, self.pages_per_slot)
 
   def run(self, requests: Sequence[Request]) -> list[Completion]:
     """A completion for each request, in the requests' order."""
@@ -255,56 +239,24 @@ class Engine:
         self._slots[number] = self._admit(number, *self._waiting.popleft())
     waiting = [(number, slot) for number, slot in enumerate(self._slots)
                if slot is not None and not slot.completion.tokens]
+    waiting, shared = self._shared_prompts(waiting)
     for length, call in self._prefill_calls(waiting):
-      for number, slot in self._prefill_next(length, call):
-        grown.append(slot.completion)
-        if slot.completion.finish_reason:  # It ended at its first token.
-          self._release(number, slot)
+      grown += [slot.completion for _, slot in self._prefill_next(length, call)]
+    for number, slot in self._forked(shared):
+      grown.append(slot.completion)
+    for number, slot in enumerate(self._slots):
+      if slot is not None and slot.completion.finish_reason:  # It ended at its first token.
+        self._release(number, slot)
     if any(slot is not None and slot.completion.tokens for slot in self._slots):
       grown += self._decode()
     return list({completion.index: completion for completion in grown}.values())
 
   def check(self, request: Request, index: int = 0) -> None:
     """Raises `RequestError` (a ValueError) naming the request and the field that does not
-    fit."""
-    def bad(field: str, message: str) -> RequestError:
-      return RequestError(field, f"request {index}: {message}")
+    fit (`requests.check`)."""
+    requests_lib.check(self, request, index)
 
-    if not request.prompt:
-      raise bad("prompt", "the prompt is empty")
-    if min(request.prompt) < 0 or max(request.prompt) >= self.vocab_size:
-      raise bad("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
-    if request.max_tokens < 1:
-      raise bad("max_tokens", f"max_tokens must be >= 1; got {request.max_tokens}")
-    if len(request.prompt) + request.max_tokens > self.max_len:
-      raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
-                f"({request.max_tokens}) exceed the context of {self.max_len} tokens")
-    if self.pages_for(request) > self.replica_pages:
-      pool = (f"the engine's pool holds {self.max_pages} (max_pages)" if self.replicas == 1
-              else f"each of the engine's {self.replicas} data-parallel pools holds "
-              f"{self.replica_pages} (max_pages / {self.replicas})")
-      raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
-                f"({request.max_tokens}) need {self.pages_for(request)} pages of "
-                f"{self.page_size} positions; {pool}")
-    if request.temperature < 0:
-      raise bad("temperature", f"temperature must be >= 0; got {request.temperature}")
-    if request.top_k is not None and not 1 <= request.top_k <= self.vocab_size:
-      raise bad("top_k", f"top_k must be in [1, {self.vocab_size}]; got {request.top_k}")
-    if request.top_p is not None and not 0 < request.top_p <= 1:
-      raise bad("top_p", f"top_p must be in (0, 1]; got {request.top_p}")
-    if any(not 0 <= t < self.vocab_size for t in request.stop_ids):
-      raise bad("stop_ids", f"stop token ids must be in [0, {self.vocab_size}); got "
-                f"{list(request.stop_ids)}")
-    if request.stop and self.detokenize is None:
-      raise bad("stop", "stop strings need the tokenizer: give the engine `decode`")
-    if isinstance(request.stop, str) or not all(isinstance(stop, str) and stop
-                                                for stop in request.stop):
-      raise bad("stop", f"stop strings must be non-empty strings; got {list(request.stop)}")
-    if not 0 <= request.top_logprobs <= self.max_top_logprobs:
-      raise bad("top_logprobs", f"top_logprobs must be in [0, {self.max_top_logprobs}]; got "
-                f"{request.top_logprobs}")
-
-  def _admit(self, number: int, index: int, request: Request, queued_at: float) -> _Slot:
+  def _admit(self, number: int, index: int, request: Request, queued_at: float) -> Slot:
     """The request in slot `number`, given its pages (in the slot's table)."""
     free = self._free[self._replica(number)]
     pages = [free.pop() for _ in range(self.pages_for(request))]
@@ -315,13 +267,59 @@ class Engine:
                                 number % self.replica_slots)
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
-    return _Slot(index, request, Completion(index, [], [], ""), 0, text, pages, queued_at)
+    return Slot(index, request, Completion(index, [], [], ""), 0, text, pages, queued_at)
 
-  def _chunk(self, slot: _Slot) -> tuple[int, ...]:
+  def _shared_prompts(self, waiting: list[tuple[int, Slot]]
+                      ) -> tuple[list[tuple[int, Slot]], list[tuple[int, Slot, Slot]]]:
+    """(the slots to prefill, (number, slot, source) of those whose prompt another slot of
+    their replica, running or prefilling, has: a GRPO group's). Its pages hold the prompt's
+    keys and values bit for bit as the slot's own prefill would (a prefill call's shapes do
+    not depend on the slot): a request's tokens are the same, shared or not. Not for a model
+    with per-slot state (a recurrent layer's moves on with its source's tokens)."""
+    if self._copy is None:
+      return waiting, []
+    key = lambda number, slot: (self._replica(number), slot.request.prompt)  # noqa: E731
+    sources = {key(n, s): s for n, s in enumerate(self._slots)
+               if s is not None and (s.completion.tokens or s.length)}
+    prefill, shared = [], []
+    for number, slot in waiting:
+      source = sources.setdefault(key(number, slot), slot)
+      if source is slot or slot.length:
+        prefill.append((number, slot))
+      else:
+        shared.append((number, slot, source))
+    return prefill, shared
+
+  def _forked(self, shared: list[tuple[int, Slot, Slot]]) -> list[tuple[int, Slot]]:
+    """The slots of `shared` whose source has its prompt in: its prompt's pages copied into
+    theirs, each first token sampled from the source's last prompt logits with the slot's
+    own settings (`_shared_prompts`)."""
+    ready = [(number, slot, source) for number, slot, source in shared
+             if source.first_logits is not None]
+    for replica in sorted({self._replica(number) for number, _, _ in ready}):
+      pairs = [(page, mine) for number, slot, source in ready if self._replica(number) == replica
+               for page, mine in zip(source.pages, slot.pages[
+                   :-(-len(slot.request.prompt) // self.page_size)])]
+      copy = np.zeros((2, self.max_slots * self.pages_per_slot), np.int32)  # Page 0 to 0.
+      copy[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+      self._cache = self._copy(self._cache, np.int32(replica), copy[0], copy[1])
+    if ready:  # Their first tokens in one call of max_slots rows (idle rows greedy).
+      rows = [source.first_logits for _, _, source in ready]
+      logits = jnp.stack(rows + rows[:1] * (self.max_slots - len(rows)))
+      slots = [slot for _, slot, _ in ready] + [None] * (self.max_slots - len(ready))
+      sampled = [np.asarray(x) for x in first_tokens(logits, *_settings(slots),
+                                                     self.max_top_logprobs)]
+    for row, (number, slot, source) in enumerate(ready):
+      slot.length, slot.first_logits = len(slot.request.prompt), source.first_logits
+      slot.take(*[x[row] for x in sampled])
+    self.shared_prompts += len(ready)
+    return [(number, slot) for number, slot, _ in ready]
+
+  def _chunk(self, slot: Slot) -> tuple[int, ...]:
     """The part of `slot`'s prompt that its next prefill takes."""
     return slot.request.prompt[slot.length:slot.length + self.prefill_chunk]
 
-  def _prefill_calls(self, waiting: list[tuple[int, _Slot]]) -> list[tuple[int, dict]]:
+  def _prefill_calls(self, waiting: list[tuple[int, Slot]]) -> list[tuple[int, dict]]:
     """The slots still prefilling (slot number, slot) in calls: each call one slot per
     replica at most (its row), all of one padded chunk length; (that length,
     {replica: (number, slot)}).
@@ -341,7 +339,7 @@ class Engine:
       call[replica] = (number, slot)
     return calls
 
-  def _prefill_next(self, length: int, call: dict[int, tuple]) -> list[tuple[int, _Slot]]:
+  def _prefill_next(self, length: int, call: dict[int, tuple]) -> list[tuple[int, Slot]]:
     """The next chunk of each slot's prompt in `call` (`_prefill_calls`) into its pages, in
     one compiled call: the slot in its replica's row, the other rows idle at page 0 of
     their pools (chunks padded to `length`, a power of two, so that lengths share a few
@@ -364,9 +362,10 @@ class Engine:
     for replica, (number, slot) in call.items():
       slot.length += len(chunks[replica])
       if slot.length == len(slot.request.prompt):
+        slot.first_logits = logits[replica]  # For the slots that share its prompt.
         sampled = first_token(logits, np.int32(replica), *_settings([slot]),
                               self.max_top_logprobs)
-        self._take(slot, *[np.asarray(x)[0] for x in sampled])
+        slot.take(*[np.asarray(x)[0] for x in sampled])
         done.append((number, slot))
     return done
 
@@ -405,46 +404,18 @@ class Engine:
       grown.append(slot.completion)
       for step in range(self.steps_per_call):
         slot.length += 1
-        if self._take(slot, new_tokens[step, number], logps[step, number],
+        if slot.take(new_tokens[step, number], logps[step, number],
                       top_tokens[step, number], top_logps[step, number]):
           self._release(number, slot)  # Its later tokens (and cache positions) are dropped.
           break
     return grown
 
-  def _release(self, number: int, slot: _Slot) -> None:
+  def _release(self, number: int, slot: Slot) -> None:
     """Frees slot `number` and the pages `slot` held (rewritten by whoever gets them)."""
     self._slots[number] = None
     self._free[self._replica(number)].extend(reversed(slot.pages))
     self._tables[number] = 0
 
-  def _take(self, slot: _Slot, token, logp, top_tokens, top_logps) -> bool:
-    """Appends a sampled token to `slot`'s completion; whether the request has ended."""
-    request, completion = slot.request, slot.completion
-    completion.tokens.append(int(token))
-    completion.logprobs.append(float(logp))
-    if len(completion.tokens) == 1:  # Read from the device by now: it has come.
-      completion.first_token_s = time.perf_counter() - slot.queued_at
-    if request.top_logprobs:
-      completion.top_logprobs.append(
-          [(int(t), float(v)) for t, v in zip(top_tokens[:request.top_logprobs],
-                                              top_logps[:request.top_logprobs])])
-    if int(token) in request.stop_ids:
-      completion.finish_reason = "stop"
-    elif len(completion.tokens) >= request.max_tokens:
-      completion.finish_reason = "length"
-    if slot.text is not None:
-      slot.text.add([int(token)], final=bool(completion.finish_reason))
-      completion.text = slot.text.text
-      if slot.text.stopped:
-        completion.finish_reason = "stop"
-    return bool(completion.finish_reason)
 
-
-def _settings(slots: Sequence[_Slot | None]) -> tuple[np.ndarray, ...]:
-  """Per-row (seeds, token counts, temperature, top_k, top_p) of `slots` (None: idle)."""
-  rows = [s.request if s is not None else Request((0,), 1, temperature=0) for s in slots]
-  counts = [len(s.completion.tokens) if s is not None else 0 for s in slots]
-  return (np.asarray([r.seed for r in rows], np.uint32), np.asarray(counts, np.int32),
-          np.asarray([r.temperature for r in rows], np.float32),
-          np.asarray([r.top_k or 0 for r in rows], np.int32),
-          np.asarray([1.0 if r.top_p is None else r.top_p for r in rows], np.float32))
+def _settings(slots: Sequence[Slot | None]) -> tuple[np.ndarray, ...]:
+  return requests_lib.row_settings([s and (s.request, len(s.completion.tokens)) for s in slots])

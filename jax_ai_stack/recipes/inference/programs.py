@@ -16,9 +16,11 @@ import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jax_ai_stack.recipes.inference import sampling
+from jax_ai_stack.recipes.models import cache as cache_lib
 from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["MIN_PADDED", "first_token", "half_octave", "padded_length", "programs",
@@ -55,6 +57,19 @@ def sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
                                   top_p=top_p)
   top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
   return tokens, logps, top_tokens, top_logps
+
+
+@functools.cache
+def page_copy(specs: tuple, stacked: bool) -> Callable:
+  """`cache.copy_pages` of a model's cache (`specs`: each layer's spec as a tuple of items),
+  compiled once for every engine of that model: the pages of prompts requests share."""
+  return jax.jit(functools.partial(cache_lib.copy_pages, [dict(spec) for spec in specs],
+                                   stacked=stacked), donate_argnums=0)
+
+
+first_tokens = jax.jit(sample_rows, static_argnums=6)
+"""`sample_rows` of rows of logits [B, V]: the first tokens of requests whose prompt another
+request's prefill ended (the engine's shared prompts)."""
 
 
 @functools.partial(jax.jit, static_argnums=7)
@@ -109,3 +124,22 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
   carry = (params, state, tokens, lengths, counts)
   (_, state, *_), sampled = jax.lax.scan(one, carry, None, length=count)
   return (*sampled, state)
+
+
+def lower(program: str, prefill: Callable, steps: Callable, state: tuple, replicas: int,
+          chunk: int, max_slots: int, pages_per_slot: int) -> jax.stages.Lowered:
+  """An engine's `program` ("prefill" or "decode") at its largest shapes, lowered: a prefill
+  of a whole `chunk` in every replica's row, or a decoding call of every slot, over a slot's
+  whole block table. `state`: (parameters, cache)."""
+  spec = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  if program == "prefill":
+    rows = (replicas,)
+    return prefill.lower(*state, spec((replicas, chunk)), spec(rows),
+                         spec((replicas, pages_per_slot)), spec(rows), spec(rows))
+  if program != "decode":
+    raise ValueError(f"program={program!r}: the engine's are 'prefill' and 'decode'")
+  rows = (max_slots,)
+  return steps.lower(*state, spec(rows), spec(rows), spec((*rows, pages_per_slot)),
+                     spec(rows), spec(rows, np.uint32), spec(rows), spec(rows, np.float32),
+                     spec(rows), spec(rows, np.float32))
+

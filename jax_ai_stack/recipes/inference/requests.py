@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["Completion", "Request", "RequestError", "slot_length"]
+import numpy as np
+
+__all__ = ["Completion", "Request", "RequestError", "check", "row_settings", "slot_length"]
 
 SHORTEST_SLOT = 64
 """`slot_length`'s least length: one page of the engine's default size."""
@@ -92,3 +95,56 @@ def slot_length(requests: Sequence[Request], limit: int) -> int:
   """
   longest = max((len(r.prompt) + r.max_tokens for r in requests), default=1)
   return min(limit, max(SHORTEST_SLOT, 1 << (longest - 1).bit_length()))
+
+
+def check(engine: Any, request: Request, index: int = 0) -> None:
+  """Raises `RequestError` (a ValueError) naming the request and the field that does not
+  fit `engine` (an `Engine`: its vocabulary, context, pool, tokenizer and alternatives)."""
+  def bad(field: str, message: str) -> RequestError:
+    return RequestError(field, f"request {index}: {message}")
+
+  if not request.prompt:
+    raise bad("prompt", "the prompt is empty")
+  if min(request.prompt) < 0 or max(request.prompt) >= engine.vocab_size:
+    raise bad("prompt", f"prompt token ids must be in [0, {engine.vocab_size})")
+  if request.max_tokens < 1:
+    raise bad("max_tokens", f"max_tokens must be >= 1; got {request.max_tokens}")
+  if len(request.prompt) + request.max_tokens > engine.max_len:
+    raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
+              f"({request.max_tokens}) exceed the context of {engine.max_len} tokens")
+  if engine.pages_for(request) > engine.replica_pages:
+    pool = (f"the engine's pool holds {engine.max_pages} (max_pages)" if engine.replicas == 1
+            else f"each of the engine's {engine.replicas} data-parallel pools holds "
+            f"{engine.replica_pages} (max_pages / {engine.replicas})")
+    raise bad("max_tokens", f"the prompt ({len(request.prompt)} tokens) and max_tokens "
+              f"({request.max_tokens}) need {engine.pages_for(request)} pages of "
+              f"{engine.page_size} positions; {pool}")
+  if request.temperature < 0:
+    raise bad("temperature", f"temperature must be >= 0; got {request.temperature}")
+  if request.top_k is not None and not 1 <= request.top_k <= engine.vocab_size:
+    raise bad("top_k", f"top_k must be in [1, {engine.vocab_size}]; got {request.top_k}")
+  if request.top_p is not None and not 0 < request.top_p <= 1:
+    raise bad("top_p", f"top_p must be in (0, 1]; got {request.top_p}")
+  if any(not 0 <= t < engine.vocab_size for t in request.stop_ids):
+    raise bad("stop_ids", f"stop token ids must be in [0, {engine.vocab_size}); got "
+              f"{list(request.stop_ids)}")
+  if request.stop and engine.detokenize is None:
+    raise bad("stop", "stop strings need the tokenizer: give the engine `decode`")
+  if isinstance(request.stop, str) or not all(isinstance(stop, str) and stop
+                                              for stop in request.stop):
+    raise bad("stop", f"stop strings must be non-empty strings; got {list(request.stop)}")
+  if not 0 <= request.top_logprobs <= engine.max_top_logprobs:
+    raise bad("top_logprobs", f"top_logprobs must be in [0, {engine.max_top_logprobs}]; got "
+              f"{request.top_logprobs}")
+
+
+def row_settings(rows: Sequence[tuple[Request, int] | None]) -> tuple[np.ndarray, ...]:
+  """Per-row sampling inputs (seeds, token counts, temperature, top_k, top_p) of rows that are
+  (a request, the tokens it has) or None (idle: greedy, seed 0)."""
+  rows = [row or (Request((0,), 1, temperature=0), 0) for row in rows]
+  return (np.asarray([r.seed for r, _ in rows], np.uint32),
+          np.asarray([count for _, count in rows], np.int32),
+          np.asarray([r.temperature for r, _ in rows], np.float32),
+          np.asarray([r.top_k or 0 for r, _ in rows], np.int32),
+          np.asarray([1.0 if r.top_p is None else r.top_p for r, _ in rows], np.float32))
+

@@ -198,3 +198,30 @@ def put_slot_rows(array: jax.Array, slots: jax.Array | None, rows: jax.Array) ->
   if slots is None:
     return rows.astype(array.dtype)
   return array.at[slots].set(rows.astype(array.dtype), mode="drop")
+
+
+def copy_pages(specs: Sequence[Spec], state, replica, sources, targets, *, stacked: bool):
+  """`state` (`lay_out`'s) with pages `sources` of replica `replica`'s pool copied to pages
+  `targets` (int32 [n] each) in every paged array: a prompt's keys and values shared by
+  requests with the same prompt (the engine's). Per-slot arrays as they are."""
+  def copy(array: CacheArray, value: jax.Array) -> jax.Array:
+    if array.per_slot:
+      return value
+    axis = stacked + array.shape.index(PAGES)  # The replica axis, if any, is here too.
+    if value.ndim == stacked + len(array.shape):
+      return _copied(value, axis, sources, targets)
+    pool = _copied(jnp.take(value, replica, axis=axis), axis, sources, targets)
+    index = [slice(None)] * value.ndim
+    index[axis] = replica
+    return value.at[tuple(index)].set(pool)
+
+  if stacked:
+    return {name: copy(a, state[name]) for name, a in specs[0].items()}
+  return tuple({name: copy(a, layer[name]) for name, a in spec.items()}
+               for spec, layer in zip(specs, state))
+
+
+def _copied(value: jax.Array, axis: int, sources: jax.Array, targets: jax.Array) -> jax.Array:
+  """`value` with its slices `sources` along `axis` written at `targets`."""
+  moved = jnp.moveaxis(value, axis, 0)
+  return jnp.moveaxis(moved.at[targets].set(moved[sources]), 0, axis)
