@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 from flax import nnx
 
 from jax_ai_stack.recipes.models import expert_quant
@@ -27,7 +28,7 @@ def test_a_weight_has_a_scale_per_expert_and_output_channel(qtype, levels):
   w = jax.random.normal(jax.random.key(0), (3, 16, 8))
   q = expert_quant.quantize_array(w, qtype)
   assert q.qvalue.dtype == qtype and q.scale.shape == (3, 1, 8)
-  error = np.abs(np.asarray(expert_quant.dequantize(q)) - np.asarray(w))
+  error = np.abs(np.asarray(qwix.dequantize(q)) - np.asarray(w))
   step = np.abs(np.asarray(w)).max(axis=1, keepdims=True) / levels  # Each column's grid.
   assert (error <= step / 2 + 1e-6).all()
 

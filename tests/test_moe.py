@@ -568,8 +568,9 @@ FAMILY_PRESETS = {"qwen2_moe-tiny": ["model.moe.dense_layers=[]", "model.moe.exp
 @pytest.mark.parametrize("preset", sorted(FAMILY_PRESETS))
 def test_a_moe_family_preset_trains_lora_adapts_and_exports(preset, tmp_path):
   """A MoE family's tiny preset trains from scratch; LoRA adapts it (its dense layers: the
-  attention and a shared expert's MLP; quantization: the tests above), and export-hf writes the family's layout, which computes what the
-  run does. (The engine's greedy tokens are transformers': tests/test_engine.py.)"""
+  attention and a shared expert's MLP; quantization: the tests above), and export-hf writes
+  the family's layout, which computes what the run does. (The engine's greedy tokens are
+  transformers': tests/test_engine.py.)"""
   from jax_ai_stack.recipes.finetune import adapters
 
   size = [*MOE_PRESET_SIZE, *FAMILY_PRESETS[preset]]

@@ -276,7 +276,7 @@ class Engine:
     keys and values bit for bit as the slot's own prefill would (a prefill call's shapes do
     not depend on the slot): a request's tokens are the same, shared or not. Not for a model
     with per-slot state (a recurrent layer's moves on with its source's tokens)."""
-    if self._copy is None:
+    if self._copy is None or not waiting:  # (Not every decoding step: prompts are hashed.)
       return waiting, []
     key = lambda number, slot: (self._replica(number), slot.request.prompt)  # noqa: E731
     sources = {key(n, s): s for n, s in enumerate(self._slots)

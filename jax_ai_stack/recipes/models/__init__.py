@@ -4,11 +4,11 @@ The model classes and configs are re-exported here and load on first use, e.g.
 `models.Decoder(models.DecoderConfig.tiny(), rngs=nnx.Rngs(0))`. The configs live
 in `configs`, which imports no jax; `layers` holds the decoder's layers, `block` a block
 of them, `cache` what a layer caches for decoding (its spec, laid out for the engine),
-`rope` the rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the mixture-of-experts
-feed-forward layers (Mixtral, Qwen3-MoE; `expert_quant` their experts quantized), `latent_attention` DeepSeek's multi-head latent
-attention (its shapes in `latent_config`), `linear_attention` Qwen3-Next's gated DeltaNet
-(its shapes in `linear_config`), `param_count` a config's parameters and FLOPs,
-`activation_memory` what a
+`rope` the rotary embeddings, `decoding` sampling with the KV cache (`generate`), `moe` the
+mixture-of-experts feed-forward layers (Mixtral, Qwen3-MoE; `expert_quant` their experts
+quantized), `latent_attention` DeepSeek's multi-head latent attention (its shapes in
+`latent_config`), `linear_attention` Qwen3-Next's gated DeltaNet (its shapes in
+`linear_config`), `param_count` a config's parameters and FLOPs, `activation_memory` what a
 decoder keeps for the backward pass; `hf` reads and writes Hugging Face
 directories (config.json + safetensors); `layer_stack` converts a decoder between
 the unrolled and the scanned (`scan_layers`) layouts. `Llama` and `LlamaConfig`, the
@@ -26,9 +26,10 @@ from __future__ import annotations
 from jax_ai_stack.lazy import lazy_attributes
 
 _SUBMODULES = ("decoder", "activation_memory", "adapting", "block", "cache", "cnn", "cnn_config",
-               "configs", "custom_config", "decoding", "expert_quant", "head", "hf", "latent_attention",
-               "latent_config", "layer_stack", "layers", "linear_attention", "linear_config",
-               "llama", "mlp", "moe", "moe_config", "param_count", "rope", "rope_config")
+               "configs", "custom_config", "decoding", "expert_quant", "head", "hf",
+               "latent_attention", "latent_config", "layer_stack", "layers", "linear_attention",
+               "linear_config", "llama", "mlp", "moe", "moe_config", "param_count", "rope",
+               "rope_config")
 _EXPORTS = {
     "Decoder": "decoder",
     "DecoderConfig": "configs",

@@ -18,9 +18,10 @@ Weights only: an activation scheme (w8a8) is refused for a MoE model (`finetune.
 
 Example:
   >>> import jax.numpy as jnp
+  >>> import qwix
   >>> w = jnp.linspace(-1.0, 1.0, 2 * 3 * 4).reshape(2, 3, 4)
   >>> q = quantize_array(w, jnp.int8)
-  >>> q.qvalue.dtype, q.scale.shape, bool(jnp.abs(dequantize(q) - w).max() < 1 / 127)
+  >>> q.qvalue.dtype, q.scale.shape, bool(jnp.abs(qwix.dequantize(q) - w).max() < 1 / 127)
   (dtype('int8'), (2, 1, 4), True)
 """
 
@@ -36,7 +37,7 @@ from qwix._src.core import qarray
 from qwix._src.providers import ptq as qwix_ptq
 from qwix._src.utils import flax_util
 
-__all__ = ["dequantize", "fake_quantize", "is_quantized", "quantize", "quantize_array", "stored"]
+__all__ = ["fake_quantize", "is_quantized", "quantize", "quantize_array", "stored"]
 
 
 def _how(qtype: Any) -> qarray.HowToQuantize:
@@ -47,10 +48,6 @@ def _how(qtype: Any) -> qarray.HowToQuantize:
 def quantize_array(weight: jax.Array, qtype: Any) -> qwix.QArray:
   """`weight` [E, in, out] as Qwix's quantized array (float32 scales)."""
   return qarray.quantize(weight.astype(jnp.float32), _how(qtype))
-
-
-def dequantize(array: qwix.QArray) -> jax.Array:
-  return qwix.dequantize(array)
 
 
 def is_quantized(value: Any) -> bool:
@@ -74,7 +71,7 @@ def quantize(moe: nnx.Module, names: tuple[str, ...], qtype: Any) -> None:
 def fake_quantize(weight: jax.Array, qtype: Any) -> jax.Array:
   """`weight` rounded to `qtype`'s grid in the forward pass; its gradient is the identity
   (the straight-through estimator)."""
-  rounded = dequantize(quantize_array(weight, qtype)).astype(weight.dtype)
+  rounded = qwix.dequantize(quantize_array(weight, qtype)).astype(weight.dtype)
   return weight + jax.lax.stop_gradient(rounded - weight)
 
 
@@ -84,7 +81,7 @@ def stored(value: Any, dtype: Any, fake: Any = None) -> jax.Array:
   if is_quantized(value):
     array = jax.tree.map(lambda v: v[...], value.array,
                          is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return dequantize(array).astype(dtype)
+    return qwix.dequantize(array).astype(dtype)
   weight = value[...]
   if fake is not None:
     weight = fake_quantize(weight, fake)

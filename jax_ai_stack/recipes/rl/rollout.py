@@ -232,8 +232,8 @@ class Rollouts:
                   np.repeat(np.float32([0, 1]), [s.prompt_ids.size, len(s.tokens)]))
                  for s in samples]
     longest = max_over_processes(max(len(ids) for ids, _ in sequences) - 1)
-    arrays = examples.one_per_row(sequences, seq_len=row_length(longest, self.config.data.seq_len),
-                                  pad_id=self.tokenizer.pad_id)
+    arrays = examples.one_per_row(sequences, pad_id=self.tokenizer.pad_id,
+                                  seq_len=row_length(longest, self.config.data.seq_len))
     arrays["sampler_logps"] = np.zeros_like(arrays["loss_mask"])
     for row, sample in enumerate(samples):
       first = sample.prompt_ids.size - 1  # The target of this position is the first new token.
@@ -242,13 +242,9 @@ class Rollouts:
             "fresh": np.ones(len(samples), np.float32)}
 
 
-MIN_ROW_LENGTH = 16
-"""The shortest rows a rollout batch has (see `row_length`)."""
-
-
 def row_length(longest: int, seq_len: int) -> int:
   """The positions of a rollout batch's rows whose longest sequence has `longest` inputs: the
-  next power of two (at least MIN_ROW_LENGTH), at most `seq_len`. The update and the
+  next power of two, at most `seq_len` (the engine's `padded_length`). The update and the
   reference pass cost what the rows hold, not `data.seq_len` (128 rows of 64 positions
   against 128 on lm-tiny-grpo: 668 against 1,570 ms a step, benchmarks/rl.py); powers of two
   keep the train step's programs few (one each, compiled when first met).
@@ -257,7 +253,7 @@ def row_length(longest: int, seq_len: int) -> int:
     >>> row_length(45, 128), row_length(3, 128), row_length(100, 64)
     (64, 16, 64)
   """
-  return min(seq_len, max(MIN_ROW_LENGTH, 1 << max(longest - 1, 0).bit_length()))
+  return inference.programs.padded_length(longest, seq_len)
 
 
 def max_over_processes(value: int) -> int:
