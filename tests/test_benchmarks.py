@@ -616,3 +616,52 @@ def test_mechanisms_quick_times_each_attention_and_counts_what_decoding_keeps(tm
   state, conv = 4 * 16 * 16 * 4, 3 * (2 * 2 * 16 + 4 * 16) * 4  # 4 value heads; 3 past inputs.
   assert cache["linear"]["per_token"] == 0 and cache["linear"]["per_sequence"] == state + conv
   assert set(results["delta_rule_ms"]) == {"token_scan", "chunked"}
+
+
+def _fake_trl(tmp_path: pathlib.Path, step_seconds: list[float]) -> str:
+  """An 'interpreter' that imports trl and answers as trl_grpo.py does: 2 completions of 4
+  tokens per prompt, the given step times."""
+  reply = {"trl": "fake", "torch": "fake", "transformers": "fake", "threads": 2,
+           "step_seconds": step_seconds,
+           "part_seconds": {"rollout": [0.3] * 3, "generate": [0.2] * 3, "scoring": [0.01] * 3},
+           "completion_lengths": [4] * 4 * 3}
+  python = tmp_path / "python"
+  python.write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\necho '{json.dumps(reply)}'\n")
+  python.chmod(0o755)
+  return str(python)
+
+
+@pytest.mark.slow  # About 20 s: a BPE tokenizer, import-hf and GRPO steps, compiled.
+def test_rl_versus_trl_quick_measures_ours_and_compares_it_with_trl_s_step(tmp_path, capsys):
+  results = _run_quick("rl", tmp_path, "--trl", "--torch-python",
+                       _fake_trl(tmp_path, [9.0, 1.0, 3.0]))
+  quick = results["sizes"]["quick"]
+  ours, trl = quick["ours"], quick["trl"]
+  assert results["versus"] == "trl" and results["steps"] == 2 and len(ours["step_seconds"]) == 3
+  assert ours["step_s"] == pytest.approx(np.median(ours["step_seconds"][1:]))
+  assert ours["step_s"] > 0
+  assert 0 < ours["mean_completion_length"] <= 4  # rl.max_completion_tokens of the quick run.
+  assert ours["seconds_per_step"]["engine"] < ours["seconds_per_step"]["rollout"]
+  assert trl["step_s"] == 2.0 and trl["seconds_per_step"]["generate"] == 0.2  # Medians after the 1st.
+  assert quick["ours_vs_trl"]["value"] == pytest.approx(ours["step_s"] / 2.0)
+  assert quick["ours_vs_trl"]["target"] == 0.5
+  gap = abs(ours["mean_completion_length"] - 4) / 4
+  assert quick["completion_length_gap"]["value"] == pytest.approx(gap)
+  assert "ours / TRL" in capsys.readouterr().out
+
+
+def test_rl_versus_trl_without_trl_says_so_in_one_line_and_measures_ours_alone(tmp_path, capsys):
+  rl = _load("rl")
+  assert rl.trl_python(str(tmp_path / "missing" / "python")) is None
+  assert rl.trl_python(sys.executable if importlib.util.find_spec("trl") is None
+                       else str(tmp_path / "missing")) is None
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2 and all(line.startswith("TRL's column skipped: ") for line in lines)
+  assert "FileNotFoundError" in lines[0] and "--torch-python" in lines[0]
+
+
+def test_rl_rewards_read_text_and_trl_s_messages_alike():
+  trl_grpo = _load("trl_grpo")
+  completions = ["yes, it is", [{"role": "assistant", "content": "No"}], "maybe"]
+  assert trl_grpo.parity(None, completions, answer=["yes", "no", "no"]) == [1.0, 1.0, 0.0]
+  assert trl_grpo.length(None, ["", "x" * 16, "x" * 99]) == [1.0, 0.75, 0.0]

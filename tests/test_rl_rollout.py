@@ -30,10 +30,11 @@ def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task
   task, model = task_and_model
   rollouts = task.rollouts
   batch, metrics = rollouts.batch(model, lambda: {"prompt_index": np.array([3, 1])}, step=5)
-  assert batch["inputs"].shape == batch["sampler_logps"].shape == (8, 64)
+  samples = rollouts.sample(model, "train", [3, 1], 4, rollouts.rl.temperature, step=5)
+  rows = rollout.row_length(max(s.prompt_ids.size + len(s.tokens) for s in samples) - 1, 64)
+  assert batch["inputs"].shape == batch["sampler_logps"].shape == (8, rows)
   assert batch["advantages"].shape == (8,)
   np.testing.assert_allclose(batch["advantages"].reshape(2, 4).sum(axis=1), 0.0, atol=1e-6)
-  samples = rollouts.sample(model, "train", [3, 1], 4, rollouts.rl.temperature, step=5)
   for row, sample in enumerate(samples):
     prompt = sample.prompt_ids.size
     completion = batch["targets"][row][batch["loss_mask"][row] > 0]
@@ -44,9 +45,12 @@ def test_a_batch_holds_each_prompt_s_group_as_rows_masked_on_the_completion(task
   assert set(metrics) >= {"reward", "reward_std", "reward_exact_answer", "reward_answer_format",
                           "completion_tokens", "completions_cut", "groups_without_signal"}
   # What a step is compiled for ahead of time (Task.batch_spec: 2 prompts, 4 completions
-  # each) is this batch's every field, shape and dtype.
-  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
-      k: (s.shape, s.dtype) for k, s in task.batch_spec(2).items()}
+  # each) is this batch's every field and dtype, its rows data.seq_len long: the longest.
+  spec = task.batch_spec(2)
+  assert {k: v.dtype for k, v in batch.items()} == {k: s.dtype for k, s in spec.items()}
+  assert all(v.shape[0] == spec[k].shape[0] and v.shape[1:] <= spec[k].shape[1:]
+             for k, v in batch.items())
+  assert spec["inputs"].shape == (8, 64)
 
 
 def test_samples_depend_on_the_step_and_the_prompt_not_on_the_batch(task_and_model):
@@ -136,21 +140,22 @@ def test_a_rollout_slot_holds_a_prompt_and_its_completion_not_the_model_s_contex
 
 def test_rows_are_as_long_as_the_longest_sequence_rounded_up_not_data_seq_len(task_and_model):
   """The update costs what the rows hold: with data.seq_len=127 the same rollout lays its rows
-  out in 64 positions (its longest rounded up to a power of two), the first 64 columns of
-  what 127 would hold, the rest of which is padding only."""
+  out in as many positions as data.seq_len=64 does (its longest rounded up: `row_length`),
+  the first columns of what 127 would hold, the rest of which is padding only."""
   task, model = task_and_model
   long_rows = tasks.for_config(config_lib.load("lm-tiny-grpo", overrides=[
       *SMALL, "data.seq_len=127"]))  # The model's context: 128.
   draw = lambda: {"prompt_index": np.array([3, 1])}  # noqa: E731
   batch, _ = task.rollouts.batch(model, draw, step=5)
   longer, _ = long_rows.rollouts.batch(model, draw, step=5)
-  assert batch["inputs"].shape == longer["inputs"].shape == (8, 64)
   samples = task.rollouts.sample(model, "train", [3, 1], 4, task.rollouts.rl.temperature, step=5)
   longest = max(s.prompt_ids.size + len(s.tokens) for s in samples) - 1
-  assert 32 < longest <= 64 and rollout.row_length(longest, 127) == 64
+  rows = rollout.row_length(longest, 127)
+  assert 32 < longest <= rows <= 64 and rows == rollout.row_length(longest, 64)
+  assert batch["inputs"].shape == longer["inputs"].shape == (8, rows)
   for key, value in batch.items():
     np.testing.assert_array_equal(value, longer[key], err_msg=key)
   padded = rollout.examples.one_per_row(
       [(np.concatenate([s.prompt_ids, s.tokens]), np.ones(s.prompt_ids.size + len(s.tokens)))
        for s in samples], seq_len=127, pad_id=task.tokenizer().pad_id)
-  assert not padded["segment_ids"][:, 64:].any()  # What 127 positions add: padding alone.
+  assert not padded["segment_ids"][:, rows:].any()  # What 127 positions add: padding alone.

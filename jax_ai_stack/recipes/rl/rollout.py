@@ -244,16 +244,21 @@ class Rollouts:
 
 def row_length(longest: int, seq_len: int) -> int:
   """The positions of a rollout batch's rows whose longest sequence has `longest` inputs: the
-  next power of two, at most `seq_len` (the engine's `padded_length`). The update and the
-  reference pass cost what the rows hold, not `data.seq_len` (128 rows of 64 positions
-  against 128 on lm-tiny-grpo: 668 against 1,570 ms a step, benchmarks/rl.py); powers of two
-  keep the train step's programs few (one each, compiled when first met).
+  next of 16, 24, 32, 48, 64, 96, ... (a power of two or three quarters of one), at most
+  `seq_len`. The update costs what the rows hold, not `data.seq_len` (128 rows of 64
+  positions against 128 on lm-tiny-grpo: 668 against 1,570 ms a step, benchmarks/rl.py); a
+  row is at most a third longer than its sequence (47 tokens of ChatML prompt and a
+  32-token reply fill 48, not 64: a quarter of the update saved); two lengths an octave keep
+  the train step's programs few (one each, compiled when first met).
 
   Example:
-    >>> row_length(45, 128), row_length(3, 128), row_length(100, 64)
-    (64, 16, 64)
+    >>> row_length(45, 128), row_length(49, 128), row_length(3, 128), row_length(100, 64)
+    (48, 64, 16, 64)
   """
-  return inference.programs.padded_length(longest, seq_len)
+  power = inference.programs.padded_length(longest, seq_len * 2)
+  three_quarters = power * 3 // 4
+  fits = longest <= three_quarters and power > inference.programs.MIN_PADDED
+  return min(three_quarters if fits else power, seq_len)
 
 
 def max_over_processes(value: int) -> int:
