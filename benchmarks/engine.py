@@ -18,6 +18,12 @@ one request at a time, times the requests in flight).
 Greedy, so every variant must give the same tokens: the record says whether they do.
 Target: the engine's tokens/s at least `TARGET_VS_LOOP` times the better loop's.
 
+And the prefix cache (`prefix`): 16 requests that share a 768-token system prompt, each with
+a question of its own, on 8 slots, with the engine's prefix cache off and on, in two bursts:
+the first with nothing kept at its start, the second after it (the system prompt kept).
+Reports the seconds of each, the prompt tokens the cache spared, and whether every request's
+tokens and log-probs are the same either way (they must be).
+
 With `--transformers`, the same model exported (`models.hf.save`) and the same requests
 also go through transformers' `generate` (per request, and in left-padded batches of
 `slots`), in a child process (`hf_generate.py`) run by `--torch-python` (an interpreter
@@ -68,6 +74,9 @@ SIZES = {
     "quick": DecoderConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
                          max_seq_len=64),
 }
+PREFIX = {"full": dict(requests=16, system=768, question=32, output=32, slots=8, chunk=256,
+                      page=64),
+          "quick": dict(requests=4, system=24, question=4, output=4, slots=2, chunk=8, page=8)}
 WORKLOADS = {"full": dict(requests=64, prompt=(16, 512), output=(8, 256), slots=16),
              "quick": dict(requests=5, prompt=(3, 12), output=(2, 6), slots=2)}
 
@@ -173,6 +182,7 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
       "seconds": seconds, "tokens_per_s": rates,
       "same_tokens": tokens["engine"] == tokens["loop"] == tokens["loop-batched"],
       "time_to_first_token_s": {"median": statistics.median(first), "worst": max(first)},
+      "prefix": measure_prefix(model, PREFIX["quick" if size == "quick" else "full"]),
       "kv_cache_bytes": {"engine_pool": engine.max_pages * page_bytes,
                          "engine_peak_held": engine.peak_pages * page_bytes,
                          "full_length_per_request": _cache_bytes(model, len(requests),
@@ -186,6 +196,31 @@ def measure(size: str, workload: dict, steps_per_call: int | None = None,
       "engine_vs_transformers": common.target(
           rates["engine"] / max(v for k, v in rates.items() if k.startswith("transformers")),
           TARGET_VS_TRANSFORMERS, at_least=True)})
+
+
+def measure_prefix(model: Decoder, work: dict) -> dict[str, Any]:
+  """The prefix cache off and on over two bursts of requests sharing a system prompt (see
+  the module); each engine compiles first on another system prompt's burst."""
+  rng = np.random.default_rng(1)
+  draw = lambda n: tuple(int(t) for t in rng.integers(0, model.config.vocab_size, n))  # noqa: E731
+  warm_up, system = draw(work["system"]), draw(work["system"])
+  bursts = [[Request(prompt + draw(work["question"]), work["output"], temperature=0)
+             for _ in range(work["requests"])] for prompt in (warm_up, system, system)]
+  record, done = {}, {}
+  for name, cache in (("off", False), ("on", True)):
+    engine = Engine(model, max_slots=work["slots"], page_size=work["page"],
+                    prefill_chunk=work["chunk"], prefix_cache=cache)
+    engine.run(bursts[0])
+    seconds, done[name], warm_up_tokens = [], [], engine.cached_tokens
+    for burst in bursts[1:]:
+      started = time.perf_counter()
+      done[name] += engine.run(burst)
+      seconds.append(time.perf_counter() - started)
+    record[name] = {"first_burst_s": seconds[0], "second_burst_s": seconds[1],
+                    "cached_tokens": engine.cached_tokens - warm_up_tokens}
+  record["same_tokens_and_logprobs"] = all(
+      (a.tokens, a.logprobs) == (b.tokens, b.logprobs) for a, b in zip(done["off"], done["on"]))
+  return {"workload": work, **record}
 
 
 def _cache_bytes(model: Decoder, rows: int, length: int) -> int:
@@ -242,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"(target >= {TARGET_VS_TRANSFORMERS}: "
             f"{common.verdict(versus, TARGET_VS_TRANSFORMERS, at_least=True)}); same tokens: "
             f"{result['transformers']['same_tokens']}", flush=True)
+    prefix = result["prefix"]
+    print(f"{size}: a shared system prompt, bursts of {prefix['workload']['requests']}: "
+          + "; ".join(f"cache {k} {prefix[k]['first_burst_s']:.2f} s then "
+                      f"{prefix[k]['second_burst_s']:.2f} s" for k in ("off", "on"))
+          + f" ({prefix['on']['cached_tokens']:,} prompt tokens spared); same tokens and "
+          f"log-probs: {prefix['same_tokens_and_logprobs']}", flush=True)
   common.write(record, args.out)
   return record
 

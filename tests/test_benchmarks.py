@@ -551,6 +551,10 @@ def test_engine_quick_gives_the_loop_s_tokens_and_reports_each_variant(tmp_path)
   assert cache["engine_pool"] < cache["full_length_per_request"]  # 2 slots for 5 requests.
   assert 0 < cache["engine_peak_held"] <= cache["engine_pool"]
   assert quick["engine_vs_best_loop"]["target"] == 3.0
+  prefix = quick["prefix"]  # 4 requests of 24 shared tokens and 4 of their own, in bursts.
+  assert prefix["same_tokens_and_logprobs"] and prefix["off"]["cached_tokens"] == 0
+  assert prefix["on"]["cached_tokens"] >= 4 * 24  # The second burst's, at least.
+  assert all(prefix[k][f"{b}_burst_s"] > 0 for k in ("off", "on") for b in ("first", "second"))
 
 
 def test_harness_quick_scores_shared_contexts_packed_and_one_per_row_alike(tmp_path):

@@ -405,3 +405,71 @@ def test_requests_with_one_prompt_prefill_it_once_and_each_gives_what_it_gives_a
     assert (alone.tokens, alone.logprobs, alone.top_logprobs) == (
         completion.tokens, completion.logprobs, completion.top_logprobs), request.seed
   assert len({tuple(c.tokens) for c in shared[:4]}) > 1  # Sampled, each with its seed.
+
+
+def _same(a, b) -> bool:
+  return (a.tokens, a.logprobs, a.top_logprobs) == (b.tokens, b.logprobs, b.top_logprobs)
+
+
+def test_prompts_that_begin_alike_reuse_kept_chunks_bit_for_bit(tiny):
+  """Chunks of 16 tokens, pages of 8: a 50-token prompt keeps its 3 whole chunks after it
+  ends; a second prompt with its first 40 tokens reuses 2 (its third differs), one with its
+  first 20 reuses 1, one with its first 10 none; the same first 48 tokens and nothing more
+  reuse 2, as the last prompt token is always prefilled (its logits give the first token).
+  Each request's tokens, log-probs and alternatives are those of an engine without the cache."""
+  base = _prompts(256, [50])[0]
+  first = Request(base, 6, temperature=1.0, seed=1, top_logprobs=2)
+  others = [Request(base[:n] + tail, 6, temperature=1.0, seed=s, top_logprobs=2)
+            for s, (n, tail) in enumerate([(40, (1, 2, 3)), (20, (4,) * 9), (10, (5,) * 30),
+                                           (48, ())], start=2)]
+  engine = Engine(tiny, max_slots=2, page_size=8, prefill_chunk=16)
+  done = engine.run([first])
+  assert engine.cached_pages == 6 and engine.pages_in_use == 0 and engine.prefix_hits == 0
+  done += engine.run(others)
+  assert engine.prefix_hits == 3 and engine.cached_tokens == 32 + 16 + 32
+  plain = Engine(tiny, max_slots=2, page_size=8, prefill_chunk=16, prefix_cache=False)
+  for request, completion in zip([first, *others], done):
+    assert _same(completion, plain.run([request])[0]), request.seed
+  assert plain.cached_pages == 0 and plain.prefix_hits == 0
+
+
+def test_kept_chunks_make_room_when_the_pool_needs_it_and_never_while_held(tiny):
+  """A pool of 8 pages of 8: the first request keeps 2 chunks (4 pages); one that needs 8
+  pages evicts them and gives what it gives without the cache; two requests sharing a
+  prefix run at once, the second reusing the first's chunk while the first prefills on."""
+  long, other = _prompts(256, [40, 20])
+  engine = Engine(tiny, max_slots=2, page_size=8, max_pages=8, prefill_chunk=16)
+  engine.run([Request(long, 4, temperature=0)])
+  assert engine.cached_pages == 4
+  big = Request(other, 44, temperature=0)  # 64 positions: the whole pool.
+  assert _same(engine.run([big])[0], Engine(tiny, max_slots=2, page_size=8, max_pages=8,
+                                             prefill_chunk=16, prefix_cache=False).run([big])[0])
+  assert engine.cached_pages == 2 and engine.prefix_hits == 0  # Only its own first chunk.
+  twins = [Request(long[:20] + (n,), 8, temperature=0) for n in (1, 2)]
+  engine.add(twins[0])
+  engine.step()  # The first has its first chunk in (kept) and prefills the rest next.
+  engine.add(twins[1])
+  out, held = {}, []
+  while engine.busy:
+    out.update({c.index: c for c in engine.step() if c.finish_reason})
+    held.append(engine.pages_in_use)
+  # 4 pages each (21 + 8 positions), 2 of them shared: 6 held at most, and no kept page
+  # handed out (the chunk kept by `big` stays: there was room).
+  assert engine.prefix_hits == 1 and engine.cached_tokens == 16 and max(held) == 6
+  assert engine.cached_pages == 4
+  for index, request in zip(sorted(out)[-2:], twins):
+    assert _same(out[index], Engine(tiny, max_slots=2, page_size=8, prefill_chunk=16,
+                                    prefix_cache=False).run([request])[0])
+
+
+def test_no_chunk_is_kept_for_a_model_with_per_slot_state_or_chunks_across_pages():
+  from test_cache import counting_model  # pylint: disable=import-outside-toplevel
+
+  prompt = tuple(range(1, 41))
+  recurrent = Engine(counting_model(), max_slots=1, max_len=64, page_size=8, prefill_chunk=16)
+  recurrent.run([Request(prompt, 2, temperature=0)] * 2)
+  tiny = Decoder(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+  ragged = Engine(tiny, max_slots=1, page_size=8, prefill_chunk=12)
+  ragged.run([Request(prompt, 2, temperature=0)] * 2)
+  assert recurrent.cached_pages == ragged.cached_pages == 0
+  assert recurrent.prefix_hits == ragged.prefix_hits == 0

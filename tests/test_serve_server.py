@@ -86,7 +86,8 @@ def test_a_stop_string_ends_the_request_in_the_engine_and_cuts_the_text(model):
   assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == cut["text"]
   assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
   assert health == {"status": "ok", "running": 0, "cancelled": 0, "pages_in_use": 0,
-                    "peak_pages": 1, "max_pages": 2}
+                    "peak_pages": 1, "max_pages": 2, "shared_prompts": 0, "prefix_hits": 0,
+                    "cached_tokens": 0, "cached_pages": 0}  # Prompts shorter than a chunk.
 
 
 def test_a_request_larger_than_the_page_pool_is_a_400_naming_max_pages(model):

@@ -184,7 +184,8 @@ def test_submit_all_queues_all_or_none_checked_on_the_engines_thread(model, monk
   assert [type(outcome) for outcome in outcomes] == [inference.RequestError] * 2
   assert threads == {"jax-ai-stack-engine"} and running == 0
   assert figures == {"running": 0, "cancelled": 0, "pages_in_use": 0, "peak_pages": 0,
-                     "max_pages": engine.max_pages}
+                     "max_pages": engine.max_pages, "shared_prompts": 0, "prefix_hits": 0,
+                     "cached_tokens": 0, "cached_pages": 0}
 
 
 def test_cancels_waiting_in_the_queue_are_not_counted_as_running(model, monkeypatch):

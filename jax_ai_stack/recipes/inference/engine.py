@@ -41,6 +41,9 @@ attention follows the tokens held rather than `max_len` (`kernels.paged`).
 Requests with the same prompt (a GRPO group, `n` completions of one prompt) prefill it once
 in each replica: the others copy its pages and sample their first token from its logits
 (`shared_prompts` counts them), bit for bit what their own prefill would have given.
+Prompts that begin alike (a system prompt, a conversation going on) share the pages of each
+whole prefill chunk they have in common, kept until the pool needs them, bit for bit again
+(`page_pool`: automatic prefix caching; `prefix_hits`, `cached_tokens`, `cached_pages`).
 
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
@@ -74,6 +77,7 @@ from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, 
                                                      lower, padded_length, page_copy,
                                                      programs)
 from jax_ai_stack.recipes.inference import requests as requests_lib
+from jax_ai_stack.recipes.inference.page_pool import PagePool, chunk_keys
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
 from jax_ai_stack.recipes.inference.slots import Slot
 from jax_ai_stack.recipes.inference.text import TextStream
@@ -86,7 +90,8 @@ class Engine:
   def __init__(self, model: nnx.Module, *, max_slots: int = 8, max_len: int | None = None,
                max_top_logprobs: int = 5, steps_per_call: int = 4,
                decode: Callable[[list[int]], str] | None = None, page_size: int = 64,
-               max_pages: int | None = None, prefill_chunk: int = 256):
+               max_pages: int | None = None, prefill_chunk: int = 256,
+               prefix_cache: bool = True):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
@@ -98,7 +103,9 @@ class Engine:
     strings. `page_size`: positions per page of the KV cache; `max_pages`: the pool's
     pages (default: `max_slots` rows of `max_len`; on a mesh, split evenly among its
     data-parallel replicas). `prefill_chunk`: the most prompt tokens a request prefills
-    per `step`, between the decoding calls of the others."""
+    per `step`, between the decoding calls of the others. `prefix_cache`: keep whole prompt
+    chunks for the requests that begin alike (where `prefill_chunk` is whole pages and the
+    model keeps no per-slot state)."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -142,14 +149,17 @@ class Engine:
     self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
     self._copy = None if per_slot else page_copy(  # Shared prompts' pages.
         tuple(tuple(spec.items()) for spec in model.cache_specs()), model.config.scan_layers)
-    self.shared_prompts = 0
-    """Requests whose prompt's pages were copied from another's, not prefilled."""
+    self._cache_chunk = (prefill_chunk if prefix_cache and self._copy is not None
+                         and prefill_chunk % page_size == 0 else None)
+    self.shared_prompts = self.prefix_hits = self.cached_tokens = 0
+    """Requests whose prompt's pages were copied from another's, not prefilled; those that
+    reused kept prompt chunks; the prompt tokens those chunks spared."""
     self._tables = np.zeros((max_slots, self.pages_per_slot), np.int32)  # Replicas' numbers.
-    # pop() hands out page 1 first.
-    self._free = [list(range(self.replica_pages, 0, -1)) for _ in range(self.replicas)]
+    self._pools = [PagePool(self.replica_pages, prefill_chunk // page_size)
+                   for _ in range(self.replicas)]
     self.peak_pages = 0  # The most pages held at once so far.
     self._slots: list[Slot | None] = [None] * max_slots
-    self._waiting: collections.deque[tuple[int, Request, float]] = collections.deque()
+    self._waiting: collections.deque[tuple[int, Request, float, list]] = collections.deque()
     self._added = 0
 
   def lower(self, program: str) -> jax.stages.Lowered:
@@ -186,10 +196,11 @@ class Engine:
     return self._queue(request)
 
   def _queue(self, request: Request) -> int:
-    """Queues a checked request; its index."""
+    """Queues a checked request, its chunks' keys (its last token is always prefilled)."""
     index = self._added
     self._added += 1
-    self._waiting.append((index, request, time.perf_counter()))
+    keys = chunk_keys(request.prompt[:-1], self._cache_chunk) if self._cache_chunk else []
+    self._waiting.append((index, request, time.perf_counter(), keys))
     return index
 
   def cancel(self, index: int) -> bool:
@@ -216,7 +227,12 @@ class Engine:
 
   @property
   def pages_in_use(self) -> int:
-    return self.max_pages - sum(map(len, self._free))
+    return sum(pool.held for pool in self._pools)
+
+  @property
+  def cached_pages(self) -> int:
+    """Pages of kept prompt chunks, held or waiting for reuse (`page_pool`)."""
+    return sum(pool.kept_pages for pool in self._pools)
 
   def _replica(self, number: int) -> int:
     """The replica that holds slot `number` (its rows are the mesh's in order)."""
@@ -234,8 +250,8 @@ class Engine:
     grown = []
     for number in range(self.max_slots):
       # In order: the first waiting request is admitted once the pool has its pages.
-      if (self._slots[number] is None and self._waiting
-          and self.pages_for(self._waiting[0][1]) <= len(self._free[self._replica(number)])):
+      if (self._slots[number] is None and self._waiting and self._pools[
+          self._replica(number)].fits(self._waiting[0][3], self.pages_for(self._waiting[0][1]))):
         self._slots[number] = self._admit(number, *self._waiting.popleft())
     waiting = [(number, slot) for number, slot in enumerate(self._slots)
                if slot is not None and not slot.completion.tokens]
@@ -256,10 +272,16 @@ class Engine:
     fit (`requests.check`)."""
     requests_lib.check(self, request, index)
 
-  def _admit(self, number: int, index: int, request: Request, queued_at: float) -> Slot:
-    """The request in slot `number`, given its pages (in the slot's table)."""
-    free = self._free[self._replica(number)]
-    pages = [free.pop() for _ in range(self.pages_for(request))]
+  def _admit(self, number: int, index: int, request: Request, queued_at: float,
+             keys: list[bytes]) -> Slot:
+    """The request in slot `number`, given its pages (in the slot's table): the kept chunks
+    its prompt begins with, then new ones."""
+    pool = self._pools[self._replica(number)]
+    pages = pool.reuse(keys)
+    cached = len(pages) * self.page_size
+    pages += pool.take(self.pages_for(request) - len(pages))
+    self.prefix_hits += cached > 0
+    self.cached_tokens += cached
     self.peak_pages = max(self.peak_pages, self.pages_in_use)
     self._tables[number, :len(pages)] = pages
     if self._reset is not None:
@@ -267,24 +289,28 @@ class Engine:
                                 number % self.replica_slots)
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
-    return Slot(index, request, Completion(index, [], [], ""), 0, text, pages, queued_at)
+    return Slot(index, request, Completion(index, [], [], ""), cached, text, pages, queued_at,
+                keys=keys)
 
   def _shared_prompts(self, waiting: list[tuple[int, Slot]]
                       ) -> tuple[list[tuple[int, Slot]], list[tuple[int, Slot, Slot]]]:
     """(the slots to prefill, (number, slot, source) of those whose prompt another slot of
     their replica, running or prefilling, has: a GRPO group's). Its pages hold the prompt's
     keys and values bit for bit as the slot's own prefill would (a prefill call's shapes do
-    not depend on the slot): a request's tokens are the same, shared or not. Not for a model
-    with per-slot state (a recurrent layer's moves on with its source's tokens)."""
+    not depend on the slot): a request's tokens are the same, shared or not. The source is
+    the furthest on. Not for a model with per-slot state (a recurrent layer's moves on with
+    its source's tokens)."""
     if self._copy is None or not waiting:  # (Not every decoding step: prompts are hashed.)
       return waiting, []
     key = lambda number, slot: (self._replica(number), slot.request.prompt)  # noqa: E731
-    sources = {key(n, s): s for n, s in enumerate(self._slots)
-               if s is not None and (s.completion.tokens or s.length)}
+    started = [(n, s) for n, s in enumerate(self._slots)
+               if s is not None and (s.completion.tokens or s.length)]
+    sources = {key(n, s): s for n, s in sorted(
+        started, key=lambda ns: (bool(ns[1].completion.tokens), ns[1].length))}
     prefill, shared = [], []
     for number, slot in waiting:
       source = sources.setdefault(key(number, slot), slot)
-      if source is slot or slot.length:
+      if source is slot:
         prefill.append((number, slot))
       else:
         shared.append((number, slot, source))
@@ -292,14 +318,15 @@ class Engine:
 
   def _forked(self, shared: list[tuple[int, Slot, Slot]]) -> list[tuple[int, Slot]]:
     """The slots of `shared` whose source has its prompt in: its prompt's pages copied into
-    theirs, each first token sampled from the source's last prompt logits with the slot's
-    own settings (`_shared_prompts`)."""
+    theirs (past those they hold in common: kept chunks), each first token sampled from the
+    source's last prompt logits with the slot's own settings (`_shared_prompts`)."""
     ready = [(number, slot, source) for number, slot, source in shared
              if source.first_logits is not None]
     for replica in sorted({self._replica(number) for number, _, _ in ready}):
       pairs = [(page, mine) for number, slot, source in ready if self._replica(number) == replica
-               for page, mine in zip(source.pages, slot.pages[
-                   :-(-len(slot.request.prompt) // self.page_size)])]
+               for page, mine in list(zip(source.pages, slot.pages[
+                   :-(-len(slot.request.prompt) // self.page_size)]))[
+                       slot.length // self.page_size:]]
       copy = np.zeros((2, self.max_slots * self.pages_per_slot), np.int32)  # Page 0 to 0.
       copy[:, :len(pairs)] = np.asarray(pairs, np.int32).T
       self._cache = self._copy(self._cache, np.int32(replica), copy[0], copy[1])
@@ -361,6 +388,8 @@ class Engine:
     done = []
     for replica, (number, slot) in call.items():
       slot.length += len(chunks[replica])
+      if self._cache_chunk and slot.length % self._cache_chunk == 0:  # For prompts like it.
+        self._pools[replica].keep(slot.keys, slot.pages, slot.length // self._cache_chunk)
       if slot.length == len(slot.request.prompt):
         slot.first_logits = logits[replica]  # For the slots that share its prompt.
         sampled = first_token(logits, np.int32(replica), *_settings([slot]),
@@ -413,7 +442,7 @@ class Engine:
   def _release(self, number: int, slot: Slot) -> None:
     """Frees slot `number` and the pages `slot` held (rewritten by whoever gets them)."""
     self._slots[number] = None
-    self._free[self._replica(number)].extend(reversed(slot.pages))
+    self._pools[self._replica(number)].give_back(slot.pages)
     self._tables[number] = 0
 
 

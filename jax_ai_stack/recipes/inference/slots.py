@@ -41,6 +41,9 @@ class Slot:
   first_logits: Any = None
   """The logits [V] its first token was sampled from (its prompt's last), and the first
   tokens of the slots that share its prompt (`Engine._shared_prompts`)."""
+  keys: list = dataclasses.field(default_factory=list)
+  """The keys of its prompt's whole prefill chunks (`page_pool.chunk_keys`), to keep each
+  chunk's pages once it is in; none where the engine keeps no chunks."""
 
   def take(self, token, logp, top_tokens, top_logps) -> bool:
     """Appends a sampled token to the completion; whether the request has ended."""

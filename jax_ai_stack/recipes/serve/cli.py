@@ -38,7 +38,8 @@ def register(subparsers) -> None:
       "serve", help="serve a trained LM workdir over an OpenAI-compatible HTTP API",
       description="Answer /v1/models, /v1/completions and /v1/chat/completions (streamed or "
       "whole) with the model trained in --workdir, through the generation engine; chats use "
-      "the run's chat template. /health (requests running, KV cache pages in use) answers "
+      "the run's chat template. /health (requests running, KV cache pages in use, prompt "
+      "tokens the prefix cache spared) answers "
       "without the API key. SIGTERM or Ctrl-C: stop taking requests, finish those under "
       "way, exit. Needs the serve extra: pip install 'jax-ai-stack[serve]'.")
   serve.add_argument("--workdir", required=True, help="a workdir `train` wrote")

@@ -3,7 +3,8 @@
 `build_app(served)` answers `/v1/models` (and `/v1/models/{id}`), `/v1/completions` and
 `/v1/chat/completions`, whole or streamed as server-sent events, for the one model in
 `served`, and `/health` (requests running, requests cancelled, the KV cache's pages in
-use, at peak and in all, as the worker measured them) without a key. A path with a
+use, at peak and in all, and what shared prompts and the prefix cache spared, as the worker
+measured them: `EngineWorker.figures`) without a key. A path with a
 trailing slash is served as the path (never redirected). Each request's choices become
 engine requests (choice i seeded `seed + i`), checked and decoded with every other
 client's by one `EngineWorker`; the engine ends each at its stop strings (its text cut

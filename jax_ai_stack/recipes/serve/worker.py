@@ -140,7 +140,10 @@ class EngineWorker:
 
   def figures(self) -> dict:
     """What /health reports: requests running and cancelled, the KV cache's pages in use,
-    at peak and in all (read by the worker's thread after each step or command)."""
+    at peak and in all, and what sharing spared: requests that copied a prompt's pages
+    (`shared_prompts`), reused kept prompt chunks (`prefix_hits`, the `cached_tokens` they
+    spared) and the pages kept (`cached_pages`) (read by the worker's thread after each step
+    or command)."""
     return {"running": self._open, **self._figures}
 
   def submit(self, request: engine_lib.Request) -> Job:
@@ -252,8 +255,11 @@ class EngineWorker:
 
   def _measure(self) -> dict:
     """The engine's figures for /health (worker's thread, or before it starts)."""
-    return {"cancelled": self.cancelled, "pages_in_use": self.engine.pages_in_use,
-            "peak_pages": self.engine.peak_pages, "max_pages": self.engine.max_pages}
+    engine = self.engine
+    return {"cancelled": self.cancelled, "pages_in_use": engine.pages_in_use,
+            "peak_pages": engine.peak_pages, "max_pages": engine.max_pages,
+            "shared_prompts": engine.shared_prompts, "prefix_hits": engine.prefix_hits,
+            "cached_tokens": engine.cached_tokens, "cached_pages": engine.cached_pages}
 
   def _fail(self, error: BaseException) -> None:
     """Refuses new requests, then ends every request running or still queued with `error`."""
