@@ -3,9 +3,11 @@
 The templates in tests/references/chat_templates/*.jinja follow the published
 formats of four model families (Llama 3 headers, Qwen's ChatML with a default
 system turn, Gemma's turns with the system folded into the first user turn and
-strict alternation, Mistral's [INST] blocks). Each is rendered by transformers'
-own `render_jinja_template` on multi-turn conversations, with and without the
-generation prompt, into
+strict alternation, Mistral's [INST] blocks), and Qwen2.5's with tools (their
+signatures in the system turn, calls in <tool_call> tags, results as <tool_response>
+user turns). Each is rendered by transformers' own `render_jinja_template` on
+multi-turn conversations, with and without the generation prompt (the tool template
+also with tools, calls and their results), into
 
   tests/references/chat_templates/references.json
 
@@ -34,6 +36,7 @@ SPECIAL_TOKENS = {
     "qwen": {"bos_token": "", "eos_token": "<|im_end|>"},
     "gemma": {"bos_token": "<bos>", "eos_token": "<eos>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>"},
+    "qwen_tools": {"bos_token": "", "eos_token": "<|im_end|>"},
 }
 
 CONVERSATIONS = [
@@ -48,18 +51,40 @@ CONVERSATIONS = [
 ]
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now, in °C.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+TOOL_CONVERSATIONS = [  # (With TOOLS.) A question, then a call, its result and the answer.
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "Weather in Paris and Lyon?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+         {"id": "call_2", "type": "function",
+          "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}]},
+     {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"},
+     {"role": "tool", "content": "{\"temp\": 24}", "tool_call_id": "call_2"},
+     {"role": "assistant", "content": "21 °C in Paris, 24 °C in Lyon."}],
+]
+
+
 def main() -> None:
   references = {"transformers": transformers.__version__, "jinja2": jinja2.__version__,
                 "templates": {}}
   for name, tokens in SPECIAL_TOKENS.items():
     source = (OUT / f"{name}.jinja").read_text(encoding="utf-8")
     cases = []
-    for messages in CONVERSATIONS:
+    with_tools = [(m, TOOLS) for m in TOOL_CONVERSATIONS] if name == "qwen_tools" else []
+    for messages, tools in [(m, None) for m in CONVERSATIONS] + with_tools:
       for generation_prompt in (False, True):
         rendered, _ = render_jinja_template(conversations=[messages], chat_template=source,
-                                            add_generation_prompt=generation_prompt, **tokens)
+                                            add_generation_prompt=generation_prompt,
+                                            tools=tools, **tokens)
         cases.append({"messages": messages, "add_generation_prompt": generation_prompt,
-                      "text": rendered[0]})
+                      **({"tools": tools} if tools else {}), "text": rendered[0]})
     references["templates"][name] = {**tokens, "cases": cases}
   path = OUT / "references.json"
   path.write_text(json.dumps(references, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -69,15 +69,18 @@ class ChatTemplate:
       line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
       raise DataError(f"{origin}{line}: not a Jinja template: {e.message}") from None
 
-  def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-    """The conversation's text as the model reads it.
+  def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+             tools: list[dict] | None = None) -> str:
+    """The conversation's text as the model reads it (with the functions it may call, in
+    OpenAI's shape, where `tools` are given: the template's `tools` variable).
 
     Raises DataError naming the template when it fails (its `raise_exception`, a bad
     expression).
     """
     try:
       return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token, eos_token=self.eos_token)
+                                   bos_token=self.bos_token, eos_token=self.eos_token,
+                                   tools=tools)
     except Exception as e:  # The template runs arbitrary (sandboxed) Jinja: any error.
       raise DataError(f"{self.origin} failed to render: {e}") from None
 

@@ -26,7 +26,7 @@ import os
 import sys
 
 from jax_ai_stack import logs
-from jax_ai_stack.errors import MissingExtraError, UsageError
+from jax_ai_stack.errors import DataError, MissingExtraError, UsageError
 from jax_ai_stack.recipes.serve.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from jax_ai_stack.recipes.serve.openai_api import DEFAULT_MAX_STOP_BYTES
 
@@ -143,7 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
   except ImportError as e:
     raise MissingExtraError(f"serve needs the {e.name!r} package: pip install "
                             "'jax-ai-stack[serve]'") from None
-  from jax_ai_stack.recipes import compile_cache, inference
+  from jax_ai_stack.recipes import compile_cache, data, inference
   from jax_ai_stack.recipes.cli import _check_quantized, _open_finished
 
   _check_quantized(args)
@@ -160,6 +160,10 @@ def run_serve(args: argparse.Namespace) -> int:
       raise UsageError(f"--max-len {max_len} is past the model's max_seq_len "
                        f"({config.model.max_seq_len})")
     tokenizer = task.tokenizer()
+    try:  # Its tools' syntax; a run without one still serves completions.
+      template = data.chat_template.for_data(config.data, tokenizer)
+    except DataError:
+      template = None
     engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len,
                               decode=tokenizer.decode, page_size=args.page_size,
                               max_pages=args.max_pages)
@@ -167,7 +171,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=key, max_queue=args.max_queue,
         around=run.kernel_configs, allowed_hosts=hosts,
-        max_request_bytes=args.max_request_bytes, max_stop_bytes=args.max_stop_bytes)
+        max_request_bytes=args.max_request_bytes, max_stop_bytes=args.max_stop_bytes,
+        chat_template=template)
     logs.status("compiling the first programs ...")
     with run.kernel_configs():  # The first request then finds them compiled.
       engine.run([inference.Request((int(tokenizer.bos_id) % engine.vocab_size,), 2,

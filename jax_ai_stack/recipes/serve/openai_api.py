@@ -45,8 +45,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", 
            "stream", "stream_options", "user", "presence_penalty", "frequency_penalty",
            "logit_bias"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
-_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-_ROLES = ("system", "developer", "user", "assistant")
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
+                   "tool_choice", "parallel_tool_calls"}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -86,6 +87,10 @@ class Ask:
   """Streaming: a last chunk with the token counts (`stream_options.include_usage`)."""
   logprobs: bool = False
   top_logprobs: int = 0
+  tools: tuple[dict, ...] = ()
+  """Chat: the functions offered (`serve.tools`), rendered by the chat template."""
+  tool_choice: str | dict = "none"
+  """Chat: "none" (calls are not read), "auto", "required" or {"type": "function", ...}."""
 
 
 def parse_json(raw: bytes) -> Any:
@@ -200,7 +205,12 @@ def parse_chat(body: Any, *, max_top_logprobs: int,
                    "top_logprobs")
   if top and not logprobs:
     raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+  from jax_ai_stack.recipes.serve import tools  # pylint: disable=import-outside-toplevel
+
+  offered = tools.parse_tools(body["tools"]) if body.get("tools") is not None else ()
+  _get(body, "parallel_tool_calls", bool, True)  # Every call a reply makes is read.
   return Ask(messages=_messages(body.get("messages")), logprobs=logprobs, top_logprobs=top,
+             tools=offered, tool_choice=tools.parse_tool_choice(body.get("tool_choice"), offered),
              **fields)
 
 
@@ -330,7 +340,10 @@ def _at_least_one(value: int, name: str) -> int:
 
 
 def _messages(messages: Any) -> tuple[dict, ...]:
-  """The conversation as {"role", "content": str} turns (text parts joined)."""
+  """The conversation as {"role", "content": str} turns (text parts joined), with tool calls
+  and their results as the chat template reads them (`tools.tool_turn`)."""
+  from jax_ai_stack.recipes.serve import tools  # pylint: disable=import-outside-toplevel
+
   if not isinstance(messages, list) or not messages:
     raise ApiError("'messages' must be a non-empty list of {role, content} objects",
                    "messages")
@@ -340,6 +353,8 @@ def _messages(messages: Any) -> tuple[dict, ...]:
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
       raise ApiError(f"{where}: 'role' must be one of {', '.join(_ROLES)}", f"{where}.role")
     content = message.get("content")
+    if content is None and message.get("tool_calls") and message["role"] == "assistant":
+      content = ""  # A turn of calls alone.
     if isinstance(content, list):  # Content parts: text only.
       if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                  for p in content):
@@ -347,10 +362,14 @@ def _messages(messages: Any) -> tuple[dict, ...]:
       content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
       raise ApiError(f"{where}: 'content' must be a string", f"{where}.content")
-    extra = set(message) - {"role", "content", "name"}
+    extra = set(message) - {"role", "content", "name", *{
+        "assistant": ["tool_calls"], "tool": ["tool_call_id"]}.get(message["role"], [])}
     if extra:
       raise ApiError(f"{where}: {', '.join(sorted(extra))} not supported (text turns only)",
                      f"{where}.{sorted(extra)[0]}")
+    if message["role"] == "tool" or message.get("tool_calls") is not None:
+      turns.append(tools.tool_turn({**message, "content": content}, where))
+      continue
     turns.append({"role": "system" if message["role"] == "developer" else message["role"],
                   "content": content})
   return tuple(turns)

@@ -2,7 +2,10 @@
 
 Each choice of a request (`Choice`) gathers the text, tokens and finish reason its
 engine job's updates bring; `Reply` turns them into `text_completion` /
-`chat.completion` objects or their chunks, with log-probs where asked.
+`chat.completion` objects or their chunks, with log-probs where asked. A chat that reads
+tool calls (`tools.ToolSyntax`) sends its calls as `tool_calls` (finish reason
+"tool_calls"); streamed, its text is held back from a call's opening on, and the calls
+come in the last chunk.
 
 Example: a completion's one choice after its one update.
   >>> import types
@@ -24,7 +27,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from jax_ai_stack.recipes.serve import openai_api
+from jax_ai_stack.recipes.serve import openai_api, tools as tools_lib
 from jax_ai_stack.recipes.serve.worker import Job, Update
 
 __all__ = ["Choice", "Reply", "joined"]
@@ -39,14 +42,21 @@ class Choice:
   text: str = ""
   tokens: int = 0
   finish_reason: str = ""
+  sent: int = 0  # With tools: the characters of its reply sent as content so far.
+  calls: list[dict] = dataclasses.field(default_factory=list)  # With tools: once finished,
+  content: str | None = None  # and the text outside them (None: none).
 
 
 class Reply:
   """Turns updates into OpenAI's reply objects, whole or as chunks."""
 
-  def __init__(self, ask: openai_api.Ask, served, chat: bool, prompt_tokens: int):
-    """`served`: the server's `Served` (its model's name, its tokenizer)."""
+  def __init__(self, ask: openai_api.Ask, served, chat: bool, prompt_tokens: int, *,
+               tools: tools_lib.ToolSyntax | None = None, reply_start: str = ""):
+    """`served`: the server's `Served` (its model's name, its tokenizer). `tools`: how a
+    chat's calls are written, where they are read; `reply_start`: what the prompt made
+    the reply begin with (`ToolSyntax.reply_start`)."""
     self.ask, self.served, self.chat, self.prompt_tokens = ask, served, chat, prompt_tokens
+    self.tools, self.reply_start = tools, reply_start
     self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     self.created = int(time.time())
 
@@ -58,7 +68,19 @@ class Reply:
     choice.text += update.text
     choice.tokens += len(update.tokens)
     choice.finish_reason = update.finish_reason
-    return update.text, self._logprobs(update, before), choice.finish_reason
+    if self.tools is None:
+      return update.text, self._logprobs(update, before), choice.finish_reason
+    reply = self.reply_start + choice.text
+    if not choice.finish_reason:
+      upto = max(choice.sent, self.tools.held_back(reply))
+    else:
+      choice.content, choice.calls = self.tools.read(reply)
+      if choice.calls:
+        reply = choice.content or ""
+      upto = len(reply)
+      choice.finish_reason = "tool_calls" if choice.calls else choice.finish_reason
+    text, choice.sent = reply[choice.sent:upto], upto
+    return text, self._logprobs(update, before), choice.finish_reason
 
   def _logprobs(self, update: Update, offset: int) -> dict | None:
     if not self.ask.logprobs:
@@ -76,9 +98,11 @@ class Reply:
     for choice in choices:
       logprobs = joined(parts[choice.index], self.chat) if self.ask.logprobs else None
       if self.chat:
+        message = {"role": "assistant", "content": self.reply_start + choice.text}
+        if choice.calls:
+          message.update(content=choice.content, tool_calls=choice.calls)
         out.append({"index": choice.index, "finish_reason": choice.finish_reason,
-                    "message": {"role": "assistant", "content": choice.text},
-                    "logprobs": logprobs})
+                    "message": message, "logprobs": logprobs})
       else:
         out.append({"index": choice.index, "finish_reason": choice.finish_reason,
                     "text": choice.text, "logprobs": logprobs})
@@ -91,6 +115,8 @@ class Reply:
     """One streamed chunk for `choice`."""
     if self.chat:
       delta = {"role": "assistant", "content": text} if first else {"content": text}
+      if finish and choice.calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice.calls)]
       entry = {"index": choice.index, "delta": delta, "logprobs": logprobs,
                "finish_reason": finish or None}
     else:

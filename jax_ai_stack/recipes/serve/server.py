@@ -55,7 +55,7 @@ from starlette.routing import Route
 
 from jax_ai_stack.errors import DataError, UsageError
 from jax_ai_stack.recipes.inference import engine as engine_lib
-from jax_ai_stack.recipes.serve import guards, openai_api, replies
+from jax_ai_stack.recipes.serve import guards, openai_api, replies, tools
 from jax_ai_stack.recipes.serve.openai_api import ApiError
 from jax_ai_stack.recipes.serve.worker import EngineStopped, EngineWorker, Update
 
@@ -91,6 +91,9 @@ class Served:
   max_request_bytes: int = guards.DEFAULT_MAX_REQUEST_BYTES
   max_stop_bytes: int = openai_api.DEFAULT_MAX_STOP_BYTES
   """The longest stop string a request may give, in UTF-8 bytes."""
+  chat_template: object = None
+  """The `ChatTemplate` `encode` renders chats with: a request's tools are read in the syntax
+  it teaches (`tools.ToolSyntax`). None: requests with tools are refused."""
 
   def __post_init__(self):
     if self.engine.detokenize is None:
@@ -213,8 +216,11 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
   if ask.model != served.name:
     raise ApiError(f"The model '{ask.model}' does not exist; this server serves "
                    f"'{served.name}'", "model", status=404, code="model_not_found")
-  items = ([{"messages": list(ask.messages)}] if chat else
-           [{"ids": p} if isinstance(p, tuple) else {"prompt": p} for p in ask.prompts])
+  syntax = _tool_syntax(served, ask)
+  reply_start = syntax.reply_start(ask.tool_choice) if syntax else ""
+  items = ([{"messages": list(ask.messages), **({"tools": list(ask.tools), "reply_start":
+                                                  reply_start} if ask.tools else {})}] if chat
+           else [{"ids": p} if isinstance(p, tuple) else {"prompt": p} for p in ask.prompts])
   wanted, room = len(items) * ask.n, served.engine.max_slots + served.max_queue
   if wanted > room:  # Before any prompt is encoded on the event loop.
     raise ApiError(f"the request asks for {wanted} completions ({len(items)} prompts x n="
@@ -234,7 +240,8 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
   except Exception as e:  # pylint: disable=broad-except
     raise _api_error(e, chat=chat) from None
   choices = [replies.Choice(number, job) for number, job in enumerate(jobs)]
-  reply = replies.Reply(ask, served, chat, prompt_tokens)
+  reply = replies.Reply(ask, served, chat, prompt_tokens, tools=syntax,
+                        reply_start=reply_start)
   if ask.stream:
     return StreamingResponse(_streamed(worker, choices, reply), media_type="text/event-stream")
   gathered = asyncio.ensure_future(_gathered(worker, choices, reply))
@@ -250,6 +257,17 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
     return JSONResponse(gathered.result())
   except Exception as e:  # pylint: disable=broad-except
     raise _api_error(e, chat=chat) from None
+
+
+def _tool_syntax(served: Served, ask: openai_api.Ask) -> tools.ToolSyntax | None:
+  """How the reply's tool calls are written, where a chat offers tools and reads calls."""
+  if not ask.tools:
+    return None
+  if served.chat_template is None:
+    raise ApiError("this server has no chat template to show tools with: ask without "
+                   "'tools'", "tools")
+  syntax = tools.ToolSyntax.of(served.chat_template.source, served.chat_template.origin)
+  return None if ask.tool_choice == "none" else syntax
 
 
 def _check_room(worker: EngineWorker, wanted: int, room: int) -> None:

@@ -301,8 +301,9 @@ class LanguageModel(Task):
     {"prompt": text}: the text as the tokenizer encodes a prompt (BOS where its
     file adds one; BOS alone for no text), ended by the model's end-of-sequence
     ids (`end_ids`). {"messages": [...]}: the conversation rendered with the
-    run's chat template and its generation prompt, ended by the tokenizer's
-    end-of-turn ids. Both only those inside the model's vocabulary.
+    run's chat template and its generation prompt (and "tools", the functions it may call;
+    "reply_start", text the reply begins with), ended by the tokenizer's end-of-turn ids.
+    Both only those inside the model's vocabulary.
     """
     tokenizer = self.tokenizer()
     turn_ends = tuple(int(t) for t in tokenizer.end_of_turn_ids()
@@ -314,8 +315,9 @@ class LanguageModel(Task):
       nonlocal template
       if "messages" in item:
         template = template or data.chat_template.for_data(self.config.data, tokenizer)
-        rendered = template.render(item["messages"], add_generation_prompt=True)
-        return tokenizer.encode_rendered(rendered), turn_ends
+        rendered = template.render(item["messages"], add_generation_prompt=True,
+                                   tools=item.get("tools"))
+        return tokenizer.encode_rendered(rendered + item.get("reply_start", "")), turn_ends
       ids = tokenizer.encode_prompt(item["prompt"])
       return (ids if ids.size else np.asarray([tokenizer.bos_id], np.int32)), ends
 
