@@ -183,6 +183,12 @@ def test_top_logprobs_are_the_likeliest_tokens_and_hold_the_greedy_one(tiny):
     (Request((1,), 4, stop_ids=(300,)), r"stop token ids must be in \[0, 259\); got \[300\]"),
     (Request((1,), 4, top_logprobs=9), r"top_logprobs must be in \[0, 5\]"),
     (Request((1,), 4, stop=("\n",)), "stop strings need the tokenizer"),
+    (Request((1,), 4, logit_bias=((300, 1.0),)), r"logit_bias: at most 300 token ids in \[0, "
+                                                  r"259\), each with a value in \[-100, 100\]; "
+                                                  r"got 1 \(300: 1.0\)"),
+    (Request((1,), 4, logit_bias=((3, -101.0),)), r"got 1 \(3: -101.0\)"),
+    (Request((1,), 4, logit_bias=tuple((t, 1.0) for t in range(301))), r"got 301 \(0: 1.0, "
+                                                                        r"1: 1.0, 2: 1.0, ...\)"),
 ])
 def test_a_bad_request_is_named_with_its_field(tiny, request_, message):
   with pytest.raises(ValueError, match=message):
@@ -473,3 +479,19 @@ def test_no_chunk_is_kept_for_a_model_with_per_slot_state_or_chunks_across_pages
   ragged.run([Request(prompt, 2, temperature=0)] * 2)
   assert recurrent.cached_pages == ragged.cached_pages == 0
   assert recurrent.prefix_hits == ragged.prefix_hits == 0
+
+
+def test_a_logit_bias_steers_its_own_request_alone(tiny):
+  """Greedy: a request that forces token 42 (+100) gets it at every step; one that bans the
+  tokens the plain request chose (-100) gets none of them; the plain request beside them
+  gives, bit for bit, what it gives alone."""
+  prompt = _prompts(256, [5])[0]
+  plain = Request(prompt, 6, temperature=0, top_logprobs=2)
+  alone = Engine(tiny, max_slots=3).run([plain])[0]
+  forced = Request(prompt, 6, temperature=0, logit_bias=((42, 100.0),))
+  banned = Request(prompt, 6, temperature=0,
+                   logit_bias=tuple((t, -100.0) for t in sorted(set(alone.tokens))))
+  out = Engine(tiny, max_slots=3).run([forced, banned, plain])
+  assert out[0].tokens == [42] * 6 and not set(out[1].tokens) & set(alone.tokens)
+  assert _same(out[2], alone)
+  assert max(out[0].logprobs) < 0  # The model's log-probabilities, not the biased ones.

@@ -4,6 +4,7 @@ count alone."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,13 +47,33 @@ def test_a_row_s_token_depends_on_its_seed_and_count_alone():
   temperature = np.asarray([1.0, 1.0, 1.0, 0.0], np.float32)
   none_k, all_p = np.zeros(4, np.int32), np.ones(4, np.float32)
   tokens, logps, top, _ = programs.sample_rows(logits, seeds, counts, temperature, none_k,
-                                               all_p, 2)
+                                               all_p, None, None, 2)
   assert tokens[0] == tokens[2] and logps[0] == logps[2]
   assert tokens[3] == int(jnp.argmax(logits[3])) == top[3, 0]
   again = programs.sample_rows(logits[:1], seeds[:1], counts[:1], temperature[:1],
-                               none_k[:1], all_p[:1], 2)[0]
+                               none_k[:1], all_p[:1], None, None, 2)[0]
   assert again[0] == tokens[0]
   later = [programs.sample_rows(logits[:1], seeds[:1], np.asarray([c], np.int32),
-                                temperature[:1], none_k[:1], all_p[:1], 2)[0][0]
+                                temperature[:1], none_k[:1], all_p[:1], None, None, 2)[0][0]
            for c in range(20)]
   assert len(set(int(t) for t in later)) > 1  # Each count its own key.
+
+
+def test_a_logit_bias_moves_the_choice_not_the_log_probability_and_only_its_own_row():
+  """Row 0 bans its likeliest token (-100) and row 1 forces token 7 (+100), greedy; row 2,
+  unbiased, gives what it gives in a batch without bias; log-probs are the model's."""
+  logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 50)), jnp.float32)
+  best = int(jnp.argmax(logits[0]))
+  ids = np.zeros((3, 4), np.int32)
+  values = np.zeros((3, 4), np.float32)
+  ids[0, 0], values[0, 0] = best, -100.0
+  ids[1, :2], values[1, :2] = (7, 9), (100.0, -3.0)
+  rows = (np.arange(3, dtype=np.uint32), np.zeros(3, np.int32), np.zeros(3, np.float32),
+          np.zeros(3, np.int32), np.ones(3, np.float32))
+  tokens, logps, top, _ = programs.sample_rows(logits, *rows, ids, values, 2)
+  plain, plain_logps, plain_top, _ = programs.sample_rows(logits, *rows, None, None, 2)
+  assert int(tokens[0]) != best and int(tokens[0]) == int(jnp.argsort(logits[0])[-2])
+  assert int(tokens[1]) == 7 and tokens[2] == plain[2] and logps[2] == plain_logps[2]
+  raw = jax.nn.log_softmax(logits, axis=-1)
+  assert float(logps[1]) == float(raw[1, 7])  # The model's, not the biased one.
+  np.testing.assert_array_equal(top, plain_top)  # Alternatives: the model's too.

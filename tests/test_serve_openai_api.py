@@ -55,7 +55,10 @@ def test_content_parts_join_and_a_developer_turn_is_a_system_turn():
     ({"stop": ["a"] * 5}, "stop", "at most 4"),
     ({"stop": [""]}, "stop", "non-empty"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"logit_bias": {"1": 2}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"a": 2}}, "logit_bias", "values in [-100, 100]; got 'a': 2"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "got '1': 101"),
+    ({"logit_bias": {"1": True}}, "logit_bias", "got '1': True"),
+    ({"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias", "at most 300 tokens"),
     ({"top_logprobs": 9, "logprobs": True}, "top_logprobs", "[0, 5]"),
     ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
     ({"messages": []}, "messages", "non-empty list"),
@@ -188,3 +191,11 @@ def test_a_large_body_is_checked_in_milliseconds_not_walked_value_by_value():
     ('"\\\\\\"[["', 0), ("[" * 64 + "]" * 64, 64), ("[" * 65 + "]" * 65, 65)])
 def test_depth_counts_brackets_outside_strings_only(text, depth):
   assert openai_api._depth(text.encode()) == depth  # pylint: disable=protected-access
+
+
+def test_a_logit_bias_is_read_as_token_id_and_value_pairs():
+  from jax_ai_stack.recipes.inference import requests  # pylint: disable=import-outside-toplevel
+
+  assert chat(logit_bias={"5": -100, "7": 2.5}).logit_bias == ((5, -100.0), (7, 2.5))
+  assert completion(logit_bias={}).logit_bias == ()
+  assert openai_api.MAX_LOGIT_BIAS == requests.MAX_LOGIT_BIAS

@@ -90,6 +90,18 @@ def test_a_stop_string_ends_the_request_in_the_engine_and_cuts_the_text(model):
                     "cached_tokens": 0, "cached_pages": 0}  # Prompts shorter than a chunk.
 
 
+def test_a_logit_bias_steers_the_reply_and_a_token_past_the_vocabulary_is_a_400(model):
+  a = int(TOKENIZER.encode("a")[0])
+  ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "temperature": 0}
+  with app_client(model) as client:
+    forced = client.post("/v1/completions", json={**ask, "logit_bias": {str(a): 100}})
+    outside = client.post("/v1/completions", json={**ask, "logit_bias": {"999": -5}})
+  assert forced.status_code == 200 and forced.json()["choices"][0]["text"] == "aaaa"
+  error = outside.json()["error"]
+  assert outside.status_code == 400 and error["param"] == "logit_bias"
+  assert "token ids in [0, 259)" in error["message"] and "999: -5.0" in error["message"]
+
+
 def test_a_request_larger_than_the_page_pool_is_a_400_naming_max_pages(model):
   with app_client(model, {"page_size": 8, "max_pages": 3}) as client:
     ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 22, "temperature": 0}

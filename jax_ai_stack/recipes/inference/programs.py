@@ -50,11 +50,12 @@ def padded_length(size: int, limit: int) -> int:
   return min(max(MIN_PADDED, 1 << (size - 1).bit_length()), limit)
 
 
-def sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top: int):
+def sample_rows(logits, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
+                max_top: int):
   """`sampling.sample` with token i of a request keyed `fold_in(key(seed), i)`."""
   keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
   tokens, logps = sampling.sample(logits, keys, temperature=temperature, top_k=top_k,
-                                  top_p=top_p)
+                                  top_p=top_p, bias_ids=bias_ids, bias_values=bias_values)
   top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
   return tokens, logps, top_tokens, top_logps
 
@@ -67,16 +68,18 @@ def page_copy(specs: tuple, stacked: bool) -> Callable:
                                    stacked=stacked), donate_argnums=0)
 
 
-first_tokens = jax.jit(sample_rows, static_argnums=6)
+first_tokens = jax.jit(sample_rows, static_argnums=8)
 """`sample_rows` of rows of logits [B, V]: the first tokens of requests whose prompt another
 request's prefill ended (the engine's shared prompts)."""
 
 
-@functools.partial(jax.jit, static_argnums=7)
-def first_token(logits, row, seeds, counts, temperature, top_k, top_p, max_top: int):
+@functools.partial(jax.jit, static_argnums=9)
+def first_token(logits, row, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
+                max_top: int):
   """`sample_rows` of row `row` of a prefill's last logits [R, V], compiled once."""
   logits = jax.lax.dynamic_slice_in_dim(logits, row, 1)
-  return sample_rows(logits, seeds, counts, temperature, top_k, top_p, max_top)
+  return sample_rows(logits, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
+                     max_top)
 
 
 @functools.cache
@@ -106,7 +109,7 @@ def _prefill(model: Callable, params, state, tokens, start, block_table, slots, 
 
 
 def _steps(model: Callable, max_top: int, count: int, params, state, tokens, lengths,
-           block_table, slots, seeds, counts, temperature, top_k, top_p):
+           block_table, slots, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values):
   """`count` tokens for every row, each at its own position of its pages (`block_table`)
   and in its slot (`slots`), each step's tokens fed to the next, in a loop on the device:
   outputs [count, B, ...] and the updated cache state. A row's token i is keyed
@@ -118,7 +121,8 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
     params, state, tokens, lengths, counts = carry
     logits, cache = model(params).decode(tokens[:, None],
                                          KVCache(state, lengths, block_table, slots))
-    sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, max_top)
+    sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, bias_ids,
+                          bias_values, max_top)
     return (params, cache.state, sampled[0], lengths + 1, counts + 1), sampled
 
   carry = (params, state, tokens, lengths, counts)
@@ -141,5 +145,6 @@ def lower(program: str, prefill: Callable, steps: Callable, state: tuple, replic
   rows = (max_slots,)
   return steps.lower(*state, spec(rows), spec(rows), spec((*rows, pages_per_slot)),
                      spec(rows), spec(rows, np.uint32), spec(rows), spec(rows, np.float32),
-                     spec(rows), spec(rows, np.float32))
+                     spec(rows), spec(rows, np.float32), spec((*rows, 0)),
+                     spec((*rows, 0), np.float32))  # No logit bias: the common program.
 

@@ -19,6 +19,8 @@ __all__ = ["Completion", "Request", "RequestError", "check", "row_settings", "sl
 
 SHORTEST_SLOT = 64
 """`slot_length`'s least length: one page of the engine's default size."""
+MAX_LOGIT_BIAS = 300
+"""The most tokens one request may bias (`Request.logit_bias`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,10 @@ class Request:
   stop: tuple[str, ...] = ()
   """Strings that end the completion once its text holds one (read with the engine's
   `decode`); the completion's `text` ends before it."""
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  """(token id, value) pairs added to the logits a token is chosen from (OpenAI's
+  `logit_bias`: -100 bans a token, 100 all but forces it), at most `MAX_LOGIT_BIAS`; the
+  log-probabilities reported stay the model's."""
 
 
 class RequestError(ValueError):
@@ -133,18 +139,32 @@ def check(engine: Any, request: Request, index: int = 0) -> None:
   if isinstance(request.stop, str) or not all(isinstance(stop, str) and stop
                                               for stop in request.stop):
     raise bad("stop", f"stop strings must be non-empty strings; got {list(request.stop)}")
+  bias = request.logit_bias
+  if len(bias) > MAX_LOGIT_BIAS or any(not 0 <= t < engine.vocab_size or not -100 <= v <= 100
+                                       for t, v in bias):
+    raise bad("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} token ids in [0, "
+              f"{engine.vocab_size}), each with a value in [-100, 100]; got {len(bias)} "
+              f"({', '.join(f'{t}: {v}' for t, v in bias[:3])}{', ...' if len(bias) > 3 else ''})")
   if not 0 <= request.top_logprobs <= engine.max_top_logprobs:
     raise bad("top_logprobs", f"top_logprobs must be in [0, {engine.max_top_logprobs}]; got "
               f"{request.top_logprobs}")
 
 
 def row_settings(rows: Sequence[tuple[Request, int] | None]) -> tuple[np.ndarray, ...]:
-  """Per-row sampling inputs (seeds, token counts, temperature, top_k, top_p) of rows that are
-  (a request, the tokens it has) or None (idle: greedy, seed 0)."""
+  """Per-row sampling inputs (seeds, token counts, temperature, top_k, top_p, and the logit
+  bias's token ids and values [B, K]: K is 0 where no row has one, else `MAX_LOGIT_BIAS`, two
+  compiled programs at most) of rows that are (a request, the tokens it has) or None (idle:
+  greedy, seed 0)."""
   rows = [row or (Request((0,), 1, temperature=0), 0) for row in rows]
+  width = MAX_LOGIT_BIAS if any(r.logit_bias for r, _ in rows) else 0
+  bias = np.zeros((2, len(rows), width), np.float32)  # Padded with 0.0 added to token 0.
+  for row, (request, _) in enumerate(rows):
+    if request.logit_bias:
+      bias[:, row, :len(request.logit_bias)] = np.asarray(request.logit_bias, np.float32).T
   return (np.asarray([r.seed for r, _ in rows], np.uint32),
           np.asarray([count for _, count in rows], np.int32),
           np.asarray([r.temperature for r, _ in rows], np.float32),
           np.asarray([r.top_k or 0 for r, _ in rows], np.int32),
-          np.asarray([1.0 if r.top_p is None else r.top_p for r, _ in rows], np.float32))
+          np.asarray([1.0 if r.top_p is None else r.top_p for r, _ in rows], np.float32),
+          bias[0].astype(np.int32), bias[1])
 

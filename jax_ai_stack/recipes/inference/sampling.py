@@ -28,13 +28,19 @@ __all__ = ["sample", "top_logprobs"]
 
 
 def sample(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+           top_p: jax.Array, bias_ids: jax.Array | None = None,
+           bias_values: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(tokens [B] int32, their log-probabilities [B] float32) from float32 logits [B, V].
 
   Per row: `keys` [B] (typed PRNG keys), `temperature` [B] (0: the most likely
-  token), `top_k` [B] (0: every token), `top_p` [B] (1: every token).
+  token), `top_k` [B] (0: every token), `top_p` [B] (1: every token), and a logit bias,
+  `bias_values` [B, K] added at the token ids `bias_ids` [B, K] to the logits the token is
+  chosen from (0.0 at padding: exactly nothing), not to those its log-probability is
+  read from.
   """
-  logits = logits.astype(jnp.float32)
+  raw = logits = logits.astype(jnp.float32)
+  if bias_ids is not None and bias_ids.shape[-1]:  # (K = 0: nothing traced.)
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(bias_values)
   # Each filter runs only when some row asks for it (`lax.cond` on the batch): a row that
   # does not ask gets the same bits either way, so no row depends on the others, and a
   # batch of greedy or plain-temperature rows sorts nothing.
@@ -47,7 +53,7 @@ def sample(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array, top_k:
       lambda: jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled),
       lambda: jnp.zeros(logits.shape[:1], jnp.int32))
   tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-  logps = jax.nn.log_softmax(logits, axis=-1)
+  logps = jax.nn.log_softmax(raw, axis=-1)
   return tokens, jnp.take_along_axis(logps, tokens[:, None], axis=-1)[:, 0]
 
 

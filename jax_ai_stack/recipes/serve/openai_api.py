@@ -34,6 +34,8 @@ MAX_STOPS = 4
 """The most stop strings, as OpenAI allows."""
 DEFAULT_MAX_STOP_BYTES = 1024
 """The longest stop string, in UTF-8 bytes (`serve --max-stop-bytes`)."""
+MAX_LOGIT_BIAS = 300
+"""The most tokens `logit_bias` may bias (the engine's `requests.MAX_LOGIT_BIAS`)."""
 MAX_DEPTH = 64
 """The deepest a request body's JSON may nest (OpenAI's requests nest 5 deep)."""
 _STREAM_OPTIONS = {"include_usage"}
@@ -82,6 +84,8 @@ class Ask:
   n: int = 1
   seed: int | None = None
   stop: tuple[str, ...] = ()
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  """(token id, value) pairs added to the logits each token is chosen from."""
   stream: bool = False
   include_usage: bool = False
   """Streaming: a last chunk with the token counts (`stream_options.include_usage`)."""
@@ -255,8 +259,7 @@ def _common(body: Any, known: set[str], max_stop_bytes: int) -> dict:
   for name in ("presence_penalty", "frequency_penalty"):
     if _get(body, name, float, 0.0) != 0:
       raise ApiError(f"'{name}' is not supported (only 0)", name)
-  if _get(body, "logit_bias", dict, None):
-    raise ApiError("'logit_bias' is not supported", "logit_bias")
+  logit_bias = _logit_bias(_get(body, "logit_bias", dict, None) or {})
   temperature = _get(body, "temperature", float, 1.0)
   if not 0 <= temperature <= 2:
     raise ApiError(f"'temperature' must be in [0, 2]; got {_brief(temperature)}", "temperature")
@@ -281,11 +284,28 @@ def _common(body: Any, known: set[str], max_stop_bytes: int) -> dict:
   stream = _get(body, "stream", bool, False)
   fields = dict(model=model, temperature=temperature, top_p=top_p,
                 top_k=None if top_k == -1 else top_k, n=n, seed=_get(body, "seed", int, None),
-                stop=tuple(stop), stream=stream, include_usage=_include_usage(body, stream))
+                stop=tuple(stop), stream=stream, include_usage=_include_usage(body, stream),
+                logit_bias=logit_bias)
   max_tokens = _get(body, "max_tokens", int, None)
   if max_tokens is not None:
     fields["max_tokens"] = _at_least_one(max_tokens, "max_tokens")
   return fields
+
+
+def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
+  """`logit_bias`, {"token id": value in [-100, 100]}, as (id, value) pairs (the engine checks
+  the ids against the vocabulary)."""
+  pairs = []
+  for key, value in bias.items():
+    if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        not -100 <= value <= 100):
+      raise ApiError(f"'logit_bias' maps token ids to values in [-100, 100]; got "
+                     f"{_brief(key)}: {_brief(value)}", "logit_bias")
+    pairs.append((int(key), float(value)))
+  if len(pairs) > MAX_LOGIT_BIAS:
+    raise ApiError(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens; got {len(pairs)}",
+                   "logit_bias")
+  return tuple(pairs)
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

@@ -296,7 +296,8 @@ def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: b
       requests.append(engine_lib.Request(
           tuple(int(t) for t in ids), ask.max_tokens or room, temperature=ask.temperature,
           top_k=ask.top_k, top_p=ask.top_p, seed=(seed + len(requests)) % 2**32,
-          stop_ids=stop_ids, top_logprobs=ask.top_logprobs, stop=ask.stop))
+          stop_ids=stop_ids, top_logprobs=ask.top_logprobs, stop=ask.stop,
+          logit_bias=ask.logit_bias))
   return requests, prompt_tokens
 
 
