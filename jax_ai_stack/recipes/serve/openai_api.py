@@ -17,7 +17,7 @@ Example:
   >>> parse_chat({"model": "m", "messages": [], "tempreature": 1}, max_top_logprobs=5)
   Traceback (most recent call last):
   ...
-  jax_ai_stack.recipes.serve.openai_api.ApiError: Unrecognized request argument supplied: tempreature
+  jax_ai_stack.recipes.serve.api_error.ApiError: Unrecognized request argument supplied: tempreature
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+from jax_ai_stack.recipes.serve import tools
+from jax_ai_stack.recipes.serve.api_error import ApiError, error_body
 
 __all__ = ["ApiError", "Ask", "error_body", "parse_chat", "parse_completion", "parse_json"]
 
@@ -50,21 +53,6 @@ _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-  """A request this server answers with an error: HTTP `status`, OpenAI's error fields."""
-
-  def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-               code: str | None = None, kind: str = "invalid_request_error"):
-    super().__init__(message)
-    self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
-
-
-def error_body(error: ApiError) -> dict:
-  """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-  return {"error": {"message": error.message, "type": error.kind, "param": error.param,
-                    "code": error.code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +197,6 @@ def parse_chat(body: Any, *, max_top_logprobs: int,
                    "top_logprobs")
   if top and not logprobs:
     raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-  from jax_ai_stack.recipes.serve import tools  # pylint: disable=import-outside-toplevel
-
   offered = tools.parse_tools(body["tools"]) if body.get("tools") is not None else ()
   _get(body, "parallel_tool_calls", bool, True)  # Every call a reply makes is read.
   return Ask(messages=_messages(body.get("messages")), logprobs=logprobs, top_logprobs=top,
@@ -362,7 +348,6 @@ def _at_least_one(value: int, name: str) -> int:
 def _messages(messages: Any) -> tuple[dict, ...]:
   """The conversation as {"role", "content": str} turns (text parts joined), with tool calls
   and their results as the chat template reads them (`tools.tool_turn`)."""
-  from jax_ai_stack.recipes.serve import tools  # pylint: disable=import-outside-toplevel
 
   if not isinstance(messages, list) or not messages:
     raise ApiError("'messages' must be a non-empty list of {role, content} objects",

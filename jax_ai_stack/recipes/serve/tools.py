@@ -31,7 +31,7 @@ import re
 import uuid
 from typing import Any
 
-from jax_ai_stack.recipes.serve.openai_api import ApiError
+from jax_ai_stack.recipes.serve.api_error import ApiError
 
 __all__ = ["ToolSyntax", "parse_tool_choice", "parse_tools", "tool_turn"]
 
