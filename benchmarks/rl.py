@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
   return results
 
 
-def chatml_model(out: pathlib.Path, size: str) -> pathlib.Path:
+def chatml_model(out: pathlib.Path, size: str) -> int:
   """A Qwen3 of `size` (seed 0) with a byte-level BPE tokenizer of `VOCAB` tokens trained on
-  the standard library's source and ChatML turns, saved as a Hugging Face directory."""
+  the standard library's source and ChatML turns, saved as a Hugging Face directory `out`;
+  its parameters' count."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   tokenizer = Tokenizer(models.BPE())
@@ -174,7 +175,7 @@ def chatml_model(out: pathlib.Path, size: str) -> pathlib.Path:
                                 **TRL_SIZES[size]), rngs=nnx.Rngs(0))
   hf.save(model, out, tokenizer=files / "tokenizer.json", token_ids=ids,
           generation_config={k: v for k, v in ids.items() if v is not None})
-  return out
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def parity_prompts(count: int = 512) -> list[dict]:
@@ -186,7 +187,8 @@ def parity_prompts(count: int = 512) -> list[dict]:
 def versus_trl(size: str, workload: dict, steps: int, python: str | None,
                scratch: pathlib.Path) -> dict:
   """Our RL step and TRL's (when `python` imports trl) on one model, prompts and rewards."""
-  model = chatml_model(scratch / f"hf-{size}", size)
+  model = scratch / f"hf-{size}"
+  parameters = chatml_model(model, size)
   prompts = scratch / "prompts.jsonl"
   prompts.write_text("".join(json.dumps(p) + "\n" for p in parity_prompts()))
   base = scratch / f"base-{size}"
@@ -208,9 +210,7 @@ def versus_trl(size: str, workload: dict, steps: int, python: str | None,
     trainer.close()
   completions = workload["batch_prompts"] * workload["num_generations"]
   ours_step = statistics.median(ours["step_seconds"][1:])
-  result = {"parameters": sum(x.size for x in jax.tree.leaves(nnx.state(
-                Decoder(DecoderConfig(kind="qwen3", vocab_size=VOCAB, **TRL_SIZES[size]),
-                        rngs=nnx.Rngs(0)), nnx.Param))),
+  result = {"parameters": parameters,
             "ours": {**ours, "step_s": ours_step,
                      "tokens_per_s": ours["mean_completion_length"] * completions / ours_step}}
   if python is None:

@@ -23,10 +23,16 @@ import pathlib
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax-ai-stack-test-cache",
-                                              os.environ.get("PYTEST_XDIST_WORKER", "main"))
-)
+# A compilation cache per pytest-xdist worker: JAX writes an entry in place (not to a
+# temporary file renamed), so a worker reading what another is writing got a partial
+# executable and died in XLA's deserializer (seen twice, in test_engine). The controller
+# imports this file first and its environment reaches the workers: the folder is set
+# again in each worker, unless the user set JAX_COMPILATION_CACHE_DIR before pytest.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or "JAX_AI_STACK_TEST_CACHE" in os.environ:
+  _cache_root = os.environ.setdefault(
+      "JAX_AI_STACK_TEST_CACHE", os.path.join(tempfile.gettempdir(), "jax-ai-stack-test-cache"))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+      _cache_root, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
