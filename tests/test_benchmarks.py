@@ -646,7 +646,8 @@ def test_rl_versus_trl_quick_measures_ours_and_compares_it_with_trl_s_step(tmp_p
   assert ours["step_s"] > 0
   assert 0 < ours["mean_completion_length"] <= 4  # rl.max_completion_tokens of the quick run.
   assert ours["seconds_per_step"]["engine"] < ours["seconds_per_step"]["rollout"]
-  assert trl["step_s"] == 2.0 and trl["seconds_per_step"]["generate"] == 0.2  # Medians after the 1st.
+  # Medians of the steps after the first.
+  assert trl["step_s"] == 2.0 and trl["seconds_per_step"]["generate"] == 0.2
   assert quick["ours_vs_trl"]["value"] == pytest.approx(ours["step_s"] / 2.0)
   assert quick["ours_vs_trl"]["target"] == 0.5
   gap = abs(ours["mean_completion_length"] - 4) / 4

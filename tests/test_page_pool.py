@@ -56,6 +56,7 @@ def test_eviction_takes_the_least_recently_used_chunk_and_a_prompt_s_end_before_
   pool.give_back(pool.reuse(keys[:1]))  # The first chunk used again: now the most recent.
   pool.take(2)
   assert pool.reusable(keys) == 1 and pool.kept_pages == 1
+  assert pool.available == 1  # The first chunk's page, idle: the count follows evictions.
 
 
 def test_a_request_fits_when_the_pages_it_does_not_reuse_are_available():

@@ -93,6 +93,8 @@ def test_calls_are_read_and_a_call_that_does_not_parse_stays_text():
   assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
   broken = "<tool_call>\n{not json}\n</tool_call>"
   assert SYNTAX.read(broken) == (broken, [])
+  deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"  # Past json's recursion: text.
+  assert SYNTAX.read(deep) == (deep, [])
   unclosed = '<tool_call>\n{"name": "f", "parameters": {"x": 1}}'  # Ended at end of turn.
   content, calls = SYNTAX.read(unclosed)
   assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}

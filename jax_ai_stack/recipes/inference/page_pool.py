@@ -57,11 +57,12 @@ class PagePool:
     self._kept: dict[bytes, tuple[int, ...]] = {}  # A chunk's key -> its pages.
     self._chunk_of: dict[int, bytes] = {}  # A kept page -> its chunk's key.
     self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # LRU first.
+    self._idle_pages = 0  # Theirs, counted as they come and go (`available` is hot).
 
   @property
   def available(self) -> int:
     """Pages `take` can hand out: the free ones and those of kept chunks no request holds."""
-    return len(self._free) + sum(len(self._kept[key]) for key in self._idle)
+    return len(self._free) + self._idle_pages
 
   @property
   def held(self) -> int:
@@ -92,7 +93,8 @@ class PagePool:
     once more."""
     pages = []
     for key in keys[:self.reusable(keys)]:
-      self._idle.pop(key, None)
+      if self._idle.pop(key, False) is None:
+        self._idle_pages -= len(self._kept[key])
       pages += self._kept[key]
     self._holders.update(pages)
     return pages
@@ -101,6 +103,7 @@ class PagePool:
     """`count` pages, free ones first, then those of the least recently used idle chunks."""
     while len(self._free) < count:
       key, _ = self._idle.popitem(last=False)
+      self._idle_pages -= len(self._kept[key])
       for page in self._kept.pop(key):
         del self._chunk_of[page]
         self._free.append(page)
@@ -135,3 +138,4 @@ class PagePool:
         idle.append(key)
     for key in idle:
       self._idle[key] = None
+      self._idle_pages += len(self._kept[key])

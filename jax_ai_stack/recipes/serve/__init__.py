@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP server over the generation engine: request bodies checked
-into values (`openai_api`) or refused (`api_error`), tool calls offered and read (`tools`), the engine on a thread
-fed from the event loop (`worker`), the replies built (`replies`), and the Starlette
-application and its uvicorn runner (`server`). Needs the `serve` extra
-(starlette, uvicorn).
+into values (`openai_api`) or refused (`api_error`), tool calls offered and read
+(`tools`), the engine on a thread fed from the event loop (`worker`), the replies built
+(`replies`), and the Starlette application and its uvicorn runner (`server`). Needs the
+`serve` extra (starlette, uvicorn).
 
 Names load on first use.
 

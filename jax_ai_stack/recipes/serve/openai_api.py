@@ -26,6 +26,7 @@ import dataclasses
 import json
 from typing import Any
 
+from jax_ai_stack.recipes.inference.requests import MAX_LOGIT_BIAS
 from jax_ai_stack.recipes.serve import tools
 from jax_ai_stack.recipes.serve.api_error import ApiError, error_body
 
@@ -37,8 +38,6 @@ MAX_STOPS = 4
 """The most stop strings, as OpenAI allows."""
 DEFAULT_MAX_STOP_BYTES = 1024
 """The longest stop string, in UTF-8 bytes (`serve --max-stop-bytes`)."""
-MAX_LOGIT_BIAS = 300
-"""The most tokens `logit_bias` may bias (the engine's `requests.MAX_LOGIT_BIAS`)."""
 MAX_DEPTH = 64
 """The deepest a request body's JSON may nest (OpenAI's requests nest 5 deep)."""
 _STREAM_OPTIONS = {"include_usage"}

@@ -183,7 +183,7 @@ def _call(body: str) -> dict | None:
   """A call in OpenAI's shape from the JSON between a call's opening and closing."""
   try:
     value = json.loads(body)
-  except json.JSONDecodeError:
+  except (json.JSONDecodeError, RecursionError):  # A reply may nest past Python's stack.
     return None
   if not isinstance(value, dict) or not isinstance(value.get("name"), str):
     return None
