@@ -13,8 +13,9 @@ XLA:CPU maps each program's code and data as regions of their own (about 3 maps 
 and JAX's caches keep every program alive, so a worker's maps grow toward Linux's limit of
 65,530 a process (vm.max_map_count; one worker had 24,400 twenty minutes into the suite).
 Past it mmap fails: workers segfaulted in a compile and in a cache write, each late in a
-long-lived worker. A dead worker is the end of a pytest-xdist run (the files it had left
-never ran; once CI hung until its limit).
+long-lived worker or deep in a file of many programs. pytest-xdist reruns a dead worker's
+file once (`--max-worker-restart 1` in pyproject.toml); a second death ends the run rather
+than hang it, as it did CI's until its limit with more restarts allowed.
 """
 
 import json
@@ -83,24 +84,39 @@ def pytest_sessionfinish(session):
 
 
 MAPS_TO_RELEASE = 20_000
-"""A worker whose memory maps pass this at the end of a test file frees its programs: one file
-adds at most about 21,000, so a worker stays well under the kernel's 65,530. (Freeing after
-every file instead made the suite about twice as slow: each file then traced, lowered and
-loaded again the programs an earlier one had in JAX's caches.)"""
+"""A worker whose memory maps pass this at the end of a test file frees its programs. (Freeing
+after every file instead made the suite about twice as slow: each file then traced, lowered
+and loaded again the programs an earlier one had in JAX's caches.)"""
+MAPS_CEILING = 36_000
+"""... and at the end of any test, past this: one file can add far more than a file's share
+(test_families, every family's journey: a worker at 52,306 maps mid-file, with a cold
+compilation cache), and CI lost a worker to a segfault in a compile there."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-  """After a test file, JAX's caches cleared and the programs freed where the worker's memory
-  maps are many (see the module)."""
-  yield
+def _release_where_maps_pass(limit: int) -> None:
+  """JAX's caches cleared and the programs freed where this worker's memory maps pass
+  `limit` (see the module)."""
   import gc
   import sys
 
   maps = pathlib.Path("/proc/self/maps")  # Linux's; elsewhere nothing is freed.
-  if "jax" in sys.modules and maps.exists() and maps.read_bytes().count(b"\n") > MAPS_TO_RELEASE:
+  if "jax" in sys.modules and maps.exists() and maps.read_bytes().count(b"\n") > limit:
     sys.modules["jax"].clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """After a test file, the programs freed where the worker's maps are many."""
+  yield
+  _release_where_maps_pass(MAPS_TO_RELEASE)
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_near_the_limit():
+  """After any test, the programs freed where the worker's maps near the kernel's limit."""
+  yield
+  _release_where_maps_pass(MAPS_CEILING)
 
 
 @pytest.fixture(scope="session")
