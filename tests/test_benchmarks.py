@@ -670,3 +670,14 @@ def test_rl_rewards_read_text_and_trl_s_messages_alike():
   completions = ["yes, it is", [{"role": "assistant", "content": "No"}], "maybe"]
   assert trl_grpo.parity(None, completions, answer=["yes", "no", "no"]) == [1.0, 1.0, 0.0]
   assert trl_grpo.length(None, ["", "x" * 16, "x" * 99]) == [1.0, 0.75, 0.0]
+
+
+@pytest.mark.slow
+def test_structured_quick_times_every_variant_and_checks_the_outputs(tmp_path):
+  pytest.importorskip("llguidance")
+  results = _run_quick("structured", tmp_path)
+  size = results["sizes"]["quick"]
+  assert set(size["seconds_per_token"]) == {"free", "free-1", "structured"}
+  assert all(v > 0 for v in size["seconds_per_token"].values())
+  assert size["mask_seconds_per_token"] > 0 and size["valid_outputs"].endswith("/3")
+  assert size["structured_vs_free"]["target"] == 1.2

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import sys
 
 import numpy as np
 import pytest
+
+from data_helpers import TEXTS, hf_tokenizer_file, sentencepiece_file
 
 from jax_ai_stack.errors import ConfigError, DataError, MissingExtraError
 from jax_ai_stack.recipes import configlib
@@ -20,42 +21,12 @@ from jax_ai_stack.recipes.data import (
     vocab_size,
 )
 
-TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog"]
-
-
-def _hf_file(tmp_path, special_tokens=("<unk>", "<s>", "</s>", "<pad>")) -> str:
-  tokenizers = pytest.importorskip("tokenizers")
-  from tokenizers import decoders, models, pre_tokenizers, trainers
-
-  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-      vocab_size=300, special_tokens=list(special_tokens),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-  )
-  tok.train_from_iterator(TEXTS * 10, trainer)
-  path = tmp_path / "tokenizer.json"
-  tok.save(str(path))
-  return str(path)
 
 
 def _file_vocab_size(path: str) -> int:
   import tokenizers
 
   return tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
-
-
-def _sentencepiece_file(tmp_path, **options) -> str:
-  spm = pytest.importorskip("sentencepiece")
-  model = io.BytesIO()
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(TEXTS * 20), model_writer=model, vocab_size=30,
-      model_type="char", minloglevel=2, **options,
-  )
-  path = tmp_path / "sp.model"
-  path.write_bytes(model.getvalue())
-  return str(path)
 
 
 def test_byte_tokenizer_round_trips_any_text():
@@ -75,7 +46,7 @@ def test_byte_is_the_default_and_needs_no_file():
 
 
 def test_huggingface_file_with_its_own_special_tokens(tmp_path):
-  path = _hf_file(tmp_path)
+  path = hf_tokenizer_file(tmp_path)
   tok = build_tokenizer(DataConfig(tokenizer="huggingface", tokenizer_path=path))
   assert isinstance(tok, HuggingFaceTokenizer)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)  # found by name, not appended
@@ -89,7 +60,7 @@ def test_huggingface_file_with_its_own_special_tokens(tmp_path):
 
 
 def test_huggingface_file_without_special_tokens_gets_appended_ids(tmp_path):
-  path = _hf_file(tmp_path, special_tokens=("<unk>",))
+  path = hf_tokenizer_file(tmp_path, special_tokens=("<unk>",))
   tok = HuggingFaceTokenizer(path)
   base = _file_vocab_size(path)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (base, base + 1, base + 2)
@@ -98,7 +69,7 @@ def test_huggingface_file_without_special_tokens_gets_appended_ids(tmp_path):
 
 
 def test_sentencepiece_model(tmp_path):
-  path = _sentencepiece_file(tmp_path)
+  path = sentencepiece_file(tmp_path)
   tok = build_tokenizer(DataConfig(tokenizer="sentencepiece", tokenizer_path=path))
   assert isinstance(tok, SentencePieceTokenizer)
   # The trainer's defaults define BOS=1 and EOS=2 but no PAD: PAD reuses EOS,
@@ -111,13 +82,13 @@ def test_sentencepiece_model(tmp_path):
 
 
 def test_sentencepiece_model_without_bos_prompts_without_it(tmp_path):
-  tok = SentencePieceTokenizer(_sentencepiece_file(tmp_path, bos_id=-1))
+  tok = SentencePieceTokenizer(sentencepiece_file(tmp_path, bos_id=-1))
   np.testing.assert_array_equal(tok.encode_prompt("the quick dog"), tok.encode("the quick dog"))
 
 
 def test_huggingface_file_with_only_eos_reuses_it_for_bos_and_pad(tmp_path):
   # GPT-2 / SmolLM style: one <|endoftext|> and nothing else.
-  path = _hf_file(tmp_path, special_tokens=("<|endoftext|>",))
+  path = hf_tokenizer_file(tmp_path, special_tokens=("<|endoftext|>",))
   tok = HuggingFaceTokenizer(path)
   eos = tok._tok.token_to_id("<|endoftext|>")
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (eos, eos, eos)
@@ -125,7 +96,7 @@ def test_huggingface_file_with_only_eos_reuses_it_for_bos_and_pad(tmp_path):
 
 
 def test_dataset_through_a_huggingface_tokenizer(tmp_path):
-  path = _hf_file(tmp_path)
+  path = hf_tokenizer_file(tmp_path)
   for i in range(30):
     (tmp_path / f"doc{i:02d}.txt").write_text(f"{TEXTS[i % 2]} {i}")
   config = DataConfig(
@@ -180,7 +151,7 @@ def test_a_prompt_gets_bos_where_the_file_s_post_processor_adds_it(tmp_path):
   import tokenizers
   from tokenizers import processors
 
-  path = _hf_file(tmp_path)
+  path = hf_tokenizer_file(tmp_path)
   tok = tokenizers.Tokenizer.from_file(path)
   plain = HuggingFaceTokenizer(path)
   np.testing.assert_array_equal(plain.encode_prompt("the fox"), plain.encode("the fox"))

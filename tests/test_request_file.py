@@ -25,9 +25,20 @@ def test_prompts_and_conversations_with_their_stop_strings(tmp_path):
   assert [m["content"] for m in items[1]["messages"]] == ["hi"]
 
 
+def test_a_line_s_response_format_is_the_grammar_of_its_output(tmp_path):
+  pytest.importorskip("llguidance")
+  from jax_ai_stack.recipes.inference import grammar
+
+  path = write_lines(tmp_path / "in.jsonl", {"prompt": "x", "response_format": {
+      "type": "json_object"}}, {"prompt": "y", "response_format": {"type": "text"}})
+  assert request_file.read(path) == [{"prompt": "x", "grammar": grammar.json_object()},
+                                     {"prompt": "y"}]
+
+
 @pytest.mark.parametrize("record, error", [
     ({"prompt": "x", "stop": [""]}, r"in.jsonl:2: \"stop\" must be a string or a list of "
                                     r"non-empty strings"),
+    ({"prompt": "x", "response_format": {"type": "json"}}, r"in.jsonl:2: response_format must"),
     ("not json", r"in.jsonl:2"),
 ])
 def test_a_bad_line_is_named_by_file_and_number(tmp_path, record, error):

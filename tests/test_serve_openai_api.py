@@ -199,3 +199,36 @@ def test_a_logit_bias_is_read_as_token_id_and_value_pairs():
   assert chat(logit_bias={"5": -100, "7": 2.5}).logit_bias == ((5, -100.0), (7, 2.5))
   assert completion(logit_bias={}).logit_bias == ()
   assert openai_api.MAX_LOGIT_BIAS == requests.MAX_LOGIT_BIAS
+
+
+def test_response_format_and_structured_outputs_become_the_grammar_the_engine_follows():
+  pytest.importorskip("llguidance")
+  from jax_ai_stack.recipes.inference import grammar
+
+  schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+  assert chat().grammar is None and chat(response_format={"type": "text"}).grammar is None
+  assert chat(response_format={"type": "json_schema", "json_schema": {
+      "name": "x", "schema": schema, "strict": True}}).grammar == grammar.json_schema(schema)
+  assert chat(response_format={"type": "json_object"}).grammar == grammar.json_object()
+  assert completion(structured_outputs={"choice": ["yes", "no"]}).grammar == grammar.choice(
+      ["yes", "no"])
+  assert completion(structured_outputs={"regex": "[0-9]+"}).grammar == grammar.regex("[0-9]+")
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "xml"}}, "response_format", "must be {\"type\": \"text\"}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format", "whose 'schema' is a JSON schema"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "list of non-empty strings"),
+    ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs", "exactly one of"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "not both"),
+    ({"response_format": {"type": "json_object"}, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice", "has the call's own grammar"),
+])
+def test_a_malformed_output_format_is_named(fields, param, words):
+  pytest.importorskip("llguidance")
+  with pytest.raises(ApiError, match=words) as caught:
+    chat(**fields)
+  assert caught.value.param == param

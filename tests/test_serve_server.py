@@ -102,6 +102,36 @@ def test_a_logit_bias_steers_the_reply_and_a_token_past_the_vocabulary_is_a_400(
   assert "token ids in [0, 259)" in error["message"] and "999: -5.0" in error["message"]
 
 
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+          "properties": {"answer": {"type": "string", "maxLength": 6},
+                         "sure": {"type": "boolean"}}}
+
+
+def test_a_hundred_sampled_replies_validate_under_their_json_schema(model):
+  """Temperature 1, a random model: every reply the client reads is JSON its schema accepts,
+  ended by the model's end token; a schema the grammar engine refuses is a 400 naming it."""
+  jsonschema = pytest.importorskip("jsonschema")
+  engine = inference.Engine(model, max_slots=8, max_len=128, decode=TOKENIZER.decode,
+                            grammar_vocabulary=inference.grammar.vocabulary(TOKENIZER))
+  ask = {"model": "tiny", "messages": [{"role": "user", "content": "json?"}], "n": 10,
+         "max_tokens": 80, "response_format": {"type": "json_schema", "json_schema": {
+             "name": "reply", "schema": SCHEMA, "strict": True}}}
+  with TestClient(server.build_app(server.Served("tiny", engine, TOKENIZER, encode))) as client:
+    replies = [openai.types.chat.ChatCompletion.model_validate(
+        client.post("/v1/chat/completions", json={**ask, "seed": seed}).json())
+        for seed in range(10)]
+    refused = client.post("/v1/chat/completions", json={**ask, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": {
+            "type": "string", "format": "no-such-format"}}}})
+  choices = [choice for reply in replies for choice in reply.choices]
+  assert len(choices) == 100 and all(c.finish_reason == "stop" for c in choices)
+  for choice in choices:
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+  assert len({c.message.content for c in choices}) > 10
+  assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+  assert "no-such-format" in refused.json()["error"]["message"]
+
+
 def test_a_request_larger_than_the_page_pool_is_a_400_naming_max_pages(model):
   with app_client(model, {"page_size": 8, "max_pages": 3}) as client:
     ask = {"model": "tiny", "prompt": "Hi", "max_tokens": 22, "temperature": 0}
@@ -400,6 +430,18 @@ def test_the_openai_client_chats_with_the_run_as_run_chat_does(served, workdir):
     assert reply.choices[0].message.content == run.chat(CHAT, 10, 0.0)
   finally:
     run.close()
+
+
+@pytest.mark.slow
+def test_the_openai_client_s_json_schema_is_followed_by_every_sampled_reply(served):
+  """`serve` builds its engine with the run's tokenizer's grammar vocabulary."""
+  jsonschema = pytest.importorskip("jsonschema")
+  client, _ = served
+  reply = client.chat.completions.create(
+      model="run", messages=CHAT, n=8, temperature=1, max_tokens=60, seed=5,
+      response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+  for choice in reply.choices:
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
 @pytest.mark.slow

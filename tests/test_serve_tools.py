@@ -151,7 +151,8 @@ def _encode(item):
 def engine():
   config = dataclasses.replace(models.DecoderConfig.tiny(), max_seq_len=2048)  # Never run.
   model = models.Decoder(config, rngs=nnx.Rngs(0))
-  return Scripted(model, max_slots=2, max_len=2048, decode=TOKENIZER.decode)
+  return Scripted(model, max_slots=2, max_len=2048, decode=TOKENIZER.decode,
+                  grammar_vocabulary=inference.grammar.vocabulary(TOKENIZER))
 
 
 def _client(engine, template=QWEN):
@@ -218,3 +219,35 @@ def test_tools_with_a_template_that_cannot_show_them_are_a_400_naming_it(engine)
       reply = client.post("/v1/chat/completions", json=ASK)
     assert reply.status_code == 400 and words in reply.json()["error"]["message"]
     assert reply.json()["error"]["param"] == "tools"
+
+
+def test_a_forced_call_from_a_real_model_always_parses_and_its_arguments_validate():
+  """A random tiny model at temperature 1, `tool_choice` "required" and named: each reply is
+  one call of an offered function whose arguments validate under its parameters (the
+  structured output's grammar), read back as `tool_calls`."""
+  jsonschema = pytest.importorskip("jsonschema")
+  config = dataclasses.replace(models.DecoderConfig.tiny(), max_seq_len=1024)
+  engine = inference.Engine(models.Decoder(config, rngs=nnx.Rngs(0)), max_slots=4,
+                            decode=TOKENIZER.decode,
+                            grammar_vocabulary=inference.grammar.vocabulary(TOKENIZER))
+  city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+          "required": ["city"], "additionalProperties": False}
+  now = {"type": "function", "function": {"name": "now", "parameters": {
+      "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+      "additionalProperties": False}}}
+  weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+  schemas = {"get_weather": city, "now": now["function"]["parameters"]}
+  named = {"type": "function", "function": {"name": "now"}}
+  with _client(engine) as client:
+    replies = [client.post("/v1/chat/completions", json={
+        **ASK, "tools": [weather, now], "tool_choice": choice, "n": 4, "seed": 1,
+        "max_tokens": 80}).json() for choice in ("required", named)]
+  called = []
+  for reply, choice in zip(replies, ("required", named)):
+    for answer in reply["choices"]:
+      assert answer["finish_reason"] == "tool_calls", answer
+      (call,) = answer["message"]["tool_calls"]
+      name = call["function"]["name"]
+      jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+      called.append(name)
+  assert called[4:] == ["now"] * 4

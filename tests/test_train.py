@@ -282,6 +282,27 @@ def test_generate_input_gives_one_json_line_per_request_equal_to_generate_alone(
   assert f"{path}:2: a line holds" in capsys.readouterr().err
 
 
+def test_generate_input_follows_each_line_s_response_format(reference, tmp_path, capsys):
+  """An empty prompt's continuation at temperature 1 is JSON its line's schema accepts (the
+  run's context is 32 tokens: no room for a conversation), beside a free prompt; a malformed
+  response_format is named by its line."""
+  jsonschema = pytest.importorskip("jsonschema")
+  schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+            "additionalProperties": False}
+  path = tmp_path / "in.jsonl"
+  ruled = {"prompt": "", "response_format": {
+      "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+  path.write_text(json.dumps(ruled) + "\n" + json.dumps({"prompt": "def "}) + "\n")
+  assert cli.main(["generate", "--workdir", str(ref_dir := reference[0]), "--input", str(path),
+                   "--max-new-tokens", "40", "--temperature", "1", "--seed", "0"]) == 0
+  results = {r["index"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+  jsonschema.validate(json.loads(results[0]["text"]), schema)
+  assert results[0]["finish_reason"] == "stop" and results[1]["text"].startswith("def ")
+  path.write_text(json.dumps({**ruled, "response_format": {"type": "yaml"}}) + "\n")
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--input", str(path)]) == 2
+  assert f"{path}:1: response_format must be" in capsys.readouterr().err
+
+
 def test_generate_input_stops_a_request_at_its_stop_strings(reference, tmp_path, capsys):
   """The text ends before the first stop string of the reply (not of the prompt), and the
   engine stops decoding there."""

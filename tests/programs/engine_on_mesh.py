@@ -60,7 +60,7 @@ layer_keys = (state[0] if isinstance(state, tuple) else state)["keys"]
 idle = np.zeros(8, np.int32)
 compiled = engine._steps.lower(  # pylint: disable=protected-access
     engine._params, state, idle, idle,  # pylint: disable=protected-access
-    np.zeros((8, 4), np.int32), idle, *engine_module._settings([None] * 8)).compile().as_text()
+    np.zeros((8, 4), np.int32), idle, *engine._settings([None] * 8)).compile().as_text()
 collectives = (re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start)?\(", line)
                for line in compiled.splitlines())

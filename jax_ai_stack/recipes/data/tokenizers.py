@@ -76,6 +76,12 @@ class Tokenizer(abc.ABC):
     that this tokenizer defines (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...)."""
     return [self.eos_id]
 
+  def token_bytes(self) -> list[bytes]:
+    """Each id's bytes in decoded text (b"" for ids that decode to nothing): what a grammar
+    matches tokens against (`inference.grammar`). Here each id decoded alone, right where a
+    token is whole characters; the byte and SentencePiece tokenizers give their bytes."""
+    return [self.decode([i]).encode("utf-8") for i in range(self.vocab_size)]
+
   def encode_rendered(self, text: str) -> np.ndarray:
     """`encode` of a chat template's output: the BOS and EOS texts in it become their ids
     (a tokenizer file's other added tokens, `<|im_start|>` say, are its own to match)."""
@@ -106,6 +112,9 @@ class ByteTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     ids = np.asarray(ids)
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def token_bytes(self) -> list[bytes]:
+    return [bytes([i]) for i in range(256)] + [b""] * 3
 
 
 def _special_ids(find_id, base_size: int) -> tuple[tuple[int, int, int], int]:
@@ -231,6 +240,19 @@ class SentencePieceTokenizer(Tokenizer):
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
+
+  def token_bytes(self) -> list[bytes]:
+    """A piece's text with "▁" as the space it stands for, a byte piece (<0x0A>) as its
+    byte, control and unknown pieces as nothing."""
+    def piece(i: int) -> bytes:
+      if i >= self._base_size or self._sp.is_control(i) or self._sp.is_unknown(i):
+        return b""
+      text = self._sp.id_to_piece(i)
+      if self._sp.is_byte(i):
+        return bytes([int(text[3:5], 16)])
+      return text.replace("\u2581", " ").encode("utf-8")
+
+    return [piece(i) for i in range(self.vocab_size)]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     keep = [int(i) for i in ids if i < self._base_size and i not in self.special_ids]

@@ -1,9 +1,10 @@
 """Generation: the engine that decodes many requests at once (`engine`), what a request
 asks and what it produced (`requests`), the engine's compiled programs (`programs`),
 sampling one token per row with each row's own settings (`sampling`), a request in one of
-the engine's slots and the tokens it takes (`slots`), the pages of its KV cache and the
-prompt chunks kept for reuse (`page_pool`), a completion's text as its tokens arrive, cut
-at stop strings (`text`), and the request files `generate` reads (`request_file`).
+the engine's slots and the tokens it takes (`slots`), a request's grammar and the tokens it
+allows (`grammar`), the pages of its KV cache and the prompt chunks kept for reuse
+(`page_pool`), a completion's text as its tokens arrive, cut at stop strings (`text`), and
+the request files `generate` reads (`request_file`).
 
 Names load on first use.
 
@@ -15,7 +16,7 @@ Example:
 
 from jax_ai_stack.lazy import lazy_attributes
 
-_SUBMODULES = ("engine", "page_pool", "programs", "request_file", "requests", "sampling",
+_SUBMODULES = ("engine", "grammar", "page_pool", "programs", "request_file", "requests", "sampling",
                "slots", "text")
 _EXPORTS = {"Completion": "requests", "Engine": "engine", "Request": "requests",
             "RequestError": "requests", "TextStream": "text", "sample": "sampling",

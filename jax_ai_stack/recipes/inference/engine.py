@@ -45,6 +45,10 @@ Prompts that begin alike (a system prompt, a conversation going on) share the pa
 whole prefill chunk they have in common, kept until the pool needs them, bit for bit again
 (`page_pool`: automatic prefix caching; `prefix_hits`, `cached_tokens`, `cached_pages`).
 
+Structured output: a request's `grammar` (`grammar`: llguidance) allows each token only what
+keeps the output valid, its mask computed on the host between calls (while such a request
+runs, a call decodes one token, the next mask needing the last).
+
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
 another, and a page past a row's length adds exactly nothing to its attention, however
@@ -76,10 +80,10 @@ from flax import nnx
 from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, half_octave,
                                                      lower, padded_length, page_copy,
                                                      programs)
-from jax_ai_stack.recipes.inference import requests as requests_lib
+from jax_ai_stack.recipes.inference import grammar, requests as requests_lib
 from jax_ai_stack.recipes.inference.page_pool import PagePool, chunk_keys
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
-from jax_ai_stack.recipes.inference.slots import Slot
+from jax_ai_stack.recipes.inference.slots import Slot, settings, shared_prompts
 from jax_ai_stack.recipes.inference.text import TextStream
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
@@ -91,7 +95,7 @@ class Engine:
                max_top_logprobs: int = 5, steps_per_call: int = 4,
                decode: Callable[[list[int]], str] | None = None, page_size: int = 64,
                max_pages: int | None = None, prefill_chunk: int = 256,
-               prefix_cache: bool = True):
+               prefix_cache: bool = True, grammar_vocabulary=None):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
@@ -105,7 +109,9 @@ class Engine:
     data-parallel replicas). `prefill_chunk`: the most prompt tokens a request prefills
     per `step`, between the decoding calls of the others. `prefix_cache`: keep whole prompt
     chunks for the requests that begin alike (where `prefill_chunk` is whole pages and the
-    model keeps no per-slot state)."""
+    model keeps no per-slot state). `grammar_vocabulary`: the tokenizer as the grammar engine
+    reads it (`grammar.vocabulary`), for requests with a `grammar`; while one runs, each call
+    decodes one token (the next mask needs the last token)."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -116,6 +122,10 @@ class Engine:
       raise ValueError(f"max_len={max_len} must be in [1, model.max_seq_len="
                        f"{config.max_seq_len}]")
     self.vocab_size, self.max_top_logprobs = config.vocab_size, max_top_logprobs
+    self.grammar_vocabulary = grammar_vocabulary
+    if grammar_vocabulary is not None and grammar_vocabulary.vocab_size > self.vocab_size:
+      raise ValueError(f"grammar_vocabulary has {grammar_vocabulary.vocab_size} tokens, more "
+                       f"than the model's vocab_size={self.vocab_size}: not its tokenizer")
     self.detokenize = decode
     """The `decode` given (None: completions have no text, requests no stop strings)."""
     self.page_size = page_size
@@ -133,6 +143,7 @@ class Engine:
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._prefill, self._steps = programs(graphdef, structure, max_top_logprobs,
                                           steps_per_call)
+    self._one_step = programs(graphdef, structure, max_top_logprobs, 1)[1]  # For grammars.
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
     # there. The cache is the model's (see the module).
     self.replica_slots = max_slots // self.replicas  # Slot s is its replica's s % this.
@@ -255,7 +266,8 @@ class Engine:
         self._slots[number] = self._admit(number, *self._waiting.popleft())
     waiting = [(number, slot) for number, slot in enumerate(self._slots)
                if slot is not None and not slot.completion.tokens]
-    waiting, shared = self._shared_prompts(waiting)
+    waiting, shared = (shared_prompts(waiting, self._slots, self._replica)
+                       if self._copy is not None and waiting else (waiting, []))
     for length, call in self._prefill_calls(waiting):
       grown += [slot.completion for _, slot in self._prefill_next(length, call)]
     for number, slot in self._forked(shared):
@@ -289,37 +301,15 @@ class Engine:
                                 number % self.replica_slots)
     text = (None if self.detokenize is None else
             TextStream(self.detokenize, request.stop, request.stop_ids))
+    matcher = (grammar.Matcher(self.grammar_vocabulary, request.grammar) if request.grammar
+               else None)
     return Slot(index, request, Completion(index, [], [], ""), cached, text, pages, queued_at,
-                keys=keys)
-
-  def _shared_prompts(self, waiting: list[tuple[int, Slot]]
-                      ) -> tuple[list[tuple[int, Slot]], list[tuple[int, Slot, Slot]]]:
-    """(the slots to prefill, (number, slot, source) of those whose prompt another slot of
-    their replica, running or prefilling, has: a GRPO group's). Its pages hold the prompt's
-    keys and values bit for bit as the slot's own prefill would (a prefill call's shapes do
-    not depend on the slot): a request's tokens are the same, shared or not. The source is
-    the furthest on. Not for a model with per-slot state (a recurrent layer's moves on with
-    its source's tokens)."""
-    if self._copy is None or not waiting:  # (Not every decoding step: prompts are hashed.)
-      return waiting, []
-    key = lambda number, slot: (self._replica(number), slot.request.prompt)  # noqa: E731
-    started = [(n, s) for n, s in enumerate(self._slots)
-               if s is not None and (s.completion.tokens or s.length)]
-    sources = {key(n, s): s for n, s in sorted(
-        started, key=lambda ns: (bool(ns[1].completion.tokens), ns[1].length))}
-    prefill, shared = [], []
-    for number, slot in waiting:
-      source = sources.setdefault(key(number, slot), slot)
-      if source is slot:
-        prefill.append((number, slot))
-      else:
-        shared.append((number, slot, source))
-    return prefill, shared
+                keys=keys, grammar=matcher)
 
   def _forked(self, shared: list[tuple[int, Slot, Slot]]) -> list[tuple[int, Slot]]:
     """The slots of `shared` whose source has its prompt in: its prompt's pages copied into
     theirs (past those they hold in common: kept chunks), each first token sampled from the
-    source's last prompt logits with the slot's own settings (`_shared_prompts`)."""
+    source's last prompt logits with the slot's own settings (`slots.shared_prompts`)."""
     ready = [(number, slot, source) for number, slot, source in shared
              if source.first_logits is not None]
     for replica in sorted({self._replica(number) for number, _, _ in ready}):
@@ -334,7 +324,7 @@ class Engine:
       rows = [source.first_logits for _, _, source in ready]
       logits = jnp.stack(rows + rows[:1] * (self.max_slots - len(rows)))
       slots = [slot for _, slot, _ in ready] + [None] * (self.max_slots - len(ready))
-      sampled = [np.asarray(x) for x in first_tokens(logits, *_settings(slots),
+      sampled = [np.asarray(x) for x in first_tokens(logits, *self._settings(slots),
                                                      self.max_top_logprobs)]
     for row, (number, slot, source) in enumerate(ready):
       slot.length, slot.first_logits = len(slot.request.prompt), source.first_logits
@@ -392,7 +382,7 @@ class Engine:
         self._pools[replica].keep(slot.keys, slot.pages, slot.length // self._cache_chunk)
       if slot.length == len(slot.request.prompt):
         slot.first_logits = logits[replica]  # For the slots that share its prompt.
-        sampled = first_token(logits, np.int32(replica), *_settings([slot]),
+        sampled = first_token(logits, np.int32(replica), *self._settings([slot]),
                               self.max_top_logprobs)
         slot.take(*[np.asarray(x)[0] for x in sampled])
         done.append((number, slot))
@@ -415,15 +405,17 @@ class Engine:
     for number, slot in enumerate(slots):
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
-    settings = _settings(slots)
-    width = self._width(max(slot.length for slot in slots if slot is not None)
-                        + self.steps_per_call)
+    settings = self._settings(slots)
+    constrained = any(slot is not None and slot.grammar for slot in slots)
+    count = 1 if constrained else self.steps_per_call
+    width = self._width(max(slot.length for slot in slots if slot is not None) + count)
     table = self._tables[:, :width].copy()
     idle = [slot is None for slot in slots]
     table[idle] = 0  # Idle rows write to page 0 only, and to no slot's state.
     rows = np.arange(self.max_slots, dtype=np.int32) % self.replica_slots
     rows[idle] = self.replica_slots
-    outputs = self._steps(self._params, self._cache, tokens, lengths, table, rows, *settings)
+    outputs = (self._one_step if constrained else self._steps)(
+        self._params, self._cache, tokens, lengths, table, rows, *settings)
     *sampled, self._cache = outputs  # Each [steps, B, ...].
     new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
     grown = []
@@ -431,7 +423,7 @@ class Engine:
       if slot is None:
         continue
       grown.append(slot.completion)
-      for step in range(self.steps_per_call):
+      for step in range(count):
         slot.length += 1
         if slot.take(new_tokens[step, number], logps[step, number],
                       top_tokens[step, number], top_logps[step, number]):
@@ -445,6 +437,5 @@ class Engine:
     self._pools[self._replica(number)].give_back(slot.pages)
     self._tables[number] = 0
 
-
-def _settings(slots: Sequence[Slot | None]) -> tuple[np.ndarray, ...]:
-  return requests_lib.row_settings([s and (s.request, len(s.completion.tokens)) for s in slots])
+  def _settings(self, slots: Sequence[Slot | None]) -> tuple[np.ndarray, ...]:
+    return settings(slots, self.vocab_size)

@@ -51,11 +51,12 @@ def padded_length(size: int, limit: int) -> int:
 
 
 def sample_rows(logits, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
-                max_top: int):
+                allowed, max_top: int):
   """`sampling.sample` with token i of a request keyed `fold_in(key(seed), i)`."""
   keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
   tokens, logps = sampling.sample(logits, keys, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, bias_ids=bias_ids, bias_values=bias_values)
+                                  top_p=top_p, bias_ids=bias_ids, bias_values=bias_values,
+                                  allowed=allowed)
   top_tokens, top_logps = sampling.top_logprobs(logits, max(max_top, 1))
   return tokens, logps, top_tokens, top_logps
 
@@ -68,18 +69,18 @@ def page_copy(specs: tuple, stacked: bool) -> Callable:
                                    stacked=stacked), donate_argnums=0)
 
 
-first_tokens = jax.jit(sample_rows, static_argnums=8)
+first_tokens = jax.jit(sample_rows, static_argnums=9)
 """`sample_rows` of rows of logits [B, V]: the first tokens of requests whose prompt another
 request's prefill ended (the engine's shared prompts)."""
 
 
-@functools.partial(jax.jit, static_argnums=9)
+@functools.partial(jax.jit, static_argnums=10)
 def first_token(logits, row, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
-                max_top: int):
+                allowed, max_top: int):
   """`sample_rows` of row `row` of a prefill's last logits [R, V], compiled once."""
   logits = jax.lax.dynamic_slice_in_dim(logits, row, 1)
   return sample_rows(logits, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
-                     max_top)
+                     allowed, max_top)
 
 
 @functools.cache
@@ -109,11 +110,13 @@ def _prefill(model: Callable, params, state, tokens, start, block_table, slots, 
 
 
 def _steps(model: Callable, max_top: int, count: int, params, state, tokens, lengths,
-           block_table, slots, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values):
+           block_table, slots, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values,
+           allowed):
   """`count` tokens for every row, each at its own position of its pages (`block_table`)
   and in its slot (`slots`), each step's tokens fed to the next, in a loop on the device:
   outputs [count, B, ...] and the updated cache state. A row's token i is keyed
-  `fold_in(seed, i)`, so the tokens do not depend on `count`. `model(params)`: the
+  `fold_in(seed, i)`, so the tokens do not depend on `count`. `allowed`: each row's tokens
+  allowed (a grammar's), for a program of one step (`count` 1). `model(params)`: the
   decoder."""
   def one(carry, _):
     # The parameters ride in the carry: a scanned-layer model splits them again inside
@@ -122,7 +125,7 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
     logits, cache = model(params).decode(tokens[:, None],
                                          KVCache(state, lengths, block_table, slots))
     sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, bias_ids,
-                          bias_values, max_top)
+                          bias_values, allowed, max_top)
     return (params, cache.state, sampled[0], lengths + 1, counts + 1), sampled
 
   carry = (params, state, tokens, lengths, counts)
@@ -146,5 +149,6 @@ def lower(program: str, prefill: Callable, steps: Callable, state: tuple, replic
   return steps.lower(*state, spec(rows), spec(rows), spec((*rows, pages_per_slot)),
                      spec(rows), spec(rows, np.uint32), spec(rows), spec(rows, np.float32),
                      spec(rows), spec(rows, np.float32), spec((*rows, 0)),
-                     spec((*rows, 0), np.float32))  # No logit bias: the common program.
+                     spec((*rows, 0), np.float32),  # No logit bias nor grammar: the common
+                     spec((*rows, 0)))  # program.
 

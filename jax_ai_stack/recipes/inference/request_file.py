@@ -1,8 +1,10 @@
 """What `jax-ai-stack generate` answers: a JSONL file of requests, or conversations to reply to.
 
 Each line of `--input` is a prompt (`{"prompt": ...}`) or a conversation
-(`{"messages": [...]}`), with optional `"stop"` strings; each line of `--chat`
-is a conversation. A bad line is a DataError naming the file and the line.
+(`{"messages": [...]}`), with optional `"stop"` strings and an optional
+`"response_format"` (OpenAI's: the output follows a JSON schema, `inference.grammar`);
+each line of `--chat` is a conversation. A bad line is a DataError naming the file and
+the line.
 
 Example:
   >>> import pathlib, tempfile
@@ -51,6 +53,8 @@ def read(path: str) -> list[dict]:
     except json.JSONDecodeError:
       record = None  # The parser below names the line.
     stop = record.pop("stop", []) if isinstance(record, dict) else []
+    rule = _grammar(record.pop("response_format", None) if isinstance(record, dict) else None,
+                    where)
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
       raise DataError(f"{where}: \"stop\" must be a string or a list of non-empty strings")
@@ -60,7 +64,21 @@ def read(path: str) -> list[dict]:
     else:  # A conversation to answer, or the parser's one-line error naming the line.
       line = json.dumps(record) if isinstance(record, dict) else line
       item = {"messages": chat_data.parse_line(line, where, to_answer=True)}
-    items.append({**item, "stop": stop} if stop else item)
+    items.append({**item, **({"stop": stop} if stop else {}),
+                  **({"grammar": rule} if rule else {})})
   if not items:
     raise UsageError(f"--input {path}: no requests in the file")
   return items
+
+
+def _grammar(response_format, where: str) -> str | None:
+  """A line's `response_format` as the grammar its output follows (DataError naming the line
+  where it is malformed)."""
+  if response_format is None:
+    return None
+  from jax_ai_stack.recipes.inference import grammar  # pylint: disable=g-import-not-at-top
+
+  try:
+    return grammar.from_response_format(response_format)
+  except ValueError as e:
+    raise DataError(f"{where}: {e}") from None

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_ai_stack.recipes.inference import grammar as grammar_lib
+
 __all__ = ["Completion", "Request", "RequestError", "check", "row_settings", "slot_length"]
 
 SHORTEST_SLOT = 64
@@ -51,6 +53,10 @@ class Request:
   """(token id, value) pairs added to the logits a token is chosen from (OpenAI's
   `logit_bias`: -100 bans a token, 100 all but forces it), at most `MAX_LOGIT_BIAS`; the
   log-probabilities reported stay the model's."""
+  grammar: str | None = None
+  """The output's grammar (`inference.grammar`: a JSON schema's, a regex's, ...): each token
+  is chosen among those that keep the output valid, the log-probabilities reported staying
+  the model's; the engine needs `grammar_vocabulary`. None: free text."""
 
 
 class RequestError(ValueError):
@@ -145,6 +151,13 @@ def check(engine: Any, request: Request, index: int = 0) -> None:
     raise bad("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} token ids in [0, "
               f"{engine.vocab_size}), each with a value in [-100, 100]; got {len(bias)} "
               f"({', '.join(f'{t}: {v}' for t, v in bias[:3])}{', ...' if len(bias) > 3 else ''})")
+  if request.grammar is not None:
+    if engine.grammar_vocabulary is None:
+      raise bad("grammar", "a grammar needs the tokenizer's vocabulary: give the engine "
+                "`grammar_vocabulary` (inference.grammar.vocabulary(tokenizer))")
+    error = grammar_lib.check(request.grammar, engine.grammar_vocabulary)
+    if error:
+      raise bad("grammar", f"the grammar does not compile: {error}")
   if not 0 <= request.top_logprobs <= engine.max_top_logprobs:
     raise bad("top_logprobs", f"top_logprobs must be in [0, {engine.max_top_logprobs}]; got "
               f"{request.top_logprobs}")

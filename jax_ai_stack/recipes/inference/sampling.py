@@ -29,18 +29,25 @@ __all__ = ["sample", "top_logprobs"]
 
 def sample(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, bias_ids: jax.Array | None = None,
-           bias_values: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           bias_values: jax.Array | None = None,
+           allowed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(tokens [B] int32, their log-probabilities [B] float32) from float32 logits [B, V].
 
   Per row: `keys` [B] (typed PRNG keys), `temperature` [B] (0: the most likely
   token), `top_k` [B] (0: every token), `top_p` [B] (1: every token), and a logit bias,
   `bias_values` [B, K] added at the token ids `bias_ids` [B, K] to the logits the token is
   chosen from (0.0 at padding: exactly nothing), not to those its log-probability is
-  read from.
+  read from; and `allowed` [B, ceil(V/32)] int32, the tokens a row may take as bits (token t:
+  bit t % 32 of word t // 32; all set: every token), the others at -inf for the choice alone
+  (a grammar's mask, `grammar.masks`).
   """
   raw = logits = logits.astype(jnp.float32)
   if bias_ids is not None and bias_ids.shape[-1]:  # (K = 0: nothing traced.)
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], bias_ids].add(bias_values)
+  if allowed is not None and allowed.shape[-1]:  # (No words: nothing traced.)
+    ids = jnp.arange(logits.shape[-1])
+    bits = jnp.right_shift(allowed[:, ids // 32], ids % 32) & 1
+    logits = jnp.where(bits == 1, logits, -jnp.inf)
   # Each filter runs only when some row asks for it (`lax.cond` on the batch): a row that
   # does not ask gets the same bits either way, so no row depends on the others, and a
   # batch of greedy or plain-temperature rows sorts nothing.

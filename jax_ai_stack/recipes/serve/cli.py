@@ -166,7 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
       template = None
     engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len,
                               decode=tokenizer.decode, page_size=args.page_size,
-                              max_pages=args.max_pages)
+                              max_pages=args.max_pages,  # Structured output's:
+                              grammar_vocabulary=inference.grammar.vocabulary(tokenizer))
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=key, max_queue=args.max_queue,

@@ -47,7 +47,7 @@ _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 # Fields each endpoint reads; others are refused by name rather than silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
            "stream", "stream_options", "user", "presence_penalty", "frequency_penalty",
-           "logit_bias"}
+           "logit_bias", "response_format", "structured_outputs"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
@@ -82,6 +82,9 @@ class Ask:
   """Chat: the functions offered (`serve.tools`), rendered by the chat template."""
   tool_choice: str | dict = "none"
   """Chat: "none" (calls are not read), "auto", "required" or {"type": "function", ...}."""
+  grammar: str | None = None
+  """What the output must follow (`response_format`, or vLLM's `structured_outputs`), as
+  `inference.grammar` compiles it; None: free text."""
 
 
 def parse_json(raw: bytes) -> Any:
@@ -198,9 +201,12 @@ def parse_chat(body: Any, *, max_top_logprobs: int,
     raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
   offered = tools.parse_tools(body["tools"]) if body.get("tools") is not None else ()
   _get(body, "parallel_tool_calls", bool, True)  # Every call a reply makes is read.
+  choice = tools.parse_tool_choice(body.get("tool_choice"), offered)
+  if fields["grammar"] is not None and (choice == "required" or isinstance(choice, dict)):
+    raise ApiError("a 'tool_choice' that forces a call has the call's own grammar: give no "
+                   "'response_format' with it", "tool_choice")
   return Ask(messages=_messages(body.get("messages")), logprobs=logprobs, top_logprobs=top,
-             tools=offered, tool_choice=tools.parse_tool_choice(body.get("tool_choice"), offered),
-             **fields)
+             tools=offered, tool_choice=choice, **fields)
 
 
 def _prompts(prompt: Any, vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
@@ -270,7 +276,7 @@ def _common(body: Any, known: set[str], max_stop_bytes: int) -> dict:
   fields = dict(model=model, temperature=temperature, top_p=top_p,
                 top_k=None if top_k == -1 else top_k, n=n, seed=_get(body, "seed", int, None),
                 stop=tuple(stop), stream=stream, include_usage=_include_usage(body, stream),
-                logit_bias=logit_bias)
+                logit_bias=logit_bias, grammar=_grammar(body))
   max_tokens = _get(body, "max_tokens", int, None)
   if max_tokens is not None:
     fields["max_tokens"] = _at_least_one(max_tokens, "max_tokens")
@@ -291,6 +297,24 @@ def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
     raise ApiError(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens; got {len(pairs)}",
                    "logit_bias")
   return tuple(pairs)
+
+
+def _grammar(body: dict) -> str | None:
+  """The grammar of `response_format` or `structured_outputs` (not both); ApiError naming the
+  field where it is malformed or the `serve` extra's llguidance is missing."""
+  given = [name for name in ("response_format", "structured_outputs") if body.get(name)]
+  if len(given) > 1:
+    raise ApiError("give 'response_format' or 'structured_outputs', not both", given[1])
+  if not given:
+    return None
+  from jax_ai_stack.recipes.inference import grammar  # pylint: disable=g-import-not-at-top
+
+  read = (grammar.from_response_format if given[0] == "response_format"
+          else grammar.from_structured_outputs)
+  try:
+    return read(body[given[0]])
+  except (ValueError, ImportError) as e:
+    raise ApiError(str(e), given[0]) from None
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

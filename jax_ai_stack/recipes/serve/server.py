@@ -192,7 +192,8 @@ def _api_error(error: Exception, *, chat: bool = False) -> ApiError:
     return ApiError(str(error), status=503, kind="server_error", code="engine_stopped")
   if isinstance(error, engine_lib.RequestError):  # Found by the engine's check.
     field = {"prompt": "messages" if chat else "prompt", "top_logprobs": "top_logprobs"
-             if chat else "logprobs", "stop_ids": "stop"}.get(error.field, error.field)
+             if chat else "logprobs", "stop_ids": "stop", "grammar": "response_format"
+             }.get(error.field, error.field)
     return ApiError(str(error).split(": ", 1)[-1], field)
   if isinstance(error, DataError):  # The chat template refused the conversation.
     return ApiError(str(error), "messages")
@@ -228,7 +229,9 @@ async def _answer(request: HttpRequest, worker: EngineWorker, served: Served,
                    "--max-queue)", "prompt" if len(items) > 1 else "n")
   _check_room(worker, wanted, room)
   # Off the event loop: a long prompt's tokenizing must not hold up the other streams.
-  requests, prompt_tokens = await asyncio.to_thread(_requests, served, ask, items, chat=chat)
+  rule = ask.grammar or (syntax.grammar(ask.tool_choice, ask.tools) if syntax else None)
+  requests, prompt_tokens = await asyncio.to_thread(_requests, served, ask, items, rule,
+                                                    chat=chat)
   _check_room(worker, wanted, room)  # Again: others may have come in meanwhile.
   jobs = worker.submit_all(requests)  # Checked on the engine's thread: all or none.
   try:
@@ -276,10 +279,10 @@ def _check_room(worker: EngineWorker, wanted: int, room: int) -> None:
                    "retry later", status=429, code="rate_limit_exceeded", kind="rate_limit_error")
 
 
-def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: bool
-              ) -> tuple[list[engine_lib.Request], int]:
-  """Engine requests for `items` x `ask.n` (the engine's thread checks them), and the
-  prompt tokens counted once per item."""
+def _requests(served: Served, ask: openai_api.Ask, items: list[dict], grammar: str | None, *,
+              chat: bool) -> tuple[list[engine_lib.Request], int]:
+  """Engine requests for `items` x `ask.n` (the engine's thread checks them), each following
+  `grammar`, and the prompt tokens counted once per item."""
   engine, seed = served.engine, ask.seed if ask.seed is not None else secrets.randbelow(2**31)
   requests, prompt_tokens = [], 0
   for item in items:
@@ -297,7 +300,7 @@ def _requests(served: Served, ask: openai_api.Ask, items: list[dict], *, chat: b
           tuple(int(t) for t in ids), ask.max_tokens or room, temperature=ask.temperature,
           top_k=ask.top_k, top_p=ask.top_p, seed=(seed + len(requests)) % 2**32,
           stop_ids=stop_ids, top_logprobs=ask.top_logprobs, stop=ask.stop,
-          logit_bias=ask.logit_bias))
+          logit_bias=ask.logit_bias, grammar=grammar))
   return requests, prompt_tokens
 
 

@@ -149,6 +149,25 @@ class ToolSyntax:
       return f'{self.opening}\n{{"name": {json.dumps(choice["function"]["name"])}, "arguments": '
     return ""
 
+  def grammar(self, choice: str | dict, tools: tuple[dict, ...]) -> str | None:
+    """The grammar of the rest of a reply that must call a tool (`tool_choice` "required" or a
+    named function), after `reply_start`: one call of an offered function whose arguments
+    validate under its parameters' schema (`inference.grammar`), closed. None otherwise."""
+    if choice != "required" and not isinstance(choice, dict):
+      return None
+    from jax_ai_stack.recipes.inference import grammar  # pylint: disable=g-import-not-at-top
+
+    named = isinstance(choice, dict)
+    functions = [tool["function"] for tool in tools
+                 if not named or tool["function"]["name"] == choice["function"]["name"]]
+    rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+      head = "" if named else f'{{"name": {json.dumps(function["name"])}, "arguments": '
+      rules += [f"call_{i}: {json.dumps(head)} arguments_{i} "
+                f"{json.dumps('}' + chr(10) + self.closing)}",
+                f"arguments_{i}: {grammar.json_rule(_object(function))}"]
+    return grammar.lark("\n".join(rules))
+
   def read(self, text: str) -> tuple[str | None, list[dict]]:
     """(the text outside the calls, or None where that is blank; the calls, in OpenAI's
     shape) of a reply's `text`. A call whose JSON does not parse is left in the text."""
@@ -177,6 +196,11 @@ class ToolSyntax:
       if self.opening.startswith(text[-keep:]):
         return len(text) - keep
     return len(text)
+
+
+def _object(function: dict) -> dict:
+  """A function's parameters' schema, of an object always (as OpenAI's arguments are)."""
+  return {"type": "object", **function.get("parameters", {})}
 
 
 def _call(body: str) -> dict | None:

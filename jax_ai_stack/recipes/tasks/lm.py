@@ -256,7 +256,8 @@ class LanguageModel(Task):
     `generate`, up to the model's end-of-sequence ids unless `ignore_eos`) or
     {"messages": [...]} (answered as `chat`: the reply alone, cut at its end of
     turn), with an optional "stop": strings that end it (the engine stops there;
-    the text ends before the first). Yields {"index", "text", "finish_reason"
+    the text ends before the first), and an optional "grammar" its new text follows
+    (`inference.grammar`). Yields {"index", "text", "finish_reason"
     ("stop" or "length"), "tokens" (new tokens, an end id included), "first_token_s"
     (seconds from its queueing in the engine to its first token)} with `index` the
     item's place in `items`.
@@ -270,11 +271,14 @@ class LanguageModel(Task):
     requests, lengths = self._requests(list(prompts), max_new_tokens, temperature, seed,
                                        top_k, top_p, list(stop_ids))
     stops = [tuple(item.get("stop", ())) for item in items]
-    requests = [dataclasses.replace(r, stop=stop) for r, stop in zip(requests, stops)]
+    requests = [dataclasses.replace(r, stop=stop, grammar=item.get("grammar"))
+                for r, stop, item in zip(requests, stops, items)]
     decode = lambda ids: tokenizer.decode(np.asarray(ids, np.int32))
     engine = inference.Engine(model, max_slots=min(len(requests), MAX_SLOTS),
                               max_len=inference.slot_length(requests, self.config.model.max_seq_len),
-                              decode=decode if any(stops) else None)  # Text only for stops.
+                              decode=decode if any(stops) else None,  # Text only for stops.
+                              grammar_vocabulary=inference.grammar.vocabulary(tokenizer)
+                              if any(r.grammar for r in requests) else None)
     for index, request in enumerate(requests):
       try:
         engine.check(request, index)  # A sampling setting out of range: the user's mistake.
