@@ -3,9 +3,10 @@
 The templates in tests/references/chat_templates/*.jinja follow the published
 formats of four model families (Llama 3 headers, Qwen's ChatML with a default
 system turn, Gemma's turns with the system folded into the first user turn and
-strict alternation, Mistral's [INST] blocks), and Qwen2.5's with tools (their
+strict alternation, Mistral's [INST] blocks), Qwen2.5's with tools (their
 signatures in the system turn, calls in <tool_call> tags, results as <tool_response>
-user turns). Each is rendered by transformers' own `render_jinja_template` on
+user turns), and Llama 3.1's with tools (their signatures in the first user turn, a call
+as a bare {"name", "parameters"} object, results as ipython turns). Each is rendered by transformers' own `render_jinja_template` on
 multi-turn conversations, with and without the generation prompt (the tool template
 also with tools, calls and their results), into
 
@@ -37,6 +38,7 @@ SPECIAL_TOKENS = {
     "gemma": {"bos_token": "<bos>", "eos_token": "<eos>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>"},
     "qwen_tools": {"bos_token": "", "eos_token": "<|im_end|>"},
+    "llama3_tools": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
 }
 
 CONVERSATIONS = [
@@ -70,6 +72,16 @@ TOOL_CONVERSATIONS = [  # (With TOOLS.) A question, then a call, its result and 
      {"role": "assistant", "content": "21 °C in Paris, 24 °C in Lyon."}],
 ]
 
+LLAMA3_TOOL_CONVERSATIONS = [  # Llama 3.1's template takes one call a turn.
+    TOOL_CONVERSATIONS[0],
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"},
+     {"role": "assistant", "content": "21 °C in Paris."}],
+]
+
 
 def main() -> None:
   references = {"transformers": transformers.__version__, "jinja2": jinja2.__version__,
@@ -77,7 +89,8 @@ def main() -> None:
   for name, tokens in SPECIAL_TOKENS.items():
     source = (OUT / f"{name}.jinja").read_text(encoding="utf-8")
     cases = []
-    with_tools = [(m, TOOLS) for m in TOOL_CONVERSATIONS] if name == "qwen_tools" else []
+    with_tools = [(m, TOOLS) for m in {"qwen_tools": TOOL_CONVERSATIONS,
+                                       "llama3_tools": LLAMA3_TOOL_CONVERSATIONS}.get(name, [])]
     for messages, tools in [(m, None) for m in CONVERSATIONS] + with_tools:
       for generation_prompt in (False, True):
         rendered, _ = render_jinja_template(conversations=[messages], chat_template=source,

@@ -13,7 +13,7 @@ from jax_ai_stack.recipes.data.chat_template import BYTE_TEMPLATE, ChatTemplate,
 REFERENCES = pathlib.Path(__file__).parent / "references" / "chat_templates"
 RENDERED = json.loads((REFERENCES / "references.json").read_text(encoding="utf-8"))["templates"]
 END_OF_TURN = {"llama3": "<|eot_id|>", "qwen": "<|im_end|>", "gemma": "<end_of_turn>",
-               "mistral": "</s>", "qwen_tools": "<|im_end|>"}
+               "mistral": "</s>", "qwen_tools": "<|im_end|>", "llama3_tools": "<|eot_id|>"}
 CASES = [(name, i) for name, entry in RENDERED.items() for i in range(len(entry["cases"]))]
 
 

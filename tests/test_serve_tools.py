@@ -17,7 +17,8 @@ from jax_ai_stack.recipes.data.chat_template import ChatTemplate
 from jax_ai_stack.recipes.inference.requests import Completion
 from jax_ai_stack.recipes.serve import openai_api, server
 from jax_ai_stack.recipes.serve.openai_api import ApiError
-from jax_ai_stack.recipes.serve.tools import ToolSyntax, parse_tool_choice, parse_tools
+from jax_ai_stack.recipes.serve.tools import (LLAMA3_JSON, ToolSyntax, parse_tool_choice,
+                                              parse_tools)
 
 TEMPLATES = pathlib.Path(__file__).parent / "references" / "chat_templates"
 QWEN = ChatTemplate((TEMPLATES / "qwen_tools.jinja").read_text(encoding="utf-8"), bos_token="",
@@ -26,6 +27,9 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 SYNTAX = ToolSyntax.of(QWEN.source, "qwen")
+LLAMA = ChatTemplate((TEMPLATES / "llama3_tools.jinja").read_text(encoding="utf-8"),
+                     bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                     origin="llama3_tools.jinja")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -81,8 +85,19 @@ def test_earlier_calls_and_their_results_reach_the_template_as_transformers_has_
 def test_a_template_without_tools_or_with_another_syntax_is_refused_in_one_line():
   with pytest.raises(ApiError, match="does not show tools"):
     ToolSyntax.of(data.chat_template.BYTE_TEMPLATE, "the built-in chat template")
-  with pytest.raises(ApiError, match=r"does not read \(it reads Hermes' <tool_call>"):
+  with pytest.raises(ApiError, match=r"does not read \(it reads Hermes' <tool_call>.*Llama 3"):
     ToolSyntax.of("{{ tools }}[TOOL_CALLS]", "mistral")
+  assert ToolSyntax.of(LLAMA.source, "llama") == LLAMA3_JSON
+
+
+def test_llama_3_1_s_bare_calls_are_read_and_held_back_while_they_may_be_one():
+  content, calls = LLAMA3_JSON.read(' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                    '{"name": "get_weather", "parameters": {"city": "Lyon"}}')
+  assert content is None and [json.loads(c["function"]["arguments"])["city"]
+                              for c in calls] == ["Paris", "Lyon"]
+  for text in ("The weather is {fine}.", '{"name": "f"} and more', "{broken"):
+    assert LLAMA3_JSON.read(text) == (text, [])
+  assert [LLAMA3_JSON.held_back(t) for t in ("", "  ", ' {"na', "Sunny {")] == [0, 0, 0, 7]
 
 
 def test_calls_are_read_and_a_call_that_does_not_parse_stays_text():
@@ -140,13 +155,6 @@ class Scripted(inference.Engine):
 TOKENIZER = data.ByteTokenizer()
 
 
-def _encode(item):
-  if "messages" in item:
-    text = QWEN.render(item["messages"], tools=item.get("tools"), add_generation_prompt=True)
-    return TOKENIZER.encode(text + item.get("reply_start", "")), (TOKENIZER.eos_id,)
-  return TOKENIZER.encode(item["prompt"]), ()
-
-
 @pytest.fixture(scope="module")
 def engine():
   config = dataclasses.replace(models.DecoderConfig.tiny(), max_seq_len=2048)  # Never run.
@@ -156,7 +164,14 @@ def engine():
 
 
 def _client(engine, template=QWEN):
-  served = server.Served("tiny", engine, TOKENIZER, _encode, chat_template=template)
+  def encode(item):
+    if "messages" in item:
+      text = template.render(item["messages"], tools=item.get("tools"),
+                             add_generation_prompt=True)
+      return TOKENIZER.encode(text + item.get("reply_start", "")), (TOKENIZER.eos_id,)
+    return TOKENIZER.encode(item["prompt"]), ()
+
+  served = server.Served("tiny", engine, TOKENIZER, encode, chat_template=template)
   return TestClient(server.build_app(served))
 
 
@@ -221,12 +236,13 @@ def test_tools_with_a_template_that_cannot_show_them_are_a_400_naming_it(engine)
     assert reply.json()["error"]["param"] == "tools"
 
 
-def test_a_forced_call_from_a_real_model_always_parses_and_its_arguments_validate():
+@pytest.mark.parametrize("template", [QWEN, LLAMA], ids=["hermes", "llama3"])
+def test_a_forced_call_from_a_real_model_always_parses_and_its_arguments_validate(template):
   """A random tiny model at temperature 1, `tool_choice` "required" and named: each reply is
   one call of an offered function whose arguments validate under its parameters (the
   structured output's grammar), read back as `tool_calls`."""
   jsonschema = pytest.importorskip("jsonschema")
-  config = dataclasses.replace(models.DecoderConfig.tiny(), max_seq_len=1024)
+  config = dataclasses.replace(models.DecoderConfig.tiny(), max_seq_len=2048)
   engine = inference.Engine(models.Decoder(config, rngs=nnx.Rngs(0)), max_slots=4,
                             decode=TOKENIZER.decode,
                             grammar_vocabulary=inference.grammar.vocabulary(TOKENIZER))
@@ -238,7 +254,7 @@ def test_a_forced_call_from_a_real_model_always_parses_and_its_arguments_validat
   weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
   schemas = {"get_weather": city, "now": now["function"]["parameters"]}
   named = {"type": "function", "function": {"name": "now"}}
-  with _client(engine) as client:
+  with _client(engine, template) as client:
     replies = [client.post("/v1/chat/completions", json={
         **ASK, "tools": [weather, now], "tool_choice": choice, "n": 4, "seed": 1,
         "max_tokens": 80}).json() for choice in ("required", named)]
@@ -251,3 +267,26 @@ def test_a_forced_call_from_a_real_model_always_parses_and_its_arguments_validat
       jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
       called.append(name)
   assert called[4:] == ["now"] * 4
+
+
+def test_llama_3_1_s_call_comes_back_as_tool_calls_and_a_named_choice_begins_it(engine):
+  engine.reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+  first = len(engine.prompts)
+  with _client(engine, LLAMA) as client:
+    whole = client.post("/v1/chat/completions", json=ASK).json()
+    with client.stream("POST", "/v1/chat/completions", json={**ASK, "stream": True}) as events:
+      lines = [line for line in events.iter_lines() if line.startswith("data: {")]
+    engine.reply = '{"city": "Lyon"}}'
+    named = client.post("/v1/chat/completions", json={**ASK, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}).json()
+  assert "Given the following functions" in engine.prompts[first]
+  message = whole["choices"][0]["message"]
+  assert whole["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+  assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+  chunks = [json.loads(line[6:]) for line in lines]
+  assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+  assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+  assert engine.prompts[-1].endswith('<|start_header_id|>assistant<|end_header_id|>\n\n'
+                                     '{"name": "get_weather", "parameters": ')
+  assert json.loads(named["choices"][0]["message"]["tool_calls"][0]["function"][
+      "arguments"]) == {"city": "Lyon"}

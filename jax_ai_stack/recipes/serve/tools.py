@@ -4,11 +4,13 @@ A chat request may offer functions (`tools`: name, description, JSON-schema para
 They are rendered into the prompt by the model's own chat template (its `tools`
 variable, as transformers renders it), and the reply's calls are read back in the syntax
 that template teaches (`ToolSyntax`): Hermes' `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>`, which Qwen2.5, Qwen3 and the Hermes fine-tunes use. A template without
-tools, or with a syntax this server does not read, is refused with one line.
+{...}}</tool_call>`, which Qwen2.5, Qwen3 and the Hermes fine-tunes use, or Llama 3.1's
+bare `{"name": ..., "parameters": {...}}` reply. A template without tools, or with a syntax
+this server does not read, is refused with one line.
 `tool_choice`: "auto" (the model decides; the default with tools), "none" (the tools are
 shown, no call is read), "required" or one named function: the reply then begins with the
-call's opening (and the function's name), written into the prompt. The calls a reply makes
+call's opening (and the function's name), written into the prompt, and the rest is held to
+one valid call by a grammar (`ToolSyntax.grammar`). The calls a reply makes
 come back as `message.tool_calls` (finish reason "tool_calls"); text outside them is the
 message's content; a call whose JSON does not parse stays text. Earlier turns' calls
 (an assistant's `tool_calls`) and their results (`role: tool`) go back to the template as
@@ -123,11 +125,15 @@ def tool_turn(message: dict, where: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ToolSyntax:
-  """How a chat template writes a tool call: the text that opens and closes one, around a
-  JSON object {"name", "arguments"} (Hermes')."""
+  """How a chat template writes a tool call: a JSON object {"name", `key`}, between `opening`
+  and `closing` (Hermes' tags), or bare as the whole reply (Llama 3.1's)."""
 
-  opening: str = "<tool_call>"
-  closing: str = "</tool_call>"
+  name: str
+  """What the syntax is called in messages."""
+  opening: str
+  closing: str
+  key: str
+  """The name of the call's arguments in its JSON."""
 
   @classmethod
   def of(cls, template: str, origin: str) -> ToolSyntax:
@@ -135,18 +141,21 @@ class ToolSyntax:
     no tools or writes calls in a syntax this server does not read."""
     if "tools" not in template:
       raise ApiError(f"{origin} does not show tools to the model: ask without 'tools'", "tools")
-    if cls.opening not in template:
-      raise ApiError(f"{origin} writes tool calls in a syntax this server does not read (it "
-                     f"reads Hermes' {cls.opening}...{cls.closing}, as Qwen's templates have "
-                     "it): ask without 'tools'", "tools")
-    return cls()
+    if HERMES.opening in template:
+      return HERMES
+    if '"parameters"' in template and "ipython" in template:  # Results as ipython turns.
+      return LLAMA3_JSON
+    raise ApiError(f"{origin} writes tool calls in a syntax this server does not read (it "
+                   f"reads {HERMES.name}, as Qwen's templates have it, and {LLAMA3_JSON.name}): "
+                   "ask without 'tools'", "tools")
 
   def reply_start(self, choice: str | dict) -> str:
     """What the reply must begin with for `tool_choice` (written into the prompt)."""
+    opening = f"{self.opening}\n" if self.opening else ""
     if choice == "required":
-      return f"{self.opening}\n"
+      return opening
     if isinstance(choice, dict):
-      return f'{self.opening}\n{{"name": {json.dumps(choice["function"]["name"])}, "arguments": '
+      return f'{opening}{{"name": {json.dumps(choice["function"]["name"])}, "{self.key}": '
     return ""
 
   def grammar(self, choice: str | dict, tools: tuple[dict, ...]) -> str | None:
@@ -160,17 +169,20 @@ class ToolSyntax:
     named = isinstance(choice, dict)
     functions = [tool["function"] for tool in tools
                  if not named or tool["function"]["name"] == choice["function"]["name"]]
+    tail = "}" + (f"\n{self.closing}" if self.closing else "")
     rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, function in enumerate(functions):
-      head = "" if named else f'{{"name": {json.dumps(function["name"])}, "arguments": '
-      rules += [f"call_{i}: {json.dumps(head)} arguments_{i} "
-                f"{json.dumps('}' + chr(10) + self.closing)}",
+      head = "" if named else f'{{"name": {json.dumps(function["name"])}, "{self.key}": '
+      rules += [f"call_{i}: {json.dumps(head)} arguments_{i} {json.dumps(tail)}",
                 f"arguments_{i}: {grammar.json_rule(_object(function))}"]
     return grammar.lark("\n".join(rules))
 
   def read(self, text: str) -> tuple[str | None, list[dict]]:
     """(the text outside the calls, or None where that is blank; the calls, in OpenAI's
     shape) of a reply's `text`. A call whose JSON does not parse is left in the text."""
+    if not self.opening:
+      calls = _bare_calls(text)
+      return (None, calls) if calls else (text if text.strip() else None, [])
     calls, content, at = [], [], 0
     pattern = re.compile(re.escape(self.opening) + r"(.*?)" + re.escape(self.closing) + "|"
                          + re.escape(self.opening) + r"(.*)$", re.DOTALL)
@@ -188,7 +200,10 @@ class ToolSyntax:
 
   def held_back(self, text: str) -> int:
     """Where a streamed reply's text must stop being sent as content: at a call's opening,
-    or at an end that may begin one."""
+    or at an end that may begin one (a bare call: a reply that begins with "{", or nothing
+    yet but blank)."""
+    if not self.opening:
+      return 0 if text.lstrip()[:1] in ("", "{") else len(text)
     start = text.find(self.opening)
     if start >= 0:
       return start
@@ -196,6 +211,32 @@ class ToolSyntax:
       if self.opening.startswith(text[-keep:]):
         return len(text) - keep
     return len(text)
+
+
+HERMES = ToolSyntax("Hermes' <tool_call>...</tool_call>", "<tool_call>", "</tool_call>",
+                    "arguments")
+LLAMA3_JSON = ToolSyntax('Llama 3.1\'s bare {"name": ..., "parameters": ...}', "", "",
+                         "parameters")
+
+
+def _bare_calls(text: str) -> list[dict]:
+  """The calls of a reply that is nothing but JSON objects, separated by ";" (Llama 3.1's:
+  its `<|python_tag|>` is a special token, gone from the text); none where it is not."""
+  decoder, calls, at = json.JSONDecoder(), [], 0
+  text = text.strip()
+  while at < len(text):
+    try:
+      _, end = decoder.raw_decode(text, at)
+    except (json.JSONDecodeError, RecursionError):
+      return []
+    call = _call(text[at:end])
+    if call is None:
+      return []
+    calls.append(call)
+    at = end
+    while at < len(text) and text[at] in "; \n\t":
+      at += 1
+  return calls
 
 
 def _object(function: dict) -> dict:
