@@ -146,12 +146,12 @@ def test_ctrl_c_during_prepare_with_workers_is_one_line_and_exit_130(corpus_dir,
 
 def test_another_tokenizer_is_refused_naming_it(corpus_dir, tmp_path):
   pytest.importorskip("tokenizers")
-  from test_data_tokenizers import _hf_file  # pylint: disable=g-import-not-at-top
+  from data_helpers import hf_tokenizer_file  # pylint: disable=g-import-not-at-top
 
   config = _config(corpus_dir)
   token_cache.prepare(config, tmp_path / "cache", **SMALL)
   other = dataclasses.replace(config, tokenizer="huggingface",
-                              tokenizer_path=_hf_file(tmp_path))
+                              tokenizer_path=hf_tokenizer_file(tmp_path))
   with pytest.raises(DataError, match=r"data\.tokenizer: the cache was tokenized with"):
     token_cache.TokenCache.open(tmp_path / "cache", other)
 
