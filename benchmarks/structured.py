@@ -3,13 +3,15 @@
 A byte-level BPE tokenizer of 8,000 tokens (trained here on the standard library's source)
 and a random Decoder of each size with that vocabulary; 16 requests of 32-token prompts at
 temperature 1, seeds 0-15, each with the same JSON schema (a string, an integer, an enum, a
-boolean and a list of up to three strings), or without it:
+boolean and a list of up to three strings), or without it and as many tokens as its
+structured run made:
 
   free           the engine as it decodes by default (`steps_per_call` tokens a call)
   free-1         one token a call, as the engine decodes while a grammar runs
   structured     the schema's grammar (llguidance): each token's mask computed on the host
 
-Each variant runs once to compile, then is timed (`--repeats` N: the fastest of N). Reports
+Each variant runs once to compile, then all are timed in rounds (`--repeats` N: each one's
+fastest of N). Reports
 seconds per generated token of each, structured against free (target <= 1.2x) and against
 free-1 (the masks' own cost), the host's mask time per token, and whether every structured
 output validates under the schema.
@@ -94,28 +96,31 @@ def measure(size: str, work: dict, tokenizer, repeats: int) -> dict[str, Any]:
   ends = tuple(tokenizer.end_of_turn_ids())
   structured = [Request(p, work["output"], seed=seed, stop_ids=ends, grammar=rule)
                 for seed, p in enumerate(prompts)]
-  free = [dataclasses.replace(r, grammar=None) for r in structured]
-  variants = {"free": (free, {}), "free-1": (free, {"steps_per_call": 1}),
-              "structured": (structured, {})}
-  seconds, tokens, done = {}, {}, {}
+  engine = lambda **options: Engine(model, max_slots=work["slots"], grammar_vocabulary=vocab,  # noqa: E731
+                                    decode=tokenizer.decode, **options)
+  lengths = [len(c.tokens) for c in engine().run(structured)]  # (And compiles its programs.)
+  # Free: as many tokens per request as its structured run made (no end token).
+  free = [dataclasses.replace(r, grammar=None, stop_ids=(), max_tokens=n)
+          for r, n in zip(structured, lengths)]
+  variants = {"structured": (structured, {}), "free": (free, {}),
+              "free-1": (free, {"steps_per_call": 1})}
+  for requests, options in variants.values():
+    engine(**options).run(requests)  # Compiles its programs.
+  seconds, mask_s, done = {}, {}, {}
   timed = _TimedMasks()
-  for name, (requests, options) in variants.items():
-    engine = lambda: Engine(model, max_slots=work["slots"], grammar_vocabulary=vocab,  # noqa: E731
-                            decode=tokenizer.decode, **options)
-    engine().run(requests)  # Compiles its programs.
-    for _ in range(repeats):
+  for _ in range(repeats):  # Rounds of every variant: the machine's drift reaches them alike.
+    for name, (requests, options) in variants.items():
       timed.seconds, grammar.masks = 0.0, timed  # (The engine's slots call grammar.masks.)
       started = time.perf_counter()
       try:
-        done[name] = engine().run(requests)
+        done[name] = engine(**options).run(requests)
       finally:
         grammar.masks = timed.masks
       elapsed = time.perf_counter() - started
       if elapsed < seconds.get(name, float("inf")):
-        seconds[name], mask_s = elapsed, timed.seconds
-      tokens[name] = sum(len(c.tokens) for c in done[name])
-      if name == "structured":
-        masked_s = mask_s
+        seconds[name], mask_s[name] = elapsed, timed.seconds
+  tokens = {name: sum(len(c.tokens) for c in done[name]) for name in variants}
+  masked_s = mask_s["structured"]
   per_token = {name: seconds[name] / tokens[name] for name in variants}
   valid = 0
   for completion in done["structured"]:

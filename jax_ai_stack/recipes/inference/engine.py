@@ -46,8 +46,9 @@ whole prefill chunk they have in common, kept until the pool needs them, bit for
 (`page_pool`: automatic prefix caching; `prefix_hits`, `cached_tokens`, `cached_pages`).
 
 Structured output: a request's `grammar` (`grammar`: llguidance) allows each token only what
-keeps the output valid, its mask computed on the host between calls (while such a request
-runs, a call decodes one token, the next mask needing the last).
+keeps the output valid. While such a request runs, a call decodes one token (the next mask
+needs the last): the model's step is dispatched, the masks computed on the host while it
+runs, then the tokens sampled from its logits.
 
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
@@ -77,9 +78,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, half_octave,
-                                                     lower, padded_length, page_copy,
-                                                     programs)
+from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, forward,
+                                                     half_octave, lower, padded_length,
+                                                     page_copy, programs)
 from jax_ai_stack.recipes.inference import grammar, requests as requests_lib
 from jax_ai_stack.recipes.inference.page_pool import PagePool, chunk_keys
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
@@ -111,7 +112,7 @@ class Engine:
     chunks for the requests that begin alike (where `prefill_chunk` is whole pages and the
     model keeps no per-slot state). `grammar_vocabulary`: the tokenizer as the grammar engine
     reads it (`grammar.vocabulary`), for requests with a `grammar`; while one runs, each call
-    decodes one token (the next mask needs the last token)."""
+    decodes one token (see the module)."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -143,7 +144,7 @@ class Engine:
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._prefill, self._steps = programs(graphdef, structure, max_top_logprobs,
                                           steps_per_call)
-    self._one_step = programs(graphdef, structure, max_top_logprobs, 1)[1]  # For grammars.
+    self._forward = forward(graphdef, structure)  # For grammars: masks while it runs.
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
     # there. The cache is the model's (see the module).
     self.replica_slots = max_slots // self.replicas  # Slot s is its replica's s % this.
@@ -405,7 +406,6 @@ class Engine:
     for number, slot in enumerate(slots):
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
-    settings = self._settings(slots)
     constrained = any(slot is not None and slot.grammar for slot in slots)
     count = 1 if constrained else self.steps_per_call
     width = self._width(max(slot.length for slot in slots if slot is not None) + count)
@@ -414,10 +414,15 @@ class Engine:
     table[idle] = 0  # Idle rows write to page 0 only, and to no slot's state.
     rows = np.arange(self.max_slots, dtype=np.int32) % self.replica_slots
     rows[idle] = self.replica_slots
-    outputs = (self._one_step if constrained else self._steps)(
-        self._params, self._cache, tokens, lengths, table, rows, *settings)
-    *sampled, self._cache = outputs  # Each [steps, B, ...].
-    new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)
+    if constrained:  # The step runs while the host computes the grammars' masks.
+      logits, self._cache = self._forward(self._params, self._cache, tokens, lengths, table,
+                                          rows)
+      sampled = [x[None] for x in first_tokens(logits, *self._settings(slots),
+                                               self.max_top_logprobs)]
+    else:
+      *sampled, self._cache = self._steps(self._params, self._cache, tokens, lengths, table,
+                                          rows, *self._settings(slots))
+    new_tokens, logps, top_tokens, top_logps = (np.asarray(x) for x in sampled)  # [steps, B]
     grown = []
     for number, slot in enumerate(slots):
       if slot is None:

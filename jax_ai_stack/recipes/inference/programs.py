@@ -23,8 +23,8 @@ from jax_ai_stack.recipes.inference import sampling
 from jax_ai_stack.recipes.models import cache as cache_lib
 from jax_ai_stack.recipes.models.layers import KVCache
 
-__all__ = ["MIN_PADDED", "first_token", "half_octave", "padded_length", "programs",
-           "sample_rows"]
+__all__ = ["MIN_PADDED", "first_token", "forward", "half_octave", "padded_length",
+           "programs", "sample_rows"]
 
 MIN_PADDED = 16
 """A prompt's chunks are padded to a power of two of at least this many tokens (one program
@@ -96,6 +96,25 @@ def programs(graphdef, structure, max_top: int, count: int) -> tuple[Callable, C
 
   return (jax.jit(functools.partial(_prefill, model), donate_argnums=1),
           jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=1))
+
+
+@functools.cache
+def forward(graphdef, structure) -> Callable:
+  """The compiled step that computes every row's next logits [B, V] (and the updated cache)
+  without sampling (`_forward`): the engine samples them once the grammars' masks are in,
+  computed on the host while this runs. Built once per model structure, as `programs`."""
+  def model(params: list[jax.Array]) -> nnx.Module:
+    return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
+
+  return jax.jit(functools.partial(_forward, model), donate_argnums=1)
+
+
+def _forward(model: Callable, params, state, tokens, lengths, block_table, slots):
+  """One decoding step's logits [B, V] for every row at its own position (`_steps`' model
+  call, without its sampling), and the updated cache state."""
+  logits, cache = model(params).decode(tokens[:, None],
+                                       KVCache(state, lengths, block_table, slots))
+  return logits[:, 0], cache.state
 
 
 def _prefill(model: Callable, params, state, tokens, start, block_table, slots, last):
