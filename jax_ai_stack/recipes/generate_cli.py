@@ -73,7 +73,8 @@ def register(subparsers) -> None:
   generate.add_argument("--input", metavar="FILE.jsonl",
                         help="one request per line, {\"prompt\": TEXT} (continued) or "
                         "{\"messages\": [...]} (answered as the assistant), each with an "
-                        "optional \"stop\" (strings that end it), decoded together; "
+                        "optional \"stop\" (strings that end it) and \"response_format\" "
+                        "(OpenAI's: JSON that follows a schema), decoded together; "
                         "one JSON line per result on stdout as each finishes: {index, text, "
                         "finish_reason, tokens}")
   generate.set_defaults(func=run)
