@@ -76,12 +76,6 @@ class Tokenizer(abc.ABC):
     that this tokenizer defines (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...)."""
     return [self.eos_id]
 
-  def token_bytes(self) -> list[bytes]:
-    """Each id's bytes in decoded text (b"" for ids that decode to nothing): what a grammar
-    matches tokens against (`inference.grammar`). Here each id decoded alone, right where a
-    token is whole characters; the byte and SentencePiece tokenizers give their bytes."""
-    return [self.decode([i]).encode("utf-8") for i in range(self.vocab_size)]
-
   def encode_rendered(self, text: str) -> np.ndarray:
     """`encode` of a chat template's output: the BOS and EOS texts in it become their ids
     (a tokenizer file's other added tokens, `<|im_start|>` say, are its own to match)."""
@@ -114,6 +108,8 @@ class ByteTokenizer(Tokenizer):
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
   def token_bytes(self) -> list[bytes]:
+    """Each id's bytes in decoded text (b"": a special id), what a grammar matches tokens
+    against (`inference.grammar`; a Hugging Face tokenizer gives it its tokenizer.json)."""
     return [bytes([i]) for i in range(256)] + [b""] * 3
 
 

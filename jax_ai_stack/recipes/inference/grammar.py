@@ -137,9 +137,9 @@ def vocabulary(tokenizer) -> Any:
 
 
 class _Pieces:
-  """A tokenizer as llguidance's `TokenizerWrapper` reads one: each id's bytes, and a
-  tokenization of the text a grammar forces, longest piece first (SentencePiece's own
-  `encode` would begin it with a word's space)."""
+  """A byte or SentencePiece tokenizer as llguidance's `TokenizerWrapper` reads one: each
+  id's bytes (its `token_bytes`), and a tokenization of the text a grammar forces, longest
+  piece first (SentencePiece's own `encode` would begin it with a word's space)."""
 
   def __init__(self, tokenizer):
     self.eos_token_id, self.bos_token_id = tokenizer.eos_id, tokenizer.bos_id
@@ -163,9 +163,10 @@ class _Pieces:
     return ids
 
 
+@functools.lru_cache(maxsize=256)
 def check(grammar: str, vocab: Any) -> str:
   """What is wrong with `grammar` for `vocab` (llguidance's message, naming the part it
-  refused), or "" if it compiles."""
+  refused), or "" if it compiles. Once per grammar: a request's `n` choices share it."""
   return _llguidance().LLMatcher.validate_grammar(grammar, vocab)
 
 

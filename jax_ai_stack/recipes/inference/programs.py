@@ -91,9 +91,7 @@ def programs(graphdef, structure, max_top: int, count: int) -> tuple[Callable, C
   static argument a graph is hashed at every call, and a model's state pytree flattened
   (together 0.3-0.5 ms of host time a call for the benchmark's tiny model, a tenth of a
   decoding call)."""
-  def model(params: list[jax.Array]) -> nnx.Module:
-    return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
-
+  model = _bound(graphdef, structure)
   return (jax.jit(functools.partial(_prefill, model), donate_argnums=1),
           jax.jit(functools.partial(_steps, model, max_top, count), donate_argnums=1))
 
@@ -103,15 +101,21 @@ def forward(graphdef, structure) -> Callable:
   """The compiled step that computes every row's next logits [B, V] (and the updated cache)
   without sampling (`_forward`): the engine samples them once the grammars' masks are in,
   computed on the host while this runs. Built once per model structure, as `programs`."""
+  return jax.jit(functools.partial(_forward, _bound(graphdef, structure)), donate_argnums=1)
+
+
+def _bound(graphdef, structure) -> Callable[[list[jax.Array]], nnx.Module]:
+  """The model of a graph and parameters' structure, from its parameters as a list of
+  arrays (`programs`)."""
   def model(params: list[jax.Array]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.unflatten(structure, params))
 
-  return jax.jit(functools.partial(_forward, model), donate_argnums=1)
+  return model
 
 
 def _forward(model: Callable, params, state, tokens, lengths, block_table, slots):
-  """One decoding step's logits [B, V] for every row at its own position (`_steps`' model
-  call, without its sampling), and the updated cache state."""
+  """One decoding step's logits [B, V] for every row at its own position (each of `_steps`'
+  steps, without its sampling), and the updated cache state."""
   logits, cache = model(params).decode(tokens[:, None],
                                        KVCache(state, lengths, block_table, slots))
   return logits[:, 0], cache.state
@@ -134,18 +138,17 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
   """`count` tokens for every row, each at its own position of its pages (`block_table`)
   and in its slot (`slots`), each step's tokens fed to the next, in a loop on the device:
   outputs [count, B, ...] and the updated cache state. A row's token i is keyed
-  `fold_in(seed, i)`, so the tokens do not depend on `count`. `allowed`: each row's tokens
-  allowed (a grammar's), for a program of one step (`count` 1). `model(params)`: the
-  decoder."""
+  `fold_in(seed, i)`, so the tokens do not depend on `count`. `allowed`: [B, 0] (a mask
+  would hold for every step: a grammar's rows go through `forward`, a token a call).
+  `model(params)`: the decoder."""
   def one(carry, _):
     # The parameters ride in the carry: a scanned-layer model splits them again inside
     # `decode`, which NNX allows only for values of the loop's own trace.
     params, state, tokens, lengths, counts = carry
-    logits, cache = model(params).decode(tokens[:, None],
-                                         KVCache(state, lengths, block_table, slots))
-    sampled = sample_rows(logits[:, 0], seeds, counts, temperature, top_k, top_p, bias_ids,
+    logits, state = _forward(model, params, state, tokens, lengths, block_table, slots)
+    sampled = sample_rows(logits, seeds, counts, temperature, top_k, top_p, bias_ids,
                           bias_values, allowed, max_top)
-    return (params, cache.state, sampled[0], lengths + 1, counts + 1), sampled
+    return (params, state, sampled[0], lengths + 1, counts + 1), sampled
 
   carry = (params, state, tokens, lengths, counts)
   (_, state, *_), sampled = jax.lax.scan(one, carry, None, length=count)
