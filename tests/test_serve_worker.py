@@ -222,3 +222,23 @@ def test_cancels_waiting_in_the_queue_are_not_counted_as_running(model, monkeypa
       worker.stop()
 
   assert asyncio.run(main()) == (1, 1)
+
+
+def test_a_speculating_engine_streams_the_same_tokens_and_reports_its_guesses(model):
+  """`serve --speculate`: each update may carry several tokens; /health counts the guesses."""
+  prompt = (256, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6)
+  plain = inference.Engine(model, max_slots=2).run([greedy(prompt, 20)])[0]
+  engine = inference.Engine(model, max_slots=2, speculation=inference.Speculation(tokens=4))
+
+  async def main():
+    worker = EngineWorker(engine)
+    try:
+      result = await collect(worker.submit(greedy(prompt, 20)))
+      return result, worker.figures()
+    finally:
+      worker.stop()
+
+  (tokens, _, _), figures = asyncio.run(main())
+  assert tokens == plain.tokens
+  assert figures["drafted_tokens"] == engine.speculator.drafted > 0
+  assert 0 <= figures["accepted_tokens"] == engine.speculator.accepted <= figures["drafted_tokens"]

@@ -258,6 +258,7 @@ ALLOWED: dict[str, str] = {
     "benchmarks/real_size.py": "writes a decoder of Qwen3-0.6B's shapes with hf.save",
     "benchmarks/rl.py": "writes a Qwen3 with hf.save, for TRL's GRPOTrainer beside ours",
     "benchmarks/structured.py": "structured output on a Decoder of engine.py's sizes",
+    "benchmarks/speculative.py": "a Decoder of engine.py's sizes taught to copy, then decoded",
     # To move behind the Task (next stop): the frozen reference's and the teacher's model.
     "jax_ai_stack/recipes/finetune/reference.py": "the frozen copy of a model's parameters",
     "jax_ai_stack/recipes/finetune/teacher.py": "a teacher read from a run or an HF directory",

@@ -303,6 +303,26 @@ def test_generate_input_follows_each_line_s_response_format(reference, tmp_path,
   assert f"{path}:1: response_format must be" in capsys.readouterr().err
 
 
+def test_generate_speculate_prints_the_same_text_and_the_share_kept(reference, tmp_path,
+                                                                     capsys):
+  """--speculate: stdout bit for bit the text without it (greedy, and seeded sampling), the
+  summary the guessed tokens kept; a K under 1 is named."""
+  ref_dir, _ = reference
+  path = tmp_path / "in.jsonl"
+  path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def def def ", "x")))
+  for sampling in (["--temperature", "0"], ["--temperature", "1", "--seed", "4"]):
+    command = ["generate", "--workdir", str(ref_dir), "--input", str(path),
+               "--max-new-tokens", "12", *sampling]
+    assert cli.main(command) == 0
+    plain = sorted(capsys.readouterr().out.splitlines())
+    assert cli.main([*command, "--speculate", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == plain
+    assert re.search(r"; \d+ of \d+ guessed tokens kept \(\d+%\)$", err.strip())
+  assert cli.main(["generate", "--workdir", str(ref_dir), "--speculate", "0"]) == 2
+  assert "--speculate must be at least 1" in capsys.readouterr().err
+
+
 def test_generate_input_stops_a_request_at_its_stop_strings(reference, tmp_path, capsys):
   """The text ends before the first stop string of the reply (not of the prompt), and the
   engine stops decoding there."""

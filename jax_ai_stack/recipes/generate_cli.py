@@ -77,6 +77,12 @@ def register(subparsers) -> None:
                         "(OpenAI's: JSON that follows a schema), decoded together; "
                         "one JSON line per result on stdout as each finishes: {index, text, "
                         "finish_reason, tokens}")
+  generate.add_argument("--speculate", type=int, metavar="K",
+                        help="speculative decoding: each step also checks up to K tokens "
+                        "guessed from the text so far (prompt lookup), keeping those the "
+                        "model would have sampled: the same text, faster where it repeats "
+                        "its prompt (code edited, a document quoted); the summary gives "
+                        "the share kept")
   generate.set_defaults(func=run)
 
 
@@ -90,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     raise UsageError(f"--top-k must be at least 1; got {args.top_k}")
   if args.max_new_tokens is not None and args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+  if args.speculate is not None and args.speculate < 1:
+    raise UsageError(f"--speculate must be at least 1 (tokens guessed a step); got "
+                     f"{args.speculate}")
   _check_quantized(args)
   seed = args.seed
   if seed is None and args.temperature > 0:  # Each call a new sample, as users expect.
@@ -128,9 +137,12 @@ def run(args: argparse.Namespace) -> int:
 def _generate(trainer, args: argparse.Namespace, items: list[dict], seed: int | None) -> str:
   """Decodes `items` together and prints them as `generate` does (--input: a JSON line as
   each finishes; else the texts in order); returns the summary line."""
-  from jax_ai_stack.recipes import progress
+  from jax_ai_stack.recipes import inference, progress
 
   sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
+  if args.speculate:
+    check_speculation(trainer.config.model, "--speculate")
+    sampling["speculation"] = inference.Speculation(tokens=args.speculate)
   done = []
   started = time.perf_counter()
   with progress.waiting("generating"):
@@ -138,31 +150,50 @@ def _generate(trainer, args: argparse.Namespace, items: list[dict], seed: int | 
                                  ignore_eos=args.ignore_eos, **sampling):
       done.append(result)
       if args.input:
-        shown = {k: v for k, v in result.items() if k != "first_token_s"}  # Stdout: same bits.
+        shown = {k: v for k, v in result.items()  # Stdout: the same bits, any speed.
+                 if k not in ("first_token_s", "drafted", "accepted")}
         print(json.dumps(shown), flush=True)
         logs.status(f"{len(done)}/{len(items)} done")
   elapsed = time.perf_counter() - started
   if not args.input:  # One text per item, in order (a chat: the replies alone).
     for result in sorted(done, key=lambda r: r["index"]):
       print(result["text"], flush=True)
+  guessed = ({"drafted": sum(r["drafted"] for r in done),
+              "accepted": sum(r["accepted"] for r in done)} if args.speculate else {})
   return generation_summary([r["tokens"] for r in done], [r["first_token_s"] for r in done],
-                            elapsed)
+                            elapsed, **guessed)
 
 
-def generation_summary(tokens: list[int], first_token_s: list[float], elapsed_s: float) -> str:
+def check_speculation(model_config, flag: str) -> None:
+  """UsageError where the model cannot speculate (`inference.speculation`): a layer that
+  keeps a state per slot (linear attention's) would have taken in the refused guesses."""
+  if model_config.linear_attention is not None:
+    raise UsageError(f"{flag}: model.kind={model_config.kind!r} has linear-attention layers, "
+                     "whose state per request would take in the guesses the model refuses; "
+                     "decode it without speculation")
+
+
+def generation_summary(tokens: list[int], first_token_s: list[float], elapsed_s: float,
+                       drafted: int | None = None, accepted: int = 0) -> str:
   """`generate`'s last line on stderr: the new tokens of every request, their rate over the
   whole decoding (prefill and any compile included), and the time to first token (from
-  a request's queueing in the engine; with several requests, the mean and the most).
+  a request's queueing in the engine; with several requests, the mean and the most); with
+  speculation, the guessed tokens (`drafted`) and the share the model kept.
 
   Example:
     >>> generation_summary([100], [0.5], 2.0)
     'generated 100 tokens in 2.0 s: 50.0 tokens/s, first token after 0.50 s'
     >>> generation_summary([60, 40], [0.5, 1.5], 4.0)
     'generated 100 tokens for 2 requests in 4.0 s: 25.0 tokens/s, first token after 1.00 s (mean; at most 1.50 s)'
+    >>> generation_summary([100], [0.5], 2.0, drafted=80, accepted=60)
+    'generated 100 tokens in 2.0 s: 50.0 tokens/s, first token after 0.50 s; 60 of 80 guessed tokens kept (75%)'
   """
   total = sum(tokens)
   requests = f" for {len(tokens)} requests" if len(tokens) != 1 else ""
   first = sum(first_token_s) / max(len(first_token_s), 1)
   spread = f" (mean; at most {max(first_token_s):.2f} s)" if len(first_token_s) > 1 else ""
+  guesses = ("" if drafted is None else f"; {accepted} of {drafted} guessed tokens kept "
+             f"({accepted / max(drafted, 1):.0%})")
   return (f"generated {total} tokens{requests} in {elapsed_s:.1f} s: "
-          f"{total / max(elapsed_s, 1e-9):.1f} tokens/s, first token after {first:.2f} s{spread}")
+          f"{total / max(elapsed_s, 1e-9):.1f} tokens/s, first token after {first:.2f} s"
+          f"{spread}{guesses}")

@@ -150,13 +150,16 @@ class Run:
 
   def stream(self, items: list[dict], max_new_tokens: int | None, temperature: float, *,
              seed: int | None = None, top_k: int | None = None,
-             top_p: float | None = None, ignore_eos: bool = False) -> Iterator[dict]:
+             top_p: float | None = None, ignore_eos: bool = False,
+             speculation=None) -> Iterator[dict]:
     """Each item's result as it finishes ({"prompt"} continued, {"messages"} answered:
-    `LanguageModel.stream`), decoded together by the generation engine."""
+    `LanguageModel.stream`), decoded together by the generation engine (`speculation`:
+    its guesses checked ahead, `inference.Speculation`)."""
     seed = self.config.train.seed if seed is None else seed
     with self.kernel_configs():
       yield from self.task.stream(self.inference_model(), items, max_new_tokens, temperature,
-                                  seed, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
+                                  seed, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos,
+                                  speculation=speculation)
 
   def chat_many(self, conversations: list[list[dict]], max_new_tokens: int | None,
                 temperature: float, *, seed: int | None = None, top_k: int | None = None,

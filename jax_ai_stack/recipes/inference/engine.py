@@ -50,6 +50,9 @@ keeps the output valid. While such a request runs, a call decodes one token (the
 needs the last): the model's step is dispatched, the masks computed on the host while it
 runs, then the tokens sampled from its logits.
 
+Speculative decoding (`speculation`): each call feeds a slot's guesses of what follows too,
+and keeps those the model's own sampling confirms: the same output in fewer calls.
+
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
 another, and a page past a row's length adds exactly nothing to its attention, however
@@ -80,11 +83,13 @@ from flax import nnx
 
 from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, forward,
                                                      half_octave, lower, padded_length,
-                                                     page_copy, programs)
+                                                     page_copy, programs, verify)
 from jax_ai_stack.recipes.inference import grammar, requests as requests_lib
 from jax_ai_stack.recipes.inference.page_pool import PagePool, chunk_keys
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
-from jax_ai_stack.recipes.inference.slots import Slot, settings, shared_prompts
+from jax_ai_stack.recipes.inference.slots import (Slot, prefill_calls, settings,
+                                                  shared_prompts)
+from jax_ai_stack.recipes.inference.speculation import Speculation, Speculator
 from jax_ai_stack.recipes.inference.text import TextStream
 
 __all__ = ["Completion", "Engine", "Request", "RequestError"]
@@ -96,7 +101,8 @@ class Engine:
                max_top_logprobs: int = 5, steps_per_call: int = 4,
                decode: Callable[[list[int]], str] | None = None, page_size: int = 64,
                max_pages: int | None = None, prefill_chunk: int = 256,
-               prefix_cache: bool = True, grammar_vocabulary=None):
+               prefix_cache: bool = True, grammar_vocabulary=None,
+               speculation: Speculation | None = None):
     """`model`: a decoder (`Decoder` and its families, LoRA merged, Qwix-quantized for
     `decode`); it is not modified. `max_len`: positions per slot (default: the model's
     `max_seq_len`). `max_top_logprobs`: the most alternatives a request may ask for.
@@ -112,7 +118,8 @@ class Engine:
     chunks for the requests that begin alike (where `prefill_chunk` is whole pages and the
     model keeps no per-slot state). `grammar_vocabulary`: the tokenizer as the grammar engine
     reads it (`grammar.vocabulary`), for requests with a `grammar`; while one runs, each call
-    decodes one token (see the module)."""
+    decodes one token (see the module). `speculation`: drafts each call checks
+    (`speculation`; for a model whose cache is pages alone), the output unchanged."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -159,6 +166,12 @@ class Engine:
     # Admission empties a slot's per-slot state (pages need none: a table names its own).
     per_slot = any(a.per_slot for spec in model.cache_specs() for a in spec.values())
     self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
+    if speculation is not None and per_slot:
+      raise ValueError("speculation needs a model whose cache is pages alone: this one keeps "
+                       "a state per slot (a recurrent layer's), which a refused draft moves on")
+    self.speculation = speculation
+    self.speculator = speculation and Speculator(  # Its acceptance so far, too.
+        speculation, verify(graphdef, structure, max_top_logprobs), self.max_len)
     self._copy = None if per_slot else page_copy(  # Shared prompts' pages.
         tuple(tuple(spec.items()) for spec in model.cache_specs()), model.config.scan_layers)
     self._cache_chunk = (prefill_chunk if prefix_cache and self._copy is not None
@@ -269,7 +282,9 @@ class Engine:
                if slot is not None and not slot.completion.tokens]
     waiting, shared = (shared_prompts(waiting, self._slots, self._replica)
                        if self._copy is not None and waiting else (waiting, []))
-    for length, call in self._prefill_calls(waiting):
+    calls = prefill_calls(waiting, self._replica,
+                          lambda slot: padded_length(len(self._chunk(slot)), self.prefill_chunk))
+    for length, call in calls:
       grown += [slot.completion for _, slot in self._prefill_next(length, call)]
     for number, slot in self._forked(shared):
       grown.append(slot.completion)
@@ -337,28 +352,8 @@ class Engine:
     """The part of `slot`'s prompt that its next prefill takes."""
     return slot.request.prompt[slot.length:slot.length + self.prefill_chunk]
 
-  def _prefill_calls(self, waiting: list[tuple[int, Slot]]) -> list[tuple[int, dict]]:
-    """The slots still prefilling (slot number, slot) in calls: each call one slot per
-    replica at most (its row), all of one padded chunk length; (that length,
-    {replica: (number, slot)}).
-    A call's rows are the replicas', so a slot's prefill has the same shapes whichever
-    others share the call (its bits its own), and on a mesh the replicas prefill their
-    slots side by side."""
-    calls: list[tuple[int, dict[int, tuple]]] = []  # (padded length, call)
-    for number, slot in waiting:
-      length = padded_length(len(self._chunk(slot)), self.prefill_chunk)
-      replica = self._replica(number)
-      for padded, call in calls:
-        if padded == length and replica not in call:
-          break
-      else:
-        call = {}
-        calls.append((length, call))
-      call[replica] = (number, slot)
-    return calls
-
   def _prefill_next(self, length: int, call: dict[int, tuple]) -> list[tuple[int, Slot]]:
-    """The next chunk of each slot's prompt in `call` (`_prefill_calls`) into its pages, in
+    """The next chunk of each slot's prompt in `call` (`slots.prefill_calls`) into its pages, in
     one compiled call: the slot in its replica's row, the other rows idle at page 0 of
     their pools (chunks padded to `length`, a power of two, so that lengths share a few
     programs). A slot whose prompt is then in has its first token sampled: those
@@ -407,7 +402,10 @@ class Engine:
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
     constrained = any(slot is not None and slot.grammar for slot in slots)
-    count = 1 if constrained else self.steps_per_call
+    speculating = self.speculation is not None and not constrained
+    count = (1 if constrained else 1 + self.speculation.tokens if speculating
+             else self.steps_per_call)
+    produced = np.full((self.max_slots,), count)  # Tokens each row takes from the call.
     width = self._width(max(slot.length for slot in slots if slot is not None) + count)
     table = self._tables[:, :width].copy()
     idle = [slot is None for slot in slots]
@@ -419,6 +417,10 @@ class Engine:
                                           rows)
       sampled = [x[None] for x in first_tokens(logits, *self._settings(slots),
                                                self.max_top_logprobs)]
+    elif speculating:  # Each row's last token and drafts, checked in one pass.
+      *sampled, produced, self._cache = self.speculator(self._params, self._cache, slots,
+                                                        lengths, table, rows,
+                                                        self._settings(slots))
     else:
       *sampled, self._cache = self._steps(self._params, self._cache, tokens, lengths, table,
                                           rows, *self._settings(slots))
@@ -428,7 +430,7 @@ class Engine:
       if slot is None:
         continue
       grown.append(slot.completion)
-      for step in range(count):
+      for step in range(produced[number]):
         slot.length += 1
         if slot.take(new_tokens[step, number], logps[step, number],
                       top_tokens[step, number], top_logps[step, number]):

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -24,7 +25,7 @@ from jax_ai_stack.recipes.models import cache as cache_lib
 from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["MIN_PADDED", "first_token", "forward", "half_octave", "padded_length",
-           "programs", "sample_rows"]
+           "programs", "sample_rows", "verify"]
 
 MIN_PADDED = 16
 """A prompt's chunks are padded to a power of two of at least this many tokens (one program
@@ -104,6 +105,14 @@ def forward(graphdef, structure) -> Callable:
   return jax.jit(functools.partial(_forward, _bound(graphdef, structure)), donate_argnums=1)
 
 
+@functools.cache
+def verify(graphdef, structure, max_top: int) -> Callable:
+  """The compiled step of speculative decoding (`_verify`): every row's last token and its
+  drafts in one pass, sampled at each position. Built once per model structure."""
+  return jax.jit(functools.partial(_verify, _bound(graphdef, structure), max_top),
+                 donate_argnums=1)
+
+
 def _bound(graphdef, structure) -> Callable[[list[jax.Array]], nnx.Module]:
   """The model of a graph and parameters' structure, from its parameters as a list of
   arrays (`programs`)."""
@@ -153,6 +162,27 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
   carry = (params, state, tokens, lengths, counts)
   (_, state, *_), sampled = jax.lax.scan(one, carry, None, length=count)
   return (*sampled, state)
+
+
+def _verify(model: Callable, max_top: int, params, state, tokens, lengths, valid, block_table,
+            slots, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values, allowed):
+  """Each row's last token and its drafts, `tokens` [B, T] (the first `valid[b]` its own, the
+  rest padding), at positions lengths[b] ... of its pages: the token sampled at each
+  position as `_steps` samples it (position j is the row's token counts[b] + j, keyed so),
+  then how many drafts each row keeps [B], those equal to the token sampled before them
+  (`speculation`). Outputs [T, B, ...] as `_steps`', the kept drafts, the cache state."""
+  logits, cache = model(params).decode(tokens, KVCache(state, lengths, block_table, slots,
+                                                       valid=valid))
+  rows, t = tokens.shape
+  each = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  A row's setting at each position.
+  sampled = sample_rows(logits.reshape(rows * t, -1), each(seeds),
+                        (counts[:, None] + jnp.arange(t)).reshape(-1), each(temperature),
+                        each(top_k), each(top_p), each(bias_ids), each(bias_values),
+                        each(allowed), max_top)
+  sampled = [jnp.swapaxes(x.reshape(rows, t, *x.shape[1:]), 0, 1) for x in sampled]
+  same = (sampled[0][:-1] == tokens[:, 1:].T) & (jnp.arange(t - 1)[:, None] < valid - 1)
+  kept = jnp.cumprod(same.astype(jnp.int32), axis=0).sum(axis=0)
+  return (*sampled, kept, cache.state)
 
 
 def lower(program: str, prefill: Callable, steps: Callable, state: tuple, replicas: int,

@@ -88,6 +88,9 @@ class Completion:
   """Seconds from the request's queueing (`add`, `stream`) to its first token: time to
   first token, waiting and prefill (and any compile) included; None before it. Not
   compared: two runs of the same request are equal."""
+  drafted: int = dataclasses.field(default=0, compare=False)
+  """Speculative decoding's guesses for it (`speculation`), and of those the `accepted`."""
+  accepted: int = dataclasses.field(default=0, compare=False)
 
 
 def slot_length(requests: Sequence[Request], limit: int) -> int:

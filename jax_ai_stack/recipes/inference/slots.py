@@ -5,7 +5,7 @@ its prompt, then feeds it tokens; `Slot.take` appends each sampled token to the 
 `Completion` (its log-probability, the alternatives asked for, its text), moves its
 grammar on, and says when the request has ended: a stop id, `max_tokens`, or a stop string
 in the text. `settings` gives the sampling inputs of a batch of slots, `shared_prompts`
-the slots whose prompt another slot has.
+the slots whose prompt another slot has, `prefill_calls` how prompts share prefill calls.
 
 Example:
   >>> from jax_ai_stack.recipes.inference.requests import Completion, Request
@@ -27,7 +27,7 @@ from jax_ai_stack.recipes.inference import grammar as grammar_lib
 from jax_ai_stack.recipes.inference.requests import Completion, Request, row_settings
 from jax_ai_stack.recipes.inference.text import TextStream
 
-__all__ = ["Slot", "settings", "shared_prompts"]
+__all__ = ["Slot", "prefill_calls", "settings", "shared_prompts"]
 
 
 @dataclasses.dataclass
@@ -109,3 +109,24 @@ def shared_prompts(waiting: list[tuple[int, Slot]], slots: Sequence[Slot | None]
     else:
       shared.append((number, slot, source))
   return prefill, shared
+
+
+def prefill_calls(waiting: list[tuple[int, Slot]], replica: Callable[[int], int],
+                  padded: Callable[[Slot], int]) -> list[tuple[int, dict[int, tuple]]]:
+  """The slots still prefilling ((number, slot)) in calls: each call one slot per replica
+  (`replica(number)`) at most, its row, all of one padded chunk length (`padded(slot)`);
+  (that length, {replica: (number, slot)}).
+  A call's rows are the replicas', so a slot's prefill has the same shapes whichever
+  others share the call (its bits its own), and on a mesh the replicas prefill their
+  slots side by side."""
+  calls: list[tuple[int, dict[int, tuple]]] = []
+  for number, slot in waiting:
+    length, row = padded(slot), replica(number)
+    for padded_to, call in calls:
+      if padded_to == length and row not in call:
+        break
+    else:
+      call = {}
+      calls.append((length, call))
+    call[row] = (number, slot)
+  return calls

@@ -82,6 +82,11 @@ def register(subparsers) -> None:
                      help="pages in the KV cache's pool, shared by all slots: a request is "
                      "admitted when its prompt plus max_tokens fit in the free pages (default: "
                      "every slot's --max-len)")
+  serve.add_argument("--speculate", type=int, metavar="K",
+                     help="speculative decoding: each step also checks up to K tokens "
+                     "guessed from a request's text so far (prompt lookup), keeping those "
+                     "the model would have sampled: the same replies, faster where they "
+                     "repeat their prompt; /health gives the share kept")
   serve.add_argument("--quantized", metavar="SCHEME",
                      help="serve the parameters `quantize --scheme SCHEME` saved in --workdir")
   serve.add_argument("--verbose", action="store_true",
@@ -131,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logs.note(f"--host {args.host} is not loopback and no API key is set: anyone who can "
               "reach this machine can use the model (set --api-key-file)")
   for name in ("max_slots", "max_len", "page_size", "max_pages", "max_request_bytes",
-               "max_stop_bytes"):
+               "max_stop_bytes", "speculate"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
   if args.max_queue < 0:
@@ -145,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             "'jax-ai-stack[serve]'") from None
   from jax_ai_stack.recipes import compile_cache, data, inference
   from jax_ai_stack.recipes.cli import _check_quantized, _open_finished
+  from jax_ai_stack.recipes.generate_cli import check_speculation
 
   _check_quantized(args)
   logs.status(f"loading {args.workdir} ...")
@@ -155,6 +161,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not hasattr(task, "prompt_encoder"):
       raise UsageError(f"{args.workdir}: a {type(task).__name__} run; serve answers with "
                        "language models only")
+    if args.speculate:
+      check_speculation(config.model, "--speculate")
     max_len = args.max_len or config.model.max_seq_len
     if max_len > config.model.max_seq_len:
       raise UsageError(f"--max-len {max_len} is past the model's max_seq_len "
@@ -167,7 +175,9 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = inference.Engine(run.inference_model(), max_slots=args.max_slots, max_len=max_len,
                               decode=tokenizer.decode, page_size=args.page_size,
                               max_pages=args.max_pages,  # Structured output's:
-                              grammar_vocabulary=inference.grammar.vocabulary(tokenizer))
+                              grammar_vocabulary=inference.grammar.vocabulary(tokenizer),
+                              speculation=args.speculate and inference.Speculation(
+                                  tokens=args.speculate))
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=key, max_queue=args.max_queue,

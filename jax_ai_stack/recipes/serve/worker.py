@@ -142,7 +142,8 @@ class EngineWorker:
     """What /health reports: requests running and cancelled, the KV cache's pages in use,
     at peak and in all, and what sharing spared: requests that copied a prompt's pages
     (`shared_prompts`), reused kept prompt chunks (`prefix_hits`, the `cached_tokens` they
-    spared) and the pages kept (`cached_pages`) (read by the worker's thread after each step
+    spared) and the pages kept (`cached_pages`); with speculation, the tokens guessed and
+    kept (`drafted_tokens`, `accepted_tokens`) (read by the worker's thread after each step
     or command)."""
     return {"running": self._open, **self._figures}
 
@@ -259,7 +260,9 @@ class EngineWorker:
     return {"cancelled": self.cancelled, "pages_in_use": engine.pages_in_use,
             "peak_pages": engine.peak_pages, "max_pages": engine.max_pages,
             "shared_prompts": engine.shared_prompts, "prefix_hits": engine.prefix_hits,
-            "cached_tokens": engine.cached_tokens, "cached_pages": engine.cached_pages}
+            "cached_tokens": engine.cached_tokens, "cached_pages": engine.cached_pages,
+            **({"drafted_tokens": engine.speculator.drafted,
+                "accepted_tokens": engine.speculator.accepted} if engine.speculator else {})}
 
   def _fail(self, error: BaseException) -> None:
     """Refuses new requests, then ends every request running or still queued with `error`."""

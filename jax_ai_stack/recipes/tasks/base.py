@@ -224,8 +224,8 @@ class Task(abc.ABC):
 
   def stream(self, model: nnx.Module, items: list[dict], max_new_tokens: int | None,
              temperature: float, seed: int, *, top_k: int | None = None,
-             top_p: float | None = None, ignore_eos: bool = False):
+             top_p: float | None = None, ignore_eos: bool = False, speculation=None):
     """Each item's result as it finishes (`generate --input`); only Tasks that generate
     text override it."""
-    del model, items, max_new_tokens, temperature, seed, top_k, top_p, ignore_eos
+    del model, items, max_new_tokens, temperature, seed, top_k, top_p, ignore_eos, speculation
     raise UsageError(f"model.kind={self.config.model.kind!r} does not generate text")

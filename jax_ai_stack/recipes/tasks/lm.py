@@ -249,7 +249,8 @@ class LanguageModel(Task):
 
   def stream(self, model, items: list[dict], max_new_tokens: int | None, temperature: float,
              seed: int, *, top_k: int | None = None, top_p: float | None = None,
-             ignore_eos: bool = False) -> Iterator[dict]:
+             ignore_eos: bool = False,
+             speculation: inference.Speculation | None = None) -> Iterator[dict]:
     """Each item's result as it finishes, from one batch of the generation engine.
 
     An item is {"prompt": text} (continued, the prompt included in the text, as
@@ -260,7 +261,9 @@ class LanguageModel(Task):
     (`inference.grammar`). Yields {"index", "text", "finish_reason"
     ("stop" or "length"), "tokens" (new tokens, an end id included), "first_token_s"
     (seconds from its queueing in the engine to its first token)} with `index` the
-    item's place in `items`.
+    item's place in `items`. With `speculation` (`inference.speculation`: the same
+    output), each also says how many tokens were guessed for it and how many kept
+    ("drafted", "accepted").
     """
     tokenizer, encode = self.tokenizer(), self.prompt_encoder()
     chats = ["messages" in item for item in items]
@@ -278,7 +281,8 @@ class LanguageModel(Task):
                               max_len=inference.slot_length(requests, self.config.model.max_seq_len),
                               decode=decode if any(stops) else None,  # Text only for stops.
                               grammar_vocabulary=inference.grammar.vocabulary(tokenizer)
-                              if any(r.grammar for r in requests) else None)
+                              if any(r.grammar for r in requests) else None,
+                              speculation=speculation)
     for index, request in enumerate(requests):
       try:
         engine.check(request, index)  # A sampling setting out of range: the user's mistake.
@@ -296,8 +300,10 @@ class LanguageModel(Task):
         start = len(tokenizer.decode(prompts[index]))
       found = [at for at in (text.find(stop, start) for stop in stops[index]) if at >= 0]
       text = text[:min(found)] if found else text
+      guesses = ({"drafted": completion.drafted, "accepted": completion.accepted}
+                 if speculation else {})
       yield {"index": index, "text": text, "finish_reason": completion.finish_reason,
-             "tokens": int(new.size), "first_token_s": completion.first_token_s}
+             "tokens": int(new.size), "first_token_s": completion.first_token_s, **guesses}
 
   def prompt_encoder(self) -> Callable[[dict], tuple[np.ndarray, tuple[int, ...]]]:
     """A function from an item to its prompt's ids and the ids that end its reply.
