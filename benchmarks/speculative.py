@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup on text that repeats its prompt, against plain decoding.
+"""Speculative decoding on text that repeats its prompt (prompt lookup, a draft model) against
+plain decoding.
 
 The workload is an edit: each prompt is a random text of `span` tokens and a separator, and
 the answer is the same text with a few tokens changed (one in `edit_every`). A Decoder of
@@ -7,13 +8,15 @@ engine.py's size (its vocabulary cut to `vocab`) is first taught that task here 
 code learns to copy what it does not change. Then 16 held-out prompts, greedy:
 
   plain          the engine as it decodes by default (`steps_per_call` tokens a call)
-  lookup-K       `Speculation(tokens=K)`: up to K tokens guessed a call by prompt lookup
+  lookup-K       `Speculation(tokens=K)`: up to K tokens guessed a step by prompt lookup
+  draft-K        `Speculation(tokens=K, draft=...)`: a small Decoder taught the same task
+                 guesses (2 layers, d_model 32)
 
 Each variant runs once to compile, then all are timed in rounds (`--repeats` N: each one's
-fastest of N). Reports tokens/s of each, the best lookup's against plain (target >= 1.5x),
+fastest of N). Reports tokens/s of each, the best guesser's against plain (target >= 1.5x),
 the share of guesses kept, and whether every variant's tokens equal plain's (they must).
 
-    python benchmarks/speculative.py            # tiny
+    python benchmarks/speculative.py            # tiny and 25M
     python benchmarks/speculative.py --quick    # smoke test
 """
 
@@ -33,15 +36,22 @@ from flax import nnx
 import common
 from engine import SIZES
 from jax_ai_stack.recipes.inference import Engine, Request, Speculation
-from jax_ai_stack.recipes.models.decoder import Decoder
+from jax_ai_stack.recipes.models.decoder import Decoder, DecoderConfig
 from jax_ai_stack.recipes.step import make_steps
 
 TARGET = 1.5
-"""The best lookup's tokens/s at least this many times plain decoding's."""
-WORK = {"full": dict(vocab=512, span=96, edit_every=12, train_steps=1500, batch=32,
-                     requests=16, slots=16, lookups=(4, 8)),
-        "quick": dict(vocab=64, span=12, edit_every=6, train_steps=20, batch=4, requests=3,
-                      slots=2, lookups=(2,))}
+"""The best guesser's tokens/s at least this many times plain decoding's."""
+DRAFT = DecoderConfig(num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                      max_seq_len=1024)
+"""The draft model: two layers (copying takes two: an induction head)."""
+WORK = {"tiny": dict(vocab=512, span=96, edit_every=12, train_steps=800, batch=32,
+                     learning_rate=3e-3, requests=16, slots=16, lookups=(4, 8)),
+        "25m": dict(vocab=512, span=32, edit_every=12, train_steps=400, batch=8,
+                    learning_rate=1e-3, requests=16, slots=16, lookups=(4, 8)),
+        "quick": dict(vocab=64, span=12, edit_every=6, train_steps=20, batch=4,
+                      learning_rate=3e-3, requests=3, slots=2, lookups=(2,))}
+"""Per size: the task (`span` tokens, one in `edit_every` changed), its training and the
+requests; the 25M model trains on shorter texts (about 1 s a step on 2 cores)."""
 
 
 def edits(rng: np.random.Generator, work: dict, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +71,7 @@ def taught_to_copy(config, work: dict) -> tuple[Decoder, float]:
   """A Decoder of `config` trained on `edits`; (it, its greedy copy accuracy on held-out
   texts: the share of unchanged tokens it predicts)."""
   model = Decoder(config, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, optax.adam(work["learning_rate"]), wrt=nnx.Param)
 
   def loss_fn(model, batch):
     logits = model(batch["tokens"][:, :-1])
@@ -86,12 +96,15 @@ def measure(size: str, work: dict, repeats: int) -> dict[str, Any]:
   config = dataclasses.replace(SIZES[size], vocab_size=work["vocab"])
   started = time.perf_counter()
   model, accuracy = taught_to_copy(config, work)
+  draft, draft_accuracy = taught_to_copy(dataclasses.replace(DRAFT, vocab_size=work["vocab"]),
+                                         work)
   train_s = time.perf_counter() - started
   tokens, _ = edits(np.random.default_rng(2), work, work["requests"])
   span = work["span"]
   requests = [Request(tuple(int(t) for t in row[:span + 1]), span, temperature=0)
               for row in tokens]
-  variants = {"plain": None, **{f"lookup-{k}": Speculation(tokens=k) for k in work["lookups"]}}
+  variants = {"plain": None, **{f"lookup-{k}": Speculation(tokens=k) for k in work["lookups"]},
+              **{f"draft-{k}": Speculation(tokens=k, draft=draft) for k in work["lookups"]}}
   engine = lambda speculation: Engine(model, max_slots=work["slots"],  # noqa: E731
                                       speculation=speculation)
   for speculation in variants.values():
@@ -104,14 +117,15 @@ def measure(size: str, work: dict, repeats: int) -> dict[str, Any]:
       done[name] = decoder.run(requests)
       seconds[name] = min(time.perf_counter() - began, seconds.get(name, float("inf")))
       if decoder.speculator:
-        kept[name] = decoder.speculator.acceptance
+        kept[name] = float(decoder.guesses[1] / max(decoder.guesses[0], 1))
   new_tokens = sum(len(c.tokens) for c in done["plain"])
   rate = {name: new_tokens / s for name, s in seconds.items()}
   best = max((name for name in variants if name != "plain"), key=rate.get)
   same = {name: [c.tokens for c in done[name]] == [c.tokens for c in done["plain"]]
           for name in variants}
   return {"model": dataclasses.asdict(config), "train_seconds": train_s,
-          "copy_accuracy": accuracy, "new_tokens": new_tokens, "seconds": seconds,
+          "copy_accuracy": accuracy, "draft_copy_accuracy": draft_accuracy,
+          "new_tokens": new_tokens, "seconds": seconds,
           "tokens_per_second": rate, "acceptance": kept, "same_tokens_as_plain": same,
           "best": best,
           "best_vs_plain": common.target(rate[best] / rate["plain"], TARGET, at_least=True)}
@@ -121,25 +135,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(prog="benchmarks/speculative.py",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a smoke test: 3 tiny requests")
-  parser.add_argument("--sizes", default="tiny",
-                      help="models to measure (default tiny; 25m trains for a long while)")
+  parser.add_argument("--sizes", default="tiny,25m",
+                      help="models to measure (default tiny,25m; 25m trains for minutes)")
   parser.add_argument("--repeats", type=common.positive_int, default=3,
                       help="timed runs of each variant; the fastest counts (default 3)")
   common.add_out_argument(parser, "speculative")
   args = parser.parse_args(argv)
-  work = WORK["quick" if args.quick else "full"]
   sizes = ["quick"] if args.quick else args.sizes.split(",")
-  unknown = set(sizes) - set(SIZES)
+  unknown = set(sizes) - set(WORK)
   if unknown:
-    parser.error(f"--sizes: no size {sorted(unknown)}; choose from {sorted(SIZES)}")
-  record = {**common.header("speculative"), **common.versions(), "workload": work, "sizes": {}}
+    parser.error(f"--sizes: no size {sorted(unknown)}; choose from {sorted(WORK)}")
+  record = {**common.header("speculative"), **common.versions(), "sizes": {}}
   for size in sizes:
-    result = record["sizes"][size] = measure(size, work, args.repeats)
+    work = WORK[size]
+    result = record["sizes"][size] = {"workload": work, **measure(size, work, args.repeats)}
     rates = ", ".join(f"{name} {rate:.0f}" for name, rate in result["tokens_per_second"].items())
     kept = ", ".join(f"{name} {share:.0%}" for name, share in result["acceptance"].items())
     ratio = result["best_vs_plain"]["value"]
-    print(f"{size}: copy accuracy {result['copy_accuracy']:.0%} after "
-          f"{work['train_steps']} steps; tokens/s {rates}; guesses kept {kept}; "
+    print(f"{size}: copy accuracy {result['copy_accuracy']:.0%} (draft "
+          f"{result['draft_copy_accuracy']:.0%}) after {work['train_steps']} steps; tokens/s {rates}; guesses kept {kept}; "
           f"{result['best']} / plain {ratio:.2f} (target >= {TARGET}: "
           f"{common.verdict(ratio, TARGET, at_least=True)}); same tokens as plain: "
           f"{all(result['same_tokens_as_plain'].values())}", flush=True)

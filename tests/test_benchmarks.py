@@ -686,8 +686,9 @@ def test_structured_quick_times_every_variant_and_checks_the_outputs(tmp_path):
 def test_speculative_quick_times_each_variant_with_the_same_tokens(tmp_path):
   results = _run_quick("speculative", tmp_path)
   size = results["sizes"]["quick"]
-  assert set(size["tokens_per_second"]) == {"plain", "lookup-2"}
+  assert set(size["tokens_per_second"]) == {"plain", "lookup-2", "draft-2"}
   assert all(v > 0 for v in size["tokens_per_second"].values())
-  assert size["same_tokens_as_plain"] == {"plain": True, "lookup-2": True}
-  assert 0 <= size["acceptance"]["lookup-2"] <= 1 and 0 <= size["copy_accuracy"] <= 1
+  assert size["same_tokens_as_plain"] == {"plain": True, "lookup-2": True, "draft-2": True}
+  assert all(0 <= size["acceptance"][name] <= 1 for name in ("lookup-2", "draft-2"))
+  assert 0 <= size["copy_accuracy"] <= 1 and 0 <= size["draft_copy_accuracy"] <= 1
   assert size["best_vs_plain"]["target"] == 1.5

@@ -433,6 +433,26 @@ def test_the_openai_client_chats_with_the_run_as_run_chat_does(served, workdir):
 
 
 @pytest.mark.slow
+def test_a_server_with_a_draft_model_answers_as_without_and_counts_its_guesses(served,
+                                                                               workdir):
+  """`serve --speculate 3 --draft W` (the run drafting for itself): the greedy replies of
+  the server without it; /health's guesses, every one kept."""
+  client, _ = served
+  process, url = start_server(workdir, "--speculate", "3", "--draft", str(workdir))
+  try:
+    guessing = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    for prompt in ("def f(x):", "import os\nimport"):
+      ask = dict(model="run", prompt=prompt, max_tokens=16, temperature=0)
+      assert (guessing.completions.create(**ask).choices[0].text
+              == client.completions.create(**ask).choices[0].text)
+    health = httpx.get(url.removesuffix("/v1") + "/health").json()
+    assert health["accepted_tokens"] == health["drafted_tokens"] > 0, health
+  finally:
+    process.terminate()
+    process.wait(60)
+
+
+@pytest.mark.slow
 def test_the_openai_client_s_json_schema_is_followed_by_every_sampled_reply(served):
   """`serve` builds its engine with the run's tokenizer's grammar vocabulary."""
   jsonschema = pytest.importorskip("jsonschema")
@@ -510,6 +530,7 @@ def test_sigterm_finishes_the_streams_under_way_then_exits_zero(workdir):
     (["--api-key-file", "/no/such/key"], "--api-key-file /no/such/key: No such file"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be at least 1"),
     (["--max-stop-bytes", "0"], "--max-stop-bytes must be at least 1"),
+    (["--speculate", "0"], "--speculate must be at least 1"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(workdir, flags, words):
   result = subprocess.run(

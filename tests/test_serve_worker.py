@@ -240,5 +240,5 @@ def test_a_speculating_engine_streams_the_same_tokens_and_reports_its_guesses(mo
 
   (tokens, _, _), figures = asyncio.run(main())
   assert tokens == plain.tokens
-  assert figures["drafted_tokens"] == engine.speculator.drafted > 0
-  assert 0 <= figures["accepted_tokens"] == engine.speculator.accepted <= figures["drafted_tokens"]
+  assert figures["drafted_tokens"] == engine.guesses[0] > 0
+  assert 0 <= figures["accepted_tokens"] == engine.guesses[1] <= figures["drafted_tokens"]

@@ -323,6 +323,28 @@ def test_generate_speculate_prints_the_same_text_and_the_share_kept(reference, t
   assert "--speculate must be at least 1" in capsys.readouterr().err
 
 
+def test_generate_draft_guesses_with_another_run_of_the_same_tokens(reference, tmp_path,
+                                                                    capsys):
+  """--draft: the run itself drafts (its guesses all kept, greedy), the text unchanged; a
+  run of another vocabulary is refused in one line."""
+  ref_dir, _ = reference
+  command = ["generate", "--workdir", str(ref_dir), "--prompt", "def f(x):", "--temperature",
+             "0", "--max-new-tokens", "12"]
+  assert cli.main(command) == 0
+  plain = capsys.readouterr().out
+  assert cli.main([*command, "--draft", str(ref_dir), "--speculate", "2"]) == 0
+  out, err = capsys.readouterr()
+  assert out == plain
+  kept = re.search(r"; (\d+) of (\d+) guessed tokens kept", err)
+  assert kept and kept[1] == kept[2] != "0", err
+  other = tmp_path / "other"
+  train.run(tiny_config("model.vocab_size=300", "train.steps=1", "train.sample_tokens=0"), other)
+  assert cli.main([*command, "--draft", str(other)]) == 2
+  assert (f"--draft {other}: tokenizer byte, vocab_size 300; the run it drafts for: tokenizer "
+          "byte, vocab_size 259: a draft model needs the same tokenizer and vocabulary"
+          ) in capsys.readouterr().err
+
+
 def test_generate_input_stops_a_request_at_its_stop_strings(reference, tmp_path, capsys):
   """The text ends before the first stop string of the reply (not of the prompt), and the
   engine stops decoding there."""

@@ -9,14 +9,19 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import secrets
 import sys
 import time
+from collections.abc import Iterator
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import UsageError
 
+GUESSES = 4
+"""Tokens a step guesses with --draft and no --speculate K."""
 EPILOG = """\
 Stdout holds the text (or --input's JSON lines); stderr what it waits on and how fast
 it went. A phase that lasts over 5 s says so (opening the run, tracing, lowering and
@@ -83,6 +88,10 @@ def register(subparsers) -> None:
                         "model would have sampled: the same text, faster where it repeats "
                         "its prompt (code edited, a document quoted); the summary gives "
                         "the share kept")
+  generate.add_argument("--draft", metavar="WORKDIR",
+                        help="speculative decoding with a draft model: a smaller trained run "
+                        "of the same tokenizer guesses the tokens (greedy), with --speculate "
+                        f"K of them a step (default {GUESSES})")
   generate.set_defaults(func=run)
 
 
@@ -137,15 +146,13 @@ def run(args: argparse.Namespace) -> int:
 def _generate(trainer, args: argparse.Namespace, items: list[dict], seed: int | None) -> str:
   """Decodes `items` together and prints them as `generate` does (--input: a JSON line as
   each finishes; else the texts in order); returns the summary line."""
-  from jax_ai_stack.recipes import inference, progress
+  from jax_ai_stack.recipes import progress
 
   sampling = dict(seed=seed, top_k=args.top_k, top_p=args.top_p)
-  if args.speculate:
-    check_speculation(trainer.config.model, "--speculate")
-    sampling["speculation"] = inference.Speculation(tokens=args.speculate)
   done = []
-  started = time.perf_counter()
-  with progress.waiting("generating"):
+  with speculation(args, trainer.config) as sampling["speculation"], progress.waiting(
+      "generating"):
+    started = time.perf_counter()
     for result in trainer.stream(items, args.max_new_tokens, args.temperature,
                                  ignore_eos=args.ignore_eos, **sampling):
       done.append(result)
@@ -159,9 +166,43 @@ def _generate(trainer, args: argparse.Namespace, items: list[dict], seed: int | 
     for result in sorted(done, key=lambda r: r["index"]):
       print(result["text"], flush=True)
   guessed = ({"drafted": sum(r["drafted"] for r in done),
-              "accepted": sum(r["accepted"] for r in done)} if args.speculate else {})
+              "accepted": sum(r["accepted"] for r in done)} if sampling["speculation"] else {})
   return generation_summary([r["tokens"] for r in done], [r["first_token_s"] for r in done],
                             elapsed, **guessed)
+
+
+@contextlib.contextmanager
+def speculation(args: argparse.Namespace, config) -> Iterator:
+  """The `inference.Speculation` that --speculate K and --draft WORKDIR ask of a run of
+  `config` (None: neither), the draft's run open while it is used; UsageError in one line
+  where the model, or the draft, cannot."""
+  if not (args.speculate or args.draft):
+    yield None
+    return
+  from jax_ai_stack.recipes import inference
+  from jax_ai_stack.recipes.finetune.teacher import tokens_of
+  from jax_ai_stack.recipes.run import build_run
+
+  check_speculation(config.model, "--speculate")
+  tokens = args.speculate or GUESSES
+  if args.draft is None:
+    yield inference.Speculation(tokens=tokens)
+    return
+  draft = build_run(None, args.draft, mode="read", validation=False, environ=os.environ,
+                    capture_stderr=True)
+  try:
+    speaks = lambda c: tokens_of(c.data.tokenizer, c.data.tokenizer_path,  # noqa: E731
+                                 c.model.vocab_size)
+    theirs, ours = speaks(draft.config), speaks(config)
+    if theirs != ours:
+      other = " (another file)" if theirs[1] != ours[1] else ""
+      raise UsageError(f"--draft {args.draft}: tokenizer {theirs[0]}{other}, vocab_size "
+                       f"{theirs[2]}; the run it drafts for: tokenizer {ours[0]}, vocab_size "
+                       f"{ours[2]}: a draft model needs the same tokenizer and vocabulary")
+    check_speculation(draft.config.model, "--draft")
+    yield inference.Speculation(tokens=tokens, draft=draft.inference_model())
+  finally:
+    draft.close()
 
 
 def check_speculation(model_config, flag: str) -> None:

@@ -58,7 +58,7 @@ class Source:
   """A Hugging Face directory (config.json and safetensors), not a run's checkpoints."""
 
 
-def _tokens(tokenizer: str, path: str | None, vocab_size: int) -> tuple:
+def tokens_of(tokenizer: str, path: str | None, vocab_size: int) -> tuple:
   """What decides the ids a model speaks: the tokenizer's kind, its file's bytes, the vocab."""
   digest = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest() if path else None
   return tokenizer, digest, vocab_size
@@ -76,11 +76,11 @@ def read_teacher(where: str, student: Any) -> Source:
     if not tokenizer.is_file():
       raise ConfigError(f"{ORIGIN}={where!r}: no {hf.TOKENIZER_FILE} there, so its tokens are "
                         "unknown")
-    source, theirs = Source(where, model, True), _tokens("huggingface", tokenizer, model.vocab_size)
+    source, theirs = Source(where, model, True), tokens_of("huggingface", tokenizer, model.vocab_size)
   else:
     model, tokenizer, path = _run_config(where)
-    source, theirs = Source(where, model, False), _tokens(tokenizer, path, model.vocab_size)
-  ours = _tokens(student.data.tokenizer, student.data.tokenizer_path, student.model.vocab_size)
+    source, theirs = Source(where, model, False), tokens_of(tokenizer, path, model.vocab_size)
+  ours = tokens_of(student.data.tokenizer, student.data.tokenizer_path, student.model.vocab_size)
   if theirs != ours:
     said = lambda t: f"tokenizer {t[0]}{' (another file)' if t[1] != ours[1] else ''}, " \
                      f"vocab_size {t[2]}"

@@ -50,8 +50,8 @@ keeps the output valid. While such a request runs, a call decodes one token (the
 needs the last): the model's step is dispatched, the masks computed on the host while it
 runs, then the tokens sampled from its logits.
 
-Speculative decoding (`speculation`): each call feeds a slot's guesses of what follows too,
-and keeps those the model's own sampling confirms: the same output in fewer calls.
+Speculative decoding (`speculation`): each step feeds a slot's guesses of what follows too,
+and keeps those the model's own sampling confirms: the same output in fewer steps.
 
 Batch-invariant: a request's tokens depend only on the request. Its prefill has a row
 of its own in a call of fixed shape (a row per replica); in the decode step no row reads
@@ -83,7 +83,7 @@ from flax import nnx
 
 from jax_ai_stack.recipes.inference.programs import (first_token, first_tokens, forward,
                                                      half_octave, lower, padded_length,
-                                                     page_copy, programs, verify)
+                                                     page_copy, programs)
 from jax_ai_stack.recipes.inference import grammar, requests as requests_lib
 from jax_ai_stack.recipes.inference.page_pool import PagePool, chunk_keys
 from jax_ai_stack.recipes.inference.requests import Completion, Request, RequestError
@@ -118,8 +118,8 @@ class Engine:
     chunks for the requests that begin alike (where `prefill_chunk` is whole pages and the
     model keeps no per-slot state). `grammar_vocabulary`: the tokenizer as the grammar engine
     reads it (`grammar.vocabulary`), for requests with a `grammar`; while one runs, each call
-    decodes one token (see the module). `speculation`: drafts each call checks
-    (`speculation`; for a model whose cache is pages alone), the output unchanged."""
+    decodes one token (see the module). `speculation`: tokens each step guesses and checks
+    (`speculation`; a model whose cache is pages alone), the output unchanged."""
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if page_size < 1 or prefill_chunk < 1:
@@ -155,8 +155,8 @@ class Engine:
     # Page 0 of each pool is never handed out: idle rows and positions past a table write
     # there. The cache is the model's (see the module).
     self.replica_slots = max_slots // self.replicas  # Slot s is its replica's s % this.
-    cache = lambda: model.init_pages(self.replica_pages + 1, page_size, self.replicas,
-                                     slots=self.replica_slots)
+    cache = lambda of=model: of.init_pages(self.replica_pages + 1, page_size, self.replicas,
+                                           slots=self.replica_slots)
     if any(isinstance(p, jax.ShapeDtypeStruct) for p in self._params):  # For `lower` only.
       placed = model.page_sharding(self.replicas)  # None, or a tree like the cache.
       abstract = lambda a, s=None: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -166,12 +166,9 @@ class Engine:
     # Admission empties a slot's per-slot state (pages need none: a table names its own).
     per_slot = any(a.per_slot for spec in model.cache_specs() for a in spec.values())
     self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
-    if speculation is not None and per_slot:
-      raise ValueError("speculation needs a model whose cache is pages alone: this one keeps "
-                       "a state per slot (a recurrent layer's), which a refused draft moves on")
-    self.speculation = speculation
-    self.speculator = speculation and Speculator(  # Its acceptance so far, too.
-        speculation, verify(graphdef, structure, max_top_logprobs), self.max_len)
+    self.speculator = speculation and Speculator(speculation, model, graphdef, structure,
+                                                 max_top_logprobs, steps_per_call, cache)
+    self.guesses = np.zeros((2,), np.int64)  # Speculation's: (made, kept) so far.
     self._copy = None if per_slot else page_copy(  # Shared prompts' pages.
         tuple(tuple(spec.items()) for spec in model.cache_specs()), model.config.scan_layers)
     self._cache_chunk = (prefill_chunk if prefix_cache and self._copy is not None
@@ -336,6 +333,8 @@ class Engine:
       copy = np.zeros((2, self.max_slots * self.pages_per_slot), np.int32)  # Page 0 to 0.
       copy[:, :len(pairs)] = np.asarray(pairs, np.int32).T
       self._cache = self._copy(self._cache, np.int32(replica), copy[0], copy[1])
+      if self.speculator:  # A draft model's pages too.
+        self.speculator.copy(np.int32(replica), copy[0], copy[1])
     if ready:  # Their first tokens in one call of max_slots rows (idle rows greedy).
       rows = [source.first_logits for _, _, source in ready]
       logits = jnp.stack(rows + rows[:1] * (self.max_slots - len(rows)))
@@ -371,6 +370,8 @@ class Engine:
       rows[replica] = number % self.replica_slots
     logits, self._cache = self._prefill(self._params, self._cache, tokens, starts, table,
                                         rows, lasts)
+    if self.speculator:  # A draft model's pages too.
+      self.speculator.prefill(tokens, starts, table, rows, lasts)
     done = []
     for replica, (number, slot) in call.items():
       slot.length += len(chunks[replica])
@@ -396,16 +397,16 @@ class Engine:
     completions that grew."""
     slots = [slot if slot is not None and slot.completion.tokens else None
              for slot in self._slots]  # A slot still prefilling sits this call out.
-    tokens = np.zeros((self.max_slots,), np.int32)
-    lengths = np.zeros((self.max_slots,), np.int32)
+    tokens, lengths = np.zeros((2, self.max_slots), np.int32)
     for number, slot in enumerate(slots):
       if slot is not None:
         tokens[number], lengths[number] = slot.completion.tokens[-1], slot.length
     constrained = any(slot is not None and slot.grammar for slot in slots)
-    speculating = self.speculation is not None and not constrained
-    count = (1 if constrained else 1 + self.speculation.tokens if speculating
-             else self.steps_per_call)
-    produced = np.full((self.max_slots,), count)  # Tokens each row takes from the call.
+    speculating = self.speculator is not None and not constrained
+    count = (1 if constrained else self.steps_per_call
+             * (1 + self.speculator.speculation.tokens if speculating else 1))
+    produced = np.full((self.max_slots,), count)  # Tokens each row takes from the call,
+    guesses = np.zeros((count, self.max_slots, 2), np.int64)  # and with each the guesses.
     width = self._width(max(slot.length for slot in slots if slot is not None) + count)
     table = self._tables[:, :width].copy()
     idle = [slot is None for slot in slots]
@@ -418,9 +419,9 @@ class Engine:
       sampled = [x[None] for x in first_tokens(logits, *self._settings(slots),
                                                self.max_top_logprobs)]
     elif speculating:  # Each row's last token and drafts, checked in one pass.
-      *sampled, produced, self._cache = self.speculator(self._params, self._cache, slots,
-                                                        lengths, table, rows,
-                                                        self._settings(slots))
+      *sampled, produced, guesses, self._cache = self.speculator(
+          self._params, self._cache, slots, lengths, table, rows, self._settings(slots),
+          self.page_size)
     else:
       *sampled, self._cache = self._steps(self._params, self._cache, tokens, lengths, table,
                                           rows, *self._settings(slots))
@@ -432,8 +433,9 @@ class Engine:
       grown.append(slot.completion)
       for step in range(produced[number]):
         slot.length += 1
-        if slot.take(new_tokens[step, number], logps[step, number],
-                      top_tokens[step, number], top_logps[step, number]):
+        self.guesses += guesses[step, number]
+        if slot.take(new_tokens[step, number], logps[step, number], top_tokens[step, number],
+                     top_logps[step, number], guesses[step, number]):
           self._release(number, slot)  # Its later tokens (and cache positions) are dropped.
           break
     return grown

@@ -25,7 +25,7 @@ from jax_ai_stack.recipes.models import cache as cache_lib
 from jax_ai_stack.recipes.models.layers import KVCache
 
 __all__ = ["MIN_PADDED", "first_token", "forward", "half_octave", "padded_length",
-           "programs", "sample_rows", "verify"]
+           "programs", "sample_rows", "speculate"]
 
 MIN_PADDED = 16
 """A prompt's chunks are padded to a power of two of at least this many tokens (one program
@@ -106,11 +106,15 @@ def forward(graphdef, structure) -> Callable:
 
 
 @functools.cache
-def verify(graphdef, structure, max_top: int) -> Callable:
-  """The compiled step of speculative decoding (`_verify`): every row's last token and its
-  drafts in one pass, sampled at each position. Built once per model structure."""
-  return jax.jit(functools.partial(_verify, _bound(graphdef, structure), max_top),
-                 donate_argnums=1)
+def speculate(graphdef, structure, max_top: int, rounds: int, speculation, lookup: Callable,
+              draft: tuple | None = None) -> Callable:
+  """The compiled call of speculative decoding (`_speculate`): `rounds` steps, each every
+  row's last token and its guesses in one pass; `draft`: a draft model's (graph, structure),
+  None: prompt lookup (`lookup`, `speculation.lookup`). Built once per model structure and
+  sizes."""
+  return jax.jit(functools.partial(_speculate, _bound(graphdef, structure),
+                                   draft and _bound(*draft), max_top, rounds, speculation,
+                                   lookup), donate_argnums=(1, 3))
 
 
 def _bound(graphdef, structure) -> Callable[[list[jax.Array]], nnx.Module]:
@@ -164,25 +168,74 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
   return (*sampled, state)
 
 
-def _verify(model: Callable, max_top: int, params, state, tokens, lengths, valid, block_table,
-            slots, seeds, counts, temperature, top_k, top_p, bias_ids, bias_values, allowed):
-  """Each row's last token and its drafts, `tokens` [B, T] (the first `valid[b]` its own, the
-  rest padding), at positions lengths[b] ... of its pages: the token sampled at each
-  position as `_steps` samples it (position j is the row's token counts[b] + j, keyed so),
-  then how many drafts each row keeps [B], those equal to the token sampled before them
-  (`speculation`). Outputs [T, B, ...] as `_steps`', the kept drafts, the cache state."""
-  logits, cache = model(params).decode(tokens, KVCache(state, lengths, block_table, slots,
-                                                       valid=valid))
-  rows, t = tokens.shape
-  each = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  A row's setting at each position.
-  sampled = sample_rows(logits.reshape(rows * t, -1), each(seeds),
-                        (counts[:, None] + jnp.arange(t)).reshape(-1), each(temperature),
-                        each(top_k), each(top_p), each(bias_ids), each(bias_values),
-                        each(allowed), max_top)
-  sampled = [jnp.swapaxes(x.reshape(rows, t, *x.shape[1:]), 0, 1) for x in sampled]
-  same = (sampled[0][:-1] == tokens[:, 1:].T) & (jnp.arange(t - 1)[:, None] < valid - 1)
-  kept = jnp.cumprod(same.astype(jnp.int32), axis=0).sum(axis=0)
-  return (*sampled, kept, cache.state)
+def _speculate(model: Callable, draft: Callable | None, max_top: int, rounds: int,
+               speculation, lookup: Callable, params, state, draft_params, draft_state, history, lengths,
+               block_table, slots, max_tokens, seeds, counts, temperature, top_k, top_p,
+               bias_ids, bias_values, allowed):
+  """`rounds` steps of speculative decoding (`speculation`) for every row, in a loop on the
+  device. A row's `history` [B, W] holds its tokens so far (prompt, then new), the last at
+  position lengths[b] (not yet in its pages); each step guesses up to
+  `speculation.tokens` more (no more than `max_tokens` allows): from the history
+  (`speculation.lookup`), or a `draft` model's greedy tokens (`_drafted`, its own cache in
+  `draft_state`, pages numbered as the model's),
+  feeds the last token and the guesses at positions lengths[b] ... of its pages, samples
+  every position as `_steps` samples it (position j is the row's token counts[b] + j,
+  keyed so), keeps the guesses equal to the token sampled before them, and appends the
+  tokens it takes to the history. Outputs [rounds, B, 1 + tokens, ...] as `_steps`' (the
+  tokens of each step, of which a row takes its kept guesses + 1), the guesses kept and
+  made [rounds, B], and the cache states (the model's, the draft's)."""
+  guesses, batch = speculation.tokens, history.shape[0]
+  width = guesses + 1
+  every = jnp.arange(batch)[:, None]
+  propose = jax.vmap(functools.partial(lookup, count=guesses, ngram_max=speculation.ngram_max,
+                                       ngram_min=speculation.ngram_min))
+  each = lambda x: jnp.repeat(x, width, axis=0)  # noqa: E731  A row's setting at each position.
+
+  def one(carry, _):
+    params, state, draft_params, draft_state, history, lengths, counts = carry
+    room = jnp.minimum(guesses, max_tokens - counts - 1)
+    last = history[every, lengths[:, None]]
+    if draft is None:
+      drafts, drafted = propose(history, lengths + 1, room)
+    else:
+      drafts, draft_state = _drafted(draft, guesses, draft_params, draft_state, last[:, 0],
+                                     lengths, block_table, slots)
+      drafted = jnp.maximum(room, 0)
+    tokens = jnp.concatenate([last, drafts], axis=1)
+    logits, cache = model(params).decode(tokens, KVCache(state, lengths, block_table, slots,
+                                                         valid=drafted + 1))
+    sampled = sample_rows(logits.reshape(batch * width, -1), each(seeds),
+                          (counts[:, None] + jnp.arange(width)).reshape(-1), each(temperature),
+                          each(top_k), each(top_p), each(bias_ids), each(bias_values),
+                          each(allowed), max_top)
+    sampled = [x.reshape(batch, width, *x.shape[1:]) for x in sampled]
+    same = (sampled[0][:, :-1] == drafts) & (jnp.arange(guesses) < drafted[:, None])
+    kept = jnp.cumprod(same.astype(jnp.int32), axis=1).sum(axis=1)
+    at = jnp.where(jnp.arange(width) <= kept[:, None], lengths[:, None] + 1 + jnp.arange(width),
+                   history.shape[1])  # Past the end: dropped.
+    history = history.at[every, at].set(sampled[0], mode="drop")
+    carry = (params, cache.state, draft_params, draft_state, history, lengths + kept + 1,
+             counts + kept + 1)
+    return carry, (*sampled, kept, drafted)
+
+  carry = (params, state, draft_params, draft_state, history, lengths, counts)
+  (_, state, _, draft_state, *_), out = jax.lax.scan(one, carry, None, length=rounds)
+  return (*out, state, draft_state)
+
+
+def _drafted(draft: Callable, guesses: int, params, state, last, lengths, block_table, slots):
+  """A draft model's `guesses` greedy tokens [B, guesses] after each row's `last` token at
+  `lengths`, and its cache state: it takes in the last guess too (one step more), so that
+  its cache holds every token the model may keep, all of them kept included."""
+  def one(carry, _):
+    params, state, tokens, lengths = carry
+    logits, state = _forward(draft, params, state, tokens, lengths, block_table, slots)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return (params, state, tokens, lengths + 1), tokens
+
+  (_, state, *_), drafts = jax.lax.scan(one, (params, state, last, lengths), None,
+                                        length=guesses + 1)
+  return drafts[:guesses].T, state
 
 
 def lower(program: str, prefill: Callable, steps: Callable, state: tuple, replicas: int,

@@ -22,11 +22,13 @@ Example: the flags and their defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from jax_ai_stack import logs
 from jax_ai_stack.errors import DataError, MissingExtraError, UsageError
+from jax_ai_stack.recipes.generate_cli import GUESSES
 from jax_ai_stack.recipes.serve.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from jax_ai_stack.recipes.serve.openai_api import DEFAULT_MAX_STOP_BYTES
 
@@ -87,6 +89,10 @@ def register(subparsers) -> None:
                      "guessed from a request's text so far (prompt lookup), keeping those "
                      "the model would have sampled: the same replies, faster where they "
                      "repeat their prompt; /health gives the share kept")
+  serve.add_argument("--draft", metavar="WORKDIR",
+                     help="speculative decoding with a draft model: a smaller trained run of "
+                     "the same tokenizer guesses the tokens (greedy), with --speculate K of "
+                     f"them a step (default {GUESSES})")
   serve.add_argument("--quantized", metavar="SCHEME",
                      help="serve the parameters `quantize --scheme SCHEME` saved in --workdir")
   serve.add_argument("--verbose", action="store_true",
@@ -150,19 +156,19 @@ def run_serve(args: argparse.Namespace) -> int:
                             "'jax-ai-stack[serve]'") from None
   from jax_ai_stack.recipes import compile_cache, data, inference
   from jax_ai_stack.recipes.cli import _check_quantized, _open_finished
-  from jax_ai_stack.recipes.generate_cli import check_speculation
+  from jax_ai_stack.recipes.generate_cli import speculation
 
   _check_quantized(args)
   logs.status(f"loading {args.workdir} ...")
   compile_cache.enable()
   run = _open_finished(args, validation=False, method="decode")
+  stack = contextlib.ExitStack()  # A draft model's run, open while it serves.
   try:
     task, config = run.task, run.config
     if not hasattr(task, "prompt_encoder"):
       raise UsageError(f"{args.workdir}: a {type(task).__name__} run; serve answers with "
                        "language models only")
-    if args.speculate:
-      check_speculation(config.model, "--speculate")
+    guessing = stack.enter_context(speculation(args, config))
     max_len = args.max_len or config.model.max_seq_len
     if max_len > config.model.max_seq_len:
       raise UsageError(f"--max-len {max_len} is past the model's max_seq_len "
@@ -176,8 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
                               decode=tokenizer.decode, page_size=args.page_size,
                               max_pages=args.max_pages,  # Structured output's:
                               grammar_vocabulary=inference.grammar.vocabulary(tokenizer),
-                              speculation=args.speculate and inference.Speculation(
-                                  tokens=args.speculate))
+                              speculation=guessing)
     served = server.Served(
         args.model_name or os.path.basename(os.path.abspath(args.workdir)), engine, tokenizer,
         task.prompt_encoder(), api_key=key, max_queue=args.max_queue,
@@ -196,6 +201,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     server.serve(served, host=args.host, port=args.port, on_ready=ready)
   finally:
+    stack.close()
     run.close()
   print("stopped", file=sys.stderr)
   return 0
