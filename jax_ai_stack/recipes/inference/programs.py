@@ -7,7 +7,8 @@ device that decodes `count` tokens for every slot, each fed to the next. Shapes 
 rounded so that few programs serve many requests: a chunk to a power of two
 (`padded_length`), a block table to 1, 2, 3, 4, 6, 8, 12, ... pages (`half_octave`).
 Token i of a request is sampled with `fold_in(key(seed), i)` (`sample_rows`), so its
-tokens do not depend on how many steps one call takes.
+tokens do not depend on how many steps one call takes. `forward` is a decoding step without
+its sampling (grammars' masks come between); `speculate` a loop of speculative steps.
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ def _steps(model: Callable, max_top: int, count: int, params, state, tokens, len
 
 
 def _speculate(model: Callable, draft: Callable | None, max_top: int, rounds: int,
-               speculation, lookup: Callable, params, state, draft_params, draft_state, history, lengths,
-               block_table, slots, max_tokens, seeds, counts, temperature, top_k, top_p,
-               bias_ids, bias_values, allowed):
+               speculation, lookup: Callable, params, state, draft_params, draft_state,
+               history, lengths, block_table, slots, max_tokens, seeds, counts, temperature,
+               top_k, top_p, bias_ids, bias_values, allowed):
   """`rounds` steps of speculative decoding (`speculation`) for every row, in a loop on the
   device. A row's `history` [B, W] holds its tokens so far (prompt, then new), the last at
   position lengths[b] (not yet in its pages); each step guesses up to

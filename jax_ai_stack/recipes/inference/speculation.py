@@ -47,8 +47,8 @@ __all__ = ["Speculation", "Speculator", "lookup", "propose"]
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
-  """How an engine guesses ahead: up to `tokens` drafts per slot and call, by prompt lookup
-  over n-grams of `ngram_min` to `ngram_max` tokens."""
+  """How an engine guesses ahead: up to `tokens` drafts per slot and step, by prompt lookup
+  over n-grams of `ngram_min` to `ngram_max` tokens, or by a `draft` model."""
 
   tokens: int = 4
   ngram_max: int = 4
@@ -59,7 +59,7 @@ class Speculation:
 
   def __post_init__(self):
     if self.tokens < 1:
-      raise ValueError(f"speculation tokens={self.tokens} must be >= 1 (drafts per call)")
+      raise ValueError(f"speculation tokens={self.tokens} must be >= 1 (drafts per step)")
     if not 1 <= self.ngram_min <= self.ngram_max:
       raise ValueError(f"speculation ngram_min={self.ngram_min} and ngram_max="
                        f"{self.ngram_max} must satisfy 1 <= ngram_min <= ngram_max")
