@@ -115,6 +115,7 @@ def _replayed(request: Request, tokens: list[int], speculation: Speculation):
   return drafted, accepted
 
 
+@pytest.mark.slow
 def test_the_kept_drafts_are_exactly_those_the_output_confirms(tiny):
   speculation = Speculation(tokens=3, ngram_max=3)
   requests = [dataclasses.replace(r, stop_ids=()) for r in _requests(tiny.config.vocab_size)]
@@ -143,6 +144,7 @@ def test_drafts_stop_at_max_tokens_and_the_slot_s_last_position(tiny):
   assert guessed.tokens == plain.tokens and len(guessed.tokens) == 12
 
 
+@pytest.mark.slow
 def test_a_draft_model_s_guesses_keep_the_output(tiny):
   """Another model of the vocabulary drafts: the same tokens as without, greedy and sampled;
   the model as its own draft: every greedy guess kept, which holds only if the draft's pages
@@ -180,6 +182,7 @@ def test_each_kind_of_attention_speculates_to_its_greedy_tokens(name):
   assert [c.tokens for c in guessed] == [c.tokens for c in plain]
 
 
+@pytest.mark.slow
 def test_a_model_with_per_request_state_is_refused():
   model = hf.load_model(REFERENCES / "qwen3_next")
   with pytest.raises(ValueError, match="speculation needs models whose cache is pages alone"):

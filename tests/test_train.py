@@ -323,6 +323,7 @@ def test_generate_speculate_prints_the_same_text_and_the_share_kept(reference, t
   assert "--speculate must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_draft_guesses_with_another_run_of_the_same_tokens(reference, tmp_path,
                                                                     capsys):
   """--draft: the run itself drafts (its guesses all kept, greedy), the text unchanged; a
