@@ -175,11 +175,11 @@ def _speculate(model: Callable, draft: Callable | None, max_top: int, rounds: in
                top_k, top_p, bias_ids, bias_values, allowed):
   """`rounds` steps of speculative decoding (`speculation`) for every row, in a loop on the
   device. A row's `history` [B, W] holds its tokens so far (prompt, then new), the last at
-  position lengths[b] (not yet in its pages); each step guesses up to
-  `speculation.tokens` more (no more than `max_tokens` allows): from the history
-  (`speculation.lookup`), or a `draft` model's greedy tokens (`_drafted`, its own cache in
-  `draft_state`, pages numbered as the model's),
-  feeds the last token and the guesses at positions lengths[b] ... of its pages, samples
+  position lengths[b] (not yet in its pages); each step guesses up to `speculation.tokens`
+  more (no more than `max_tokens` allows), from the history (`speculation.lookup`) or as a
+  `draft` model's greedy tokens (`_drafted`: its own cache in `draft_state`, its pages
+  numbered as the model's), feeds the last token and the guesses at positions lengths[b]
+  ... of its pages, samples
   every position as `_steps` samples it (position j is the row's token counts[b] + j,
   keyed so), keeps the guesses equal to the token sampled before them, and appends the
   tokens it takes to the history. Outputs [rounds, B, 1 + tokens, ...] as `_steps`' (the
