@@ -258,8 +258,9 @@ def test_a_reply_is_rendered_with_the_generation_prompt_and_stops_at_its_end_of_
   asked = []
 
   class FakeEngine:  # Answers "yes", EOS, then what follows.
-    def __init__(self, model, max_slots, max_len=None, decode=None, grammar_vocabulary=None):
-      del model, max_slots, max_len, decode, grammar_vocabulary
+    def __init__(self, model, max_slots, max_len=None, decode=None, grammar_vocabulary=None,
+                 speculation=None):
+      del model, max_slots, max_len, decode, grammar_vocabulary, speculation
 
     def check(self, request, index):  # The request fits: the settings are in range.
       del request, index
