@@ -126,7 +126,8 @@ def measure(size: str, work: dict, repeats: int) -> dict[str, Any]:
         seconds[name], done[name] = elapsed, result
         decoding[name] = elapsed - max(c.first_token_s for c in result)
       if decoder.speculator:
-        kept[name] = float(decoder.guesses[1] / max(decoder.guesses[0], 1))
+        made, right = decoder.speculator.guesses
+        kept[name] = float(right / max(made, 1))
   new_tokens = sum(len(c.tokens) for c in done["plain"])
   rate = {name: new_tokens / s for name, s in seconds.items()}
   decode_rate = {name: (new_tokens - len(requests)) / s for name, s in decoding.items()}

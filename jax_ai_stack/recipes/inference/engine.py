@@ -168,7 +168,6 @@ class Engine:
     self._reset = jax.jit(model.reset_slot, donate_argnums=0) if per_slot else None
     self.speculator = speculation and Speculator(speculation, model, graphdef, structure,
                                                  max_top_logprobs, steps_per_call, cache)
-    self.guesses = np.zeros((2,), np.int64)  # Speculation's: (made, kept) so far.
     self._copy = None if per_slot else page_copy(  # Shared prompts' pages.
         tuple(tuple(spec.items()) for spec in model.cache_specs()), model.config.scan_layers)
     self._cache_chunk = (prefill_chunk if prefix_cache and self._copy is not None
@@ -405,8 +404,7 @@ class Engine:
     speculating = self.speculator is not None and not constrained
     count = (1 if constrained else self.steps_per_call
              * (1 + self.speculator.speculation.tokens if speculating else 1))
-    produced = np.full((self.max_slots,), count)  # Tokens each row takes from the call,
-    guesses = np.zeros((count, self.max_slots, 2), np.int64)  # and with each the guesses.
+    produced = np.full((self.max_slots,), count)  # Tokens each row takes from the call.
     width = self._width(max(slot.length for slot in slots if slot is not None) + count)
     table = self._tables[:, :width].copy()
     idle = [slot is None for slot in slots]
@@ -433,11 +431,12 @@ class Engine:
       grown.append(slot.completion)
       for step in range(produced[number]):
         slot.length += 1
-        self.guesses += guesses[step, number]
-        if slot.take(new_tokens[step, number], logps[step, number], top_tokens[step, number],
-                     top_logps[step, number], guesses[step, number]):
+        if slot.take(new_tokens[step, number], logps[step, number],
+                      top_tokens[step, number], top_logps[step, number]):
           self._release(number, slot)  # Its later tokens (and cache positions) are dropped.
           break
+      if speculating:  # The guesses made and kept with the tokens it took.
+        self.speculator.tally(slot.completion, guesses[:step + 1, number])
     return grown
 
   def _release(self, number: int, slot: Slot) -> None:

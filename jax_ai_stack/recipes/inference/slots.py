@@ -53,12 +53,9 @@ class Slot:
   grammar: grammar_lib.Matcher | None = None
   """Where its output stands in the request's grammar (`Request.grammar`)."""
 
-  def take(self, token, logp, top_tokens, top_logps, guesses=(0, 0)) -> bool:
-    """Appends a sampled token to the completion (and the speculative guesses made and kept
-    with it, `speculation`); whether the request has ended."""
+  def take(self, token, logp, top_tokens, top_logps) -> bool:
+    """Appends a sampled token to the completion; whether the request has ended."""
     request, completion = self.request, self.completion
-    completion.drafted += int(guesses[0])
-    completion.accepted += int(guesses[1])
     completion.tokens.append(int(token))
     completion.logprobs.append(float(logp))
     if len(completion.tokens) == 1:  # Read from the device by now: it has come.

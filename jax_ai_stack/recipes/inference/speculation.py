@@ -68,14 +68,17 @@ class Speculation:
 class Speculator:
   """An engine's speculation: each call's histories for the compiled `speculate`
   (`programs.speculate`), its tokens put back in each row's order, and the guesses made and
-  kept, per token (`Slot.take` adds them to the request's `Completion`); a draft model's
-  parameters and cache, which the engine's prefills and page copies fill as its own."""
+  kept, per token (`tally` adds those of the tokens a request took to its `Completion` and
+  to `guesses`); a draft model's parameters and cache, which the engine's prefills and page
+  copies fill as its own."""
 
   def __init__(self, speculation: Speculation, model, graphdef, structure, max_top: int,
                rounds: int, lay_out: Callable):
     """`model` (split into `graphdef` and `structure`): the engine's; `lay_out(model)`: a
     model's cache laid out as the engine's pages."""
     draft, self.speculation = speculation.draft, speculation
+    self.guesses = np.zeros((2,), np.int64)
+    """The guesses made and kept so far, with the tokens requests took."""
     for which in (model, draft):
       if which is not None and any(a.per_slot for s in which.cache_specs() for a in s.values()):
         raise ValueError("speculation needs models whose cache is pages alone: this one "
@@ -95,6 +98,14 @@ class Speculator:
     self._speculate = programs.speculate(graphdef, structure, max_top, rounds,
                                          dataclasses.replace(speculation, draft=None),
                                          lookup, self._draft and self._draft[:2])
+
+  def tally(self, completion, guesses: np.ndarray) -> None:
+    """The guesses made and kept with the tokens a request took in a call ([taken, 2] of
+    `__call__`'s), added to its `Completion` and to `guesses`."""
+    made, kept = guesses.sum(axis=0)
+    completion.drafted += int(made)
+    completion.accepted += int(kept)
+    self.guesses += (made, kept)
 
   def prefill(self, *chunks) -> None:
     """A prefill call's chunks (`Engine._prefill_next`'s arguments) into the draft's pages."""

@@ -261,8 +261,9 @@ class EngineWorker:
             "peak_pages": engine.peak_pages, "max_pages": engine.max_pages,
             "shared_prompts": engine.shared_prompts, "prefix_hits": engine.prefix_hits,
             "cached_tokens": engine.cached_tokens, "cached_pages": engine.cached_pages,
-            **({"drafted_tokens": int(engine.guesses[0]),
-                "accepted_tokens": int(engine.guesses[1])} if engine.speculator else {})}
+            **({"drafted_tokens": int(engine.speculator.guesses[0]),
+                "accepted_tokens": int(engine.speculator.guesses[1])}
+               if engine.speculator else {})}
 
   def _fail(self, error: BaseException) -> None:
     """Refuses new requests, then ends every request running or still queued with `error`."""
